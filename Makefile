@@ -1,0 +1,34 @@
+# One entry point for newcomers and CI: `make test` installs everything into .venv and runs
+# lint, types, layering contracts and the whole test suite.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install lint test serve bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+test: lint
+	TINKER_TELEMETRY=0 $(BIN)/pytest -q
+
+serve: $(STAMP)
+	$(BIN)/tuneloop serve --host 127.0.0.1 --port 8000 --data-dir .tuneloop
+
+bench: $(STAMP)
+	$(BIN)/python bench/control_plane.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
