@@ -1,0 +1,173 @@
+"""RestClient: training runs, checkpoints, sessions and samplers. Needs no session.
+
+Every method returns an `APIFuture` at once.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from typing import Any, TypeVar
+
+import httpx
+import pydantic
+
+from tuneloop._futures import APIFuture, ClientHolder, parse_json_model
+from tuneloop._http import VERSION, env_api_key
+from tuneloop.types import (
+    CheckpointsListResponse,
+    GetSamplerResponse,
+    GetServerCapabilitiesResponse,
+    GetSessionResponse,
+    ListSessionsResponse,
+    TrainingRun,
+    TrainingRunsResponse,
+    WeightsInfoResponse,
+)
+
+__all__ = ["RestClient", "parse_tinker_path"]
+
+ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
+
+
+def parse_tinker_path(path: str) -> tuple[str, str]:
+    """`tinker://<run>/<segment>/<name>` -> (training_run_id, "<segment>/<name>")."""
+    prefix = "tinker://"
+    parts = path[len(prefix) :].split("/") if path.startswith(prefix) else []
+    if len(parts) != 3 or not all(parts):
+        raise ValueError(f"not a tinker path (tinker://<run>/<segment>/<name>): {path!r}")
+    return parts[0], f"{parts[1]}/{parts[2]}"
+
+
+def _q(segment: str, safe: str = ":") -> str:
+    return urllib.parse.quote(segment, safe=safe)
+
+
+class RestClient:
+    """Read and manage what the server stores.
+
+    Made by `ServiceClient.create_rest_client()` (sharing its connection), or on its own with
+    `RestClient(base_url=..., api_key=...)`, which fetches the client config and opens no session;
+    call `close()` on a stand-alone one.
+    """
+
+    def __init__(
+        self,
+        _holder: ClientHolder | None = None,
+        *,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        _transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._owns_holder = _holder is None
+        if _holder is None:
+            from tuneloop.service_client import resolve_base_url
+
+            _holder = ClientHolder(
+                resolve_base_url(base_url), api_key or env_api_key(), transport=_transport
+            )
+            try:
+                _holder.call(_holder.fetch_config(VERSION))
+            except BaseException:
+                _holder.close()
+                raise
+        self._holder = _holder
+
+    def close(self) -> None:
+        """Release the connection (only for a stand-alone RestClient)."""
+        if self._owns_holder:
+            self._holder.close()
+
+    def __enter__(self) -> RestClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        model: type[ModelT] | None,
+        *,
+        params: dict[str, Any] | None = None,
+        json_body: Any = None,
+    ) -> APIFuture[Any]:
+        async def run() -> Any:
+            response = await self._holder.http.request(
+                method, path, params=params, json_body=json_body
+            )
+            return None if model is None else parse_json_model(response, model)
+
+        return self._holder.submit(run())
+
+    # ---- training runs -------------------------------------------------------------------------
+
+    def get_training_run(self, training_run_id: str) -> APIFuture[TrainingRun]:
+        return self._call("GET", f"/api/v1/training_runs/{_q(training_run_id)}", TrainingRun)
+
+    def get_training_run_by_tinker_path(self, tinker_path: str) -> APIFuture[TrainingRun]:
+        return self.get_training_run(parse_tinker_path(tinker_path)[0])
+
+    def list_training_runs(
+        self, limit: int = 20, offset: int = 0
+    ) -> APIFuture[TrainingRunsResponse]:
+        return self._call(
+            "GET",
+            "/api/v1/training_runs",
+            TrainingRunsResponse,
+            params={"limit": limit, "offset": offset},
+        )
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+
+    def list_checkpoints(self, training_run_id: str) -> APIFuture[CheckpointsListResponse]:
+        path = f"/api/v1/training_runs/{_q(training_run_id)}/checkpoints"
+        return self._call("GET", path, CheckpointsListResponse)
+
+    def list_user_checkpoints(
+        self, limit: int = 100, offset: int = 0
+    ) -> APIFuture[CheckpointsListResponse]:
+        return self._call(
+            "GET",
+            "/api/v1/checkpoints",
+            CheckpointsListResponse,
+            params={"limit": limit, "offset": offset},
+        )
+
+    def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> APIFuture[None]:
+        """Delete e.g. checkpoint_id="weights/step1" (the id holds one slash)."""
+        path = (
+            f"/api/v1/training_runs/{_q(training_run_id)}/checkpoints/"
+            f"{_q(checkpoint_id, safe=':/')}"
+        )
+        return self._call("DELETE", path, None)
+
+    def delete_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
+        return self.delete_checkpoint(*parse_tinker_path(tinker_path))
+
+    def get_weights_info_by_tinker_path(self, tinker_path: str) -> APIFuture[WeightsInfoResponse]:
+        return self._call(
+            "POST",
+            "/api/v1/weights_info",
+            WeightsInfoResponse,
+            json_body={"tinker_path": tinker_path},
+        )
+
+    # ---- sessions, samplers, server ------------------------------------------------------------
+
+    def get_sampler(self, sampler_id: str) -> APIFuture[GetSamplerResponse]:
+        return self._call("GET", f"/api/v1/samplers/{_q(sampler_id)}", GetSamplerResponse)
+
+    def get_session(self, session_id: str) -> APIFuture[GetSessionResponse]:
+        return self._call("GET", f"/api/v1/sessions/{_q(session_id)}", GetSessionResponse)
+
+    def list_sessions(self, limit: int = 20, offset: int = 0) -> APIFuture[ListSessionsResponse]:
+        return self._call(
+            "GET",
+            "/api/v1/sessions",
+            ListSessionsResponse,
+            params={"limit": limit, "offset": offset},
+        )
+
+    def get_server_capabilities(self) -> APIFuture[GetServerCapabilitiesResponse]:
+        return self._call("GET", "/api/v1/get_server_capabilities", GetServerCapabilitiesResponse)
