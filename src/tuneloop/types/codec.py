@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -15,11 +16,11 @@ from tuneloop.types import proto
 from tuneloop.types.datum import Datum
 from tuneloop.types.model_input import EncodedTextChunk, ImageChunk, ModelInput
 from tuneloop.types.sampling import TOPK_SENTINEL, SampledSequence, SampleResponse, TopkRow
-from tuneloop.types.tensor import TensorData
+from tuneloop.types.tensor import TensorData, TensorDtype
 from tuneloop.types.training import ForwardBackwardOutput
 
 _DTYPE_TO_PROTO = {"float32": proto.DTYPE_FLOAT32, "int64": proto.DTYPE_INT64}
-_PROTO_TO_NUMPY = {
+_PROTO_TO_NUMPY: dict[int, np.dtype[Any]] = {
     proto.DTYPE_FLOAT32: np.dtype("<f4"),
     proto.DTYPE_INT64: np.dtype("<i8"),
     proto.DTYPE_INT32: np.dtype("<i4"),
@@ -47,44 +48,46 @@ class ForwardBackwardRequest:
 # ---- tensors -------------------------------------------------------------------------------
 
 
-def _tensor_to_proto(tensor: TensorData, out: object) -> None:
+def _tensor_to_proto(tensor: TensorData, out: Any) -> None:
     msg = out
-    msg.dtype = _DTYPE_TO_PROTO[tensor.dtype]  # type: ignore[attr-defined]
+    msg.dtype = _DTYPE_TO_PROTO[tensor.dtype]
     shape = tensor.shape if tensor.shape is not None else [tensor.values.size]
-    msg.shape.extend(shape)  # type: ignore[attr-defined]
+    msg.shape.extend(shape)
     values = tensor.values.astype(tensor.values.dtype.newbyteorder("<"), copy=False).tobytes()
     if tensor.is_sparse:
-        csr = msg.sparse_csr  # type: ignore[attr-defined]
+        csr = msg.sparse_csr
         csr.values = values
         csr.crow_indices = np.asarray(tensor.sparse_crow_indices, dtype="<i8").tobytes()
         csr.col_indices = np.asarray(tensor.sparse_col_indices, dtype="<i8").tobytes()
     else:
-        msg.dense = values  # type: ignore[attr-defined]
+        msg.dense = values
 
 
-def _frombuffer(raw: bytes, dtype: np.dtype, where: str) -> np.ndarray:
+def _frombuffer(raw: bytes, dtype: np.dtype[Any], where: str) -> np.ndarray:
     if len(raw) % dtype.itemsize:
         raise WireFormatError(f"{where}: {len(raw)} bytes is not a whole number of {dtype}", where)
     return np.frombuffer(raw, dtype=dtype)
 
 
-def tensor_from_proto(msg: object, where: str) -> TensorData:
-    dtype_code = msg.dtype  # type: ignore[attr-defined]
+def tensor_from_proto(msg: Any, where: str) -> TensorData:
+    dtype_code = msg.dtype
     np_dtype = _PROTO_TO_NUMPY.get(dtype_code)
     if np_dtype is None:
         raise WireFormatError(f"{where}: unsupported dtype {dtype_code}", where)
-    wire_dtype = "float32" if np_dtype.kind == "f" else "int64"
-    shape = [int(s) for s in msg.shape]  # type: ignore[attr-defined]
+    wire_dtype: TensorDtype = "float32" if np_dtype.kind == "f" else "int64"
+    shape = [int(s) for s in msg.shape]
     try:
-        if msg.WhichOneof("encoding") == "sparse_csr":  # type: ignore[attr-defined]
-            csr = msg.sparse_csr  # type: ignore[attr-defined]
+        if msg.WhichOneof("encoding") == "sparse_csr":
+            csr = msg.sparse_csr
             return TensorData(
-                _frombuffer(csr.values, np_dtype, where), wire_dtype, shape,  # type: ignore[arg-type]
+                _frombuffer(csr.values, np_dtype, where),
+                wire_dtype,
+                shape,
                 _frombuffer(csr.crow_indices, np.dtype("<i8"), where).tolist(),
                 _frombuffer(csr.col_indices, np.dtype("<i8"), where).tolist(),
             )
-        values = _frombuffer(msg.dense, np_dtype, where)  # type: ignore[attr-defined]
-        return TensorData(values, wire_dtype, shape or [values.size])  # type: ignore[arg-type]
+        values = _frombuffer(msg.dense, np_dtype, where)
+        return TensorData(values, wire_dtype, shape or [values.size])
     except ValueError as exc:
         if isinstance(exc, WireFormatError):
             raise
@@ -96,7 +99,9 @@ def tensor_from_proto(msg: object, where: str) -> TensorData:
 
 def encode_forward_backward_request(request: ForwardBackwardRequest) -> bytes:
     msg = proto.ForwardBackwardRequestProto(
-        model_id=request.model_id, seq_id=request.seq_id, loss_fn=request.loss_fn,
+        model_id=request.model_id,
+        seq_id=request.seq_id,
+        loss_fn=request.loss_fn,
         forward_only=request.forward_only,
     )
     for key, value in request.loss_fn_config.items():
@@ -142,7 +147,8 @@ def decode_forward_backward_request(body: bytes) -> ForwardBackwardRequest:
                     raise WireFormatError(f"{where}.format: must be png or jpeg", where)
                 chunks.append(
                     ImageChunk(
-                        data=base64.b64encode(chunk.image.data).decode(), format=fmt,
+                        data=base64.b64encode(chunk.image.data).decode(),
+                        format=fmt,
                         expected_tokens=chunk.image.expected_tokens or None,
                     )
                 )
@@ -162,8 +168,12 @@ def decode_forward_backward_request(body: bytes) -> ForwardBackwardRequest:
         elif kind == "number":
             config[key] = value.number
     return ForwardBackwardRequest(
-        model_id=msg.model_id, seq_id=msg.seq_id, data=data, loss_fn=msg.loss_fn,
-        loss_fn_config=config, forward_only=msg.forward_only,
+        model_id=msg.model_id,
+        seq_id=msg.seq_id,
+        data=data,
+        loss_fn=msg.loss_fn,
+        loss_fn_config=config,
+        forward_only=msg.forward_only,
     )
 
 
@@ -215,32 +225,33 @@ def decode_forward_backward_output(body: bytes) -> ForwardBackwardOutput:
         outputs.extend(per_datum)
     return ForwardBackwardOutput(
         loss_fn_output_type=msg.loss_fn_output_type or "ArrayRecord",
-        loss_fn_outputs=outputs, metrics=dict(msg.metrics),
+        loss_fn_outputs=outputs,
+        metrics=dict(msg.metrics),
     )
 
 
 # ---- sample response -------------------------------------------------------------------------
 
 
-def _topk_to_proto(rows: list[TopkRow], out: object) -> None:
+def _topk_to_proto(rows: list[TopkRow], out: Any) -> None:
     k = max((len(r) for r in rows if r), default=0)
     ids = np.full((len(rows), k), TOPK_SENTINEL[0], dtype="<i4")
     lps = np.full((len(rows), k), TOPK_SENTINEL[1], dtype="<f4")
     for i, row in enumerate(rows):
         for j, (token, lp) in enumerate(row or []):
             ids[i, j], lps[i, j] = token, lp
-    out.token_ids = ids.tobytes()  # type: ignore[attr-defined]
-    out.logprobs = lps.tobytes()  # type: ignore[attr-defined]
-    out.k = k  # type: ignore[attr-defined]
-    out.length = len(rows)  # type: ignore[attr-defined]
+    out.token_ids = ids.tobytes()
+    out.logprobs = lps.tobytes()
+    out.k = k
+    out.length = len(rows)
 
 
-def _topk_from_proto(msg: object) -> list[TopkRow] | None:
-    n, k = msg.length, msg.k  # type: ignore[attr-defined]
+def _topk_from_proto(msg: Any) -> list[TopkRow] | None:
+    n, k = msg.length, msg.k
     if n == 0 or k == 0:
         return None
-    ids = np.frombuffer(msg.token_ids, dtype="<i4").reshape(n, k)  # type: ignore[attr-defined]
-    lps = np.frombuffer(msg.logprobs, dtype="<f4").reshape(n, k)  # type: ignore[attr-defined]
+    ids = np.frombuffer(msg.token_ids, dtype="<i4").reshape(n, k)
+    lps = np.frombuffer(msg.logprobs, dtype="<f4").reshape(n, k)
     rows: list[TopkRow] = []
     for i in range(n):
         row = [
@@ -265,7 +276,9 @@ def encode_sample_response(response: SampleResponse) -> bytes:
         if seq.topk_logprobs is not None:
             _topk_to_proto(seq.topk_logprobs, out.topk_sampled_logprobs)
     if response.prompt_logprobs is not None:
-        msg.prompt_logprobs = response.prompt_logprobs_np.astype("<f4").tobytes()  # type: ignore[union-attr]
+        prompt_logprobs = response.prompt_logprobs_np
+        assert prompt_logprobs is not None
+        msg.prompt_logprobs = prompt_logprobs.astype("<f4").tobytes()
     if response.topk_prompt_logprobs is not None:
         _topk_to_proto(response.topk_prompt_logprobs, msg.topk_prompt_logprobs)
     return bytes(msg.SerializeToString())
@@ -295,7 +308,8 @@ def decode_sample_response(body: bytes) -> SampleResponse:
         raw = np.frombuffer(msg.prompt_logprobs, dtype="<f4")
         prompt_logprobs = [None if np.isnan(v) else float(v) for v in raw]
     return SampleResponse(
-        sequences=sequences, prompt_logprobs=prompt_logprobs,
+        sequences=sequences,
+        prompt_logprobs=prompt_logprobs,
         topk_prompt_logprobs=(
             _topk_from_proto(msg.topk_prompt_logprobs)
             if msg.HasField("topk_prompt_logprobs")

@@ -38,8 +38,9 @@ def to_tensor_data(key: str, value: Any) -> TensorData:
     if isinstance(value, list | tuple):
         if key not in LOSS_INPUT_DTYPES:
             raise ValueError(f"loss_fn_inputs[{key!r}]: pass a NumPy array or TensorData")
-        array = np.asarray(value, dtype=np.float32 if LOSS_INPUT_DTYPES[key] == "float32"
-                           else np.int64)
+        array = np.asarray(
+            value, dtype=np.float32 if LOSS_INPUT_DTYPES[key] == "float32" else np.int64
+        )
         return TensorData(array.reshape(-1), LOSS_INPUT_DTYPES[key], list(array.shape))
     raise TypeError(f"loss_fn_inputs[{key!r}]: unsupported type {type(value).__name__}")
 

@@ -12,8 +12,12 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 _F = descriptor_pb2.FieldDescriptorProto
 _SCALARS = {
-    "string": _F.TYPE_STRING, "bytes": _F.TYPE_BYTES, "int32": _F.TYPE_INT32,
-    "int64": _F.TYPE_INT64, "uint32": _F.TYPE_UINT32, "double": _F.TYPE_DOUBLE,
+    "string": _F.TYPE_STRING,
+    "bytes": _F.TYPE_BYTES,
+    "int32": _F.TYPE_INT32,
+    "int64": _F.TYPE_INT64,
+    "uint32": _F.TYPE_UINT32,
+    "double": _F.TYPE_DOUBLE,
     "bool": _F.TYPE_BOOL,
 }
 _ENUMS = {
@@ -23,67 +27,100 @@ _ENUMS = {
 # message -> [(name, number, type, label)], label: "" | "repeated" | "map:<value type>" |
 # "oneof:<group>"
 _MESSAGES: dict[str, list[tuple[str, int, str, str]]] = {
-    "LossConfigValue": [("number", 1, "double", "oneof:value"), ("text", 2, "string", "oneof:value")],
+    "LossConfigValue": [
+        ("number", 1, "double", "oneof:value"),
+        ("text", 2, "string", "oneof:value"),
+    ],
     "EncodedTextChunk": [("tokens", 1, "bytes", "")],
     "ImageDimensions": [("width", 1, "uint32", ""), ("height", 2, "uint32", "")],
     "ImageChunk": [
-        ("data", 1, "bytes", ""), ("format", 2, "string", ""), ("expected_tokens", 3, "int32", ""),
+        ("data", 1, "bytes", ""),
+        ("format", 2, "string", ""),
+        ("expected_tokens", 3, "int32", ""),
         ("override_dimensions", 4, "ImageDimensions", ""),
     ],
     "DmelChunk": [("dmel", 1, "bytes", "")],
     "Chunk": [
-        ("encoded_text", 1, "EncodedTextChunk", "oneof:chunk"), ("image", 2, "ImageChunk", "oneof:chunk"),
+        ("encoded_text", 1, "EncodedTextChunk", "oneof:chunk"),
+        ("image", 2, "ImageChunk", "oneof:chunk"),
         ("dmel", 3, "DmelChunk", "oneof:chunk"),
     ],
-    "PromptProvenanceSpan": [("sequence_id", 1, "string", ""), ("offset", 2, "int64", ""),
-                             ("length", 3, "int64", "")],
-    "SampledProvenanceSpan": [("sequence_id", 1, "string", ""), ("offset", 2, "int64", ""),
-                              ("length", 3, "int64", "")],
+    "PromptProvenanceSpan": [
+        ("sequence_id", 1, "string", ""),
+        ("offset", 2, "int64", ""),
+        ("length", 3, "int64", ""),
+    ],
+    "SampledProvenanceSpan": [
+        ("sequence_id", 1, "string", ""),
+        ("offset", 2, "int64", ""),
+        ("length", 3, "int64", ""),
+    ],
     "ProvenanceSpan": [
         ("prompt_tokens", 1, "PromptProvenanceSpan", "oneof:span"),
         ("sampled_tokens", 2, "SampledProvenanceSpan", "oneof:span"),
     ],
-    "SparseCsr": [("values", 1, "bytes", ""), ("crow_indices", 2, "bytes", ""),
-                  ("col_indices", 3, "bytes", "")],
+    "SparseCsr": [
+        ("values", 1, "bytes", ""),
+        ("crow_indices", 2, "bytes", ""),
+        ("col_indices", 3, "bytes", ""),
+    ],
     "Tensor": [
-        ("dense", 1, "bytes", "oneof:encoding"), ("sparse_csr", 2, "SparseCsr", "oneof:encoding"),
-        ("dtype", 3, "DType", ""), ("shape", 4, "int64", "repeated"),
+        ("dense", 1, "bytes", "oneof:encoding"),
+        ("sparse_csr", 2, "SparseCsr", "oneof:encoding"),
+        ("dtype", 3, "DType", ""),
+        ("shape", 4, "int64", "repeated"),
     ],
     "Datum": [
-        ("model_input", 1, "Chunk", "repeated"), ("loss_fn_inputs", 2, "Tensor", "map:string"),
+        ("model_input", 1, "Chunk", "repeated"),
+        ("loss_fn_inputs", 2, "Tensor", "map:string"),
         ("model_input_spans", 3, "ProvenanceSpan", "repeated"),
         ("loss_fn_input_spans", 4, "ProvenanceSpan", "repeated"),
     ],
     "ForwardBackwardRequest": [
-        ("model_id", 1, "string", ""), ("seq_id", 2, "int32", ""), ("data", 3, "Datum", "repeated"),
-        ("loss_fn", 4, "string", ""), ("loss_fn_config", 5, "double", "map:string"),
-        ("forward_only", 6, "bool", ""), ("loss_fn_config_v2", 7, "LossConfigValue", "map:string"),
+        ("model_id", 1, "string", ""),
+        ("seq_id", 2, "int32", ""),
+        ("data", 3, "Datum", "repeated"),
+        ("loss_fn", 4, "string", ""),
+        ("loss_fn_config", 5, "double", "map:string"),
+        ("forward_only", 6, "bool", ""),
+        ("loss_fn_config_v2", 7, "LossConfigValue", "map:string"),
     ],
     "BatchedTensor": [
-        ("data", 1, "bytes", ""), ("offsets", 2, "bytes", ""), ("dtype", 3, "DType", ""),
+        ("data", 1, "bytes", ""),
+        ("offsets", 2, "bytes", ""),
+        ("dtype", 3, "DType", ""),
         ("trailing_shape", 4, "int64", "repeated"),
     ],
     "ArrayRecord": [
-        ("type_tag", 1, "string", ""), ("fields", 2, "BatchedTensor", "map:string"),
+        ("type_tag", 1, "string", ""),
+        ("fields", 2, "BatchedTensor", "map:string"),
         ("num_datums", 3, "int64", ""),
     ],
     "ForwardBackwardOutput": [
-        ("loss_fn_output_type", 1, "string", ""), ("loss_fn_outputs", 2, "ArrayRecord", "repeated"),
+        ("loss_fn_output_type", 1, "string", ""),
+        ("loss_fn_outputs", 2, "ArrayRecord", "repeated"),
         ("metrics", 3, "double", "map:string"),
     ],
     "TopkLogprobs": [
-        ("token_ids", 1, "bytes", ""), ("logprobs", 2, "bytes", ""), ("k", 3, "uint32", ""),
+        ("token_ids", 1, "bytes", ""),
+        ("logprobs", 2, "bytes", ""),
+        ("k", 3, "uint32", ""),
         ("length", 4, "uint32", ""),
     ],
     "SampledSequence": [
-        ("stop_reason", 1, "StopReason", ""), ("tokens", 2, "bytes", ""), ("logprobs", 3, "bytes", ""),
+        ("stop_reason", 1, "StopReason", ""),
+        ("tokens", 2, "bytes", ""),
+        ("logprobs", 3, "bytes", ""),
         ("topk_sampled_logprobs", 4, "TopkLogprobs", ""),
     ],
     "PromptAltTokens": [("tokens", 1, "Tensor", ""), ("logprobs", 2, "Tensor", "")],
     "SampleResponse": [
-        ("sequences", 1, "SampledSequence", "repeated"), ("prompt_logprobs", 2, "bytes", ""),
-        ("topk_prompt_logprobs", 3, "TopkLogprobs", ""), ("prompt_cache_hit_tokens", 4, "int32", ""),
-        ("target_prompt_logprobs", 5, "Tensor", ""), ("prompt_alt_tokens", 6, "PromptAltTokens", ""),
+        ("sequences", 1, "SampledSequence", "repeated"),
+        ("prompt_logprobs", 2, "bytes", ""),
+        ("topk_prompt_logprobs", 3, "TopkLogprobs", ""),
+        ("prompt_cache_hit_tokens", 4, "int32", ""),
+        ("target_prompt_logprobs", 5, "Tensor", ""),
+        ("prompt_alt_tokens", 6, "PromptAltTokens", ""),
     ],
 }
 _PACKAGE = "tuneloop.wire"
@@ -91,7 +128,7 @@ _PACKAGE = "tuneloop.wire"
 
 def _set_type(field: descriptor_pb2.FieldDescriptorProto, type_name: str) -> None:
     if type_name in _SCALARS:
-        field.type = _SCALARS[type_name]  # type: ignore[assignment]
+        field.type = _SCALARS[type_name]
     elif type_name in _ENUMS:
         field.type = _F.TYPE_ENUM
         field.type_name = f".{_PACKAGE}.{type_name}"

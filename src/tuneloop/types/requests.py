@@ -52,7 +52,9 @@ class CreateModelRequest(StrictBase):
     def _something_trains(self) -> CreateModelRequest:
         lora = self.lora_config
         if lora and not (lora.train_mlp or lora.train_attn or lora.train_unembed):
-            raise ValueError("lora_config: one of train_mlp, train_attn, train_unembed must be true")
+            raise ValueError(
+                "lora_config: one of train_mlp, train_attn, train_unembed must be true"
+            )
         return self
 
 

@@ -60,7 +60,8 @@ class TensorData:
 
     @property
     def data(self) -> list[Any]:
-        return cast("list[Any]", self._array.tolist())
+        out: list[Any] = self._array.tolist()
+        return out
 
     @property
     def values(self) -> np.ndarray:
@@ -110,9 +111,12 @@ class TensorData:
     @classmethod
     def from_torch_sparse(cls, tensor: torch.Tensor, pad_value: float = 0) -> TensorData:
         """CSR form of a 2-D tensor, cells equal to `pad_value` left out; dense if not smaller."""
-        return cls.from_numpy_sparse(tensor.detach().cpu().float().numpy()
-                                     if tensor.is_floating_point()
-                                     else tensor.detach().cpu().numpy(), pad_value)
+        return cls.from_numpy_sparse(
+            tensor.detach().cpu().float().numpy()
+            if tensor.is_floating_point()
+            else tensor.detach().cpu().numpy(),
+            pad_value,
+        )
 
     @classmethod
     def from_numpy_sparse(cls, array: np.ndarray, pad_value: float = 0) -> TensorData:
@@ -126,7 +130,10 @@ class TensorData:
         crow = np.zeros(array.shape[0] + 1, dtype=np.int64)
         np.add.at(crow, rows + 1, 1)
         return cls(
-            array[rows, cols], dense.dtype, list(array.shape), np.cumsum(crow).tolist(),
+            array[rows, cols],
+            dense.dtype,
+            list(array.shape),
+            np.cumsum(crow).tolist(),
             cols.tolist(),
         )
 
@@ -140,7 +147,10 @@ class TensorData:
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> TensorData:
         return cls(
-            body["data"], body["dtype"], body.get("shape"), body.get("sparse_crow_indices"),
+            body["data"],
+            body["dtype"],
+            body.get("shape"),
+            body.get("sparse_crow_indices"),
             body.get("sparse_col_indices"),
         )
 

@@ -11,7 +11,13 @@ from tuneloop.types._base import ResponseBase, StrictBase
 from tuneloop.types.tensor import TensorData
 
 LossFnType = Literal[
-    "cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce",
+    "cross_entropy",
+    "importance_sampling",
+    "ppo",
+    "cispo",
+    "dro",
+    "gspo",
+    "stable_reinforce",
     "custom",
 ]
 

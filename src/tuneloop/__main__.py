@@ -1,0 +1,5 @@
+import sys
+
+from tuneloop.cli import main
+
+sys.exit(main())

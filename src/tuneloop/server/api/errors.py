@@ -1,0 +1,68 @@
+"""API errors: one exception type, mapped once to a JSON body that names the field."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_KINDS = {
+    400: "invalid_request",
+    401: "authentication",
+    403: "permission",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    410: "gone",
+    413: "too_large",
+    415: "unsupported_media_type",
+    429: "rate_limited",
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, detail: str, field: str | None = None) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+        self.field = field
+
+
+def bad_request(detail: str, field: str | None = None) -> ApiError:
+    return ApiError(400, detail, field)
+
+
+def not_found(what: str, field: str | None = None) -> ApiError:
+    return ApiError(404, f"{what} not found", field)
+
+
+def error_response(status: int, detail: str, field: str | None = None) -> JSONResponse:
+    # A 4xx is final: x-should-retry stops the SDKs' HTTP-layer retries; never an empty body.
+    headers = {"x-should-retry": "false"} if status < 500 and status not in (408, 429) else {}
+    body = {"detail": detail, "field": field, "type": _KINDS.get(status, "error")}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _location(loc: tuple[int | str, ...]) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if part.isdigit() else (f".{part}" if out else part)
+    return out or "body"
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.detail, exc.field)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        field = _location(tuple(first.get("loc", ())))
+        return error_response(400, f"{field}: {first.get('msg', 'invalid')}", field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))

@@ -1,0 +1,148 @@
+"""REST routes: training runs, checkpoints, weights info. Always scoped to the caller's tenant."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from tuneloop.server.api.deps import State, Tenant, read_json
+from tuneloop.server.api.errors import ApiError, bad_request, not_found
+from tuneloop.server.api.state import ServerState
+from tuneloop.server.storage.layout import TinkerPath
+from tuneloop.server.storage.registry import CheckpointRow, TrainingRunRow
+from tuneloop.types import (
+    Checkpoint,
+    CheckpointsListResponse,
+    Cursor,
+    TrainingRun,
+    TrainingRunsResponse,
+    WeightsInfoResponse,
+)
+from tuneloop.types._base import StrictBase
+
+router = APIRouter(prefix="/api/v1")
+
+
+class WeightsInfoRequest(StrictBase):
+    tinker_path: str
+
+
+def _page(limit: int, offset: int, max_limit: int = 1000) -> None:
+    if not 1 <= limit <= max_limit:
+        raise bad_request(f"limit: must be in [1, {max_limit}]", "limit")
+    if offset < 0:
+        raise bad_request("offset: must be >= 0", "offset")
+
+
+def _checkpoint(row: CheckpointRow) -> Checkpoint:
+    return Checkpoint(
+        checkpoint_id=row.checkpoint_id,
+        checkpoint_type=row.checkpoint_type,  # type: ignore[arg-type]
+        time=row.created_at,
+        tinker_path=row.tinker_path,
+        size_bytes=row.size_bytes,
+        user_metadata=row.user_metadata,
+        expires_at=row.expires_at,
+    )
+
+
+def _training_run(state: ServerState, row: TrainingRunRow) -> TrainingRun:
+    checkpoints, _ = state.registry.list_checkpoints(row.tenant, training_run_id=row.id)
+    last = {
+        kind: next((c for c in checkpoints if c.checkpoint_type == kind), None)
+        for kind in ("training", "sampler")
+    }
+    return TrainingRun(
+        training_run_id=row.id,
+        base_model=row.base_model,
+        model_owner=row.tenant,
+        is_lora=True,
+        last_request_time=row.last_request_time,
+        lora_rank=row.lora_rank,
+        user_metadata=row.user_metadata,
+        last_checkpoint=_checkpoint(last["training"]) if last["training"] else None,
+        last_sampler_checkpoint=_checkpoint(last["sampler"]) if last["sampler"] else None,
+    )
+
+
+@router.get("/training_runs")
+async def list_training_runs(
+    state: State, tenant: Tenant, limit: int = 20, offset: int = 0
+) -> dict[str, Any]:
+    _page(limit, offset)
+    rows, total = state.registry.list_training_runs(tenant, limit, offset)
+    return TrainingRunsResponse(
+        training_runs=[_training_run(state, r) for r in rows],
+        cursor=Cursor(offset=offset, limit=limit, total_count=total),
+    ).model_dump(mode="json")
+
+
+def _run_or_404(state: ServerState, run_id: str, tenant: str) -> TrainingRunRow:
+    row = state.registry.training_run(run_id, tenant)
+    if row is None:
+        raise not_found(f"training run {run_id!r}", "training_run_id")
+    return row
+
+
+@router.get("/training_runs/{run_id}")
+async def get_training_run(run_id: str, state: State, tenant: Tenant) -> dict[str, Any]:
+    return _training_run(state, _run_or_404(state, run_id, tenant)).model_dump(mode="json")
+
+
+@router.get("/training_runs/{run_id}/checkpoints")
+async def list_run_checkpoints(run_id: str, state: State, tenant: Tenant) -> dict[str, Any]:
+    _run_or_404(state, run_id, tenant)
+    rows, _ = state.registry.list_checkpoints(tenant, training_run_id=run_id)
+    return CheckpointsListResponse(checkpoints=[_checkpoint(r) for r in rows]).model_dump(
+        mode="json"
+    )
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+async def delete_checkpoint(
+    run_id: str, checkpoint_id: str, state: State, tenant: Tenant
+) -> dict[str, Any]:
+    segment, _, name = checkpoint_id.partition("/")
+    try:
+        path = TinkerPath.parse(f"tinker://{run_id}/{segment}/{name}")
+    except ValueError as exc:
+        raise bad_request(f"checkpoint_id: {exc}", "checkpoint_id") from None
+    row = state.registry.delete_checkpoint(str(path), tenant)
+    if row is None:
+        raise not_found(f"checkpoint {path}", "checkpoint_id")
+    shutil.rmtree(Path(row.directory), ignore_errors=True)
+    return {"deleted": str(path)}
+
+
+@router.get("/checkpoints")
+async def list_user_checkpoints(
+    state: State, tenant: Tenant, limit: int = 100, offset: int = 0
+) -> dict[str, Any]:
+    _page(limit, offset)
+    rows, total = state.registry.list_checkpoints(tenant, limit=limit, offset=offset)
+    return CheckpointsListResponse(
+        checkpoints=[_checkpoint(r) for r in rows],
+        cursor=Cursor(offset=offset, limit=limit, total_count=total),
+    ).model_dump(mode="json")
+
+
+@router.post("/weights_info")
+async def weights_info(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
+    body, _ = await read_json(request, WeightsInfoRequest)
+    try:
+        path = TinkerPath.parse(body.tinker_path)
+    except ValueError as exc:
+        raise bad_request(f"tinker_path: {exc}", "tinker_path") from None
+    if state.registry.checkpoint(str(path), tenant) is None:
+        raise ApiError(404, f"checkpoint {path} not found", "tinker_path")
+    run = _run_or_404(state, path.training_run_id, tenant)
+    return WeightsInfoResponse(
+        base_model=run.base_model,
+        lora_rank=run.lora_rank,
+        train_unembed=run.train_unembed,
+        train_mlp=run.train_mlp,
+        train_attn=run.train_attn,
+    ).model_dump()

@@ -1,0 +1,96 @@
+"""Everything a request handler needs, built once by the app and reached through `get_state`."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from tuneloop.server.api.errors import ApiError, not_found
+from tuneloop.server.config import ServerConfig
+from tuneloop.server.engine.types import ModelSpec
+from tuneloop.server.scheduler.futures import FutureTable, Outcome
+from tuneloop.server.scheduler.loop import EngineLoop
+from tuneloop.server.scheduler.queue import Operation, OperationQueue, OpKind, SeqConflictError
+from tuneloop.server.storage.keys import KeyStore
+from tuneloop.server.storage.layout import Layout
+from tuneloop.server.storage.registry import Registry, SessionRow, TrainingRunRow
+
+
+def fingerprint(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    layout: Layout
+    registry: Registry
+    keys: KeyStore
+    futures: FutureTable
+    queue: OperationQueue
+    engine: EngineLoop
+    models: dict[str, ModelSpec]
+    # (sampling_session_id, seq_id) -> (fingerprint, request_id, sample_sequence_ids)
+    sample_submissions: dict[tuple[str, int], tuple[str, str, list[str]]] = field(
+        default_factory=dict
+    )
+
+    def model_spec(self, name: str, field_name: str = "base_model") -> ModelSpec:
+        spec = self.models.get(name)
+        if spec is None:
+            served = ", ".join(sorted(self.models))
+            raise ApiError(
+                400, f"{field_name}: model {name!r} is not served here ({served})", field_name
+            )
+        return spec
+
+    def live_session(self, session_id: str, tenant: str) -> SessionRow:
+        row = self.registry.session(session_id, tenant)
+        if row is None:
+            raise not_found(f"session {session_id!r}", "session_id")
+        if row.finished_at is not None:
+            raise ApiError(410, f"session {session_id!r} is finished", "session_id")
+        return row
+
+    def live_training_run(self, model_id: str, tenant: str) -> TrainingRunRow:
+        run = self.registry.training_run(model_id, tenant)
+        if run is None:
+            raise not_found(f"model {model_id!r}", "model_id")
+        self.live_session(run.session_id, tenant)
+        return run
+
+    def submit_training(
+        self,
+        tenant: str,
+        model_id: str,
+        seq_id: int,
+        kind: OpKind,
+        work: Any,
+        finish: Callable[[Any], Outcome],
+        body: bytes,
+        request_type: str,
+    ) -> dict[str, Any]:
+        """Queue one operation of a model's ordered stream; retries map to the first request."""
+        digest = fingerprint(body)
+        try:
+            existing = self.queue.existing(model_id, seq_id, digest)
+        except SeqConflictError as exc:
+            raise ApiError(409, str(exc), "seq_id") from None
+        if existing is not None:
+            return {"request_id": existing, "model_id": model_id}
+        request_id = self.futures.create(tenant, request_type)
+        self.queue.submit_training(
+            Operation(request_id, kind, work, finish, model_id, seq_id, digest)
+        )
+        self.engine.notify()
+        self.registry.touch_training_run(model_id)
+        return {"request_id": request_id, "model_id": model_id}
+
+
+def get_state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.tuneloop
+    return state

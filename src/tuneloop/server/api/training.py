@@ -1,0 +1,415 @@
+"""Training routes: create/load a model, forward_backward, optim_step, save weights."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import zstandard
+from fastapi import APIRouter, Request
+
+from tuneloop.server.api.deps import State, Tenant, read_json, require_content_type
+from tuneloop.server.api.errors import ApiError, bad_request, not_found
+from tuneloop.server.api.state import ServerState
+from tuneloop.server.api.validation import forward_backward_work
+from tuneloop.server.engine.backend import Backend
+from tuneloop.server.engine.types import (
+    AdamStep,
+    AdapterSpec,
+    EngineError,
+    ForwardBackwardResult,
+)
+from tuneloop.server.scheduler.futures import Outcome
+from tuneloop.server.storage.layout import TinkerPath, valid_name
+from tuneloop.server.storage.registry import CheckpointRow, SamplerRow, TrainingRunRow, utcnow
+from tuneloop.types import (
+    CreateModelRequest,
+    ForwardBackwardOutput,
+    GetInfoRequest,
+    GetInfoResponse,
+    LoadWeightsRequest,
+    LoraConfig,
+    ModelData,
+    OptimStepRequest,
+    SaveWeightsForSamplerRequest,
+    SaveWeightsRequest,
+    TensorData,
+    WireFormatError,
+)
+from tuneloop.types.codec import decode_forward_backward_request, encode_forward_backward_output
+
+router = APIRouter(prefix="/api/v1")
+
+
+def json_outcome(payload: dict[str, Any]) -> Outcome:
+    return Outcome(json.dumps(payload).encode(), "application/json")
+
+
+def _model_id(session_id: str, model_seq_id: int) -> str:
+    # The official SDK computes this itself on the create-from-checkpoint path (spec 2.8).
+    return f"{session_id}:train:{model_seq_id}"
+
+
+def _register_run(
+    state: ServerState,
+    tenant: str,
+    adapter: AdapterSpec,
+    session_id: str,
+    user_metadata: dict[str, Any] | None,
+) -> None:
+    state.registry.add(
+        TrainingRunRow(
+            id=adapter.adapter_id,
+            tenant=tenant,
+            session_id=session_id,
+            base_model=adapter.base_model,
+            lora_rank=adapter.rank,
+            lora_seed=adapter.seed,
+            train_mlp=adapter.train_mlp,
+            train_attn=adapter.train_attn,
+            train_unembed=adapter.train_unembed,
+            user_metadata=user_metadata,
+        )
+    )
+
+
+@router.post("/create_model")
+async def create_model(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
+    body, raw = await read_json(request, CreateModelRequest)
+    state.live_session(body.session_id, tenant)
+    state.model_spec(body.base_model)
+    lora = body.lora_config or LoraConfig()
+    seed = lora.seed if lora.seed is not None else secrets.randbelow(2**31)
+    adapter = AdapterSpec(
+        adapter_id=_model_id(body.session_id, body.model_seq_id),
+        base_model=body.base_model,
+        rank=lora.rank,
+        seed=seed,
+        train_mlp=lora.train_mlp,
+        train_attn=lora.train_attn,
+        train_unembed=lora.train_unembed,
+    )
+
+    def finish(_result: None) -> Outcome:
+        _register_run(state, tenant, adapter, body.session_id, body.user_metadata)
+        return json_outcome({"model_id": adapter.adapter_id, "type": "create_model"})
+
+    return state.submit_training(
+        tenant,
+        adapter.adapter_id,
+        0,
+        "single",
+        lambda b: b.create_adapter(adapter),
+        finish,
+        raw,
+        "CreateModel",
+    )
+
+
+@router.post("/get_info")
+async def get_info(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
+    body, _ = await read_json(request, GetInfoRequest)
+    run = state.registry.training_run(body.model_id, tenant)
+    if run is None:
+        raise not_found(f"model {body.model_id!r}", "model_id")
+    spec = state.model_spec(run.base_model)
+    return GetInfoResponse(
+        model_id=run.id,
+        # tokenizer_id is a local folder: the official SDK loads it with no hub on this host;
+        # our SDK fetches the same files over GET /api/v1/tokenizer.
+        model_data=ModelData(
+            arch=spec.arch, model_name=run.base_model, tokenizer_id=str(spec.tokenizer_dir)
+        ),
+        optimizer_config={"type": "adamw"},
+        is_lora=True,
+        lora_rank=run.lora_rank,
+        model_name=run.base_model,
+    ).model_dump()
+
+
+def _checkpoint_for(state: ServerState, tenant: str, path: str) -> tuple[TinkerPath, CheckpointRow]:
+    try:
+        parsed = TinkerPath.parse(path)
+    except ValueError as exc:
+        raise bad_request(f"path: {exc}", "path") from None
+    row = state.registry.checkpoint(str(parsed), tenant)
+    if row is None:
+        raise not_found(f"checkpoint {path!r}", "path")
+    return parsed, row
+
+
+@router.post("/load_weights")
+async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
+    body, raw = await read_json(request, LoadWeightsRequest)
+    path, ckpt = _checkpoint_for(state, tenant, body.path)
+    if body.optimizer and ckpt.checkpoint_type != "training":
+        raise bad_request(
+            "optimizer: only training checkpoints (weights/...) hold optimizer state", "optimizer"
+        )
+    source = state.registry.training_run(ckpt.training_run_id, tenant)
+    if source is None:
+        raise not_found(f"training run of {body.path!r}", "path")
+    directory = Path(ckpt.directory)
+    result = {"path": str(path), "type": "load_weights"}
+
+    if body.session_id is not None and body.model_seq_id is not None:
+        state.live_session(body.session_id, tenant)
+        if body.base_model is not None and body.base_model != source.base_model:
+            raise bad_request(
+                f"base_model: checkpoint was trained on {source.base_model!r}", "base_model"
+            )
+        state.model_spec(source.base_model)
+        adapter = AdapterSpec(
+            adapter_id=_model_id(body.session_id, body.model_seq_id),
+            base_model=source.base_model,
+            rank=source.lora_rank,
+            seed=source.lora_seed,
+            train_mlp=source.train_mlp,
+            train_attn=source.train_attn,
+            train_unembed=source.train_unembed,
+        )
+
+        def create_and_load(backend: Backend) -> None:
+            backend.create_adapter(adapter)
+            try:
+                backend.load_state(adapter.adapter_id, directory, optimizer=body.optimizer)
+            except Exception:
+                backend.delete_adapter(adapter.adapter_id)
+                raise
+
+        def finish_create(_r: None) -> Outcome:
+            metadata = (
+                body.user_metadata if body.user_metadata is not None else source.user_metadata
+            )
+            _register_run(state, tenant, adapter, body.session_id or "", metadata)
+            return json_outcome({**result, "model_id": adapter.adapter_id})
+
+        return state.submit_training(
+            tenant,
+            adapter.adapter_id,
+            0,
+            "single",
+            create_and_load,
+            finish_create,
+            raw,
+            "LoadWeights",
+        )
+
+    assert body.model_id is not None
+    assert body.seq_id is not None
+    run = state.live_training_run(body.model_id, tenant)
+    if run.base_model != source.base_model or run.lora_rank != source.lora_rank:
+        raise bad_request(
+            f"path: checkpoint ({source.base_model}, rank {source.lora_rank}) does not fit "
+            f"model {run.id} ({run.base_model}, rank {run.lora_rank})",
+            "path",
+        )
+    model_id = run.id
+    return state.submit_training(
+        tenant,
+        model_id,
+        body.seq_id,
+        "single",
+        lambda b: b.load_state(model_id, directory, optimizer=body.optimizer),
+        lambda _r: json_outcome({**result, "model_id": model_id}),
+        raw,
+        "LoadWeights",
+    )
+
+
+async def _protobuf_body(request: Request, state: ServerState) -> bytes:
+    raw = await request.body()
+    require_content_type(request, "application/x-protobuf")
+    encoding = request.headers.get("content-encoding", "").lower()
+    if encoding == "zstd":
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(
+                raw, max_output_size=state.config.max_request_bytes
+            )
+        except zstandard.ZstdError as exc:
+            raise bad_request(f"body: bad zstd data: {exc}", "content-encoding") from None
+        if len(raw) > state.config.max_request_bytes:
+            raise ApiError(413, "body: decompressed request is too large", "body")
+    elif encoding not in ("", "identity"):
+        raise ApiError(415, f"Content-Encoding {encoding!r} is not supported", "content-encoding")
+    return raw
+
+
+def _fwdbwd_outcome(result: ForwardBackwardResult) -> Outcome:
+    output = ForwardBackwardOutput(
+        loss_fn_output_type="ArrayRecord",
+        loss_fn_outputs=[{"logprobs": TensorData.from_numpy(lp)} for lp in result.logprobs],
+        metrics=result.metrics,
+    )
+    return Outcome(encode_forward_backward_output(output), "application/x-protobuf")
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
+    raw = await _protobuf_body(request, state)
+    try:
+        body = decode_forward_backward_request(raw)
+    except WireFormatError as exc:
+        raise bad_request(str(exc), exc.field) from None
+    run = state.live_training_run(body.model_id, tenant)
+    work = forward_backward_work(body, state.model_spec(run.base_model), run.id)
+    return state.submit_training(
+        tenant,
+        run.id,
+        body.seq_id,
+        "forward_backward",
+        work,
+        _fwdbwd_outcome,
+        raw,
+        "Forward" if body.forward_only else "ForwardBackward",
+    )
+
+
+def _seq_id(seq_id: int | None) -> int:
+    if seq_id is None or seq_id < 1:
+        raise bad_request("seq_id: required, >= 1 (seq 0 is the model's creation)", "seq_id")
+    return seq_id
+
+
+@router.post("/optim_step")
+async def optim_step(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
+    body, raw = await read_json(request, OptimStepRequest)
+    run = state.live_training_run(body.model_id, tenant)
+    p = body.params
+    step = AdamStep(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
+    model_id = run.id
+    return state.submit_training(
+        tenant,
+        model_id,
+        _seq_id(body.seq_id),
+        "single",
+        lambda b: b.optim_step(model_id, step),
+        lambda metrics: json_outcome({"metrics": metrics, "type": "optim_step"}),
+        raw,
+        "OptimStep",
+    )
+
+
+def _checkpoint_target(
+    state: ServerState, tenant: str, model_id: str, segment: str, name: str | None
+) -> tuple[TinkerPath, Path]:
+    if name is None or not valid_name(name):
+        raise bad_request(
+            "path: a name of letters, digits, '.', '_' or '-' (no '/'), at most 128", "path"
+        )
+    target = TinkerPath(model_id, segment, name)
+    return target, state.layout.checkpoint_dir(tenant, target)
+
+
+def _checkpoint_writer(
+    state: ServerState,
+    tenant: str,
+    target: TinkerPath,
+    directory: Path,
+    kind: str,
+    ttl_seconds: int | None,
+    user_metadata: dict[str, str] | None,
+) -> Any:
+    def finish(size: int) -> Outcome:
+        now = utcnow()
+        state.registry.add(
+            CheckpointRow(
+                tinker_path=str(target),
+                tenant=tenant,
+                training_run_id=target.training_run_id,
+                checkpoint_id=target.checkpoint_id,
+                checkpoint_type=kind,
+                directory=str(directory),
+                size_bytes=size,
+                created_at=now,
+                user_metadata=user_metadata,
+                expires_at=now + timedelta(seconds=ttl_seconds) if ttl_seconds else None,
+            )
+        )
+        return json_outcome({"path": str(target), "type": "save_weights"})
+
+    return finish
+
+
+def _refuse_overwrite(directory: Path, target: TinkerPath) -> None:
+    if directory.exists():
+        raise EngineError(f"checkpoint {target} already exists (pass overwrite=True)", "user")
+
+
+@router.post("/save_weights")
+async def save_weights(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
+    body, raw = await read_json(request, SaveWeightsRequest)
+    run = state.live_training_run(body.model_id, tenant)
+    seq_id = _seq_id(body.seq_id)
+    target, directory = _checkpoint_target(state, tenant, run.id, "weights", body.path)
+    model_id = run.id
+
+    def work(backend: Backend) -> int:
+        if not body.overwrite:
+            _refuse_overwrite(directory, target)
+        return backend.save_state(model_id, directory, optimizer=True)
+
+    finish = _checkpoint_writer(
+        state, tenant, target, directory, "training", body.ttl_seconds, body.user_metadata
+    )
+    return state.submit_training(
+        tenant, model_id, seq_id, "single", work, finish, raw, "SaveWeights"
+    )
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(
+    request: Request, state: State, tenant: Tenant
+) -> dict[str, Any]:
+    body, raw = await read_json(request, SaveWeightsForSamplerRequest)
+    run = state.live_training_run(body.model_id, tenant)
+    seq_id = _seq_id(body.seq_id)
+    model_id = run.id
+    if body.sampling_session_seq_id is not None:
+        # Ephemeral: a frozen snapshot of the adapter as of this point in the model's order.
+        sampler_id = f"{run.session_id}:sample:{body.sampling_session_seq_id}"
+        base_model = run.base_model
+
+        def finish_snapshot(_r: None) -> Outcome:
+            state.registry.add(
+                SamplerRow(
+                    id=sampler_id, tenant=tenant, session_id=run.session_id, base_model=base_model
+                )
+            )
+            return json_outcome(
+                {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
+            )
+
+        return state.submit_training(
+            tenant,
+            model_id,
+            seq_id,
+            "single",
+            lambda b: b.create_sampler(sampler_id, base_model, adapter_id=model_id),
+            finish_snapshot,
+            raw,
+            "SaveWeightsForSampler",
+        )
+    target, directory = _checkpoint_target(state, tenant, run.id, "sampler_weights", body.path)
+
+    def work(backend: Backend) -> int:
+        return backend.save_sampler_weights(model_id, directory)
+
+    finish = _checkpoint_writer(
+        state, tenant, target, directory, "sampler", body.ttl_seconds, body.user_metadata
+    )
+    return state.submit_training(
+        tenant,
+        model_id,
+        seq_id,
+        "single",
+        work,
+        lambda size: json_outcome(
+            {**json.loads(finish(size).body), "type": "save_weights_for_sampler"}
+        ),
+        raw,
+        "SaveWeightsForSampler",
+    )

@@ -1,0 +1,69 @@
+"""The `Backend` protocol: the one seam between the control plane and whatever runs the model.
+
+Every method is called from a single engine thread, so implementations need no locking. Batch
+methods return one result or `EngineError` per item: one bad request fails only its own future.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+from tuneloop.server.engine.types import (
+    AdamStep,
+    AdapterSpec,
+    EngineError,
+    ForwardBackwardResult,
+    ForwardBackwardWork,
+    ModelSpec,
+    SampleResult,
+    SampleWork,
+)
+
+
+class Backend(Protocol):
+    def models(self) -> Sequence[ModelSpec]:
+        """The base models this backend keeps resident."""
+        ...
+
+    def create_adapter(self, spec: AdapterSpec) -> None: ...
+
+    def delete_adapter(self, adapter_id: str) -> None: ...
+
+    def forward_backward(
+        self, batch: Sequence[ForwardBackwardWork]
+    ) -> list[ForwardBackwardResult | EngineError]:
+        """Run every item (several adapters may share the batch); accumulate gradients."""
+        ...
+
+    def optim_step(self, adapter_id: str, step: AdamStep) -> dict[str, float]:
+        """Apply and clear the accumulated gradients of one adapter."""
+        ...
+
+    def save_state(self, adapter_id: str, directory: Path, *, optimizer: bool) -> int:
+        """Write adapter weights (and optimizer state) atomically; return bytes written."""
+        ...
+
+    def load_state(self, adapter_id: str, directory: Path, *, optimizer: bool) -> None: ...
+
+    def save_sampler_weights(self, adapter_id: str, directory: Path) -> int:
+        """Write the adapter weights a sampler needs (no optimizer state); return bytes."""
+        ...
+
+    def create_sampler(
+        self,
+        sampler_id: str,
+        base_model: str,
+        *,
+        adapter_id: str | None = None,
+        weights_dir: Path | None = None,
+    ) -> None:
+        """A frozen sampler: a snapshot of a live adapter, weights from disk, or the base."""
+        ...
+
+    def delete_sampler(self, sampler_id: str) -> None: ...
+
+    def sample(self, batch: Sequence[SampleWork]) -> list[SampleResult | EngineError]: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,114 @@
+"""Engine-level types: frozen dataclasses with no optionals where a default will do.
+
+The API converts wire types to these once; the engine trusts them (already validated).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+
+class EngineError(Exception):
+    """A failure of one request; returned as a value in batches so neighbours still succeed."""
+
+    def __init__(self, message: str, category: Literal["user", "server"] = "server") -> None:
+        super().__init__(message)
+        self.category = category
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    arch: str
+    vocab_size: int
+    max_context_length: int
+    eos_token_id: int
+    tokenizer_dir: Path
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    adapter_id: str
+    base_model: str
+    rank: int
+    seed: int
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+    alpha: float = 32.0
+
+
+@dataclass(frozen=True)
+class Example:
+    """One datum: input tokens [N] and per-token loss inputs (target_tokens [N] or [N, K], ...)."""
+
+    tokens: np.ndarray
+    inputs: Mapping[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class ForwardBackwardWork:
+    """One request (one chunk) for one adapter; a batch may hold many adapters' requests."""
+
+    adapter_id: str
+    examples: tuple[Example, ...]
+    loss_fn: str
+    loss_config: Mapping[str, float]
+    forward_only: bool
+
+
+@dataclass(frozen=True)
+class ForwardBackwardResult:
+    logprobs: list[np.ndarray]  # per example, shaped like its target_tokens, float32
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class AdamStep:
+    learning_rate: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_clip_norm: float
+
+
+@dataclass(frozen=True)
+class SampleWork:
+    sampler_id: str
+    prompt: np.ndarray  # int64 [P]
+    num_samples: int
+    max_tokens: int
+    temperature: float
+    top_k: int  # -1 = no limit
+    top_p: float
+    seed: int | None
+    stop_token_ids: tuple[int, ...]
+    stop_strings: tuple[str, ...]
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+
+
+TopkRow = list[tuple[int, float]] | None
+
+
+@dataclass(frozen=True)
+class SampledTokens:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: Literal["stop", "length"]
+    topk: list[TopkRow] | None = None
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    sequences: list[SampledTokens]
+    prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[TopkRow] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,105 @@
+"""The engine loop: pick a batch -> run it on the backend (engine thread) -> publish results."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from tuneloop.server.engine.backend import Backend
+from tuneloop.server.engine.types import EngineError
+from tuneloop.server.scheduler.futures import FutureTable, Outcome
+from tuneloop.server.scheduler.queue import Batch, Operation, OperationQueue
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def failure(message: str, category: str = "server") -> Outcome:
+    body = json.dumps({"error": message, "category": category}).encode()
+    return Outcome(body, "application/json", failed=True)
+
+
+def _execute(backend: Backend, batch: Batch) -> list[Any]:
+    """Runs on the engine thread. Per-request failures come back as EngineError values."""
+    try:
+        if batch.kind == "forward_backward":
+            return list(backend.forward_backward([op.work for op in batch.ops]))
+        if batch.kind == "sample":
+            return list(backend.sample([op.work for op in batch.ops]))
+    except Exception as exc:  # a backend bug fails the batch, never the loop
+        log.exception("backend failed a %s batch", batch.kind)
+        return [EngineError(f"{type(exc).__name__}: {exc}") for _ in batch.ops]
+    results: list[Any] = []
+    for op in batch.ops:
+        try:
+            results.append(op.work(backend))
+        except EngineError as exc:
+            results.append(exc)
+        except Exception as exc:
+            log.exception("backend failed a single operation")
+            results.append(EngineError(f"{type(exc).__name__}: {exc}"))
+    return results
+
+
+class EngineLoop:
+    def __init__(self, backend: Backend, queue: OperationQueue, futures: FutureTable) -> None:
+        self.backend = backend
+        self.queue = queue
+        self.futures = futures
+        # One engine thread: the backend is never called concurrently, so it needs no locks.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.batches_run = 0
+
+    def notify(self) -> None:
+        self._wake.set()
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a direct backend call on the engine thread, between batches."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+
+    async def step(self) -> bool:
+        batch = self.queue.next_batch()
+        if batch is None:
+            return False
+        loop = asyncio.get_running_loop()
+        results = await loop.run_in_executor(self._executor, _execute, self.backend, batch)
+        for op, result in zip(batch.ops, results, strict=True):
+            self.futures.resolve(op.request_id, self._outcome(op, result))
+        self.batches_run += 1
+        return True
+
+    @staticmethod
+    def _outcome(op: Operation, result: Any) -> Outcome:
+        if isinstance(result, EngineError):
+            return failure(str(result), result.category)
+        try:
+            return op.finish(result)
+        except Exception as exc:
+            log.exception("finishing %s failed", op.request_id)
+            return failure(f"{type(exc).__name__}: {exc}")
+
+    async def run(self) -> None:
+        while True:
+            if not await self.step():
+                self._wake.clear()
+                if not self.queue.has_work():
+                    await self._wake.wait()
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.run(), name="engine-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        await asyncio.get_running_loop().run_in_executor(None, self.backend.close)

@@ -1,0 +1,152 @@
+"""Operations and the queues that order them.
+
+Training operations of one model run strictly in seq_id order (creation is seq 0); early
+arrivals wait, retries of the same (model_id, seq_id) map to the first request. Sampling
+operations carry no order and batch freely.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tuneloop.server.scheduler.futures import Outcome
+
+OpKind = Literal["forward_backward", "single", "sample"]
+
+
+@dataclass(eq=False)
+class Operation:
+    request_id: str
+    kind: OpKind
+    # ForwardBackwardWork, SampleWork, or for "single" a callable run with the backend.
+    work: Any
+    # Runs on the event loop after success: engine result -> wire outcome (may record storage).
+    finish: Callable[[Any], Outcome]
+    model_id: str | None = None
+    seq_id: int | None = None
+    fingerprint: str = ""
+
+
+class SeqConflictError(Exception):
+    """A seq_id reused with different content, or one that already ran and was forgotten."""
+
+
+@dataclass
+class _Stream:
+    next_seq: int = 0
+    pending: dict[int, Operation] = field(default_factory=dict)
+    # seq -> (request_id, fingerprint) of everything ever accepted, for deduplication.
+    seen: dict[int, tuple[str, str]] = field(default_factory=dict)
+
+
+@dataclass
+class Batch:
+    kind: OpKind
+    ops: list[Operation]
+
+
+class OperationQueue:
+    def __init__(self, max_sample_batch: int = 64) -> None:
+        self._streams: dict[str, _Stream] = {}
+        self._samples: collections.deque[Operation] = collections.deque()
+        self._max_sample_batch = max_sample_batch
+        self._turn = 0
+
+    # ---- submission -------------------------------------------------------------------------
+
+    def existing(self, model_id: str, seq_id: int, fingerprint: str) -> str | None:
+        """The request id of an identical earlier submission; SeqConflictError if it differs."""
+        stream = self._streams.get(model_id)
+        if stream is None or seq_id not in stream.seen:
+            if stream is not None and seq_id < stream.next_seq:
+                raise SeqConflictError(f"seq_id {seq_id} already ran on {model_id}")
+            return None
+        request_id, seen_fingerprint = stream.seen[seq_id]
+        if seen_fingerprint != fingerprint:
+            raise SeqConflictError(
+                f"seq_id {seq_id} was already used on {model_id} with different content"
+            )
+        return request_id
+
+    def submit_training(self, op: Operation) -> None:
+        assert op.model_id is not None
+        assert op.seq_id is not None
+        stream = self._streams.setdefault(op.model_id, _Stream())
+        stream.seen[op.seq_id] = (op.request_id, op.fingerprint)
+        stream.pending[op.seq_id] = op
+
+    def submit_sample(self, op: Operation) -> None:
+        self._samples.append(op)
+
+    def forget_model(self, model_id: str) -> list[Operation]:
+        """Drop a model's stream; return its pending operations so their futures can fail."""
+        stream = self._streams.pop(model_id, None)
+        return list(stream.pending.values()) if stream else []
+
+    def drop_samples(self, keep: Callable[[Operation], bool]) -> list[Operation]:
+        dropped = [op for op in self._samples if not keep(op)]
+        self._samples = collections.deque(op for op in self._samples if keep(op))
+        return dropped
+
+    # ---- policy -----------------------------------------------------------------------------
+
+    def _ready_runs(self) -> list[tuple[_Stream, list[Operation]]]:
+        """Per model, the run of consecutive ready operations starting at next_seq."""
+        runs = []
+        for stream in self._streams.values():
+            run: list[Operation] = []
+            seq = stream.next_seq
+            while seq in stream.pending:
+                run.append(stream.pending[seq])
+                seq += 1
+            if run:
+                runs.append((stream, run))
+        return runs
+
+    def next_batch(self) -> Batch | None:
+        """Pick the next batch, taking turns between training and sampling so neither starves.
+
+        Training: the leading forward_backward chunks of every model that has them share one
+        batch (several adapters and tenants in one pass); otherwise each model's next single
+        operation (optim_step, save, load, create) runs, all of them in one engine trip.
+        """
+        candidates: list[Batch] = []
+        runs = self._ready_runs()
+        fwdbwd: list[Operation] = []
+        single: list[Operation] = []
+        for _stream, run in runs:
+            if run[0].kind == "forward_backward":
+                for op in run:
+                    if op.kind != "forward_backward":
+                        break
+                    fwdbwd.append(op)
+            else:
+                single.append(run[0])
+        if single:
+            candidates.append(Batch("single", single))
+        if fwdbwd:
+            candidates.append(Batch("forward_backward", fwdbwd))
+        if self._samples:
+            take = min(len(self._samples), self._max_sample_batch)
+            candidates.append(Batch("sample", [self._samples.popleft() for _ in range(take)]))
+        if not candidates:
+            return None
+        self._turn += 1
+        chosen = candidates[self._turn % len(candidates)]
+        for other in candidates:
+            if other is not chosen and other.kind == "sample":
+                self._samples.extendleft(reversed(other.ops))  # put back, keep their order
+        if chosen.kind != "sample":
+            for op in chosen.ops:
+                assert op.model_id is not None
+                assert op.seq_id is not None
+                stream = self._streams[op.model_id]
+                del stream.pending[op.seq_id]
+                stream.next_seq = op.seq_id + 1
+        return chosen
+
+    def has_work(self) -> bool:
+        return bool(self._samples) or bool(self._ready_runs())

@@ -1,0 +1,1 @@
+"""Storage: metadata registry (SQLAlchemy), API keys, and where checkpoint files live."""
