@@ -230,12 +230,20 @@ class ClientHolder:
         self.closed = True
         self.stop_heartbeat()
         try:
-            asyncio.run_coroutine_threadsafe(self.http.aclose(), self.loop).result(10)
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop).result(10)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
             if not self.thread.is_alive():
                 self.loop.close()
+
+    async def _shutdown(self) -> None:
+        # Work still in flight is cancelled: its APIFutures raise CancelledError.
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.http.aclose()
 
     # ---- futures -------------------------------------------------------------------------------
 

@@ -90,7 +90,7 @@ class FakeServer:
             return await result if asyncio.iscoroutine(result) else result  # type: ignore[return-value]
         return await self._route(request)
 
-    async def _route(self, request: httpx.Request) -> httpx.Response:  # noqa: PLR0911
+    async def _route(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
         body: Any = None
         if request.content and request.headers.get("content-type") == "application/json":
@@ -160,9 +160,7 @@ class FakeServer:
             n = body["num_samples"]
             prompt = body["prompt"]["chunks"][0]["tokens"]
             response = SampleResponse(
-                sequences=[
-                    SampledSequence("length", [7, 8], [-0.5, -0.25]) for _ in range(n)
-                ],
+                sequences=[SampledSequence("length", [7, 8], [-0.5, -0.25]) for _ in range(n)],
                 prompt_logprobs=(
                     [None] + [-1.0] * (len(prompt) - 1) if body.get("prompt_logprobs") else None
                 ),

@@ -14,7 +14,7 @@ from tuneloop.training_client import combine_fwdbwd_outputs
 
 
 def datum(tokens: list[int], **extra: object) -> Datum:
-    inputs: dict[str, object] = {"target_tokens": tokens[1:] + [0], "weights": [1.0] * len(tokens)}
+    inputs: dict[str, object] = {"target_tokens": [*tokens[1:], 0], "weights": [1.0] * len(tokens)}
     inputs.update(extra)
     return Datum(model_input=ModelInput.from_ints(tokens), loss_fn_inputs=inputs)  # type: ignore[arg-type]
 
@@ -25,7 +25,11 @@ def test_create_lora_training_client_sends_create_model_and_get_info(service, se
     assert tc.get_info().model_data.model_name == "tiny-base"
     (body,) = server.bodies("/api/v1/create_model")
     assert body["lora_config"] == {
-        "rank": 8, "seed": 3, "train_unembed": False, "train_mlp": True, "train_attn": True
+        "rank": 8,
+        "seed": 3,
+        "train_unembed": False,
+        "train_mlp": True,
+        "train_attn": True,
     }
     assert body["model_seq_id"] == 0
     assert body["type"] == "create_model"
@@ -33,15 +37,20 @@ def test_create_lora_training_client_sends_create_model_and_get_info(service, se
     tc2 = service.create_lora_training_client("tiny-base")
     assert tc2.model_id == "sess-1:train:1"
     with pytest.raises(ValueError, match="train_mlp"):
-        service.create_lora_training_client("x", train_mlp=False, train_attn=False, train_unembed=False)
+        service.create_lora_training_client(
+            "x", train_mlp=False, train_attn=False, train_unembed=False
+        )
 
 
 def test_create_from_state_uses_create_via_load(service, server):
     tc = service.create_training_client_from_state_with_optimizer("tinker://r/weights/a")
     (body,) = server.bodies("/api/v1/load_weights")
     assert body == {
-        "session_id": "sess-1", "model_seq_id": 0, "path": "tinker://r/weights/a",
-        "optimizer": True, "type": "load_weights",
+        "session_id": "sess-1",
+        "model_seq_id": 0,
+        "path": "tinker://r/weights/a",
+        "optimizer": True,
+        "type": "load_weights",
     }
     assert tc.model_id == "sess-1:train:0"
     tc2 = service.create_training_client_from_state("tinker://r/weights/a")
@@ -135,8 +144,10 @@ def test_combine_other_reductions():
         return ForwardBackwardOutput("ArrayRecord", [{}], metrics)
 
     merged = combine_fwdbwd_outputs(
-        [out({"t:slack": 4.0, "h:hash2": 3.0, "u:unique": 1.0}),
-         out({"t:slack": 1.0, "h:hash2": 5.0, "u:unique": 2.0})],
+        [
+            out({"t:slack": 4.0, "h:hash2": 3.0, "u:unique": 1.0}),
+            out({"t:slack": 1.0, "h:hash2": 5.0, "u:unique": 2.0}),
+        ],
         [1, 3],
     )
     assert merged.metrics["t:slack"] == pytest.approx(4.0 - (4.0 + 3.0) / 4)
@@ -171,12 +182,19 @@ def test_forward_backward_custom_sends_minus_gradient_as_weights(service, server
         value = (torch.exp(lp) * adv).sum() + (lp**2).sum()
         (grad,) = torch.autograd.grad(value, lp)
         expected_loss += float(value.detach())
-        np.testing.assert_allclose(sent.loss_fn_inputs["weights"].to_numpy(), -grad.numpy(), rtol=1e-6)
+        np.testing.assert_allclose(
+            sent.loss_fn_inputs["weights"].to_numpy(), -grad.numpy(), rtol=1e-6
+        )
         assert sent.loss_fn_inputs["target_tokens"] == d.loss_fn_inputs["target_tokens"]
     assert out.metrics["loss:sum"] == pytest.approx(expected_loss, rel=1e-5)
     assert out.metrics["custom:mean"] == 7.0
     surrogate = sum(
-        float(-(s.loss_fn_inputs["weights"].to_numpy() * (-0.1 * (s.loss_fn_inputs["target_tokens"].to_numpy() + 1))).sum())
+        float(
+            -(
+                s.loss_fn_inputs["weights"].to_numpy()
+                * (-0.1 * (s.loss_fn_inputs["target_tokens"].to_numpy() + 1))
+            ).sum()
+        )
         for s in second.data
     )
     assert out.metrics["surrogate_loss:sum"] == pytest.approx(surrogate, rel=1e-5)
@@ -212,15 +230,20 @@ def test_checkpoints_and_snapshot_sampling_client(service, server):
     assert sc.get_base_model() == "tiny-base"
     bodies = server.bodies("/api/v1/save_weights_for_sampler")
     assert bodies[0] == {
-        "model_id": "sess-1:train:0", "path": "s1", "kind": "snapshot", "seq_id": 2,
-        "ttl_seconds": 3600, "type": "save_weights_for_sampler",
+        "model_id": "sess-1:train:0",
+        "path": "s1",
+        "kind": "snapshot",
+        "seq_id": 2,
+        "ttl_seconds": 3600,
+        "type": "save_weights_for_sampler",
     }
     assert bodies[1]["sampling_session_seq_id"] == 0
     assert bodies[1]["seq_id"] == 5
     assert "path" not in bodies[1]
     loads = server.bodies("/api/v1/load_weights")
     assert [(b["seq_id"], b["optimizer"], b["model_id"]) for b in loads] == [
-        (3, False, "sess-1:train:0"), (4, True, "sess-1:train:0"),
+        (3, False, "sess-1:train:0"),
+        (4, True, "sess-1:train:0"),
     ]
     # The session-wide sampler counter is shared with create_sampling_client.
     sc2 = service.create_sampling_client(base_model="tiny-base")
