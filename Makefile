@@ -25,6 +25,10 @@ test: lint
 	TINKER_TELEMETRY=0 $(BIN)/pytest -q
 
 serve: $(STAMP)
+	@if [ ! -s .tuneloop/api-key ]; then \
+	  mkdir -p .tuneloop && $(BIN)/tuneloop keys --data-dir .tuneloop create --tenant local \
+	    > .tuneloop/api-key && chmod 600 .tuneloop/api-key; fi
+	@echo "API key of tenant 'local': .tuneloop/api-key"
 	$(BIN)/tuneloop serve --host 127.0.0.1 --port 8000 --data-dir .tuneloop
 
 bench: $(STAMP)

@@ -1,0 +1,82 @@
+"""A real `tuneloop serve` process on 127.0.0.1, as a user would run it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+READY_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class LiveServer:
+    url: str
+    key: str
+    data_dir: Path
+    process: subprocess.Popen[str]
+
+
+def _tuneloop(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tuneloop", *args]
+
+
+def create_key(data_dir: Path, tenant: str) -> str:
+    out = subprocess.run(
+        _tuneloop("keys", "--data-dir", str(data_dir), "create", "--tenant", tenant),
+        check=True, capture_output=True, text=True, timeout=60,
+    )
+    return out.stdout.strip()
+
+
+@contextmanager
+def live_server(data_dir: Path, *extra: str) -> Iterator[LiveServer]:
+    key = create_key(data_dir, "alice")
+    process = subprocess.Popen(
+        _tuneloop("serve", "--host", "127.0.0.1", "--port", "0", "--data-dir", str(data_dir),
+                  "--long-poll-s", "5", *extra),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        url = _wait_ready(process)
+        yield LiveServer(url, key, data_dir, process)
+    finally:
+        stop(process)
+
+
+def _wait_ready(process: subprocess.Popen[str]) -> str:
+    assert process.stdout is not None
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    seen = []
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            if process.poll() is not None:
+                break
+            continue
+        seen.append(line)
+        if line.startswith("tuneloop serving at "):
+            return line.split(" at ", 1)[1].strip()
+    stop(process)
+    raise RuntimeError("server did not become ready:\n" + "".join(seen))
+
+
+def stop(process: subprocess.Popen[str], timeout: float = 15.0) -> int:
+    """SIGTERM by pid, then SIGKILL if it does not exit in time; returns the exit code."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout)
+    if process.stdout is not None:
+        process.stdout.close()
+    return int(process.returncode)

@@ -1,0 +1,40 @@
+"""An in-process server (fake backend) over httpx.ASGITransport, one client per tenant."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.unit.server.harness import Api
+from tuneloop.server.app import create_app
+from tuneloop.server.config import ServerConfig
+from tuneloop.server.storage.keys import KeyStore
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[tuple[Any, KeyStore]]:
+    app = create_app(ServerConfig(data_dir=tmp_path, long_poll_s=1.0))
+    async with app.router.lifespan_context(app):
+        yield app, KeyStore(tmp_path / "keys.json")
+
+
+@pytest.fixture
+async def api(server: tuple[Any, KeyStore]) -> AsyncIterator[Api]:
+    app, keys = server
+    key, _ = keys.create("alice")
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://tuneloop") as http:
+        yield Api(http, key, keys)
+
+
+@pytest.fixture
+async def other_tenant(server: tuple[Any, KeyStore]) -> AsyncIterator[Api]:
+    app, keys = server
+    key, _ = keys.create("bob")
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://tuneloop") as http:
+        yield Api(http, key, keys)
