@@ -231,6 +231,8 @@ class ClientHolder:
         self.stop_heartbeat()
         try:
             asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop).result(10)
+        except Exception as exc:  # closing must not fail a program that is done anyway
+            logger.warning("error while closing the client: %r", exc)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
@@ -242,7 +244,8 @@ class ClientHolder:
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            await asyncio.wait(tasks, timeout=2.0)
         await self.http.aclose()
 
     # ---- futures -------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ Creation methods (`create_lora_training_client`, `create_training_client_from_st
 from __future__ import annotations
 
 import logging
+import urllib.parse
 from types import TracebackType
 from typing import Any, Literal
 
@@ -265,7 +266,7 @@ class ServiceClient:
             self._holder.call(
                 self._holder.http.request(
                     "POST",
-                    f"/api/v1/sessions/{self.session_id}/finish",
+                    f"/api/v1/sessions/{urllib.parse.quote(self.session_id, safe=':')}/finish",
                     json_body=body.model_dump(mode="json", exclude_none=True),
                     retry_budget_s=FINISH_RETRY_BUDGET_S,
                 )

@@ -182,6 +182,11 @@ class TrainingClient:
         size = max(1, self._holder.config.fwdbwd_max_chunk_len)
         return [data[i : i + size] for i in range(0, len(data), size)]
 
+    async def _skip_turn(self, first_seq_id: int, count: int) -> None:
+        """Give up seq_ids that will never be sent, so later requests are not stuck behind them."""
+        async with self._turns.turn(first_seq_id, count):
+            pass
+
     async def _post_future(
         self, path: str, *, json_body: Any = None, content: bytes | None = None
     ) -> UntypedFuture:
@@ -233,19 +238,23 @@ class TrainingClient:
         loss_fn_config: Mapping[str, float | str] | None,
         forward_only: bool,
     ) -> ForwardBackwardOutput:
-        bodies = [
-            encode_forward_backward_request(
-                ForwardBackwardRequest(
-                    model_id=self.model_id,
-                    seq_id=first_seq_id + i,
-                    data=chunk,
-                    loss_fn=loss_fn,
-                    loss_fn_config=dict(loss_fn_config or {}),
-                    forward_only=forward_only,
+        try:
+            bodies = [
+                encode_forward_backward_request(
+                    ForwardBackwardRequest(
+                        model_id=self.model_id,
+                        seq_id=first_seq_id + i,
+                        data=chunk,
+                        loss_fn=loss_fn,
+                        loss_fn_config=dict(loss_fn_config or {}),
+                        forward_only=forward_only,
+                    )
                 )
-            )
-            for i, chunk in enumerate(chunks)
-        ]
+                for i, chunk in enumerate(chunks)
+            ]
+        except Exception:
+            await self._skip_turn(first_seq_id, len(chunks))
+            raise
         async with self._turns.turn(first_seq_id, len(chunks)):
             self._check_usable()
             request_ids = [
@@ -329,22 +338,26 @@ class TrainingClient:
         self, first: int, n_chunks: int, data: list[Datum], loss_fn: CustomLossFn
     ) -> ForwardBackwardOutput:
         second = first + n_chunks
+        first_turn_used = False
         try:
             probe = [_ce_datum(d, d.loss_fn_inputs.get("weights")) for d in data]
+            first_turn_used = True  # _run_fwdbwd takes its turn even when it fails
             forward = await self._run_fwdbwd(
                 first, self._chunks(probe), "cross_entropy", None, forward_only=True
             )
             loss_value, user_metrics, weights = await asyncio.to_thread(
                 _custom_loss_weights, data, forward, loss_fn
             )
-        except BaseException as exc:
+            surrogate = [
+                _ce_datum(d, TensorData.from_numpy(w)) for d, w in zip(data, weights, strict=True)
+            ]
+        except Exception as exc:
             self._poisoned = exc
-            async with self._turns.turn(second, n_chunks):
-                pass  # let queued requests see the poison instead of waiting for these seq_ids
+            # Let queued requests see the poison instead of waiting for these seq_ids.
+            if not first_turn_used:
+                await self._skip_turn(first, n_chunks)
+            await self._skip_turn(second, n_chunks)
             raise
-        surrogate = [
-            _ce_datum(d, TensorData.from_numpy(w)) for d, w in zip(data, weights, strict=True)
-        ]
         out = await self._run_fwdbwd(
             second, self._chunks(surrogate), "cross_entropy", None, forward_only=False
         )

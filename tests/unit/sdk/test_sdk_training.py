@@ -248,3 +248,19 @@ def test_checkpoints_and_snapshot_sampling_client(service, server):
     # The session-wide sampler counter is shared with create_sampling_client.
     sc2 = service.create_sampling_client(base_model="tiny-base")
     assert sc2.sampling_session_id == "sess-1:sample:1"
+
+
+def test_a_request_failing_before_submission_does_not_block_later_ones(service, server):
+    from tuneloop.types import ImageChunk
+
+    tc = service.create_lora_training_client("tiny-base")
+    broken = Datum(
+        model_input=ModelInput(chunks=[ImageChunk(data="a", format="png")]),
+        loss_fn_inputs={"target_tokens": [1], "weights": [1.0]},
+    )
+    bad = tc.forward_backward([broken], "cross_entropy")
+    good = tc.optim_step()
+    with pytest.raises(ValueError):  # noqa: PT011 - binascii.Error from the image bytes
+        bad.result(timeout=5)
+    assert good.result(timeout=5).metrics == {"lr": 1.0}
+    assert server.bodies("/api/v1/optim_step")[0]["seq_id"] == 2
