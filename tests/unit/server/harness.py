@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
+from tuneloop.server.app import create_app
+from tuneloop.server.config import ServerConfig
 from tuneloop.server.storage.keys import KeyStore
-from tuneloop.types import Datum, ModelInput
+from tuneloop.types import Datum, ModelInput, SampleResponse
 from tuneloop.types.codec import (
     ForwardBackwardRequest,
     decode_forward_backward_output,
@@ -88,3 +93,79 @@ def datum(tokens: list[int], **inputs: Any) -> Datum:
 
 decode_output = decode_forward_backward_output
 decode_sample = decode_sample_response
+
+
+def expect_error(response: httpx.Response, status: int, field: str | None) -> dict[str, Any]:
+    """A 4xx error body that names `field` and says what went wrong; never retried."""
+    assert response.status_code == status, response.text
+    body: dict[str, Any] = response.json()
+    assert body["field"] == field, body
+    assert isinstance(body["detail"], str)
+    assert body["detail"]
+    assert body["type"]
+    assert response.headers.get("x-should-retry") == "false"
+    return body
+
+
+def prompt(tokens: list[int]) -> dict[str, Any]:
+    return {"chunks": [{"type": "encoded_text", "tokens": tokens}]}
+
+
+async def post_raw(api: Api, path: str, content: bytes, headers: dict[str, str]) -> httpx.Response:
+    return await api.http.post(f"/api/v1/{path}", content=content, headers=api.headers(headers))
+
+
+async def optim_step(api: Api, model_id: str, seq_id: int, lr: float = 0.05) -> httpx.Response:
+    body = {"model_id": model_id, "seq_id": seq_id, "adam_params": {"learning_rate": lr}}
+    return await api.result(await api.post("optim_step", body))
+
+
+async def sampler(
+    api: Api,
+    session_id: str,
+    seq: int = 0,
+    base_model: str | None = MODEL,
+    model_path: str | None = None,
+) -> str:
+    body: dict[str, Any] = {"session_id": session_id, "sampling_session_seq_id": seq}
+    if model_path is not None:
+        body["model_path"] = model_path
+    elif base_model is not None:
+        body["base_model"] = base_model
+    response = await api.post("create_sampling_session", body)
+    assert response.status_code == 200, response.text
+    return str(response.json()["sampling_session_id"])
+
+
+def sample_body(sampler_id: str, tokens: list[int], **params: Any) -> dict[str, Any]:
+    """An asample body; keyword arguments go to sampling_params unless they are request fields."""
+    request_keys = {
+        "num_samples",
+        "seq_id",
+        "prompt_logprobs",
+        "topk_prompt_logprobs",
+        "topk_sample_logprobs",
+        "prompt_logprobs_last_n",
+    }
+    body: dict[str, Any] = {"sampling_session_id": sampler_id, "prompt": prompt(tokens)}
+    body["sampling_params"] = {k: v for k, v in params.items() if k not in request_keys}
+    body.update({k: v for k, v in params.items() if k in request_keys})
+    return body
+
+
+async def sample(api: Api, sampler_id: str, tokens: list[int], **params: Any) -> SampleResponse:
+    done = await api.result(await api.post("asample", sample_body(sampler_id, tokens, **params)))
+    assert done.headers["content-type"] == "application/x-protobuf", done.text
+    return decode_sample_response(done.content)
+
+
+@contextlib.asynccontextmanager
+async def serve(tmp_path: Path, tenant: str = "alice", **config: Any) -> AsyncIterator[Api]:
+    """An app with its own ServerConfig (e.g. a small body limit), as one tenant."""
+    app = create_app(ServerConfig(data_dir=tmp_path, **{"long_poll_s": 1.0, **config}))
+    async with app.router.lifespan_context(app):
+        keys = KeyStore(tmp_path / "keys.json")
+        key, _ = keys.create(tenant)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://tuneloop") as http:
+            yield Api(http, key, keys)
