@@ -1,0 +1,289 @@
+"""API keys (missing, wrong, revoked, stored hashed) and tenant isolation: another tenant's
+objects are 404, never 403, and never listed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.unit.server.harness import (
+    Api,
+    datum,
+    expect_error,
+    optim_step,
+    sample,
+    sample_body,
+    sampler,
+)
+from tuneloop.server.storage.keys import KeyStore
+
+TOKENS = [5, 17, 33, 90, 120, 7]
+
+
+async def test_missing_key_is_401(api: Api) -> None:
+    for response in (
+        await api.http.post("/api/v1/create_session", json={}),
+        await api.http.get("/api/v1/training_runs"),
+        await api.http.get("/api/v1/get_server_capabilities"),
+    ):
+        expect_error(response, 401, "X-API-Key")
+
+
+async def test_wrong_key_is_401(api: Api) -> None:
+    for key in ("tml-not-a-real-key", api.key + "x", api.key[:-1]):
+        response = await api.http.post(
+            "/api/v1/create_session", json={}, headers={"x-api-key": key}
+        )
+        expect_error(response, 401, "X-API-Key")
+    bearer = await api.http.get(
+        "/api/v1/training_runs", headers={"authorization": "Bearer tml-nope"}
+    )
+    expect_error(bearer, 401, "X-API-Key")
+
+
+async def test_bearer_token_is_accepted(api: Api) -> None:
+    response = await api.http.get(
+        "/api/v1/training_runs", headers={"authorization": f"Bearer {api.key}"}
+    )
+    assert response.status_code == 200, response.text
+
+
+async def test_revoked_key_is_401_immediately(api: Api) -> None:
+    # Repeated, so a revocation landing in the same file-timestamp tick as the key's creation
+    # (and the server's cached read of the file) is caught too.
+    for _ in range(20):
+        key, record = api.keys.create("carol")
+        headers = {"x-api-key": key}
+        ok = await api.http.get("/api/v1/training_runs", headers=headers)
+        assert ok.status_code == 200, ok.text
+        assert api.keys.revoke(record.key_id)
+        revoked = await api.http.get("/api/v1/training_runs", headers=headers)
+        expect_error(revoked, 401, "X-API-Key")
+    # Other keys are untouched.
+    assert (await api.get("training_runs")).status_code == 200
+
+
+async def test_keys_are_stored_hashed(api: Api, other_tenant: Api) -> None:
+    text = api.keys.path.read_text()
+    for key in (api.key, other_tenant.key):
+        assert key.startswith("tml-")
+        assert key not in text
+        assert key.removeprefix("tml-") not in text
+    assert {r.tenant for r in KeyStore(api.keys.path).list()} == {"alice", "bob"}
+    assert oct(api.keys.path.stat().st_mode & 0o777) == "0o600"
+
+
+@dataclass
+class AliceWorld:
+    session_id: str
+    model_id: str
+    sampler_id: str
+    weights_path: str
+    sampler_path: str
+    pending_request_id: str
+
+
+@pytest.fixture
+async def alice(api: Api) -> AliceWorld:
+    session_id = await api.session()
+    model_id = await api.model(session_id)
+    await api.result(await api.forward_backward(model_id, 1, [datum(TOKENS)]))
+    await optim_step(api, model_id, 2)
+    saved = await api.result(
+        await api.post("save_weights", {"model_id": model_id, "path": "w1", "seq_id": 3})
+    )
+    sampled = await api.result(
+        await api.post(
+            "save_weights_for_sampler", {"model_id": model_id, "path": "s1", "seq_id": 4}
+        )
+    )
+    sampler_id = await sampler(api, session_id, seq=0)
+    # Left unfinished: seq 6 waits for a seq 5 that never comes.
+    pending = await api.post("optim_step", {"model_id": model_id, "seq_id": 6, "adam_params": {}})
+    return AliceWorld(
+        session_id,
+        model_id,
+        sampler_id,
+        saved.json()["path"],
+        sampled.json()["path"],
+        pending.json()["request_id"],
+    )
+
+
+async def bob_requests(bob: Api, a: AliceWorld) -> list[tuple[str, httpx.Response, str]]:
+    """Every way bob could touch alice's objects: (what, response, field named)."""
+    bob_session = await bob.session()
+    run, ckpt = a.model_id, "weights/w1"
+    return [
+        (
+            "heartbeat",
+            await bob.post("session_heartbeat", {"session_id": a.session_id}),
+            "session_id",
+        ),
+        ("finish", await bob.post(f"sessions/{a.session_id}/finish", {}), "session_id"),
+        ("session get", await bob.get(f"sessions/{a.session_id}"), "session_id"),
+        (
+            "create_model in alice's session",
+            await bob.post(
+                "create_model",
+                {"session_id": a.session_id, "model_seq_id": 9, "base_model": "tuneloop/fake-tiny"},
+            ),
+            "session_id",
+        ),
+        ("get_info", await bob.post("get_info", {"model_id": run}), "model_id"),
+        ("forward_backward", await bob.forward_backward(run, 5, [datum(TOKENS)]), "model_id"),
+        (
+            "optim_step",
+            await bob.post("optim_step", {"model_id": run, "seq_id": 5, "adam_params": {}}),
+            "model_id",
+        ),
+        (
+            "save_weights",
+            await bob.post("save_weights", {"model_id": run, "path": "steal", "seq_id": 5}),
+            "model_id",
+        ),
+        (
+            "save_weights_for_sampler",
+            await bob.post(
+                "save_weights_for_sampler",
+                {"model_id": run, "sampling_session_seq_id": 3, "seq_id": 5},
+            ),
+            "model_id",
+        ),
+        (
+            "legacy load_weights into alice's model",
+            await bob.post("load_weights", {"model_id": run, "seq_id": 5, "path": a.weights_path}),
+            "path",
+        ),
+        ("sampler get", await bob.get(f"samplers/{a.sampler_id}"), "sampler_id"),
+        (
+            "asample",
+            await bob.post("asample", sample_body(a.sampler_id, [5, 7], max_tokens=2)),
+            "sampling_session_id",
+        ),
+        ("training run get", await bob.get(f"training_runs/{run}"), "training_run_id"),
+        (
+            "checkpoints list",
+            await bob.get(f"training_runs/{run}/checkpoints"),
+            "training_run_id",
+        ),
+        ("checkpoint get", await bob.post("weights_info", {"tinker_path": a.weights_path}), None),
+        (
+            "checkpoint delete",
+            await bob.http.delete(
+                f"/api/v1/training_runs/{run}/checkpoints/{ckpt}", headers=bob.headers()
+            ),
+            "checkpoint_id",
+        ),
+        (
+            "retrieve_future",
+            await bob.post("retrieve_future", {"request_id": a.pending_request_id}),
+            "request_id",
+        ),
+        (
+            "load_weights from alice's checkpoint",
+            await bob.post(
+                "load_weights",
+                {"session_id": bob_session, "model_seq_id": 0, "path": a.weights_path},
+            ),
+            "path",
+        ),
+        (
+            "sampler from alice's checkpoint",
+            await bob.post(
+                "create_sampling_session",
+                {
+                    "session_id": bob_session,
+                    "sampling_session_seq_id": 0,
+                    "model_path": a.sampler_path,
+                },
+            ),
+            "model_path",
+        ),
+        (
+            "sampler in alice's session",
+            await bob.post(
+                "create_sampling_session",
+                {
+                    "session_id": a.session_id,
+                    "sampling_session_seq_id": 7,
+                    "base_model": "tuneloop/fake-tiny",
+                },
+            ),
+            "session_id",
+        ),
+    ]
+
+
+async def test_other_tenant_gets_404_for_everything(
+    api: Api, other_tenant: Api, alice: AliceWorld
+) -> None:
+    for what, response, field in await bob_requests(other_tenant, alice):
+        assert response.status_code == 404, (what, response.status_code, response.text)
+        body: dict[str, Any] = response.json()
+        assert body["type"] == "not_found", what
+        assert body["detail"], what
+        if field is not None and what != "checkpoint get":
+            assert body["field"] == field, (what, body)
+
+    # Nothing of alice's was touched: her session lives, her checkpoints and futures remain.
+    assert (
+        await api.post("session_heartbeat", {"session_id": alice.session_id})
+    ).status_code == 200
+    listed = (await api.get(f"training_runs/{alice.model_id}/checkpoints")).json()
+    assert {c["tinker_path"] for c in listed["checkpoints"]} == {
+        alice.weights_path,
+        alice.sampler_path,
+    }
+    out = await sample(api, alice.sampler_id, [5, 7], max_tokens=2, seed=0)
+    assert out.sequences
+    waiting = await api.post("retrieve_future", {"request_id": alice.pending_request_id})
+    assert waiting.status_code == 408
+
+
+async def test_other_tenant_listings_exclude_alice(
+    api: Api, other_tenant: Api, alice: AliceWorld
+) -> None:
+    bob = other_tenant
+    bob_session = await bob.session()
+    bob_model = await bob.model(bob_session)
+    await bob.result(
+        await bob.post("save_weights", {"model_id": bob_model, "path": "b1", "seq_id": 1})
+    )
+
+    runs = (await bob.get("training_runs")).json()
+    assert [r["training_run_id"] for r in runs["training_runs"]] == [bob_model]
+    assert runs["cursor"]["total_count"] == 1
+    assert all(r["model_owner"] == "bob" for r in runs["training_runs"])
+    checkpoints = (await bob.get("checkpoints")).json()
+    assert [c["tinker_path"] for c in checkpoints["checkpoints"]] == [
+        f"tinker://{bob_model}/weights/b1"
+    ]
+    assert checkpoints["cursor"]["total_count"] == 1
+    assert (await bob.get("sessions")).json()["sessions"] == [bob_session]
+
+    # And alice sees only hers.
+    alice_runs = (await api.get("training_runs")).json()["training_runs"]
+    assert [r["training_run_id"] for r in alice_runs] == [alice.model_id]
+    assert (await api.get("sessions")).json()["sessions"] == [alice.session_id]
+    paths = {c["tinker_path"] for c in (await api.get("checkpoints")).json()["checkpoints"]}
+    assert paths == {alice.weights_path, alice.sampler_path}
+
+
+async def test_sample_ids_are_not_shared_across_tenants(
+    api: Api, other_tenant: Api, alice: AliceWorld
+) -> None:
+    # bob samples from his own sampler with the same seq_id alice used; no cross-talk.
+    bob_sampler = await sampler(other_tenant, await other_tenant.session())
+    body = sample_body(alice.sampler_id, [5, 7], max_tokens=2, seed=3, seq_id=1)
+    first = await api.post("asample", body)
+    theirs = await other_tenant.post("asample", {**body, "sampling_session_id": bob_sampler})
+    assert first.json()["request_id"] != theirs.json()["request_id"]
+    expect_error(
+        await other_tenant.post("retrieve_future", {"request_id": first.json()["request_id"]}),
+        404,
+        "request_id",
+    )
