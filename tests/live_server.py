@@ -30,7 +30,10 @@ def _tuneloop(*args: str) -> list[str]:
 def create_key(data_dir: Path, tenant: str) -> str:
     out = subprocess.run(
         _tuneloop("keys", "--data-dir", str(data_dir), "create", "--tenant", tenant),
-        check=True, capture_output=True, text=True, timeout=60,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     return out.stdout.strip()
 
@@ -39,9 +42,21 @@ def create_key(data_dir: Path, tenant: str) -> str:
 def live_server(data_dir: Path, *extra: str) -> Iterator[LiveServer]:
     key = create_key(data_dir, "alice")
     process = subprocess.Popen(
-        _tuneloop("serve", "--host", "127.0.0.1", "--port", "0", "--data-dir", str(data_dir),
-                  "--long-poll-s", "5", *extra),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        _tuneloop(
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--data-dir",
+            str(data_dir),
+            "--long-poll-s",
+            "5",
+            *extra,
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:

@@ -99,7 +99,8 @@ def test_full_flow_with_the_official_sdk(server: LiveServer) -> None:
     for seq in sample.sequences:
         assert len(seq.logprobs) == len(seq.tokens) > 0
     logprobs = sampler.compute_logprobs(prompt).result()
-    assert logprobs[0] is None and len(logprobs) == 6
+    assert logprobs[0] is None
+    assert len(logprobs) == 6
 
     named = training.save_weights_for_sampler("s1").result()
     from_path = service.create_sampling_client(model_path=named.path)
@@ -108,10 +109,14 @@ def test_full_flow_with_the_official_sdk(server: LiveServer) -> None:
     rest = tinker.RestClient(base_url=server.url, api_key=server.key)
     run = rest.get_training_run(training.model_id).result()
     assert run.base_model == MODEL
-    kinds = {c.checkpoint_type for c in rest.list_checkpoints(training.model_id).result().checkpoints}
+    kinds = {
+        c.checkpoint_type for c in rest.list_checkpoints(training.model_id).result().checkpoints
+    }
     assert kinds == {"training", "sampler"}
-    assert any(r.training_run_id == training.model_id
-               for r in rest.list_training_runs().result().training_runs)
+    assert any(
+        r.training_run_id == training.model_id
+        for r in rest.list_training_runs().result().training_runs
+    )
     rest.delete_checkpoint_from_tinker_path(named.path).result()
     remaining = rest.list_checkpoints(training.model_id).result().checkpoints
     assert [c.checkpoint_type for c in remaining] == ["training"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,8 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"tuneloop serving at http://{config.host}:{port}", flush=True)
 
     setattr(server, "startup", startup)  # noqa: B010 - announce readiness with the real port
-    # uvicorn turns SIGTERM and SIGINT into a graceful shutdown; we exit 0 afterwards.
+    # uvicorn turns SIGTERM into a graceful shutdown and then re-raises it to the handler that
+    # was installed before: make that one a no-op, so a requested stop exits with status 0.
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: None)
     server.run()
     return 0

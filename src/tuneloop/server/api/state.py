@@ -63,6 +63,12 @@ class ServerState:
         self.live_session(run.session_id, tenant)
         return run
 
+    def skip_rejected(self, tenant: str, model_id: str, seq_id: int, body: bytes) -> None:
+        """A rejected training request still consumes its seq_id (the SDKs never reuse one)."""
+        if seq_id >= 1 and self.registry.training_run(model_id, tenant) is not None:
+            self.queue.skip(model_id, seq_id, fingerprint(body))
+            self.engine.notify()
+
     def submit_training(
         self,
         tenant: str,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -40,8 +43,57 @@ from tuneloop.types import (
     WireFormatError,
 )
 from tuneloop.types.codec import decode_forward_backward_request, encode_forward_backward_output
+from tuneloop.types.proto import ForwardBackwardRequestProto
 
 router = APIRouter(prefix="/api/v1")
+
+
+def _locate(raw: bytes, headers: Any) -> tuple[str, int] | None:
+    """Best effort (model_id, seq_id) of a request body, JSON or (possibly zstd) protobuf."""
+    try:
+        if headers.get("content-type", "").startswith("application/x-protobuf"):
+            if headers.get("content-encoding", "").lower() == "zstd":
+                raw = zstandard.ZstdDecompressor().decompress(raw, max_output_size=len(raw) * 64)
+            msg = ForwardBackwardRequestProto()
+            msg.ParseFromString(raw)
+            return str(msg.model_id), int(msg.seq_id)
+        body = json.loads(raw)
+        return str(body["model_id"]), int(body["seq_id"])
+    except Exception:  # unreadable: there is no seq_id to consume
+        return None
+
+
+@contextlib.asynccontextmanager
+async def seq_consumed_on_rejection(
+    request: Request, state: ServerState, tenant: str
+) -> AsyncIterator[None]:
+    """If validation rejects a training request, its seq_id still counts as used.
+
+    The SDKs assign seq_ids at call time and never reuse one, so a rejected request that left
+    a hole would make every later request of that model wait forever.
+    """
+    raw = await request.body()
+    try:
+        yield
+    except ApiError as exc:
+        located = _locate(raw, request.headers) if exc.status in (400, 413, 415) else None
+        if located is not None:
+            state.skip_rejected(tenant, *located, raw)
+        raise
+
+
+Handler = Callable[[Request, ServerState, str], Awaitable[dict[str, Any]]]
+
+
+def consumes_seq(handler: Handler) -> Handler:
+    """Route decorator: run the handler under `seq_consumed_on_rejection`."""
+
+    @functools.wraps(handler)
+    async def wrapper(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
+        async with seq_consumed_on_rejection(request, state, tenant):
+            return await handler(request, state, tenant)
+
+    return wrapper
 
 
 def json_outcome(payload: dict[str, Any]) -> Outcome:
@@ -142,6 +194,7 @@ def _checkpoint_for(state: ServerState, tenant: str, path: str) -> tuple[TinkerP
 
 
 @router.post("/load_weights")
+@consumes_seq
 async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, raw = await read_json(request, LoadWeightsRequest)
     path, ckpt = _checkpoint_for(state, tenant, body.path)
@@ -248,6 +301,7 @@ def _fwdbwd_outcome(result: ForwardBackwardResult) -> Outcome:
 
 
 @router.post("/forward_backward")
+@consumes_seq
 async def forward_backward(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     raw = await _protobuf_body(request, state)
     try:
@@ -275,6 +329,7 @@ def _seq_id(seq_id: int | None) -> int:
 
 
 @router.post("/optim_step")
+@consumes_seq
 async def optim_step(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, raw = await read_json(request, OptimStepRequest)
     run = state.live_training_run(body.model_id, tenant)
@@ -340,6 +395,7 @@ def _refuse_overwrite(directory: Path, target: TinkerPath) -> None:
 
 
 @router.post("/save_weights")
+@consumes_seq
 async def save_weights(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, raw = await read_json(request, SaveWeightsRequest)
     run = state.live_training_run(body.model_id, tenant)
@@ -361,6 +417,7 @@ async def save_weights(request: Request, state: State, tenant: Tenant) -> dict[s
 
 
 @router.post("/save_weights_for_sampler")
+@consumes_seq
 async def save_weights_for_sampler(
     request: Request, state: State, tenant: Tenant
 ) -> dict[str, Any]:

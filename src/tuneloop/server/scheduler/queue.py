@@ -40,6 +40,14 @@ class _Stream:
     pending: dict[int, Operation] = field(default_factory=dict)
     # seq -> (request_id, fingerprint) of everything ever accepted, for deduplication.
     seen: dict[int, tuple[str, str]] = field(default_factory=dict)
+    # seq ids whose request was rejected: the SDKs never reuse a seq_id, so the stream must
+    # step over them or every later request of the model would wait forever.
+    skipped: set[int] = field(default_factory=set)
+
+    def advance(self) -> None:
+        while self.next_seq in self.skipped:
+            self.skipped.discard(self.next_seq)
+            self.next_seq += 1
 
 
 @dataclass
@@ -65,6 +73,8 @@ class OperationQueue:
                 raise SeqConflictError(f"seq_id {seq_id} already ran on {model_id}")
             return None
         request_id, seen_fingerprint = stream.seen[seq_id]
+        if not request_id:
+            raise SeqConflictError(f"seq_id {seq_id} on {model_id} was rejected; use a new one")
         if seen_fingerprint != fingerprint:
             raise SeqConflictError(
                 f"seq_id {seq_id} was already used on {model_id} with different content"
@@ -77,6 +87,15 @@ class OperationQueue:
         stream = self._streams.setdefault(op.model_id, _Stream())
         stream.seen[op.seq_id] = (op.request_id, op.fingerprint)
         stream.pending[op.seq_id] = op
+
+    def skip(self, model_id: str, seq_id: int, fingerprint: str) -> None:
+        """Consume a seq_id whose request was rejected, so later ones still run."""
+        stream = self._streams.setdefault(model_id, _Stream())
+        if seq_id < stream.next_seq or seq_id in stream.seen:
+            return
+        stream.seen[seq_id] = ("", fingerprint)
+        stream.skipped.add(seq_id)
+        stream.advance()
 
     def submit_sample(self, op: Operation) -> None:
         self._samples.append(op)
@@ -99,8 +118,9 @@ class OperationQueue:
         for stream in self._streams.values():
             run: list[Operation] = []
             seq = stream.next_seq
-            while seq in stream.pending:
-                run.append(stream.pending[seq])
+            while seq in stream.pending or seq in stream.skipped:
+                if seq in stream.pending:
+                    run.append(stream.pending[seq])
                 seq += 1
             if run:
                 runs.append((stream, run))
@@ -146,6 +166,7 @@ class OperationQueue:
                 stream = self._streams[op.model_id]
                 del stream.pending[op.seq_id]
                 stream.next_seq = op.seq_id + 1
+                stream.advance()
         return chosen
 
     def has_work(self) -> bool:
