@@ -244,6 +244,22 @@ async def test_other_tenant_gets_404_for_everything(
     assert waiting.status_code == 408
 
 
+async def test_other_tenant_rejections_do_not_consume_alice_seq_ids(
+    api: Api, other_tenant: Api
+) -> None:
+    model_id = await api.model(await api.session())
+    # Rejected before ownership is checked (wrong content type, bad JSON field): still no effect.
+    json_body = await other_tenant.post("forward_backward", {"model_id": model_id, "seq_id": 1})
+    assert json_body.status_code == 415
+    bad_adam = await other_tenant.post(
+        "optim_step", {"model_id": model_id, "seq_id": 2, "adam_params": {"beta1": 2}}
+    )
+    assert bad_adam.status_code == 400
+    await api.result(await api.forward_backward(model_id, 1, [datum(TOKENS)]))
+    step = await optim_step(api, model_id, 2)
+    assert step.json()["metrics"]["grad_norm"] > 0
+
+
 async def test_other_tenant_listings_exclude_alice(
     api: Api, other_tenant: Api, alice: AliceWorld
 ) -> None:

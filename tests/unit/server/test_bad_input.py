@@ -1,4 +1,9 @@
-"""Every bad input is a 4xx naming its field, and the session stays usable afterwards."""
+"""Every bad input is a 4xx naming its field, and the session stays usable afterwards.
+
+A training request rejected after its (model_id, seq_id) could be read consumes that seq_id:
+the SDKs never reuse one, so the model's stream steps over it (a retry of it is a 409), and
+requests queued behind it still run. A body too broken to name its seq_id consumes nothing.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import zstandard
@@ -43,9 +49,27 @@ def rl_inputs(**override: Any) -> dict[str, Any]:
 
 async def assert_trains(api: Api, model_id: str, seq_id: int) -> None:
     """A good forward_backward at `seq_id` runs: the model's stream was not disturbed."""
-    out = await api.result(await api.forward_backward(model_id, seq_id, [datum(TOKENS)]))
-    assert out.headers["content-type"] == "application/x-protobuf", out.text
-    assert math.isfinite(decode_output(out.content).metrics["loss:sum"])
+    await assert_completes(api, await api.forward_backward(model_id, seq_id, [datum(TOKENS)]))
+
+
+async def assert_completes(api: Api, submitted: httpx.Response, polls: int = 5) -> None:
+    """The submitted forward_backward finishes within a few long-polls (no stalled stream)."""
+    assert submitted.status_code == 200, submitted.text
+    request_id = submitted.json()["request_id"]
+    for _ in range(polls):
+        out = await api.post("retrieve_future", {"request_id": request_id})
+        if out.status_code != 408:
+            assert out.headers["content-type"] == "application/x-protobuf", out.text
+            assert math.isfinite(decode_output(out.content).metrics["loss:sum"])
+            return
+    raise AssertionError(f"request {request_id} is stuck behind a seq_id that never ran")
+
+
+async def assert_seq_consumed(api: Api, model_id: str, seq_id: int) -> None:
+    """The rejected seq_id counts as used: reusing it is a 409; the next one runs."""
+    retry = await api.forward_backward(model_id, seq_id, [datum(TOKENS)])
+    expect_error(retry, 409, "seq_id")
+    await assert_trains(api, model_id, seq_id + 1)
 
 
 # (case id, data, loss_fn, loss_fn_config, expected field)
@@ -230,14 +254,18 @@ FORWARD_BACKWARD_CASES: list[tuple[str, list[Datum], str, dict[str, Any], str]] 
     [case[1:] for case in FORWARD_BACKWARD_CASES],
     ids=[case[0] for case in FORWARD_BACKWARD_CASES],
 )
-async def test_bad_forward_backward_is_400_and_consumes_no_seq(
+async def test_bad_forward_backward_is_400_and_the_stream_steps_over_it(
     api: Api, data: list[Datum], loss_fn: str, config: dict[str, Any], field: str
 ) -> None:
     model_id = await api.model(await api.session())
     await assert_trains(api, model_id, 1)
+    # seq 3 arrives first and waits for seq 2, which is then rejected.
+    waiting = await api.forward_backward(model_id, 3, [datum(TOKENS)])
     bad = await api.forward_backward(model_id, 2, data, loss_fn, config)
     expect_error(bad, 400, field)
-    await assert_trains(api, model_id, 2)
+    await assert_completes(api, waiting)
+    expect_error(await api.forward_backward(model_id, 2, [datum(TOKENS)]), 409, "seq_id")
+    await assert_trains(api, model_id, 4)
 
 
 async def test_seq_id_reuse_with_other_content_is_409(api: Api) -> None:
@@ -255,14 +283,18 @@ async def test_seq_id_zero_is_400(api: Api) -> None:
     model_id = await api.model(await api.session())
     expect_error(await api.forward_backward(model_id, 0, [datum(TOKENS)]), 400, "seq_id")
     await assert_trains(api, model_id, 1)
+    expect_error(await api.forward_backward(model_id, -3, [datum(TOKENS)]), 400, "seq_id")
+    await assert_trains(api, model_id, 2)
 
 
 async def test_oversize_request_is_413(tmp_path: Path) -> None:
-    async with serve(tmp_path, max_request_bytes=2048) as api:
+    async with serve(tmp_path, max_request_bytes=2048, long_poll_s=0.2) as api:
         model_id = await api.model(await api.session())
+        waiting = await api.forward_backward(model_id, 2, [datum(TOKENS)])
         big = [datum(list(range(1, 250)) * 3)]
         expect_error(await api.forward_backward(model_id, 1, big), 413, "body")
-        await assert_trains(api, model_id, 1)
+        # The SDK moves on to seq 2 and never resends seq 1: the stream must not stall.
+        await assert_completes(api, waiting)
 
 
 async def test_oversize_after_zstd_decompression_is_413(tmp_path: Path) -> None:
@@ -278,7 +310,7 @@ async def test_oversize_after_zstd_decompression_is_413(tmp_path: Path) -> None:
         )
         assert response.status_code == 413, response.text
         assert response.json()["detail"]
-        await assert_trains(api, model_id, 1)
+        await assert_seq_consumed(api, model_id, 1)
 
 
 async def test_malformed_protobuf_is_400(api: Api) -> None:
@@ -292,7 +324,7 @@ async def test_forward_backward_in_json_is_415(api: Api) -> None:
     model_id = await api.model(await api.session())
     bad = await api.post("forward_backward", {"model_id": model_id, "seq_id": 1})
     expect_error(bad, 415, "content-type")
-    await assert_trains(api, model_id, 1)
+    await assert_seq_consumed(api, model_id, 1)
 
 
 async def test_unknown_content_encoding_is_415(api: Api) -> None:
@@ -302,7 +334,7 @@ async def test_unknown_content_encoding_is_415(api: Api) -> None:
     )
     bad = await post_raw(api, "forward_backward", raw, {**PROTO, "content-encoding": "br"})
     expect_error(bad, 415, "content-encoding")
-    await assert_trains(api, model_id, 1)
+    await assert_seq_consumed(api, model_id, 1)
 
 
 async def test_zstd_forward_backward_works_and_garbage_zstd_is_400(api: Api) -> None:
@@ -332,8 +364,8 @@ async def test_json_route_with_wrong_content_type_is_415(api: Api) -> None:
     body = b'{"model_id": "%s", "seq_id": 1}' % model_id.encode()
     bad = await post_raw(api, "optim_step", body, {"content-type": "text/plain"})
     expect_error(bad, 415, "content-type")
-    await assert_trains(api, model_id, 1)
-    await optim_step(api, model_id, 2)
+    await assert_seq_consumed(api, model_id, 1)
+    await optim_step(api, model_id, 3)
 
 
 async def test_invalid_json_is_400(api: Api) -> None:
@@ -343,8 +375,6 @@ async def test_invalid_json_is_400(api: Api) -> None:
     )
     expect_error(bad, 400, "body")
     await api.model(session_id)
-
-
 
 
 @pytest.mark.parametrize(
@@ -392,7 +422,9 @@ async def test_bad_adam_params_is_400(api: Api, adam: dict[str, Any], field: str
     await assert_trains(api, model_id, 1)
     bad = await api.post("optim_step", {"model_id": model_id, "seq_id": 2, "adam_params": adam})
     expect_error(bad, 400, field)
-    step = await optim_step(api, model_id, 2)
+    retry = {"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 0.05}}
+    expect_error(await api.post("optim_step", retry), 409, "seq_id")
+    step = await optim_step(api, model_id, 3)
     assert step.json()["metrics"]["grad_norm"] > 0
 
 
@@ -410,11 +442,11 @@ async def test_bad_checkpoint_name_is_400(api: Api, name: str) -> None:
     bad = await api.post("save_weights", {"model_id": model_id, "path": name, "seq_id": 1})
     expect_error(bad, 400, "path")
     bad = await api.post(
-        "save_weights_for_sampler", {"model_id": model_id, "path": name, "seq_id": 1}
+        "save_weights_for_sampler", {"model_id": model_id, "path": name, "seq_id": 2}
     )
     expect_error(bad, 400, "path")
     saved = await api.result(
-        await api.post("save_weights", {"model_id": model_id, "path": "ok", "seq_id": 1})
+        await api.post("save_weights", {"model_id": model_id, "path": "ok", "seq_id": 3})
     )
     assert saved.json()["path"] == f"tinker://{model_id}/weights/ok"
 
@@ -511,3 +543,16 @@ async def test_sample_without_sampling_session_is_400(api: Api) -> None:
     body = sample_body("x", [5, 7], max_tokens=3)
     del body["sampling_session_id"]
     expect_error(await api.post("asample", body), 400, "sampling_session_id")
+
+
+async def test_rejecting_a_seq_already_queued_or_run_changes_nothing(api: Api) -> None:
+    model_id = await api.model(await api.session())
+    queued = await api.forward_backward(model_id, 2, [datum(TOKENS)])
+    bad = [datum([5, 300, 7])]
+    expect_error(await api.forward_backward(model_id, 2, bad), 400, "data[0].model_input")
+    again = await api.forward_backward(model_id, 2, [datum(TOKENS)])
+    assert again.json()["request_id"] == queued.json()["request_id"]
+    await assert_trains(api, model_id, 1)
+    await assert_completes(api, queued)
+    expect_error(await api.forward_backward(model_id, 1, bad), 400, "data[0].model_input")
+    await assert_trains(api, model_id, 3)
