@@ -316,3 +316,16 @@ async def test_sampling_in_a_finished_session_is_410(api: Api) -> None:
     expect_error(
         await api.post("asample", sample_body(sampler_id, PROMPT, max_tokens=2)), 410, "session_id"
     )
+
+
+async def test_top_k_and_top_p_truncation(api: Api) -> None:
+    sampler_id = await sampler(api, await api.session())
+    greedy = await sample(api, sampler_id, PROMPT, max_tokens=8, temperature=0.0, stop=[])
+    for params in ({"top_k": 1}, {"top_p": 1e-6}):
+        out = await sample(api, sampler_id, PROMPT, max_tokens=8, seed=9, stop=[], **params)
+        assert out.sequences[0].tokens == greedy.sequences[0].tokens, params
+    # top_k of the vocabulary size or more truncates nothing: the same as -1 (no limit).
+    free = await sample(api, sampler_id, PROMPT, max_tokens=8, seed=9, stop=[], top_k=-1)
+    for top_k in (259, 1000):
+        out = await sample(api, sampler_id, PROMPT, max_tokens=8, seed=9, stop=[], top_k=top_k)
+        assert out.sequences[0].tokens == free.sequences[0].tokens

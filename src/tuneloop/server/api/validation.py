@@ -189,7 +189,7 @@ def sample_work(request: SampleRequest, spec: ModelSpec, sampler_id: str) -> Sam
         num_samples=request.num_samples,
         max_tokens=max_tokens,
         temperature=params.temperature,
-        top_k=params.top_k,
+        top_k=-1 if params.top_k >= spec.vocab_size else params.top_k,  # k >= V: no limit
         top_p=params.top_p,
         seed=params.seed,
         stop_token_ids=stop_ids,
