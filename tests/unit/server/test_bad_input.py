@@ -7,6 +7,7 @@ requests queued behind it still run. A body too broken to name its seq_id consum
 
 from __future__ import annotations
 
+import base64
 import math
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from tests.unit.server.harness import (
     sampler,
     serve,
 )
-from tuneloop.types import Datum, ModelInput
+from tuneloop.types import Datum, EncodedTextChunk, ImageChunk, ModelInput
 from tuneloop.types.codec import ForwardBackwardRequest, encode_forward_backward_request
 
 TOKENS = [5, 17, 33, 90, 120, 7]
@@ -556,3 +557,28 @@ async def test_rejecting_a_seq_already_queued_or_run_changes_nothing(api: Api) -
     await assert_completes(api, queued)
     expect_error(await api.forward_backward(model_id, 1, bad), 400, "data[0].model_input")
     await assert_trains(api, model_id, 3)
+
+
+async def test_image_chunk_is_400_for_a_text_model(api: Api) -> None:
+    model_id = await api.model(await api.session())
+    image = ImageChunk(data=base64.b64encode(b"\x89PNG").decode(), format="png", expected_tokens=4)
+    bad = Datum(
+        ModelInput(chunks=[EncodedTextChunk(tokens=[1, 2]), image]),
+        {"target_tokens": np.arange(6)},
+    )
+    expect_error(
+        await api.forward_backward(model_id, 1, [bad]), 400, "data[0].model_input.chunks[1]"
+    )
+    await assert_seq_consumed(api, model_id, 1)
+
+
+async def test_optimizer_state_from_a_sampler_checkpoint_is_400(api: Api) -> None:
+    session_id = await api.session()
+    model_id = await api.model(session_id)
+    saved = await api.result(
+        await api.post("save_weights_for_sampler", {"model_id": model_id, "path": "s", "seq_id": 1})
+    )
+    load = {"session_id": session_id, "model_seq_id": 1, "path": saved.json()["path"]}
+    expect_error(await api.post("load_weights", {**load, "optimizer": True}), 400, "optimizer")
+    loaded = await api.result(await api.post("load_weights", load))
+    assert loaded.json()["model_id"] == f"{session_id}:train:1"

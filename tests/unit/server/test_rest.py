@@ -206,3 +206,19 @@ async def test_sessions_list_and_get(api: Api) -> None:
     assert empty["sampler_ids"] == []
     expect_error(await api.get("sessions/nope"), 404, "session_id")
     expect_error(await api.get("sessions", params={"limit": 0}), 400, "limit")
+
+
+async def test_saving_over_a_name_needs_overwrite(api: Api) -> None:
+    model_id = await api.model(await api.session())
+    body = {"model_id": model_id, "path": "w"}
+    first = await api.result(await api.post("save_weights", {**body, "seq_id": 1}))
+    assert first.json()["path"] == f"tinker://{model_id}/weights/w"
+    refused = await api.result(await api.post("save_weights", {**body, "seq_id": 2}))
+    assert refused.json()["category"] == "user"
+    assert "overwrite" in refused.json()["error"]
+    again = await api.result(
+        await api.post("save_weights", {**body, "seq_id": 3, "overwrite": True})
+    )
+    assert again.json()["path"] == first.json()["path"]
+    listed = (await api.get(f"training_runs/{model_id}/checkpoints")).json()["checkpoints"]
+    assert [c["checkpoint_id"] for c in listed] == ["weights/w"]
