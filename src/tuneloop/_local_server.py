@@ -1,4 +1,8 @@
-"""A real `tuneloop serve` process on 127.0.0.1, as a user would run it."""
+"""Start and stop a `tuneloop serve` child process on 127.0.0.1.
+
+Used by the test suite and benchmarks (a real server process, as a user runs it). It only
+spawns the `tuneloop` command, so the SDK still never imports the server package.
+"""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.live_server import LiveServer, live_server
+from tuneloop._local_server import LiveServer, live_server
 
 pytest.importorskip("tinker")
 pytestmark = [pytest.mark.compat, pytest.mark.integration]

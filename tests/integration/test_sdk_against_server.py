@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import tuneloop
-from tests.live_server import LiveServer, create_key, live_server, stop
 from tuneloop import AdamParams, Datum, ModelInput, SamplingParams
+from tuneloop._local_server import LiveServer, create_key, live_server, stop
 
 pytestmark = pytest.mark.integration
 MODEL = "tuneloop/fake-tiny"
