@@ -30,8 +30,27 @@ def build_backend(config: ServerConfig) -> Backend:
     raise ValueError(f"unknown backend {config.backend!r} (available: fake)")
 
 
+# Training routes whose oversize bodies the handler must see: a rejected training request
+# still consumes its seq_id, which the handler reads from the start of the body.
+DEFERRED_413_PATHS = frozenset(
+    f"/api/v1/{name}"
+    for name in (
+        "forward_backward",
+        "optim_step",
+        "save_weights",
+        "save_weights_for_sampler",
+        "load_weights",
+    )
+)
+_PREFIX_BYTES = 4096
+
+
 class BodyLimit:
-    """Reject bodies over the limit with 413 before any handler buffers them."""
+    """Reject bodies over the limit with 413 before any handler buffers them.
+
+    On training routes the handler answers the 413 instead, given only the body's first bytes
+    and `request.state.body_too_large`, so that it can consume the request's seq_id.
+    """
 
     def __init__(self, app: Any, max_bytes: int) -> None:
         self.app = app
@@ -42,7 +61,11 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+        deferred = scope["path"] in DEFERRED_413_PATHS
+        # A declared oversize body is refused unread, except on training routes, where only its
+        # first bytes are read (enough for model_id and seq_id).
+        too_large = declared is not None and declared.isdigit() and int(declared) > self.max_bytes
+        if too_large and not deferred:
             await self._reject(scope, receive, send)
             return
         chunks: list[bytes] = []
@@ -53,27 +76,36 @@ class BodyLimit:
             if message["type"] == "http.disconnect":
                 return
             chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                await self._reject(scope, receive, send)
-                return
             chunks.append(chunk)
+            size += len(chunk)
             more = message.get("more_body", False)
-        body = b"".join(chunks)
-        sent = False
-
-        async def replay() -> Any:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+            if size > self.max_bytes or (too_large and size >= _PREFIX_BYTES):
+                too_large = True
+                break
+        if not too_large:
+            await self.app(scope, _replay(b"".join(chunks), receive), send)
+        elif deferred:
+            scope.setdefault("state", {})["body_too_large"] = True
+            await self.app(scope, _replay(b"".join(chunks)[:_PREFIX_BYTES], receive), send)
+        else:
+            await self._reject(scope, receive, send)
 
     async def _reject(self, scope: Any, receive: Any, send: Any) -> None:
         response = error_response(413, f"request body exceeds {self.max_bytes} bytes", "body")
         await response(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    sent = False
+
+    async def replay() -> Any:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:

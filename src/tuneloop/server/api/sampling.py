@@ -10,7 +10,6 @@ from fastapi import APIRouter, Request
 from tuneloop.server.api.deps import State, Tenant, read_json
 from tuneloop.server.api.errors import ApiError, bad_request, not_found
 from tuneloop.server.api.state import fingerprint
-from tuneloop.server.api.training import _checkpoint_for
 from tuneloop.server.api.validation import sample_work
 from tuneloop.server.engine.types import SampleResult
 from tuneloop.server.scheduler.futures import Outcome
@@ -36,7 +35,7 @@ async def create_sampling_session(request: Request, state: State, tenant: Tenant
     existing = state.registry.sampler(sampler_id, tenant)
     weights_dir: Path | None = None
     if body.model_path is not None:
-        _path, ckpt = _checkpoint_for(state, tenant, body.model_path)
+        _path, ckpt = state.checkpoint(tenant, body.model_path, "model_path")
         run = state.registry.training_run(ckpt.training_run_id, tenant)
         if run is None:
             raise not_found(f"training run of {body.model_path!r}", "model_path")

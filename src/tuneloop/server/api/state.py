@@ -16,8 +16,8 @@ from tuneloop.server.scheduler.futures import FutureTable, Outcome
 from tuneloop.server.scheduler.loop import EngineLoop
 from tuneloop.server.scheduler.queue import Operation, OperationQueue, OpKind, SeqConflictError
 from tuneloop.server.storage.keys import KeyStore
-from tuneloop.server.storage.layout import Layout
-from tuneloop.server.storage.registry import Registry, SessionRow, TrainingRunRow
+from tuneloop.server.storage.layout import Layout, TinkerPath
+from tuneloop.server.storage.registry import CheckpointRow, Registry, SessionRow, TrainingRunRow
 
 
 def fingerprint(body: bytes) -> str:
@@ -62,6 +62,19 @@ class ServerState:
             raise not_found(f"model {model_id!r}", "model_id")
         self.live_session(run.session_id, tenant)
         return run
+
+    def checkpoint(
+        self, tenant: str, path: str, field_name: str
+    ) -> tuple[TinkerPath, CheckpointRow]:
+        """The caller's checkpoint at a tinker:// path; 400 if malformed, 404 if not theirs."""
+        try:
+            parsed = TinkerPath.parse(path)
+        except ValueError as exc:
+            raise ApiError(400, f"{field_name}: {exc}", field_name) from None
+        row = self.registry.checkpoint(str(parsed), tenant)
+        if row is None:
+            raise not_found(f"checkpoint {path!r}", field_name)
+        return parsed, row
 
     def skip_rejected(self, tenant: str, model_id: str, seq_id: int, body: bytes) -> None:
         """A rejected training request still consumes its seq_id (the SDKs never reuse one)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import re
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import timedelta
@@ -43,22 +44,48 @@ from tuneloop.types import (
     WireFormatError,
 )
 from tuneloop.types.codec import decode_forward_backward_request, encode_forward_backward_output
-from tuneloop.types.proto import ForwardBackwardRequestProto
 
 router = APIRouter(prefix="/api/v1")
 
 
+_JSON_IDS = re.compile(rb'"model_id"\s*:\s*"([^"]+)".*?"seq_id"\s*:\s*(\d+)', re.S)
+
+
+def _varint(raw: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = raw[pos]
+        value |= (byte & 0x7F) << shift
+        pos += 1
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _leading_proto_ids(raw: bytes) -> tuple[str, int] | None:
+    """model_id (field 1) and seq_id (field 2) from the start of a possibly cut protobuf."""
+    pos, model_id, seq_id = 0, None, None
+    while pos < len(raw) and (model_id is None or seq_id is None):
+        tag, pos = _varint(raw, pos)
+        if tag == (1 << 3 | 2):
+            length, pos = _varint(raw, pos)
+            model_id, pos = raw[pos : pos + length].decode(), pos + length
+        elif tag == (2 << 3 | 0):
+            seq_id, pos = _varint(raw, pos)
+        else:
+            return None
+    return (model_id, seq_id) if model_id is not None and seq_id is not None else None
+
+
 def _locate(raw: bytes, headers: Any) -> tuple[str, int] | None:
-    """Best effort (model_id, seq_id) of a request body, JSON or (possibly zstd) protobuf."""
+    """Best effort (model_id, seq_id) of a body, JSON or (possibly zstd) protobuf, maybe cut."""
     try:
         if headers.get("content-type", "").startswith("application/x-protobuf"):
             if headers.get("content-encoding", "").lower() == "zstd":
-                raw = zstandard.ZstdDecompressor().decompress(raw, max_output_size=len(raw) * 64)
-            msg = ForwardBackwardRequestProto()
-            msg.ParseFromString(raw)
-            return str(msg.model_id), int(msg.seq_id)
-        body = json.loads(raw)
-        return str(body["model_id"]), int(body["seq_id"])
+                raw = zstandard.ZstdDecompressor().decompressobj().decompress(raw)
+            return _leading_proto_ids(raw)
+        found = _JSON_IDS.search(raw)
+        return (found[1].decode(), int(found[2])) if found else None
     except Exception:  # unreadable: there is no seq_id to consume
         return None
 
@@ -74,6 +101,9 @@ async def seq_consumed_on_rejection(
     """
     raw = await request.body()
     try:
+        if getattr(request.state, "body_too_large", False):
+            limit = state.config.max_request_bytes
+            raise ApiError(413, f"request body exceeds {limit} bytes", "body")
         yield
     except ApiError as exc:
         located = _locate(raw, request.headers) if exc.status in (400, 413, 415) else None
@@ -182,22 +212,11 @@ async def get_info(request: Request, state: State, tenant: Tenant) -> dict[str, 
     ).model_dump()
 
 
-def _checkpoint_for(state: ServerState, tenant: str, path: str) -> tuple[TinkerPath, CheckpointRow]:
-    try:
-        parsed = TinkerPath.parse(path)
-    except ValueError as exc:
-        raise bad_request(f"path: {exc}", "path") from None
-    row = state.registry.checkpoint(str(parsed), tenant)
-    if row is None:
-        raise not_found(f"checkpoint {path!r}", "path")
-    return parsed, row
-
-
 @router.post("/load_weights")
 @consumes_seq
 async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, raw = await read_json(request, LoadWeightsRequest)
-    path, ckpt = _checkpoint_for(state, tenant, body.path)
+    path, ckpt = state.checkpoint(tenant, body.path, "path")
     if body.optimizer and ckpt.checkpoint_type != "training":
         raise bad_request(
             "optimizer: only training checkpoints (weights/...) hold optimizer state", "optimizer"
