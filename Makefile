@@ -22,7 +22,7 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 
 test: lint
-	TINKER_TELEMETRY=0 $(BIN)/pytest -q
+	TINKER_TELEMETRY=0 HF_HUB_OFFLINE=1 $(BIN)/pytest -q
 
 serve: $(STAMP)
 	@if [ ! -s .tuneloop/api-key ]; then \
