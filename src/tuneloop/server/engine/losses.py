@@ -1,0 +1,185 @@
+"""Built-in losses in torch: pure functions of one datum behind a name registry.
+
+Conventions (wire spec section 3), shared by every loss here:
+- lp = the learner's logprob of each target token (the differentiable input), q = the sampler's
+  logprobs (input ``logprobs``), A = ``advantages``, w = ``weights``, r = exp(lp - q).
+- Sign: the value is a loss to MINIMISE (the optimizer descends it), so rewards enter negated.
+- Reduction: a plain SUM over every token of the datum; no normalisation by token count or batch
+  size. Gradients of successive calls add up until the optimizer step.
+
+Each function returns a 0-d float32 tensor that depends on ``logprobs`` only (every other input
+is treated as a constant), with exactly the value and d loss / d lp of the NumPy reference in
+``loss_math`` (which the FakeBackend trains with); ``tests/unit/engine/test_losses.py`` checks it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+
+import torch
+
+from tuneloop.server.engine.loss_specs import LOSS_SPECS
+from tuneloop.server.engine.types import EngineError
+
+Inputs = Mapping[str, torch.Tensor]
+Config = Mapping[str, float]
+LossFn = Callable[[torch.Tensor, Inputs, Config], torch.Tensor]
+
+Bound = torch.Tensor | float
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 else x.to(torch.float32)
+
+
+def _const(inputs: Inputs, key: str) -> torch.Tensor:
+    """A loss input as a float32 constant: never part of the graph, even if the caller's was."""
+    return _f32(inputs[key].detach())
+
+
+def cross_entropy(lp: torch.Tensor, inputs: Inputs, config: Config) -> torch.Tensor:
+    """Weighted negative log-likelihood: ``L = -sum_t w_t * lp_t``.
+
+    Shapes: lp and w are [N], or [N, K] for the top-K (soft target) form, summed over both axes.
+    Weights may be any real number, negative included (the client-side custom-loss surrogate
+    sends w = -dC/dlp); missing weights mean all ones. dL/dlp = -w.
+    """
+    weights = inputs.get("weights")
+    if weights is None:
+        return -lp.sum()
+    return -(_f32(weights.detach()) * lp).sum()
+
+
+def importance_sampling(lp: torch.Tensor, inputs: Inputs, config: Config) -> torch.Tensor:
+    """Off-policy REINFORCE: ``L = -sum_t exp(lp_t - q_t) * A_t``; dL/dlp_t = -r_t A_t.
+
+    RL losses take no ``weights``: prompt and padding positions carry A = 0.
+    """
+    ratio = torch.exp(lp - _const(inputs, "logprobs"))
+    return -(ratio * _const(inputs, "advantages")).sum()
+
+
+def _clip_bounds(inputs: Inputs, config: Config) -> tuple[Bound, Bound]:
+    """Absolute ratio bounds; per-token ``clip_*_threshold`` inputs override the config."""
+    low: Bound = (
+        _const(inputs, "clip_low_threshold")
+        if "clip_low_threshold" in inputs
+        else float(config["clip_low_threshold"])
+    )
+    high: Bound = (
+        _const(inputs, "clip_high_threshold")
+        if "clip_high_threshold" in inputs
+        else float(config["clip_high_threshold"])
+    )
+    return low, high
+
+
+def _clip(x: torch.Tensor, low: Bound, high: Bound) -> torch.Tensor:
+    """``np.clip``: min(max(x, low), high), so high wins if the bounds cross."""
+    low_t = torch.as_tensor(low, dtype=x.dtype, device=x.device)
+    high_t = torch.as_tensor(high, dtype=x.dtype, device=x.device)
+    return torch.minimum(torch.maximum(x, low_t), high_t)
+
+
+def _clipped_surrogate(
+    ratio: torch.Tensor, adv: torch.Tensor, low: Bound, high: Bound
+) -> torch.Tensor:
+    """``-sum_t min(r_t A_t, clip(r_t, lo, hi) A_t)``.
+
+    The gradient flows (as -A dr) only where the unclipped term is the minimum, ties included;
+    where the clipped term is strictly smaller the token contributes a constant. Written with an
+    explicit ``where`` rather than ``torch.minimum`` so ties do not split the gradient.
+    """
+    unclipped = ratio * adv
+    clipped = (_clip(ratio.detach(), low, high) * adv).detach()
+    return -torch.where(unclipped.detach() <= clipped, unclipped, clipped).sum()
+
+
+def ppo(lp: torch.Tensor, inputs: Inputs, config: Config) -> torch.Tensor:
+    """PPO clipped objective: ``L = -sum_t min(r_t A_t, clip(r_t, lo, hi) A_t)``.
+
+    lo/hi (config ``clip_low_threshold``/``clip_high_threshold``, defaults 0.8/1.2) are absolute
+    ratio bounds, not epsilons. dL/dlp_t = -r_t A_t where r_t A_t is the minimum, else 0.
+    """
+    low, high = _clip_bounds(inputs, config)
+    ratio = torch.exp(lp - _const(inputs, "logprobs"))
+    return _clipped_surrogate(ratio, _const(inputs, "advantages"), low, high)
+
+
+def cispo(lp: torch.Tensor, inputs: Inputs, config: Config) -> torch.Tensor:
+    """CISPO: ``L = -sum_t sg(clip(r_t, lo, hi)) * lp_t * A_t`` (sg = stop-gradient).
+
+    The clipped ratio is a constant weight (defaults lo/hi = 0.0/4.0, one-sided), so
+    dL/dlp_t = -clip(r_t, lo, hi) A_t.
+    """
+    low, high = _clip_bounds(inputs, config)
+    ratio = torch.exp(lp.detach() - _const(inputs, "logprobs"))
+    weight = _clip(ratio, low, high) * _const(inputs, "advantages")
+    return -(weight * lp).sum()
+
+
+def dro(lp: torch.Tensor, inputs: Inputs, config: Config) -> torch.Tensor:
+    """DRO: ``L = -sum_t [lp_t A_t - beta/2 (lp_t - q_t)^2]``.
+
+    dL/dlp_t = -(A_t - beta (lp_t - q_t)). ``beta`` comes from the config (default 0.05);
+    A is expected in DRO's soft form.
+    """
+    beta = float(config["beta"])
+    diff = lp - _const(inputs, "logprobs")
+    return -(lp * _const(inputs, "advantages") - 0.5 * beta * diff * diff).sum()
+
+
+def gspo(lp: torch.Tensor, inputs: Inputs, config: Config) -> torch.Tensor:
+    """GSPO-token: ``L = -sum_t min(s_t A_t, clip(s_t, lo, hi) A_t)``.
+
+    Sequence log-ratio ``l = mean_{t in M} (sg(lp_t) - q_t)`` over the mask M (tokens where
+    ``sequence_ratio_mask`` != 0; missing mask = every token; an empty mask gives l = 0), and
+    ``s_t = exp(l + lp_t - sg(lp_t))``: every token's value is exp(l), its gradient with respect to
+    lp_t is s_t (the token's own path only). Clip defaults as PPO's (0.8/1.2).
+    dL/dlp_t = -s_t A_t where s_t A_t is the minimum, else 0.
+    """
+    mask_in = inputs.get("sequence_ratio_mask")
+    lp_const = lp.detach()
+    if mask_in is None:
+        mask = torch.ones_like(lp_const)
+    else:
+        mask = (mask_in.detach() != 0).to(lp_const.dtype)
+    count = mask.sum()
+    log_ratio = torch.where(
+        count > 0,
+        ((lp_const - _const(inputs, "logprobs")) * mask).sum() / count.clamp_min(1.0),
+        torch.zeros_like(count),
+    )
+    seq_ratio = torch.exp(log_ratio + (lp - lp_const))
+    low, high = _clip_bounds(inputs, config)
+    return _clipped_surrogate(seq_ratio, _const(inputs, "advantages"), low, high)
+
+
+LOSSES: Mapping[str, LossFn] = MappingProxyType(
+    {
+        "cross_entropy": cross_entropy,
+        "importance_sampling": importance_sampling,
+        "ppo": ppo,
+        "cispo": cispo,
+        "dro": dro,
+        "gspo": gspo,
+    }
+)
+
+
+def compute_loss(
+    loss_fn: str, logprobs: torch.Tensor, inputs: Inputs, config: Config
+) -> torch.Tensor:
+    """The summed loss of one datum as a 0-d float32 tensor, differentiable w.r.t. ``logprobs``.
+
+    ``config`` is merged over the loss's defaults from ``LOSS_SPECS`` (the caller usually has
+    already done so); bf16/fp16 logprobs are upcast to float32 first. ``target_tokens`` and any
+    input a loss does not name are ignored. An unknown name raises a user ``EngineError``.
+    """
+    fn = LOSSES.get(loss_fn)
+    if fn is None:
+        known = ", ".join(sorted(LOSSES))
+        raise EngineError(f"unknown loss function {loss_fn!r}; known: {known}", "user")
+    merged = {**LOSS_SPECS[loss_fn].config_defaults, **config}
+    return fn(_f32(logprobs), inputs, merged)
