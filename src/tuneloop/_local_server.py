@@ -43,21 +43,17 @@ def create_key(data_dir: Path, tenant: str) -> str:
 
 
 @contextmanager
-def live_server(data_dir: Path, *extra: str) -> Iterator[LiveServer]:
+def live_server(
+    data_dir: Path, *extra: str, backend: str = "fake", models: tuple[str, ...] = ()
+) -> Iterator[LiveServer]:
+    """A server with its own data dir and a key for tenant "alice"; stopped on exit."""
     key = create_key(data_dir, "alice")
+    args = ["serve", "--host", "127.0.0.1", "--port", "0", "--data-dir", str(data_dir)]
+    args += ["--long-poll-s", "5", "--backend", backend]
+    for model in models:
+        args += ["--model", model]
     process = subprocess.Popen(
-        _tuneloop(
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--data-dir",
-            str(data_dir),
-            "--long-poll-s",
-            "5",
-            *extra,
-        ),
+        _tuneloop(*args, *extra),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -15,7 +15,7 @@ import tinker
 import torch
 
 types = tinker.types
-MODEL = "tuneloop/fake-tiny"
+MODEL = "tuneloop/fake-tiny"  # overridden by the third argument
 
 
 def _datum(tokens: list[int], **inputs: object) -> object:
@@ -109,5 +109,7 @@ def run(url: str, key: str) -> None:
 if __name__ == "__main__":
     # The SDK warns about its own deprecated methods (load_state*), which this flow exercises.
     warnings.simplefilter("ignore", FutureWarning)
+    if len(sys.argv) > 3:
+        MODEL = sys.argv[3]
     run(sys.argv[1], sys.argv[2])
     print("official SDK flow: OK")

@@ -27,7 +27,15 @@ def build_backend(config: ServerConfig) -> Backend:
         from tuneloop.server.engine.fake import FakeBackend
 
         return FakeBackend()
-    raise ValueError(f"unknown backend {config.backend!r} (available: fake)")
+    if config.backend == "torch":
+        # Imported here: the control plane and its tests need no torch.
+        from tuneloop.server.engine.models import DEFAULT_MODEL
+        from tuneloop.server.engine.torch_backend import TorchBackend
+
+        return TorchBackend(
+            config.models or (DEFAULT_MODEL,), cache_dir=config.cache_dir, device=config.device
+        )
+    raise ValueError(f"unknown backend {config.backend!r} (available: torch, fake)")
 
 
 # Training routes whose oversize bodies the handler must see: a rejected training request

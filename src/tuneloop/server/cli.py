@@ -20,8 +20,24 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--data-dir", type=Path, default=None)
     serve.add_argument("--db-url", default=None)
     serve.add_argument("--keys-file", type=Path, default=None)
-    serve.add_argument("--backend", choices=["fake"], default="fake")
-    serve.add_argument("--model", action="append", default=[], dest="models")
+    serve.add_argument(
+        "--backend",
+        choices=["torch", "fake"],
+        default="torch",
+        help="torch: the real engine; fake: a NumPy stand-in for testing the service",
+    )
+    serve.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        dest="models",
+        metavar="NAME_OR_PATH",
+        help="base model to keep resident (repeatable; default: SmolLM2-135M-Instruct)",
+    )
+    serve.add_argument("--device", default=None, help="torch device (default: cuda if present)")
+    serve.add_argument(
+        "--cache-dir", type=Path, default=None, help="converted models (default ~/.cache/tuneloop)"
+    )
     serve.add_argument("--long-poll-s", type=float, default=None)
     serve.set_defaults(func=_serve)
 

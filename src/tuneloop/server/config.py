@@ -17,8 +17,11 @@ class ServerConfig:
     port: int = 8000
     db_url: str | None = None  # default: SQLite under data_dir
     keys_file: Path | None = None  # default: data_dir/keys.json
-    backend: str = "fake"
-    models: tuple[str, ...] = field(default_factory=tuple)
+    backend: str = "torch"
+    models: tuple[str, ...] = field(default_factory=tuple)  # torch: default SmolLM2-135M
+    device: str | None = None  # torch: default cuda if present, else cpu
+    # Converted and downloaded models, shared by every server on the machine.
+    cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "tuneloop")
     # retrieve_future holds a poll this long before answering try_again; the official SDK's
     # read timeout for that call is 45 s.
     long_poll_s: float = 30.0
@@ -34,6 +37,8 @@ class ServerConfig:
             env["data_dir"] = Path(os.environ["TUNELOOP_DATA_DIR"])
         if "TUNELOOP_DB_URL" in os.environ:
             env["db_url"] = os.environ["TUNELOOP_DB_URL"]
+        if "TUNELOOP_CACHE_DIR" in os.environ:
+            env["cache_dir"] = Path(os.environ["TUNELOOP_CACHE_DIR"])
         if "TUNELOOP_LONG_POLL_S" in os.environ:
             env["long_poll_s"] = float(os.environ["TUNELOOP_LONG_POLL_S"])
         values = {**env, **{k: v for k, v in overrides.items() if v is not None}}

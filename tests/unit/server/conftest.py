@@ -17,7 +17,7 @@ from tuneloop.server.storage.keys import KeyStore
 
 @pytest.fixture
 async def server(tmp_path: Path) -> AsyncIterator[tuple[Any, KeyStore]]:
-    app = create_app(ServerConfig(data_dir=tmp_path, long_poll_s=1.0))
+    app = create_app(ServerConfig(data_dir=tmp_path, long_poll_s=1.0, backend="fake"))
     async with app.router.lifespan_context(app):
         yield app, KeyStore(tmp_path / "keys.json")
 

@@ -162,7 +162,9 @@ async def sample(api: Api, sampler_id: str, tokens: list[int], **params: Any) ->
 @contextlib.asynccontextmanager
 async def serve(tmp_path: Path, tenant: str = "alice", **config: Any) -> AsyncIterator[Api]:
     """An app with its own ServerConfig (e.g. a small body limit), as one tenant."""
-    app = create_app(ServerConfig(data_dir=tmp_path, **{"long_poll_s": 1.0, **config}))
+    app = create_app(
+        ServerConfig(data_dir=tmp_path, **{"long_poll_s": 1.0, "backend": "fake", **config})
+    )
     async with app.router.lifespan_context(app):
         keys = KeyStore(tmp_path / "keys.json")
         key, _ = keys.create(tenant)

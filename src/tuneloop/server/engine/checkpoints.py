@@ -1,0 +1,122 @@
+"""Adapter checkpoints on disk, in the PEFT layout, written atomically.
+
+A checkpoint folder holds `adapter_model.safetensors` (keys
+`base_model.model.<module>.lora_A.weight` / `.lora_B.weight`) and `adapter_config.json`, so
+`peft.PeftModel.from_pretrained(base, folder)` loads it; a training state adds
+`optimizer.pt` (AdamW moments and step counts) and `tuneloop_state.json`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from tuneloop.server.engine.lora import targets_of
+from tuneloop.server.engine.types import AdapterSpec, EngineError
+
+_PEFT_PREFIX = "base_model.model."
+ADAPTER_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+OPTIMIZER_FILE = "optimizer.pt"
+STATE_FILE = "tuneloop_state.json"
+
+
+@contextlib.contextmanager
+def atomic_directory(directory: Path) -> Iterator[Path]:
+    """Yield a temporary sibling to fill; it replaces `directory` only if the block succeeds.
+
+    A crash mid-write leaves a hidden temporary folder, never a checkpoint that half loads.
+    """
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        yield tmp
+        if directory.exists():
+            shutil.rmtree(directory)
+        tmp.rename(directory)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def directory_size(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+
+def peft_config(spec: AdapterSpec) -> dict[str, Any]:
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": spec.base_model,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "target_modules": sorted(targets_of(spec)),
+        "tuneloop": {
+            "seed": spec.seed,
+            "train_mlp": spec.train_mlp,
+            "train_attn": spec.train_attn,
+            "train_unembed": spec.train_unembed,
+        },
+    }
+
+
+def write_adapter(
+    directory: Path,
+    spec: AdapterSpec,
+    factors: Mapping[str, torch.Tensor],
+    optimizer_state: dict[str, Any] | None = None,
+    steps: int = 0,
+) -> int:
+    with atomic_directory(directory) as tmp:
+        tensors = {
+            _PEFT_PREFIX + k: v.detach().float().cpu().contiguous() for k, v in factors.items()
+        }
+        save_file(tensors, str(tmp / ADAPTER_FILE))
+        (tmp / CONFIG_FILE).write_text(json.dumps(peft_config(spec), indent=1))
+        if optimizer_state is not None:
+            torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+            (tmp / STATE_FILE).write_text(json.dumps({"steps": steps}))
+    return directory_size(directory)
+
+
+def read_factors(directory: Path) -> dict[str, torch.Tensor]:
+    try:
+        tensors = load_file(str(directory / ADAPTER_FILE))
+    except FileNotFoundError:
+        raise EngineError(f"no adapter weights in checkpoint {directory.name!r}", "user") from None
+    return {k.removeprefix(_PEFT_PREFIX): v for k, v in tensors.items()}
+
+
+def read_spec(directory: Path, adapter_id: str) -> AdapterSpec:
+    config = json.loads((directory / CONFIG_FILE).read_text())
+    extra = config.get("tuneloop", {})
+    return AdapterSpec(
+        adapter_id=adapter_id,
+        base_model=config["base_model_name_or_path"],
+        rank=int(config["r"]),
+        seed=int(extra.get("seed", 0)),
+        train_mlp=bool(extra.get("train_mlp", True)),
+        train_attn=bool(extra.get("train_attn", True)),
+        train_unembed=bool(extra.get("train_unembed", True)),
+        alpha=float(config["lora_alpha"]),
+    )
+
+
+def read_optimizer(directory: Path) -> dict[str, Any]:
+    path = directory / OPTIMIZER_FILE
+    if not path.exists():
+        raise EngineError("checkpoint holds no optimizer state", "user")
+    state: dict[str, Any] = torch.load(path, weights_only=True)
+    return state

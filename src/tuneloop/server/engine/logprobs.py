@@ -1,0 +1,74 @@
+"""Target logprobs from a causal LM without materialising the whole batch's logits.
+
+The LM head over a 49k-150k vocabulary dominates memory for small models: a batch of 8 x 1024
+tokens would need 8 x 1024 x 49152 fp32 logits (1.6 GB) at once, and autograd would keep them for
+the backward pass. Here the head runs over chunks of positions, each under activation
+checkpointing, so only one chunk's logits exist at a time, forward and backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+# Logit elements per chunk (x4 bytes in fp32): 16M = 64 MB, a few x that with log_softmax.
+LOGIT_ELEMENTS_PER_CHUNK = 1 << 24
+
+
+def pad_rows(rows: Sequence[np.ndarray], pad_id: int, device: torch.device) -> torch.Tensor:
+    """Right-pad 1-D token rows into [B, T]."""
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+    return out.to(device)
+
+
+def pad_targets(targets: Sequence[np.ndarray], width: int, device: torch.device) -> torch.Tensor:
+    """Targets [N] or [N, K] per row into [B, T, K] (K = the widest row's), padded with 0."""
+    k = max(1 if t.ndim == 1 else t.shape[1] for t in targets)
+    out = torch.zeros((len(targets), width, k), dtype=torch.long)
+    for i, t in enumerate(targets):
+        t2 = t[:, None] if t.ndim == 1 else t
+        out[i, : t2.shape[0], : t2.shape[1]] = torch.as_tensor(t2, dtype=torch.long)
+    return out.to(device)
+
+
+def _head_logprobs(
+    head: nn.Module, softcap: float | None, hidden: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    logits = head(hidden).float()  # [B, c, V]
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets)  # [B, c, K]
+
+
+def target_logprobs(
+    model: nn.Module, input_ids: torch.Tensor, lengths: Sequence[int], targets: torch.Tensor
+) -> torch.Tensor:
+    """log p(targets[b, t, k] | input_ids[b, :t+1]) for every row, as [B, T, K] float32.
+
+    Differentiable when grad is enabled. Positions past a row's length are padding (garbage).
+    """
+    width = input_ids.shape[1]
+    positions = torch.arange(width, device=input_ids.device)
+    mask = (positions[None, :] < torch.as_tensor(lengths, device=input_ids.device)[:, None]).long()
+    decoder: nn.Module = model.get_decoder()  # type: ignore[operator]
+    hidden = decoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
+    head: nn.Module = model.get_output_embeddings()  # type: ignore[operator]
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    vocab = int(head.weight.shape[0])  # type: ignore[index]
+    chunk = max(1, LOGIT_ELEMENTS_PER_CHUNK // (vocab * input_ids.shape[0]))
+    pieces = []
+    for start in range(0, width, chunk):
+        h, t = hidden[:, start : start + chunk], targets[:, start : start + chunk]
+        if torch.is_grad_enabled():
+            # Recompute this chunk's logits in the backward pass instead of keeping them.
+            pieces.append(checkpoint(_head_logprobs, head, softcap, h, t, use_reentrant=False))
+        else:
+            pieces.append(_head_logprobs(head, softcap, h, t))
+    return torch.cat(pieces, dim=1)

@@ -1,0 +1,178 @@
+"""Batched autoregressive sampling with a KV cache; rows of one batch may use different adapters.
+
+Correct first (the performance work adds continuous batching): every request of a batch is
+expanded into `num_samples` rows, prompts are left-padded into one prefill, then all rows decode
+together, each with its own sampling parameters, random generator and stop conditions.
+
+The logprob reported for a sampled token is the model's own log-softmax at temperature 1, the
+same number the training forward pass computes for that token, so RL losses that compare the two
+(importance ratios) start at exactly 1 on-policy. Temperature, top-k and top-p shape only which
+token is drawn.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from tuneloop.server.engine.lora import AdapterBank
+from tuneloop.server.engine.types import (
+    EngineError,
+    SampledTokens,
+    SampleResult,
+    SampleWork,
+    TopkRow,
+)
+
+
+@dataclass
+class _Row:
+    work: SampleWork
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    topk: list[TopkRow] = field(default_factory=list)
+    stop_reason: str | None = None
+
+
+def _generator(seed: int | None, index: int) -> torch.Generator:
+    base = seed if seed is not None else int.from_bytes(os.urandom(8), "little")
+    # Sample `index` of a request gets its own stream: same seed, same tokens, whatever else
+    # shares the batch.
+    return torch.Generator().manual_seed((base * 1_000_003 + index) % (2**63 - 1))
+
+
+def _choose(logits: torch.Tensor, work: SampleWork, generator: torch.Generator) -> int:
+    if work.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / work.temperature, dim=-1)
+    if work.top_k > 0 and work.top_k < probs.shape[-1]:
+        kth = torch.topk(probs, work.top_k).values[-1]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if work.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(sorted_probs, dim=-1) / sorted_probs.sum()
+        drop = cumulative - sorted_probs / sorted_probs.sum() >= work.top_p
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def _topk(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]))
+    return [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
+
+
+def _finished(row: _Row, token: int, decode: Callable[[list[int]], str]) -> str | None:
+    work = row.work
+    if token in work.stop_token_ids:
+        return "stop"
+    if work.stop_strings and any(s in decode(row.tokens) for s in work.stop_strings):
+        return "stop"
+    if len(row.tokens) >= work.max_tokens:
+        return "length"
+    return None
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    bank: AdapterBank,
+    works: Sequence[SampleWork],
+    keys: Sequence[str | None],
+    *,
+    pad_id: int,
+    decode: Callable[[list[int]], str],
+) -> list[SampleResult | EngineError]:
+    """Sample every request of `works`; `keys[i]` is the adapter/sampler key of works[i]."""
+    device = next(model.parameters()).device
+    rows = [_Row(work, _generator(work.seed, j)) for work in works for j in range(work.num_samples)]
+    row_keys = [key for work, key in zip(works, keys, strict=True) for _ in range(work.num_samples)]
+    width = max(len(r.work.prompt) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        n = len(row.work.prompt)
+        input_ids[i, width - n :] = torch.as_tensor(row.work.prompt, dtype=torch.long)
+        mask[i, width - n :] = 1
+    input_ids, mask = input_ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    want_prompt = any(w.prompt_logprobs or w.topk_prompt_logprobs for w in works)
+    cache = DynamicCache()
+    with bank.routed(row_keys, device):
+        out = model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=0 if want_prompt else 1,
+        )
+        prompt_logprobs = torch.log_softmax(out.logits.float(), dim=-1) if want_prompt else None
+        logits = out.logits[:, -1].float()
+        steps = max(w.max_tokens for w in works)
+        next_pos = positions[:, -1:] + 1
+        for _ in range(steps):
+            step_logprobs = torch.log_softmax(logits, dim=-1)
+            next_tokens = torch.full((len(rows), 1), pad_id, dtype=torch.long)
+            for i, row in enumerate(rows):
+                if row.stop_reason is not None:
+                    continue
+                token = _choose(logits[i], row.work, row.generator)
+                row.tokens.append(token)
+                row.logprobs.append(float(step_logprobs[i, token]))
+                if row.work.topk_sample_logprobs:
+                    row.topk.append(_topk(step_logprobs[i], row.work.topk_sample_logprobs))
+                row.stop_reason = _finished(row, token, decode)
+                next_tokens[i, 0] = token
+            if all(r.stop_reason is not None for r in rows):
+                break
+            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=device)], 1)
+            out = model(
+                input_ids=next_tokens.to(device),
+                attention_mask=mask,
+                position_ids=next_pos,
+                cache=cache,
+                use_cache=True,
+            )
+            logits = out.logits[:, -1].float()
+            next_pos = next_pos + 1
+    return _results(works, rows, prompt_logprobs, width)
+
+
+def _results(
+    works: Sequence[SampleWork], rows: list[_Row], prompt_logprobs: torch.Tensor | None, width: int
+) -> list[SampleResult | EngineError]:
+    results: list[SampleResult | EngineError] = []
+    first = 0
+    for work in works:
+        mine = rows[first : first + work.num_samples]
+        prompt_lp: list[float | None] | None = None
+        prompt_topk: list[TopkRow] | None = None
+        if prompt_logprobs is not None and (work.prompt_logprobs or work.topk_prompt_logprobs):
+            n = len(work.prompt)
+            # Left padding: prompt token t sits at column width - n + t; column c predicts c + 1.
+            scores = prompt_logprobs[first, width - n : width - 1]  # [n - 1, V]
+            if work.prompt_logprobs:
+                targets = torch.as_tensor(work.prompt[1:], device=scores.device)
+                picked = scores.gather(-1, targets[:, None])[:, 0]
+                prompt_lp = [None, *(float(x) for x in picked)]
+            if work.topk_prompt_logprobs:
+                prompt_topk = [None, *(_topk(s, work.topk_prompt_logprobs) for s in scores)]
+        sequences = [
+            SampledTokens(
+                r.tokens,
+                r.logprobs,
+                "stop" if r.stop_reason == "stop" else "length",
+                r.topk if work.topk_sample_logprobs else None,
+            )
+            for r in mine
+        ]
+        results.append(SampleResult(sequences, prompt_lp, prompt_topk))
+        first += work.num_samples
+    return results

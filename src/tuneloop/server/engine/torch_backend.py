@@ -1,0 +1,352 @@
+"""TorchBackend: frozen base models resident in memory, many LoRA adapters on each.
+
+One forward/backward batch may hold rows of several adapters (sessions, tenants): each row is
+routed through its own adapter (`lora.AdapterBank.routed`), the losses of every request are
+summed, and one backward pass fills each adapter's gradients from its own rows only. Gradients
+accumulate across forward_backward calls until that adapter's optim_step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from tuneloop.server.engine import checkpoints, sampler
+from tuneloop.server.engine.logprobs import pad_rows, pad_targets, target_logprobs
+from tuneloop.server.engine.lora import AdapterBank, inject
+from tuneloop.server.engine.losses import compute_loss
+from tuneloop.server.engine.models import LoadedModel, default_dtype, load_model
+from tuneloop.server.engine.optim import AdapterOptimizer
+from tuneloop.server.engine.types import (
+    AdamStep,
+    AdapterSpec,
+    EngineError,
+    ForwardBackwardResult,
+    ForwardBackwardWork,
+    ModelSpec,
+    SampleResult,
+    SampleWork,
+)
+
+# Tokens (rows x padded width) per micro-batch: a large request is split so activations fit.
+DEFAULT_TOKEN_BUDGET = 8192
+
+
+@dataclass
+class _Runtime:
+    """One resident base model with its adapter bank."""
+
+    loaded: LoadedModel
+    bank: AdapterBank
+    pad_id: int
+    tokenizer: Any = None
+
+    @property
+    def model(self) -> nn.Module:
+        return self.loaded.model
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.loaded.model.parameters()).device
+
+    def decode(self, tokens: list[int]) -> str:
+        if self.tokenizer is None:
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(
+                str(self.loaded.spec.tokenizer_dir / "tokenizer.json")
+            )
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=False))
+
+
+@dataclass
+class _Adapter:
+    runtime: _Runtime
+    spec: AdapterSpec
+    optimizer: AdapterOptimizer
+
+
+@dataclass
+class _Row:
+    work_index: int
+    key: str
+    tokens: np.ndarray
+    inputs: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def _device(name: str | None) -> torch.device:
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class TorchBackend:
+    def __init__(
+        self,
+        models: Sequence[str],
+        *,
+        cache_dir: Path,
+        device: str | None = None,
+        dtype: torch.dtype | None = None,
+        token_budget: int = DEFAULT_TOKEN_BUDGET,
+    ) -> None:
+        self.device = _device(device)
+        self.dtype = dtype or default_dtype(self.device)
+        self.token_budget = token_budget
+        self._runtimes: dict[str, _Runtime] = {}
+        for name in models:
+            loaded = load_model(name, cache_dir=cache_dir, device=self.device, dtype=self.dtype)
+            pad = getattr(loaded.model.config, "pad_token_id", None)
+            bank = AdapterBank(inject(loaded.model))
+            self._runtimes[loaded.spec.name] = _Runtime(
+                loaded, bank, pad if isinstance(pad, int) else loaded.spec.eos_token_id
+            )
+        self._adapters: dict[str, _Adapter] = {}
+        self._samplers: dict[str, _Runtime] = {}
+
+    # ---- models and adapters ----------------------------------------------------------------
+
+    def models(self) -> Sequence[ModelSpec]:
+        return [rt.loaded.spec for rt in self._runtimes.values()]
+
+    def _runtime(self, base_model: str) -> _Runtime:
+        runtime = self._runtimes.get(base_model)
+        if runtime is None:
+            raise EngineError(f"model {base_model!r} is not loaded on this server", "user")
+        return runtime
+
+    def _adapter(self, adapter_id: str) -> _Adapter:
+        adapter = self._adapters.get(adapter_id)
+        if adapter is None:
+            raise EngineError(f"no adapter {adapter_id!r}", "user")
+        return adapter
+
+    def create_adapter(self, spec: AdapterSpec) -> None:
+        runtime = self._runtime(spec.base_model)
+        params = runtime.bank.create(spec, runtime.device)
+        self._adapters[spec.adapter_id] = _Adapter(runtime, spec, AdapterOptimizer(params))
+
+    def delete_adapter(self, adapter_id: str) -> None:
+        adapter = self._adapters.pop(adapter_id, None)
+        if adapter is not None:
+            adapter.runtime.bank.delete(adapter_id)
+
+    # ---- training ---------------------------------------------------------------------------
+
+    def forward_backward(
+        self, batch: Sequence[ForwardBackwardWork]
+    ) -> list[ForwardBackwardResult | EngineError]:
+        results: list[ForwardBackwardResult | EngineError | None] = [None] * len(batch)
+        by_runtime: dict[int, list[int]] = {}
+        for index, work in enumerate(batch):
+            try:
+                runtime = self._adapter(work.adapter_id).runtime
+            except EngineError as exc:
+                results[index] = exc
+                continue
+            by_runtime.setdefault(id(runtime), []).append(index)
+        for indices in by_runtime.values():
+            runtime = self._adapters[batch[indices[0]].adapter_id].runtime
+            for index, result in zip(
+                indices, self._train(runtime, [batch[i] for i in indices]), strict=True
+            ):
+                results[index] = result
+        return [r if r is not None else EngineError("not run") for r in results]
+
+    def _micro_batches(self, rows: list[_Row]) -> list[list[_Row]]:
+        batches: list[list[_Row]] = []
+        current: list[_Row] = []
+        width = 0
+        for row in rows:
+            new_width = max(width, len(row.tokens))
+            if current and new_width * (len(current) + 1) > self.token_budget:
+                batches.append(current)
+                current, new_width = [], len(row.tokens)
+            current.append(row)
+            width = new_width
+        if current:
+            batches.append(current)
+        return batches
+
+    def _train(
+        self, runtime: _Runtime, works: Sequence[ForwardBackwardWork]
+    ) -> list[ForwardBackwardResult | EngineError]:
+        rows = [
+            _Row(wi, work.adapter_id, ex.tokens, dict(ex.inputs))
+            for wi, work in enumerate(works)
+            for ex in work.examples
+        ]
+        losses = [0.0] * len(works)
+        logprobs: list[list[np.ndarray]] = [[] for _ in works]
+        failed: dict[int, EngineError] = {}
+        for micro in self._micro_batches(rows):
+            try:
+                self._run_micro_batch(runtime, works, micro, losses, logprobs, failed)
+            except torch.OutOfMemoryError:
+                for row in micro:
+                    failed.setdefault(
+                        row.work_index,
+                        EngineError(
+                            "out of memory even for one micro-batch: send fewer or shorter datums",
+                            "user",
+                        ),
+                    )
+        return [
+            failed.get(i) or ForwardBackwardResult(logprobs[i], {"loss:sum": losses[i]})
+            for i in range(len(works))
+        ]
+
+    def _run_micro_batch(
+        self,
+        runtime: _Runtime,
+        works: Sequence[ForwardBackwardWork],
+        micro: list[_Row],
+        losses: list[float],
+        logprobs: list[list[np.ndarray]],
+        failed: dict[int, EngineError],
+    ) -> None:
+        device = runtime.device
+        needs_grad = any(not works[r.work_index].forward_only for r in micro)
+        input_ids = pad_rows([r.tokens for r in micro], runtime.pad_id, device)
+        targets = pad_targets(
+            [r.inputs["target_tokens"] for r in micro], input_ids.shape[1], device
+        )
+        with (
+            runtime.bank.routed([r.key for r in micro], device),
+            torch.set_grad_enabled(needs_grad),
+        ):
+            all_lp = target_logprobs(
+                runtime.model, input_ids, [len(r.tokens) for r in micro], targets
+            )
+            row_losses: list[tuple[int, torch.Tensor]] = []
+            for i, row in enumerate(micro):
+                target = row.inputs["target_tokens"]
+                lp = all_lp[i, : len(row.tokens), : (1 if target.ndim == 1 else target.shape[1])]
+                lp = lp[:, 0] if target.ndim == 1 else lp
+                work = works[row.work_index]
+                tensors = {
+                    k: torch.as_tensor(v, dtype=torch.float32, device=device)
+                    for k, v in row.inputs.items()
+                    if k != "target_tokens"
+                }
+                loss = compute_loss(work.loss_fn, lp, tensors, work.loss_config)
+                value = float(loss.detach())
+                if not math.isfinite(value):
+                    failed.setdefault(
+                        row.work_index,
+                        EngineError(
+                            f"the {work.loss_fn} loss is not finite for this request", "user"
+                        ),
+                    )
+                    continue
+                losses[row.work_index] += value
+                logprobs[row.work_index].append(lp.detach().float().cpu().numpy())
+                if not work.forward_only:
+                    row_losses.append((row.work_index, loss))
+            total = [loss for wi, loss in row_losses if wi not in failed]
+            if needs_grad and total:
+                # Backward inside the routing block: checkpointed LM-head chunks recompute
+                # through the same adapters.
+                torch.stack(total).sum().backward()
+
+    def optim_step(self, adapter_id: str, step: AdamStep) -> dict[str, float]:
+        return self._adapter(adapter_id).optimizer.step(step)
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def save_state(self, adapter_id: str, directory: Path, *, optimizer: bool) -> int:
+        adapter = self._adapter(adapter_id)
+        factors = adapter.runtime.bank.state(adapter_id)
+        if not optimizer:
+            return checkpoints.write_adapter(directory, adapter.spec, factors)
+        return checkpoints.write_adapter(
+            directory,
+            adapter.spec,
+            factors,
+            adapter.optimizer.state_dict(),
+            adapter.optimizer.steps,
+        )
+
+    def save_sampler_weights(self, adapter_id: str, directory: Path) -> int:
+        adapter = self._adapter(adapter_id)
+        return checkpoints.write_adapter(
+            directory, adapter.spec, adapter.runtime.bank.state(adapter_id)
+        )
+
+    def load_state(self, adapter_id: str, directory: Path, *, optimizer: bool) -> None:
+        adapter = self._adapter(adapter_id)
+        factors = checkpoints.read_factors(directory)
+        optimizer_state = checkpoints.read_optimizer(directory) if optimizer else None
+        adapter.runtime.bank.load(adapter_id, factors)
+        params = adapter.runtime.bank.parameters(adapter_id)
+        adapter.optimizer = AdapterOptimizer(params)  # fresh, unless restored below
+        if optimizer_state is not None:
+            adapter.optimizer.load_state_dict(optimizer_state)
+        for param in params:
+            param.grad = None
+
+    # ---- sampling ---------------------------------------------------------------------------
+
+    def create_sampler(
+        self,
+        sampler_id: str,
+        base_model: str,
+        *,
+        adapter_id: str | None = None,
+        weights_dir: Path | None = None,
+    ) -> None:
+        runtime = self._runtime(base_model)
+        if adapter_id is not None:
+            runtime.bank.snapshot(adapter_id, sampler_id)  # in memory, as of now
+        elif weights_dir is not None:
+            spec = checkpoints.read_spec(weights_dir, sampler_id)
+            runtime.bank.add_frozen(sampler_id, spec, checkpoints.read_factors(weights_dir))
+        self._samplers[sampler_id] = runtime
+
+    def delete_sampler(self, sampler_id: str) -> None:
+        runtime = self._samplers.pop(sampler_id, None)
+        if runtime is not None:
+            runtime.bank.delete(sampler_id)
+
+    def sample(self, batch: Sequence[SampleWork]) -> list[SampleResult | EngineError]:
+        results: list[SampleResult | EngineError | None] = [None] * len(batch)
+        by_runtime: dict[int, list[int]] = {}
+        for index, work in enumerate(batch):
+            runtime = self._samplers.get(work.sampler_id)
+            if runtime is None:
+                results[index] = EngineError(f"no sampler {work.sampler_id!r}", "user")
+                continue
+            by_runtime.setdefault(id(runtime), []).append(index)
+        for indices in by_runtime.values():
+            runtime = self._samplers[batch[indices[0]].sampler_id]
+            works = [batch[i] for i in indices]
+            keys = [w.sampler_id if w.sampler_id in runtime.bank.specs else None for w in works]
+            try:
+                out = sampler.generate(
+                    runtime.model,
+                    runtime.bank,
+                    works,
+                    keys,
+                    pad_id=runtime.pad_id,
+                    decode=runtime.decode,
+                )
+            except torch.OutOfMemoryError:
+                out = [
+                    EngineError("out of memory while sampling; retry with fewer samples", "server")
+                    for _ in works
+                ]
+            for index, result in zip(indices, out, strict=True):
+                results[index] = result
+        return [r if r is not None else EngineError("not run") for r in results]
+
+    def close(self) -> None:
+        self._adapters.clear()
+        self._samplers.clear()
+        self._runtimes.clear()
