@@ -8,17 +8,15 @@ A checkpoint folder holds `adapter_model.safetensors` (keys
 
 from __future__ import annotations
 
-import contextlib
 import json
-import shutil
-import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from tuneloop.server.engine.files import atomic_directory, directory_size
 from tuneloop.server.engine.lora import targets_of
 from tuneloop.server.engine.types import AdapterSpec, EngineError
 
@@ -27,28 +25,6 @@ ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "tuneloop_state.json"
-
-
-@contextlib.contextmanager
-def atomic_directory(directory: Path) -> Iterator[Path]:
-    """Yield a temporary sibling to fill; it replaces `directory` only if the block succeeds.
-
-    A crash mid-write leaves a hidden temporary folder, never a checkpoint that half loads.
-    """
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    try:
-        yield tmp
-        if directory.exists():
-            shutil.rmtree(directory)
-        tmp.rename(directory)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def directory_size(directory: Path) -> int:
-    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
 
 
 def peft_config(spec: AdapterSpec) -> dict[str, Any]:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -22,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from tuneloop.server.engine import loss_math
+from tuneloop.server.engine.files import atomic_directory, directory_size
 from tuneloop.server.engine.loss_specs import LOSS_SPECS
 from tuneloop.server.engine.types import (
     AdamStep,
@@ -309,16 +308,18 @@ class FakeBackend:
         last = int(work.prompt[-1])
         for _ in range(work.max_tokens):
             logits = self._logits(np.array([last]), lora)[0]
-            temperature = work.temperature if work.temperature > 0 else 1.0
-            logprobs_t = _log_softmax(logits / temperature)
+            # Reported logprobs are the model's at temperature 1 (what training computes);
+            # temperature, top-k and top-p only shape which token is drawn.
+            model_logprobs = _log_softmax(logits)
             if work.temperature == 0:
                 token = int(np.argmax(logits))
             else:
-                token = int(rng.choice(len(logits), p=_truncated_probs(logprobs_t, work)))
+                scaled = _log_softmax(logits / work.temperature)
+                token = int(rng.choice(len(logits), p=_truncated_probs(scaled, work)))
             tokens.append(token)
-            logprobs.append(float(logprobs_t[token]))
+            logprobs.append(float(model_logprobs[token]))
             if work.topk_sample_logprobs:
-                topk.append(_topk(logprobs_t, work.topk_sample_logprobs))
+                topk.append(_topk(model_logprobs, work.topk_sample_logprobs))
             if token in work.stop_token_ids or (
                 work.stop_strings and any(s in self._decode(tokens) for s in work.stop_strings)
             ):
@@ -352,18 +353,16 @@ def _topk(logprobs: np.ndarray, k: int) -> list[tuple[int, float]]:
 
 
 def _write_atomically(directory: Path, arrays: dict[str, np.ndarray], spec: AdapterSpec) -> int:
-    """Write into a temporary sibling, then rename: a reader never sees a half-written state."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    with (tmp / "weights.npz").open("wb") as f:
-        np.savez(f, **arrays)  # type: ignore[arg-type]
-    config = {"r": spec.rank, "lora_alpha": spec.alpha, "base_model_name_or_path": spec.base_model}
-    (tmp / "adapter_config.json").write_text(json.dumps(config))
-    size = sum(f.stat().st_size for f in tmp.iterdir())
-    if directory.exists():
-        shutil.rmtree(directory)
-    tmp.rename(directory)
-    return size
+    with atomic_directory(directory) as tmp:
+        with (tmp / "weights.npz").open("wb") as f:
+            np.savez(f, **arrays)  # type: ignore[arg-type]
+        config = {
+            "r": spec.rank,
+            "lora_alpha": spec.alpha,
+            "base_model_name_or_path": spec.base_model,
+        }
+        (tmp / "adapter_config.json").write_text(json.dumps(config))
+    return directory_size(directory)
 
 
 def _read(directory: Path) -> dict[str, np.ndarray]:
