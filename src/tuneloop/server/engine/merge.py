@@ -1,0 +1,71 @@
+"""Merged export: base model + LoRA adapter folded into one plain Hugging Face model folder.
+
+The result needs no tuneloop and no peft to load (`AutoModelForCausalLM.from_pretrained`), and
+gives the same logits as the server's forward pass with that adapter.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tuneloop.server.engine import checkpoints
+from tuneloop.server.engine.files import atomic_directory
+from tuneloop.server.engine.models import load_model
+from tuneloop.server.engine.types import AdapterSpec, EngineError
+
+# Tokenizer files copied next to the weights, when the base model's folder has them.
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
+
+
+@torch.no_grad()
+def merge_into(model: nn.Module, spec: AdapterSpec, factors: Mapping[str, torch.Tensor]) -> int:
+    """W += (alpha / r) * B @ A for every factor pair; returns how many layers changed."""
+    scale = spec.alpha / spec.rank
+    merged = 0
+    for name, module in model.named_modules():
+        a = factors.get(f"{name}.lora_A.weight")
+        b = factors.get(f"{name}.lora_B.weight")
+        if a is None or b is None:
+            continue
+        if not isinstance(module, nn.Linear):
+            raise EngineError(f"{name} is not a Linear layer; cannot merge", "user")
+        if name.endswith("lm_head") and getattr(model.config, "tie_word_embeddings", False):
+            # The unembedding shares its weight with the input embedding: untie it first, or
+            # the merge would change the embeddings too.
+            module.weight = nn.Parameter(module.weight.detach().clone(), requires_grad=False)
+            model.config.tie_word_embeddings = False
+        delta = (b.float() @ a.float()) * scale
+        module.weight += delta.to(module.weight.dtype)
+        merged += 1
+    return merged
+
+
+def export_merged(adapter_dir: Path, out_dir: Path, *, cache_dir: Path) -> Path:
+    """Write base + the adapter in `adapter_dir` (PEFT layout) as a plain HF folder."""
+    spec = checkpoints.read_spec(adapter_dir, "export")
+    loaded = load_model(
+        spec.base_model, cache_dir=cache_dir, device=torch.device("cpu"), dtype=torch.float32
+    )
+    if merge_into(loaded.model, spec, checkpoints.read_factors(adapter_dir)) == 0:
+        raise EngineError("the adapter has no factors for this base model", "user")
+    with atomic_directory(out_dir) as tmp:
+        loaded.model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
+        for name in _TOKENIZER_FILES:
+            source = loaded.spec.tokenizer_dir / name
+            if source.is_file():
+                shutil.copy2(source, tmp / name)
+    return out_dir
