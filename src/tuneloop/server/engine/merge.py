@@ -47,7 +47,7 @@ def merge_into(model: nn.Module, spec: AdapterSpec, factors: Mapping[str, torch.
             # The unembedding shares its weight with the input embedding: untie it first, or
             # the merge would change the embeddings too.
             module.weight = nn.Parameter(module.weight.detach().clone(), requires_grad=False)
-            model.config.tie_word_embeddings = False
+            model.config.tie_word_embeddings = False  # type: ignore[union-attr]
         delta = (b.float() @ a.float()) * scale
         module.weight += delta.to(module.weight.dtype)
         merged += 1
