@@ -29,11 +29,17 @@ def build_backend(config: ServerConfig) -> Backend:
         return FakeBackend()
     if config.backend == "torch":
         # Imported here: the control plane and its tests need no torch.
+        import torch
+
         from tuneloop.server.engine.models import DEFAULT_MODEL
         from tuneloop.server.engine.torch_backend import TorchBackend
 
+        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, None: None}[config.dtype]
         return TorchBackend(
-            config.models or (DEFAULT_MODEL,), cache_dir=config.cache_dir, device=config.device
+            config.models or (DEFAULT_MODEL,),
+            cache_dir=config.cache_dir,
+            device=config.device,
+            dtype=dtype,
         )
     raise ValueError(f"unknown backend {config.backend!r} (available: torch, fake)")
 

@@ -36,6 +36,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--device", default=None, help="torch device (default: cuda if present)")
     serve.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default=None,
+        help="base model weights (default: bfloat16 on GPU, float32 on CPU)",
+    )
+    serve.add_argument(
         "--cache-dir", type=Path, default=None, help="converted models (default ~/.cache/tuneloop)"
     )
     serve.add_argument("--long-poll-s", type=float, default=None)
