@@ -61,7 +61,7 @@ def run(url: str, key: str) -> None:
     assert "surrogate_loss:sum" in custom.metrics
     assert custom.metrics["custom_metric:sum"] == 1.0
 
-    training.optim_step(types.AdamParams(learning_rate=0.05)).result()
+    training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     after = training.forward([ce], "cross_entropy").result()
     assert after.metrics["loss:sum"] < first.metrics["loss:sum"]
 
@@ -72,7 +72,7 @@ def run(url: str, key: str) -> None:
     same = restored.forward([ce], "cross_entropy").result()
     assert same.metrics["loss:sum"] == pytest.approx(after.metrics["loss:sum"], rel=1e-6)
     with_optimizer = service.create_training_client_from_state_with_optimizer(state.path).result()
-    with_optimizer.optim_step(types.AdamParams(learning_rate=0.05)).result()
+    with_optimizer.optim_step(types.AdamParams(learning_rate=1e-3)).result()
 
     sampler = training.save_weights_and_get_sampling_client()
     prompt = types.ModelInput.from_ints(ids[:6])
