@@ -47,13 +47,10 @@ def _head_logprobs(
     return torch.log_softmax(logits, dim=-1).gather(-1, targets)  # [B, c, K]
 
 
-def target_logprobs(
-    model: nn.Module, input_ids: torch.Tensor, lengths: Sequence[int], targets: torch.Tensor
-) -> torch.Tensor:
-    """log p(targets[b, t, k] | input_ids[b, :t+1]) for every row, as [B, T, K] float32.
-
-    Differentiable when grad is enabled. Positions past a row's length are padding (garbage).
-    """
+def _hidden_and_head(
+    model: nn.Module, input_ids: torch.Tensor, lengths: Sequence[int]
+) -> tuple[torch.Tensor, nn.Module, float | None, int]:
+    """Final hidden states [B, T, d] of right-padded rows, the LM head, its softcap, chunk size."""
     width = input_ids.shape[1]
     positions = torch.arange(width, device=input_ids.device)
     mask = (positions[None, :] < torch.as_tensor(lengths, device=input_ids.device)[:, None]).long()
@@ -63,8 +60,19 @@ def target_logprobs(
     softcap = getattr(model.config, "final_logit_softcapping", None)
     vocab = int(head.weight.shape[0])  # type: ignore[index]
     chunk = max(1, LOGIT_ELEMENTS_PER_CHUNK // (vocab * input_ids.shape[0]))
+    return hidden, head, softcap, chunk
+
+
+def target_logprobs(
+    model: nn.Module, input_ids: torch.Tensor, lengths: Sequence[int], targets: torch.Tensor
+) -> torch.Tensor:
+    """log p(targets[b, t, k] | input_ids[b, :t+1]) for every row, as [B, T, K] float32.
+
+    Differentiable when grad is enabled. Positions past a row's length are padding (garbage).
+    """
+    hidden, head, softcap, chunk = _hidden_and_head(model, input_ids, lengths)
     pieces = []
-    for start in range(0, width, chunk):
+    for start in range(0, input_ids.shape[1], chunk):
         h, t = hidden[:, start : start + chunk], targets[:, start : start + chunk]
         if torch.is_grad_enabled():
             # Recompute this chunk's logits in the backward pass instead of keeping them.
@@ -72,3 +80,27 @@ def target_logprobs(
         else:
             pieces.append(_head_logprobs(head, softcap, h, t))
     return torch.cat(pieces, dim=1)
+
+
+@torch.no_grad()
+def prompt_scores(
+    model: nn.Module, input_ids: torch.Tensor, lengths: Sequence[int], k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each position t < T-1: log p(input_ids[b, t+1]) and the top-k (logprob, id) pairs.
+
+    Returns ([B, T-1], [B, T-1, k], [B, T-1, k]); the same chunked head as training, so a prompt
+    scored here gets exactly the logprobs a forward pass reports.
+    """
+    hidden, head, softcap, chunk = _hidden_and_head(model, input_ids, lengths)
+    hidden, nexts = hidden[:, :-1], input_ids[:, 1:]
+    picked, top_values, top_ids = [], [], []
+    for start in range(0, nexts.shape[1], chunk):
+        logits = head(hidden[:, start : start + chunk]).float()
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        logprobs = torch.log_softmax(logits, dim=-1)
+        picked.append(logprobs.gather(-1, nexts[:, start : start + chunk, None])[..., 0])
+        values, ids = torch.topk(logprobs, max(k, 1), dim=-1)
+        top_values.append(values[..., :k])
+        top_ids.append(ids[..., :k])
+    return torch.cat(picked, 1), torch.cat(top_values, 1), torch.cat(top_ids, 1)

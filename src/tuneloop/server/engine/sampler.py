@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from tuneloop.server.engine.logprobs import pad_rows, prompt_scores
 from tuneloop.server.engine.lora import AdapterBank
 from tuneloop.server.engine.types import (
     EngineError,
@@ -102,7 +103,7 @@ def generate(
         mask[i, width - n :] = 1
     input_ids, mask = input_ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    want_prompt = any(w.prompt_logprobs or w.topk_prompt_logprobs for w in works)
+    scored = _score_prompts(model, bank, works, keys, pad_id, device)
     cache = DynamicCache()
     with bank.routed(row_keys, device):
         out = model(
@@ -111,9 +112,8 @@ def generate(
             position_ids=positions,
             cache=cache,
             use_cache=True,
-            logits_to_keep=0 if want_prompt else 1,
+            logits_to_keep=1,
         )
-        prompt_logprobs = torch.log_softmax(out.logits.float(), dim=-1) if want_prompt else None
         logits = out.logits[:, -1].float()
         steps = max(w.max_tokens for w in works)
         next_pos = positions[:, -1:] + 1
@@ -142,28 +142,58 @@ def generate(
             )
             logits = out.logits[:, -1].float()
             next_pos = next_pos + 1
-    return _results(works, rows, prompt_logprobs, width)
+    return _results(works, rows, scored)
+
+
+_Scores = dict[int, tuple[list[float | None] | None, list[TopkRow] | None]]
+
+
+def _score_prompts(
+    model: nn.Module,
+    bank: AdapterBank,
+    works: Sequence[SampleWork],
+    keys: Sequence[str | None],
+    pad_id: int,
+    device: torch.device,
+) -> _Scores:
+    """Prompt logprobs (and top-k) of the works that ask, once per work, not per sample."""
+    wanted = [i for i, w in enumerate(works) if w.prompt_logprobs or w.topk_prompt_logprobs]
+    if not wanted:
+        return {}
+    prompts = [works[i].prompt for i in wanted]
+    k = max(works[i].topk_prompt_logprobs for i in wanted)
+    with bank.routed([keys[i] for i in wanted], device):
+        picked, top_values, top_ids = prompt_scores(
+            model, pad_rows(prompts, pad_id, device), [len(p) for p in prompts], k
+        )
+    out: _Scores = {}
+    for row, index in enumerate(wanted):
+        work, n = works[index], len(works[index].prompt)
+        logprobs = (
+            [None, *(float(x) for x in picked[row, : n - 1])] if work.prompt_logprobs else None
+        )
+        topk: list[TopkRow] | None = None
+        if work.topk_prompt_logprobs:
+            kk = work.topk_prompt_logprobs
+            topk = [None] + [
+                [
+                    (int(i), float(v))
+                    for i, v in zip(top_ids[row, t, :kk], top_values[row, t, :kk], strict=True)
+                ]
+                for t in range(n - 1)
+            ]
+        out[index] = (logprobs, topk)
+    return out
 
 
 def _results(
-    works: Sequence[SampleWork], rows: list[_Row], prompt_logprobs: torch.Tensor | None, width: int
+    works: Sequence[SampleWork], rows: list[_Row], scored: _Scores
 ) -> list[SampleResult | EngineError]:
     results: list[SampleResult | EngineError] = []
     first = 0
-    for work in works:
+    for index, work in enumerate(works):
         mine = rows[first : first + work.num_samples]
-        prompt_lp: list[float | None] | None = None
-        prompt_topk: list[TopkRow] | None = None
-        if prompt_logprobs is not None and (work.prompt_logprobs or work.topk_prompt_logprobs):
-            n = len(work.prompt)
-            # Left padding: prompt token t sits at column width - n + t; column c predicts c + 1.
-            scores = prompt_logprobs[first, width - n : width - 1]  # [n - 1, V]
-            if work.prompt_logprobs:
-                targets = torch.as_tensor(work.prompt[1:], device=scores.device)
-                picked = scores.gather(-1, targets[:, None])[:, 0]
-                prompt_lp = [None, *(float(x) for x in picked)]
-            if work.topk_prompt_logprobs:
-                prompt_topk = [None, *(_topk(s, work.topk_prompt_logprobs) for s in scores)]
+        prompt_lp, prompt_topk = scored.get(index, (None, None))
         sequences = [
             SampledTokens(
                 r.tokens,

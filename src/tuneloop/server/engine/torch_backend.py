@@ -37,6 +37,9 @@ from tuneloop.server.engine.types import (
 
 # Tokens (rows x padded width) per micro-batch: a large request is split so activations fit.
 DEFAULT_TOKEN_BUDGET = 8192
+# KV-cache tokens (rows x (prompt + max_tokens)) per decode batch: SmolLM2-135M keeps ~46 KB per
+# token in fp32, so 32k tokens is ~1.5 GB.
+DEFAULT_SAMPLE_TOKEN_BUDGET = 32768
 
 
 @dataclass
@@ -96,10 +99,12 @@ class TorchBackend:
         device: str | None = None,
         dtype: torch.dtype | None = None,
         token_budget: int = DEFAULT_TOKEN_BUDGET,
+        sample_token_budget: int = DEFAULT_SAMPLE_TOKEN_BUDGET,
     ) -> None:
         self.device = _device(device)
         self.dtype = dtype or default_dtype(self.device)
         self.token_budget = token_budget
+        self.sample_token_budget = sample_token_budget
         self._runtimes: dict[str, _Runtime] = {}
         for name in models:
             loaded = load_model(name, cache_dir=cache_dir, device=self.device, dtype=self.dtype)
@@ -326,25 +331,44 @@ class TorchBackend:
             by_runtime.setdefault(id(runtime), []).append(index)
         for indices in by_runtime.values():
             runtime = self._samplers[batch[indices[0]].sampler_id]
-            works = [batch[i] for i in indices]
-            keys = [w.sampler_id if w.sampler_id in runtime.bank.specs else None for w in works]
-            try:
-                out = sampler.generate(
-                    runtime.model,
-                    runtime.bank,
-                    works,
-                    keys,
-                    pad_id=runtime.pad_id,
-                    decode=runtime.decode,
-                )
-            except torch.OutOfMemoryError:
-                out = [
-                    EngineError("out of memory while sampling; retry with fewer samples", "server")
-                    for _ in works
-                ]
-            for index, result in zip(indices, out, strict=True):
-                results[index] = result
+            for group in self._decode_batches([batch[i] for i in indices], indices):
+                works = [batch[i] for i in group]
+                keys = [w.sampler_id if w.sampler_id in runtime.bank.specs else None for w in works]
+                try:
+                    out = sampler.generate(
+                        runtime.model,
+                        runtime.bank,
+                        works,
+                        keys,
+                        pad_id=runtime.pad_id,
+                        decode=runtime.decode,
+                    )
+                except torch.OutOfMemoryError:
+                    out = [
+                        EngineError(
+                            "out of memory while sampling; retry with fewer samples", "server"
+                        )
+                        for _ in works
+                    ]
+                for index, result in zip(group, out, strict=True):
+                    results[index] = result
         return [r if r is not None else EngineError("not run") for r in results]
+
+    def _decode_batches(self, works: list[SampleWork], indices: list[int]) -> list[list[int]]:
+        """Split requests so each decode batch's KV cache stays within the token budget."""
+        groups: list[list[int]] = []
+        current: list[int] = []
+        used = 0
+        for work, index in zip(works, indices, strict=True):
+            cost = work.num_samples * (len(work.prompt) + work.max_tokens)
+            if current and used + cost > self.sample_token_budget:
+                groups.append(current)
+                current, used = [], 0
+            current.append(index)
+            used += cost
+        if current:
+            groups.append(current)
+        return groups
 
     def close(self) -> None:
         self._adapters.clear()
