@@ -53,6 +53,8 @@ async def finish(session_id: str, request: Request, state: State, tenant: Tenant
     if state.registry.session(session_id, tenant) is None:
         raise not_found(f"session {session_id!r}", "session_id")
     first = state.registry.finish_session(session_id, body.reason.type)
+    if first:
+        await state.release_session(session_id)
     return {"session_id": session_id, "finished": True, "first": first}
 
 

@@ -13,7 +13,7 @@ from tuneloop.server.api.errors import ApiError, not_found
 from tuneloop.server.config import ServerConfig
 from tuneloop.server.engine.types import ModelSpec
 from tuneloop.server.scheduler.futures import FutureTable, Outcome
-from tuneloop.server.scheduler.loop import EngineLoop
+from tuneloop.server.scheduler.loop import EngineLoop, failure
 from tuneloop.server.scheduler.queue import Operation, OperationQueue, OpKind, SeqConflictError
 from tuneloop.server.storage.keys import KeyStore
 from tuneloop.server.storage.layout import Layout, TinkerPath
@@ -75,6 +75,23 @@ class ServerState:
         if row is None:
             raise not_found(f"checkpoint {path!r}", field_name)
         return parsed, row
+
+    async def release_session(self, session_id: str) -> None:
+        """Free a finished session's adapters and samplers; its checkpoints stay.
+
+        Work still queued for them fails with a clear error instead of running.
+        """
+        runs, samplers = self.registry.session_children(session_id)
+        gone = failure(f"session {session_id} is finished", "user")
+        for run in runs:
+            for op in self.queue.forget_model(run):
+                self.futures.resolve(op.request_id, gone)
+            await self.engine.call(self.engine.backend.delete_adapter, run)
+        released = set(samplers)
+        for op in self.queue.drop_samples(lambda op: op.work.sampler_id not in released):
+            self.futures.resolve(op.request_id, gone)
+        for sampler_id in samplers:
+            await self.engine.call(self.engine.backend.delete_sampler, sampler_id)
 
     def skip_rejected(self, tenant: str, model_id: str, seq_id: int, body: bytes) -> None:
         """A rejected training request still consumes its seq_id (the SDKs never reuse one)."""
