@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from tuneloop.server.api.deps import State, Tenant, read_json
+from tuneloop.server.engine.files import TOKENIZER_FILES
 from tuneloop.types import (
     ClientConfigRequest,
     ClientConfigResponse,
@@ -18,19 +19,6 @@ from tuneloop.types import (
 )
 
 router = APIRouter(prefix="/api/v1")
-
-# Files a transformers tokenizer folder may hold; weights never travel this way.
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "generation_config.json",
-)
 
 
 @router.post("/client/config")
@@ -74,7 +62,7 @@ async def tokenizer(state: State, _tenant: Tenant, base_model: str) -> dict[str,
     spec = state.model_spec(base_model)
     files: dict[str, str] = {}
     digest = hashlib.sha256()
-    for name in _TOKENIZER_FILES:
+    for name in TOKENIZER_FILES:
         path = spec.tokenizer_dir / name
         if path.is_file():
             raw = path.read_bytes()

@@ -8,6 +8,20 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+# The files of a transformers tokenizer folder: served to clients and copied into exports.
+# Weights never travel this way.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
 
 @contextlib.contextmanager
 def atomic_directory(directory: Path) -> Iterator[Path]:

@@ -14,21 +14,9 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine import checkpoints
-from tuneloop.server.engine.files import atomic_directory
+from tuneloop.server.engine.files import TOKENIZER_FILES, atomic_directory
 from tuneloop.server.engine.models import load_model
 from tuneloop.server.engine.types import AdapterSpec, EngineError
-
-# Tokenizer files copied next to the weights, when the base model's folder has them.
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "added_tokens.json",
-    "chat_template.jinja",
-)
 
 
 @torch.no_grad()
@@ -64,7 +52,9 @@ def export_merged(adapter_dir: Path, out_dir: Path, *, cache_dir: Path) -> Path:
         raise EngineError("the adapter has no factors for this base model", "user")
     with atomic_directory(out_dir) as tmp:
         loaded.model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
-        for name in _TOKENIZER_FILES:
+        for name in TOKENIZER_FILES:  # generation_config.json is written by save_pretrained
+            if (tmp / name).exists():
+                continue
             source = loaded.spec.tokenizer_dir / name
             if source.is_file():
                 shutil.copy2(source, tmp / name)
