@@ -241,7 +241,11 @@ class TorchBackend:
                     for k, v in row.inputs.items()
                     if k != "target_tokens"
                 }
-                loss = compute_loss(work.loss_fn, lp, tensors, work.loss_config)
+                try:
+                    loss = compute_loss(work.loss_fn, lp, tensors, work.loss_config)
+                except EngineError as exc:  # e.g. an unknown loss: fails this request only
+                    failed.setdefault(row.work_index, exc)
+                    continue
                 value = float(loss.detach())
                 if not math.isfinite(value):
                     failed.setdefault(
