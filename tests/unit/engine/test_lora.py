@@ -1,0 +1,185 @@
+"""LoRALinear and AdapterBank: per-row routing, PEFT-style init, targets, snapshots, load checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+
+from tests.unit.engine.conftest import adapter_spec  # noqa: E402
+from tuneloop.server.engine.lora import (  # noqa: E402
+    ATTENTION_TARGETS,
+    MLP_TARGETS,
+    AdapterBank,
+    inject,
+    targets_of,
+)
+from tuneloop.server.engine.types import EngineError  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(6, 5, bias=True)
+        self.up_proj = nn.Linear(6, 5, bias=False)
+        self.other = nn.Linear(6, 6)  # not a target: never wrapped
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q_proj(x) + self.up_proj(self.other(x))
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = Block()
+        self.lm_head = nn.Linear(5, 7, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.block(x))
+
+
+def make() -> tuple[Tiny, AdapterBank]:
+    model = Tiny().requires_grad_(False)
+    return model, AdapterBank(inject(model))
+
+
+def randomise(bank: AdapterBank, key: str, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in bank.parameters(key):
+            p.copy_(0.3 * torch.randn(p.shape, generator=generator))
+
+
+def reference(model: Tiny, bank: AdapterBank, key: str | None, x: torch.Tensor) -> torch.Tensor:
+    """The model with `key`'s deltas folded into dense weights (or the base for None)."""
+
+    def lin(name: str, inp: torch.Tensor) -> torch.Tensor:
+        module = bank.modules[name]
+        weight = module.base.weight
+        if key is not None and key in module.factors:
+            a, b, scale = module.factors[key]
+            weight = weight + scale * b @ a
+        return nn.functional.linear(inp, weight, module.base.bias)
+
+    block = model.block
+    h = lin("block.q_proj", x) + lin("block.up_proj", block.other(x))
+    return lin("lm_head", h)
+
+
+def test_inject_wraps_only_targets_and_keeps_the_base_output() -> None:
+    model, bank = make()
+    assert set(bank.modules) == {"block.q_proj", "block.up_proj", "lm_head"}
+    assert isinstance(model.block.other, nn.Linear)
+    x = torch.randn(3, 4, 6)
+    expected = reference(model, bank, None, x)
+    assert torch.equal(model(x), expected)  # no routing: the base
+    with bank.routed([None, None, None], CPU):
+        assert torch.equal(model(x), expected)
+
+
+def test_targets_follow_the_spec() -> None:
+    assert targets_of(adapter_spec("a", train_mlp=False, train_unembed=False)) == ATTENTION_TARGETS
+    assert targets_of(adapter_spec("a", train_attn=False, train_unembed=False)) == MLP_TARGETS
+    _, bank = make()
+    assert bank.module_names(adapter_spec("a", train_attn=False)) == ["block.up_proj", "lm_head"]
+    with pytest.raises(EngineError, match="targets no module") as info:
+        bank.create(adapter_spec("x", train_attn=False, train_mlp=False, train_unembed=False), CPU)
+    assert info.value.category == "user"
+
+
+def test_create_initialises_like_peft_seeded() -> None:
+    _, bank = make()
+    _, bank2 = make()
+    params = bank.create(adapter_spec("a", rank=3, seed=11, alpha=12.0), CPU)
+    again = bank2.create(adapter_spec("a", rank=3, seed=11, alpha=12.0), CPU)
+    other = bank2.create(adapter_spec("b", rank=3, seed=12), CPU)
+    assert len(params) == 6
+    assert all(torch.equal(p, q) for p, q in zip(params, again, strict=True))
+    assert not torch.equal(params[0], other[0])
+    for name in bank.modules:
+        a, b, scale = bank.modules[name].factors["a"]
+        assert a.shape == (3, bank.modules[name].in_features)
+        assert b.shape == (bank.modules[name].out_features, 3)
+        assert scale == 4.0
+        assert float(a.detach().abs().max()) <= 1 / math.sqrt(a.shape[1])
+        assert float(a.detach().abs().max()) > 0
+        assert torch.count_nonzero(b) == 0
+    with pytest.raises(EngineError, match="already exists"):
+        bank.create(adapter_spec("a"), CPU)
+
+
+def test_each_row_uses_its_own_adapter_and_gradients_stay_there() -> None:
+    model, bank = make()
+    bank.create(adapter_spec("a", rank=2, seed=1), CPU)
+    bank.create(adapter_spec("b", rank=4, seed=2, train_attn=False), CPU)
+    randomise(bank, "a", 1)
+    randomise(bank, "b", 2)
+    x = torch.randn(4, 3, 6)
+    keys = ["b", None, "a", "b"]
+    with bank.routed(keys, CPU):
+        out = model(x)
+    for i, key in enumerate(keys):
+        torch.testing.assert_close(out[i], reference(model, bank, key, x[i : i + 1])[0])
+
+    # Row 2 alone drives a's gradient; b's gradient comes from rows 0 and 3 only.
+    with bank.routed(keys, CPU):
+        model(x)[2].sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in bank.parameters("a"))
+    assert all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in bank.parameters("b"))
+    for p in bank.parameters("a"):
+        p.grad = None
+    with bank.routed(keys, CPU):
+        (model(x)[1].sum() + model(x)[2].sum() * 0).backward()
+    assert all(p.grad is None or p.grad.abs().sum() == 0 for p in bank.parameters("a"))
+
+
+def test_routing_is_cleared_even_on_errors() -> None:
+    model, bank = make()
+    bank.create(adapter_spec("a"), CPU)
+    randomise(bank, "a", 3)
+    with pytest.raises(RuntimeError), bank.routed(["a"], CPU):
+        raise RuntimeError("boom")
+    assert all(m.routing is None for m in bank.modules.values())
+    x = torch.randn(1, 2, 6)
+    assert torch.equal(model(x), reference(model, bank, None, x))
+
+
+def test_snapshot_state_load_and_delete() -> None:
+    model, bank = make()
+    bank.create(adapter_spec("a", rank=2), CPU)
+    randomise(bank, "a", 4)
+    bank.snapshot("a", "snap")
+    frozen = {k: v.clone() for k, v in bank.state("snap").items()}
+    assert set(frozen) == {f"{m}.lora_{f}.weight" for m in bank.modules for f in "AB"}
+    with pytest.raises(EngineError, match="frozen sampler"):
+        bank.parameters("snap")
+    randomise(bank, "a", 5)  # the snapshot does not follow
+    assert all(torch.equal(bank.state("snap")[k], v) for k, v in frozen.items())
+
+    ids = [id(p) for p in bank.parameters("a")]
+    bank.load("a", frozen)  # in place: the optimizer's Parameter objects stay valid
+    assert [id(p) for p in bank.parameters("a")] == ids
+    x = torch.randn(1, 3, 6).expand(2, 3, 6)
+    with bank.routed(["a", "snap"], CPU):
+        out = model(x)
+    torch.testing.assert_close(out[0], out[1], rtol=0, atol=1e-5)
+
+    bad = dict(frozen)
+    bad["lm_head.lora_A.weight"] = torch.zeros(3, 5)
+    with pytest.raises(EngineError, match="shape"):
+        bank.load("a", bad)
+    missing = {k: v for k, v in frozen.items() if not k.startswith("lm_head")}
+    with pytest.raises(EngineError, match="lacks"):
+        bank.load("a", missing)
+
+    bank.delete("snap")
+    assert "snap" not in bank.specs
+    assert all("snap" not in m.factors for m in bank.modules.values())
+    assert "a" in bank.specs
