@@ -67,10 +67,13 @@ def test_save_state_writes_the_peft_layout(backend, tmp_path: Path) -> None:
     weights_only = backend.save_state("A", out / "weights", optimizer=False)
     sampler_size = backend.save_sampler_weights("A", out / "sampler")
     assert listing(out) == ["full", "sampler", "weights"]  # no temporary leftovers
-    assert listing(out / "full") == sorted(
-        [checkpoints.ADAPTER_FILE, checkpoints.CONFIG_FILE, "optimizer.pt", "tuneloop_state.json"]
-    )
-    assert listing(out / "weights") == sorted([checkpoints.ADAPTER_FILE, checkpoints.CONFIG_FILE])
+    adapter_files = [
+        checkpoints.ADAPTER_FILE,
+        checkpoints.CONFIG_FILE,
+        checkpoints.ADAPTER_META_FILE,
+    ]
+    assert listing(out / "full") == sorted([*adapter_files, "optimizer.pt", "tuneloop_state.json"])
+    assert listing(out / "weights") == sorted(adapter_files)
     assert size == sum(f.stat().st_size for f in (out / "full").iterdir())
     assert (
         weights_only == sampler_size == sum(f.stat().st_size for f in (out / "weights").iterdir())

@@ -25,6 +25,9 @@ ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "tuneloop_state.json"
+# What PEFT's config has no field for (the seed and target groups), kept beside it: an extra key
+# in adapter_config.json makes peft warn about an unknown argument.
+ADAPTER_META_FILE = "tuneloop_adapter.json"
 
 
 def peft_config(spec: AdapterSpec) -> dict[str, Any]:
@@ -39,12 +42,15 @@ def peft_config(spec: AdapterSpec) -> dict[str, Any]:
         "fan_in_fan_out": False,
         "inference_mode": True,
         "target_modules": sorted(targets_of(spec)),
-        "tuneloop": {
-            "seed": spec.seed,
-            "train_mlp": spec.train_mlp,
-            "train_attn": spec.train_attn,
-            "train_unembed": spec.train_unembed,
-        },
+    }
+
+
+def adapter_meta(spec: AdapterSpec) -> dict[str, Any]:
+    return {
+        "seed": spec.seed,
+        "train_mlp": spec.train_mlp,
+        "train_attn": spec.train_attn,
+        "train_unembed": spec.train_unembed,
     }
 
 
@@ -61,6 +67,7 @@ def write_adapter(
         }
         save_file(tensors, str(tmp / ADAPTER_FILE))
         (tmp / CONFIG_FILE).write_text(json.dumps(peft_config(spec), indent=1))
+        (tmp / ADAPTER_META_FILE).write_text(json.dumps(adapter_meta(spec)))
         if optimizer_state is not None:
             torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
             (tmp / STATE_FILE).write_text(json.dumps({"steps": steps}))
@@ -77,7 +84,8 @@ def read_factors(directory: Path) -> dict[str, torch.Tensor]:
 
 def read_spec(directory: Path, adapter_id: str) -> AdapterSpec:
     config = json.loads((directory / CONFIG_FILE).read_text())
-    extra = config.get("tuneloop", {})
+    meta_path = directory / ADAPTER_META_FILE
+    extra = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     return AdapterSpec(
         adapter_id=adapter_id,
         base_model=config["base_model_name_or_path"],

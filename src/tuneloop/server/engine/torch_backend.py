@@ -165,20 +165,41 @@ class TorchBackend:
                 results[index] = result
         return [r if r is not None else EngineError("not run") for r in results]
 
-    def _micro_batches(self, rows: list[_Row]) -> list[list[_Row]]:
-        batches: list[list[_Row]] = []
-        current: list[_Row] = []
-        width = 0
+    def _micro_batches(self, rows: list[_Row]) -> list[tuple[list[_Row], int | None]]:
+        """Split rows under the token budget (rows x padded width).
+
+        A request that fits the budget is never split across micro-batches; one that does not
+        runs alone in consecutive micro-batches, named by the second value, so that its gradient
+        can be taken back if it fails part-way.
+        """
+        by_work: dict[int, list[_Row]] = {}
         for row in rows:
-            new_width = max(width, len(row.tokens))
-            if current and new_width * (len(current) + 1) > self.token_budget:
-                batches.append(current)
-                current, new_width = [], len(row.tokens)
-            current.append(row)
-            width = new_width
+            by_work.setdefault(row.work_index, []).append(row)
+        batches: list[tuple[list[_Row], int | None]] = []
+        current: list[_Row] = []
+        for work_index, work_rows in by_work.items():
+            if self._fits(current + work_rows):
+                current += work_rows
+                continue
+            if current:
+                batches.append((current, None))
+                current = []
+            if self._fits(work_rows):
+                current = list(work_rows)
+                continue
+            part: list[_Row] = []
+            for row in work_rows:
+                if part and not self._fits([*part, row]):
+                    batches.append((part, work_index))
+                    part = []
+                part.append(row)
+            batches.append((part, work_index))
         if current:
-            batches.append(current)
+            batches.append((current, None))
         return batches
+
+    def _fits(self, rows: list[_Row]) -> bool:
+        return max((len(r.tokens) for r in rows), default=0) * len(rows) <= self.token_budget
 
     def _train(
         self, runtime: _Runtime, works: Sequence[ForwardBackwardWork]
@@ -191,7 +212,21 @@ class TorchBackend:
         losses = [0.0] * len(works)
         logprobs: list[list[np.ndarray]] = [[] for _ in works]
         failed: dict[int, EngineError] = {}
-        for micro in self._micro_batches(rows):
+        # Gradients of the adapter of a request split over several micro-batches, as they were
+        # before it: restored if the request fails after some of its micro-batches ran.
+        saved: tuple[int, list[torch.Tensor | None]] | None = None
+        for micro, alone in [*self._micro_batches(rows), ([], None)]:
+            if saved is not None and saved[0] != alone:
+                if saved[0] in failed:
+                    params = runtime.bank.parameters(works[saved[0]].adapter_id)
+                    for param, grad in zip(params, saved[1], strict=True):
+                        param.grad = grad
+                saved = None
+            if not micro:
+                break
+            if alone is not None and saved is None and not works[alone].forward_only:
+                params = runtime.bank.parameters(works[alone].adapter_id)
+                saved = (alone, [None if p.grad is None else p.grad.clone() for p in params])
             try:
                 self._run_micro_batch(runtime, works, micro, losses, logprobs, failed)
             except torch.OutOfMemoryError:
@@ -312,6 +347,9 @@ class TorchBackend:
         weights_dir: Path | None = None,
     ) -> None:
         runtime = self._runtime(base_model)
+        if sampler_id in self._adapters:
+            raise EngineError(f"{sampler_id!r} names a training adapter", "user")
+        self.delete_sampler(sampler_id)  # a reused id must not keep stale factors
         if adapter_id is not None:
             runtime.bank.snapshot(adapter_id, sampler_id)  # in memory, as of now
         elif weights_dir is not None:
