@@ -14,7 +14,7 @@ trained tokens = non-padding target tokens. Sampling: tokens/s of 8 prompts x N 
 one request with num_samples=8. Also: the latency of a 1-datum forward_backward on the server,
 and the server's RSS.
 
-    python bench/engine.py [--steps 8] [--cache-dir ~/.cache/tuneloop] [--json out.json]
+    python bench/engine.py [--steps 6] [--cache-dir ~/.cache/tuneloop] [--json out.json]
     python bench/engine.py --quick    # smoke run, ~1-2 minutes
 """
 
