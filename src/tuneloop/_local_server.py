@@ -6,15 +6,18 @@ spawns the `tuneloop` command, so the SDK still never imports the server package
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 READY_TIMEOUT_S = 60.0
 
@@ -78,9 +81,17 @@ def _wait_ready(process: subprocess.Popen[str]) -> str:
             continue
         seen.append(line)
         if line.startswith("tuneloop serving at "):
+            # Keep reading the server's output: a full pipe would block the server.
+            threading.Thread(target=_drain, args=(process.stdout,), daemon=True).start()
             return line.split(" at ", 1)[1].strip()
     stop(process)
     raise RuntimeError("server did not become ready:\n" + "".join(seen))
+
+
+def _drain(stream: IO[str]) -> None:
+    with contextlib.suppress(ValueError, OSError):  # closed by stop()
+        for _line in stream:
+            pass
 
 
 def stop(process: subprocess.Popen[str], timeout: float = 15.0) -> int:
