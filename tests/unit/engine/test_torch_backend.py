@@ -144,7 +144,15 @@ def test_chunked_lm_head_matches_unchunked(backend, monkeypatch: pytest.MonkeyPa
         p.grad = None
     # Chunks of 3 positions: several chunks per row, each checkpointed.
     monkeypatch.setattr(logprobs_module, "LOGIT_ELEMENTS_PER_CHUNK", VOCAB * 2 * 3)
+    monkeypatch.setattr(logprobs_module, "LOGIT_ELEMENTS_UNCHUNKED", 0)
+    calls = []
+    monkeypatch.setattr(
+        logprobs_module,
+        "checkpoint",
+        lambda *a, **k: calls.append(1) or torch.utils.checkpoint.checkpoint(*a, **k),
+    )
     ok(backend.forward_backward([work("A", DATA_A)])[0])
+    assert len(calls) > 2  # the chunked, recomputing path really ran
     assert_near(forward(backend, "A", DATA_A), whole_lp, 1e-6, "chunked logprobs")
     assert_near(grads(backend, "A"), whole_g, 1e-6, "chunked grads", relative=True)
 

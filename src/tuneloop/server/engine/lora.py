@@ -35,9 +35,12 @@ def targets_of(spec: AdapterSpec) -> tuple[str, ...]:
 
 @dataclass
 class Routing:
-    """Which adapter each batch row uses: adapter key -> row indices; rows absent use the base."""
+    """Which adapter each batch row uses: adapter key -> row indices (None: every row).
 
-    groups: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    Rows absent from every group use the base model alone.
+    """
+
+    groups: list[tuple[str, torch.Tensor | None]] = field(default_factory=list)
 
     @classmethod
     def from_rows(cls, row_keys: Sequence[str | None], device: torch.device) -> Routing:
@@ -45,6 +48,9 @@ class Routing:
         for index, key in enumerate(row_keys):
             if key is not None:
                 rows.setdefault(key, []).append(index)
+        if len(rows) == 1 and len(next(iter(rows.values()))) == len(row_keys):
+            # One adapter for the whole batch (the common case): no gather/scatter of rows.
+            return cls([(next(iter(rows)), None)])
         return cls([(k, torch.tensor(v, device=device)) for k, v in rows.items()])
 
 
@@ -79,9 +85,15 @@ class LoRALinear(nn.Module):
             if factors is None:
                 continue  # this adapter does not target this module
             a, b, scale = factors
-            x_rows = x.index_select(0, rows).to(a.dtype)
-            delta = (x_rows @ a.t()) @ b.t() * scale  # [rows, ..., out]
-            out = out.index_add(0, rows, delta.to(out.dtype))
+            x_rows = x if rows is None else x.index_select(0, rows)
+            # 2-D matmuls (3-D ones fall into a slow batched kernel on CPU), the scale folded
+            # into B ([r, out]) rather than applied to the [tokens, out] result.
+            flat = x_rows.reshape(-1, x.shape[-1]).to(a.dtype)
+            delta = ((flat @ a.t()) @ (b.t() * scale)).view(*x_rows.shape[:-1], -1)
+            if rows is None:
+                out = out + delta.to(out.dtype)
+            else:
+                out = out.index_add(0, rows, delta.to(out.dtype))
         return out
 
 
