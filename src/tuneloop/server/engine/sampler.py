@@ -48,10 +48,8 @@ def _generator(seed: int | None, index: int) -> torch.Generator:
     return torch.Generator().manual_seed((base * 1_000_003 + index) % (2**63 - 1))
 
 
-def _choose(logits: torch.Tensor, work: SampleWork, generator: torch.Generator) -> int:
-    if work.temperature == 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits / work.temperature, dim=-1)
+def _filtered(probs: torch.Tensor, work: SampleWork) -> torch.Tensor:
+    """One row's probabilities with top-k and top-p applied (unnormalised)."""
     if work.top_k > 0 and work.top_k < probs.shape[-1]:
         kth = torch.topk(probs, work.top_k).values[-1]
         probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
@@ -61,7 +59,29 @@ def _choose(logits: torch.Tensor, work: SampleWork, generator: torch.Generator) 
         drop = cumulative - sorted_probs / sorted_probs.sum() >= work.top_p
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return probs
+
+
+def _choose(logits: torch.Tensor, rows: list[_Row], temperature: torch.Tensor) -> list[int]:
+    """Next token of every row at once: inverse-CDF draws with one uniform per row.
+
+    Each row's uniform comes from its own generator, so a row's tokens depend on its seed and
+    its logits only, never on what else shares the batch.
+    """
+    greedy = torch.argmax(logits, dim=-1)
+    # Greedy rows (temperature 0) divide by 1: their draw is replaced by the argmax below.
+    divisor = torch.where(temperature == 0, torch.ones_like(temperature), temperature)
+    probs = torch.softmax(logits / divisor[:, None], dim=-1)
+    for i, row in enumerate(rows):
+        if row.work.top_k > 0 or row.work.top_p < 1.0:
+            probs[i] = _filtered(probs[i], row.work)
+    # u in (0, 1]: the first index whose CDF reaches u * total always has probability > 0.
+    u = torch.stack([1.0 - torch.rand((), generator=row.generator) for row in rows])
+    cdf = probs.cumsum(dim=-1)
+    drawn = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[:, -1])[:, None]).squeeze(1)
+    drawn = drawn.clamp(max=logits.shape[-1] - 1)
+    chosen = torch.where(temperature == 0, greedy, drawn)
+    return [int(t) for t in chosen.tolist()]
 
 
 def _topk(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
@@ -104,6 +124,8 @@ def generate(
     input_ids, mask = input_ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     scored = _score_prompts(model, bank, works, keys, pad_id, device)
+    # A growing cache: a static one (written in place, no re-copy per step) was measured 10 %
+    # slower on CPU at 128 rows x 64 steps, its attention spanning the full length every step.
     cache = DynamicCache()
     with bank.routed(row_keys, device):
         out = model(
@@ -117,15 +139,20 @@ def generate(
         logits = out.logits[:, -1].float()
         steps = max(w.max_tokens for w in works)
         next_pos = positions[:, -1:] + 1
+        temperature = torch.tensor([r.work.temperature for r in rows], device=device)
         for _ in range(steps):
             step_logprobs = torch.log_softmax(logits, dim=-1)
+            chosen = _choose(logits, rows, temperature)
+            chosen_logprobs = step_logprobs.gather(1, torch.tensor(chosen, device=device)[:, None])[
+                :, 0
+            ].tolist()
             next_tokens = torch.full((len(rows), 1), pad_id, dtype=torch.long)
             for i, row in enumerate(rows):
                 if row.stop_reason is not None:
                     continue
-                token = _choose(logits[i], row.work, row.generator)
+                token = chosen[i]
                 row.tokens.append(token)
-                row.logprobs.append(float(step_logprobs[i, token]))
+                row.logprobs.append(float(chosen_logprobs[i]))
                 if row.work.topk_sample_logprobs:
                     row.topk.append(_topk(step_logprobs[i], row.work.topk_sample_logprobs))
                 row.stop_reason = _finished(row, token, decode)
