@@ -47,8 +47,19 @@ def _execute(backend: Backend, batch: Batch) -> list[Any]:
 
 
 class EngineLoop:
-    def __init__(self, backend: Backend, queue: OperationQueue, futures: FutureTable) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        queue: OperationQueue,
+        futures: FutureTable,
+        sample_gather_s: float = 0.0,
+    ) -> None:
         self.backend = backend
+        # A sampling batch that is not full waits this long for more requests: a client's
+        # burst of concurrent samples then decodes as one batch instead of the first request
+        # alone and the rest after it (measured: 8 concurrent requests ran at 0.66x of one
+        # batch of 8 without it).
+        self.sample_gather_s = sample_gather_s
         self.queue = queue
         self.futures = futures
         # One engine thread: the backend is never called concurrently, so it needs no locks.
@@ -69,6 +80,10 @@ class EngineLoop:
         batch = self.queue.next_batch()
         if batch is None:
             return False
+        room = self.queue.max_sample_batch - len(batch.ops)
+        if batch.kind == "sample" and self.sample_gather_s > 0 and room > 0:
+            await asyncio.sleep(self.sample_gather_s)
+            batch.ops.extend(self.queue.take_samples(room))
         loop = asyncio.get_running_loop()
         results = await loop.run_in_executor(self._executor, _execute, self.backend, batch)
         for op, result in zip(batch.ops, results, strict=True):

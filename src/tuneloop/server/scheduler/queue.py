@@ -100,6 +100,14 @@ class OperationQueue:
     def submit_sample(self, op: Operation) -> None:
         self._samples.append(op)
 
+    def take_samples(self, limit: int) -> list[Operation]:
+        """Up to `limit` more queued sampling operations, oldest first."""
+        return [self._samples.popleft() for _ in range(min(limit, len(self._samples)))]
+
+    @property
+    def max_sample_batch(self) -> int:
+        return self._max_sample_batch
+
     def forget_model(self, model_id: str) -> list[Operation]:
         """Drop a model's stream; return its pending operations so their futures can fail."""
         stream = self._streams.pop(model_id, None)
