@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import random
+import shlex
 import time
 import uuid
 from collections.abc import Mapping
@@ -31,6 +32,8 @@ __all__ = [
     "env_api_key",
     "env_base_url",
     "env_cache_dir",
+    "env_home",
+    "env_serve_args",
     "error_from_response",
     "retry_delay",
 ]
@@ -255,6 +258,17 @@ def env_base_url() -> str | None:
 
 def env_api_key() -> str | None:
     return os.environ.get("TUNELOOP_API_KEY") or None
+
+
+def env_home() -> Path:
+    """Where a locally started server keeps its data: $TUNELOOP_HOME, else ~/.tuneloop."""
+    override = os.environ.get("TUNELOOP_HOME")
+    return Path(override).expanduser() if override else Path.home() / ".tuneloop"
+
+
+def env_serve_args() -> list[str]:
+    """Extra `tuneloop serve` arguments for a locally started server ($TUNELOOP_SERVE_ARGS)."""
+    return shlex.split(os.environ.get("TUNELOOP_SERVE_ARGS", ""))
 
 
 def env_cache_dir() -> Path:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-READY_TIMEOUT_S = 60.0
+# Long enough for a first start that converts the packaged model (~16 s) and imports torch.
+READY_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -45,14 +47,21 @@ def create_key(data_dir: Path, tenant: str) -> str:
     return out.stdout.strip()
 
 
-@contextmanager
-def live_server(
-    data_dir: Path, *extra: str, backend: str = "fake", models: tuple[str, ...] = ()
-) -> Iterator[LiveServer]:
-    """A server with its own data dir and a key for tenant "alice"; stopped on exit."""
-    key = create_key(data_dir, "alice")
+def start_server(
+    data_dir: Path,
+    *extra: str,
+    key: str,
+    backend: str = "fake",
+    models: tuple[str, ...] = (),
+    ready_timeout_s: float = READY_TIMEOUT_S,
+) -> LiveServer:
+    """Start `tuneloop serve` on a free port of 127.0.0.1 and wait until it is ready.
+
+    The server watches this process and stops by itself if it dies (even by SIGKILL), so it
+    never outlives its owner.
+    """
     args = ["serve", "--host", "127.0.0.1", "--port", "0", "--data-dir", str(data_dir)]
-    args += ["--long-poll-s", "5", "--backend", backend]
+    args += ["--long-poll-s", "5", "--backend", backend, "--parent-pid", str(os.getpid())]
     for model in models:
         args += ["--model", model]
     process = subprocess.Popen(
@@ -62,36 +71,54 @@ def live_server(
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+    lines: queue.Queue[str | None] = queue.Queue(maxsize=1000)
+    # Keep reading the server's output for its whole life: a full pipe would block it.
+    threading.Thread(target=_drain, args=(process.stdout, lines), daemon=True).start()
     try:
-        url = _wait_ready(process)
-        yield LiveServer(url, key, data_dir, process)
-    finally:
+        url = _wait_ready(lines, ready_timeout_s)
+    except BaseException:
         stop(process)
+        raise
+    return LiveServer(url, key, data_dir, process)
 
 
-def _wait_ready(process: subprocess.Popen[str]) -> str:
-    assert process.stdout is not None
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    seen = []
+@contextmanager
+def live_server(
+    data_dir: Path, *extra: str, backend: str = "fake", models: tuple[str, ...] = ()
+) -> Iterator[LiveServer]:
+    """A server with its own data dir and a key for tenant "alice"; stopped on exit."""
+    server = start_server(
+        data_dir, *extra, key=create_key(data_dir, "alice"), backend=backend, models=models
+    )
+    try:
+        yield server
+    finally:
+        stop(server.process)
+
+
+def _wait_ready(lines: queue.Queue[str | None], timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    seen: list[str] = []
     while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            if process.poll() is not None:
-                break
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
             continue
+        if line is None:  # the server exited
+            break
         seen.append(line)
         if line.startswith("tuneloop serving at "):
-            # Keep reading the server's output: a full pipe would block the server.
-            threading.Thread(target=_drain, args=(process.stdout,), daemon=True).start()
             return line.split(" at ", 1)[1].strip()
-    stop(process)
-    raise RuntimeError("server did not become ready:\n" + "".join(seen))
+    raise RuntimeError("server did not become ready:\n" + "".join(seen[-40:]))
 
 
-def _drain(stream: IO[str]) -> None:
+def _drain(stream: IO[str], lines: queue.Queue[str | None]) -> None:
+    """Pass the server's output lines on until it ends (the caller reads only the first)."""
     with contextlib.suppress(ValueError, OSError):  # closed by stop()
-        for _line in stream:
-            pass
+        for line in stream:
+            with contextlib.suppress(queue.Full):  # nobody reads after startup: drop
+                lines.put_nowait(line)
+    lines.put(None)
 
 
 def stop(process: subprocess.Popen[str], timeout: float = 15.0) -> int:

@@ -49,14 +49,19 @@ def resolve_base_url(base_url: str | None) -> str:
     url = base_url or env_base_url()
     if not url:
         raise TuneloopError(
-            "no tuneloop server address: pass ServiceClient(base_url='http://host:port') "
-            "or set the TUNELOOP_BASE_URL environment variable"
+            "no tuneloop server address: pass base_url='http://host:port' or set the "
+            "TUNELOOP_BASE_URL environment variable (a ServiceClient given neither starts a "
+            "local server)"
         )
     return url.rstrip("/")
 
 
 class ServiceClient:
     """A session on a tuneloop server.
+
+    The server is `base_url`, else $TUNELOOP_BASE_URL, else a local server this process starts
+    in a child process and stops when the last client closes or the process exits (the key is
+    made for it; extra `tuneloop serve` flags come from $TUNELOOP_SERVE_ARGS).
 
     Startup (blocking): `POST /api/v1/client/config`, `POST /api/v1/create_session`, then a
     heartbeat every 10 s until `close()`. Use it as a context manager to close it reliably.
@@ -72,13 +77,25 @@ class ServiceClient:
         _transport: httpx.AsyncBaseTransport | None = None,
         _heartbeat_interval_s: float | None = None,
     ) -> None:
-        self._holder = ClientHolder(
-            resolve_base_url(base_url), api_key or env_api_key(), transport=_transport
-        )
+        self._embedded = False
+        if base_url is None and env_base_url() is None and _transport is None:
+            # The embedded default: a local server in a child process (see tuneloop._embedded).
+            from tuneloop import _embedded
+
+            local = _embedded.acquire()
+            self._embedded = True
+            base_url, api_key = local.url, api_key or local.key
         try:
-            self.session_id: str = self._holder.call(self._start(user_metadata, project_id))
+            self._holder = ClientHolder(
+                resolve_base_url(base_url), api_key or env_api_key(), transport=_transport
+            )
+            try:
+                self.session_id: str = self._holder.call(self._start(user_metadata, project_id))
+            except BaseException:
+                self._holder.close()
+                raise
         except BaseException:
-            self._holder.close()
+            self._release_embedded()
             raise
         self._holder.start_heartbeat(_heartbeat_interval_s)
         self._closed = False
@@ -275,6 +292,14 @@ class ServiceClient:
             logger.warning("could not finish session %s: %s", self.session_id, exc)
         finally:
             self._holder.close()
+            self._release_embedded()
+
+    def _release_embedded(self) -> None:
+        if self._embedded:
+            from tuneloop import _embedded
+
+            self._embedded = False
+            _embedded.release()
 
     def __enter__(self) -> ServiceClient:
         return self

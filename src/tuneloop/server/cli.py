@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +48,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--cache-dir", type=Path, default=None, help="converted models (default ~/.cache/tuneloop)"
     )
     serve.add_argument("--long-poll-s", type=float, default=None)
+    serve.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="stop when this process exits (used when a client starts a local server)",
+    )
     serve.set_defaults(func=_serve)
 
     keys = sub.add_parser("keys", help="manage API keys")
@@ -92,6 +101,13 @@ def _keys_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exit_with_parent(server: Any, parent_pid: int) -> None:
+    """Shut the server down once the process that started it is gone (even after SIGKILL)."""
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    server.should_exit = True
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -126,6 +142,10 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"tuneloop serving at http://{config.host}:{port}", flush=True)
 
     setattr(server, "startup", startup)  # noqa: B010 - announce readiness with the real port
+    if args.parent_pid is not None:
+        threading.Thread(
+            target=_exit_with_parent, args=(server, args.parent_pid), daemon=True
+        ).start()
     # uvicorn turns SIGTERM into a graceful shutdown and then re-raises it to the handler that
     # was installed before: make that one a no-op, so a requested stop exits with status 0.
     signal.signal(signal.SIGTERM, lambda _sig, _frame: None)

@@ -21,10 +21,12 @@ def wait_until(predicate, timeout=5.0):
     return False
 
 
-def test_missing_base_url_is_a_clear_error(monkeypatch):
+def test_rest_client_without_an_address_is_a_clear_error(monkeypatch):
+    # A ServiceClient given no address starts a local server (tests/integration/
+    # test_embedded_default.py); a RestClient has nothing to start and says what to set.
     monkeypatch.delenv("TUNELOOP_BASE_URL", raising=False)
     with pytest.raises(TuneloopError, match="TUNELOOP_BASE_URL"):
-        tuneloop.ServiceClient()
+        tuneloop.RestClient()
 
 
 def test_base_url_and_key_from_environment(monkeypatch, server):
