@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
-import re
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -17,6 +13,7 @@ from fastapi import APIRouter, Request
 
 from tuneloop.server.api.deps import State, Tenant, read_json, require_content_type
 from tuneloop.server.api.errors import ApiError, bad_request, not_found
+from tuneloop.server.api.seq_guard import consumes_seq
 from tuneloop.server.api.state import ServerState
 from tuneloop.server.api.validation import forward_backward_work
 from tuneloop.server.engine.backend import Backend
@@ -46,84 +43,6 @@ from tuneloop.types import (
 from tuneloop.types.codec import decode_forward_backward_request, encode_forward_backward_output
 
 router = APIRouter(prefix="/api/v1")
-
-
-_JSON_IDS = re.compile(rb'"model_id"\s*:\s*"([^"]+)".*?"seq_id"\s*:\s*(\d+)', re.S)
-
-
-def _varint(raw: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = raw[pos]
-        value |= (byte & 0x7F) << shift
-        pos += 1
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-
-
-def _leading_proto_ids(raw: bytes) -> tuple[str, int] | None:
-    """model_id (field 1) and seq_id (field 2) from the start of a possibly cut protobuf."""
-    pos, model_id, seq_id = 0, None, None
-    while pos < len(raw) and (model_id is None or seq_id is None):
-        tag, pos = _varint(raw, pos)
-        if tag == (1 << 3 | 2):
-            length, pos = _varint(raw, pos)
-            model_id, pos = raw[pos : pos + length].decode(), pos + length
-        elif tag == (2 << 3 | 0):
-            seq_id, pos = _varint(raw, pos)
-        else:
-            return None
-    return (model_id, seq_id) if model_id is not None and seq_id is not None else None
-
-
-def _locate(raw: bytes, headers: Any) -> tuple[str, int] | None:
-    """Best effort (model_id, seq_id) of a body, JSON or (possibly zstd) protobuf, maybe cut."""
-    try:
-        if headers.get("content-type", "").startswith("application/x-protobuf"):
-            if headers.get("content-encoding", "").lower() == "zstd":
-                raw = zstandard.ZstdDecompressor().decompressobj().decompress(raw)
-            return _leading_proto_ids(raw)
-        found = _JSON_IDS.search(raw)
-        return (found[1].decode(), int(found[2])) if found else None
-    except Exception:  # unreadable: there is no seq_id to consume
-        return None
-
-
-@contextlib.asynccontextmanager
-async def seq_consumed_on_rejection(
-    request: Request, state: ServerState, tenant: str
-) -> AsyncIterator[None]:
-    """If validation rejects a training request, its seq_id still counts as used.
-
-    The SDKs assign seq_ids at call time and never reuse one, so a rejected request that left
-    a hole would make every later request of that model wait forever.
-    """
-    raw = await request.body()
-    try:
-        if getattr(request.state, "body_too_large", False):
-            limit = state.config.max_request_bytes
-            raise ApiError(413, f"request body exceeds {limit} bytes", "body")
-        yield
-    except ApiError as exc:
-        located = _locate(raw, request.headers) if exc.status in (400, 413, 415) else None
-        if located is not None:
-            state.skip_rejected(tenant, *located, raw)
-        raise
-
-
-Handler = Callable[[Request, ServerState, str], Awaitable[dict[str, Any]]]
-
-
-def consumes_seq(handler: Handler) -> Handler:
-    """Route decorator: run the handler under `seq_consumed_on_rejection`."""
-
-    @functools.wraps(handler)
-    async def wrapper(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
-        async with seq_consumed_on_rejection(request, state, tenant):
-            return await handler(request, state, tenant)
-
-    return wrapper
 
 
 def json_outcome(payload: dict[str, Any]) -> Outcome:
