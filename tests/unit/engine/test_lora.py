@@ -80,7 +80,7 @@ def test_inject_wraps_only_targets_and_keeps_the_base_output() -> None:
     x = torch.randn(3, 4, 6)
     expected = reference(model, bank, None, x)
     assert torch.equal(model(x), expected)  # no routing: the base
-    with bank.routed([None, None, None], CPU):
+    with bank.routed([None, None, None]):
         assert torch.equal(model(x), expected)
 
 
@@ -123,19 +123,19 @@ def test_each_row_uses_its_own_adapter_and_gradients_stay_there() -> None:
     randomise(bank, "b", 2)
     x = torch.randn(4, 3, 6)
     keys = ["b", None, "a", "b"]
-    with bank.routed(keys, CPU):
+    with bank.routed(keys):
         out = model(x)
     for i, key in enumerate(keys):
         torch.testing.assert_close(out[i], reference(model, bank, key, x[i : i + 1])[0])
 
     # Row 2 alone drives a's gradient; b's gradient comes from rows 0 and 3 only.
-    with bank.routed(keys, CPU):
+    with bank.routed(keys):
         model(x)[2].sum().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in bank.parameters("a"))
     assert all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in bank.parameters("b"))
     for p in bank.parameters("a"):
         p.grad = None
-    with bank.routed(keys, CPU):
+    with bank.routed(keys):
         (model(x)[1].sum() + model(x)[2].sum() * 0).backward()
     assert all(p.grad is None or p.grad.abs().sum() == 0 for p in bank.parameters("a"))
 
@@ -144,7 +144,7 @@ def test_routing_is_cleared_even_on_errors() -> None:
     model, bank = make()
     bank.create(adapter_spec("a"), CPU)
     randomise(bank, "a", 3)
-    with pytest.raises(RuntimeError), bank.routed(["a"], CPU):
+    with pytest.raises(RuntimeError), bank.routed(["a"]):
         raise RuntimeError("boom")
     assert all(m.routing is None for m in bank.modules.values())
     x = torch.randn(1, 2, 6)
@@ -167,7 +167,7 @@ def test_snapshot_state_load_and_delete() -> None:
     bank.load("a", frozen)  # in place: the optimizer's Parameter objects stay valid
     assert [id(p) for p in bank.parameters("a")] == ids
     x = torch.randn(1, 3, 6).expand(2, 3, 6)
-    with bank.routed(["a", "snap"], CPU):
+    with bank.routed(["a", "snap"]):
         out = model(x)
     torch.testing.assert_close(out[0], out[1], rtol=0, atol=1e-5)
 

@@ -35,27 +35,28 @@ def targets_of(spec: AdapterSpec) -> tuple[str, ...]:
 
 @dataclass
 class Routing:
-    """Which adapter each batch row uses: adapter key -> row indices (None: every row).
+    """Which adapter each batch row uses, as runs of consecutive rows: (key, start, end).
 
-    Rows absent from every group use the base model alone.
+    A key of None, or one without factors for a module, means the base model alone. Runs keep
+    every slice a view: the engine lays a batch out request by request, so one adapter's rows
+    are usually consecutive.
     """
 
-    groups: list[tuple[str, torch.Tensor | None]] = field(default_factory=list)
+    runs: list[tuple[str | None, int, int]] = field(default_factory=list)
 
     @classmethod
-    def from_rows(cls, row_keys: Sequence[str | None], device: torch.device) -> Routing:
-        rows: dict[str, list[int]] = {}
+    def from_rows(cls, row_keys: Sequence[str | None]) -> Routing:
+        runs: list[tuple[str | None, int, int]] = []
         for index, key in enumerate(row_keys):
-            if key is not None:
-                rows.setdefault(key, []).append(index)
-        if len(rows) == 1 and len(next(iter(rows.values()))) == len(row_keys):
-            # One adapter for the whole batch (the common case): no gather/scatter of rows.
-            return cls([(next(iter(rows)), None)])
-        return cls([(k, torch.tensor(v, device=device)) for k, v in rows.items()])
+            if runs and runs[-1][0] == key:
+                runs[-1] = (key, runs[-1][1], index + 1)
+            else:
+                runs.append((key, index, index + 1))
+        return cls(runs)
 
 
 class LoRALinear(nn.Module):
-    """A frozen Linear plus per-adapter factors, applied grouped by adapter over batch rows."""
+    """A frozen Linear plus per-adapter factors, applied per run of rows of one adapter."""
 
     def __init__(self, base: nn.Linear) -> None:
         super().__init__()
@@ -76,25 +77,33 @@ class LoRALinear(nn.Module):
     def weight(self) -> torch.Tensor:
         return self.base.weight
 
+    def _delta(self, key: str | None, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        factors = self.factors.get(key) if key is not None else None
+        if factors is None:
+            return None  # the base model alone, or an adapter that does not target this layer
+        a, b, scale = factors
+        # 2-D matmuls (3-D ones fall into a slow batched kernel on CPU), the scale folded into
+        # B ([r, out]) rather than applied to the [tokens, out] result.
+        flat = x.reshape(-1, x.shape[-1]).to(a.dtype)
+        return ((flat @ a.t()) @ (b.t() * scale)).view(*x.shape[:-1], -1).to(dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         if self.routing is None:
             return out
-        for key, rows in self.routing.groups:
-            factors = self.factors.get(key)
-            if factors is None:
-                continue  # this adapter does not target this module
-            a, b, scale = factors
-            x_rows = x if rows is None else x.index_select(0, rows)
-            # 2-D matmuls (3-D ones fall into a slow batched kernel on CPU), the scale folded
-            # into B ([r, out]) rather than applied to the [tokens, out] result.
-            flat = x_rows.reshape(-1, x.shape[-1]).to(a.dtype)
-            delta = ((flat @ a.t()) @ (b.t() * scale)).view(*x_rows.shape[:-1], -1)
-            if rows is None:
-                out = out + delta.to(out.dtype)
-            else:
-                out = out.index_add(0, rows, delta.to(out.dtype))
-        return out
+        runs = self.routing.runs
+        if len(runs) == 1:  # one adapter for the whole batch, the common case
+            delta = self._delta(runs[0][0], x, out.dtype)
+            return out if delta is None else out + delta
+        # Several adapters: split into runs, add each run's delta, concatenate once. (An
+        # index_add per adapter copied the whole output each time; slicing instead of split
+        # makes the backward pass zero-fill a full-size gradient per run.)
+        sizes = [end - start for _, start, end in runs]
+        pieces = []
+        for (key, _, _), x_run, out_run in zip(runs, x.split(sizes), out.split(sizes), strict=True):
+            delta = self._delta(key, x_run, out.dtype)
+            pieces.append(out_run if delta is None else out_run + delta)
+        return torch.cat(pieces, dim=0)
 
 
 def inject(model: nn.Module) -> dict[str, LoRALinear]:
@@ -211,9 +220,9 @@ class AdapterBank:
         self.specs.pop(key, None)
 
     @contextlib.contextmanager
-    def routed(self, row_keys: Sequence[str | None], device: torch.device) -> Iterator[None]:
+    def routed(self, row_keys: Sequence[str | None]) -> Iterator[None]:
         """Route batch rows to adapters for the forward passes inside the block."""
-        routing = Routing.from_rows(row_keys, device)
+        routing = Routing.from_rows(row_keys)
         for module in self.modules.values():
             module.routing = routing
         try:

@@ -259,7 +259,7 @@ class TorchBackend:
             [r.inputs["target_tokens"] for r in micro], input_ids.shape[1], device
         )
         with (
-            runtime.bank.routed([r.key for r in micro], device),
+            runtime.bank.routed([r.key for r in micro]),
             torch.set_grad_enabled(needs_grad),
         ):
             all_lp = target_logprobs(
