@@ -132,7 +132,7 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = EngineLoop(backend, queue, future_table, config.sample_gather_s)
+        engine = EngineLoop(backend, queue, future_table, config.batch_gather_s)
         app.state.tuneloop = ServerState(
             config=config,
             layout=layout,

@@ -29,8 +29,8 @@ class ServerConfig:
     result_grace_s: float = 300.0
     max_request_bytes: int = 64 * 1024 * 1024
     max_sample_batch: int = 64
-    # How long a sampling batch that is not full waits for more requests to join it.
-    sample_gather_s: float = 0.02
+    # How long a sampling or forward_backward batch waits for more requests to join it.
+    batch_gather_s: float = 0.02
 
     @classmethod
     def from_env(cls, **overrides: object) -> ServerConfig:

@@ -142,17 +142,10 @@ class OperationQueue:
         operation (optim_step, save, load, create) runs, all of them in one engine trip.
         """
         candidates: list[Batch] = []
-        runs = self._ready_runs()
-        fwdbwd: list[Operation] = []
-        single: list[Operation] = []
-        for _stream, run in runs:
-            if run[0].kind == "forward_backward":
-                for op in run:
-                    if op.kind != "forward_backward":
-                        break
-                    fwdbwd.append(op)
-            else:
-                single.append(run[0])
+        fwdbwd = self._leading_forward_backward()
+        single = [
+            run[0] for _stream, run in self._ready_runs() if run[0].kind != "forward_backward"
+        ]
         if single:
             candidates.append(Batch("single", single))
         if fwdbwd:
@@ -168,14 +161,35 @@ class OperationQueue:
             if other is not chosen and other.kind == "sample":
                 self._samples.extendleft(reversed(other.ops))  # put back, keep their order
         if chosen.kind != "sample":
-            for op in chosen.ops:
-                assert op.model_id is not None
-                assert op.seq_id is not None
-                stream = self._streams[op.model_id]
-                del stream.pending[op.seq_id]
-                stream.next_seq = op.seq_id + 1
-                stream.advance()
+            self._take(chosen.ops)
         return chosen
+
+    def _leading_forward_backward(self, skip: set[str] | None = None) -> list[Operation]:
+        """The leading run of forward_backward chunks of every model (but those in `skip`)."""
+        out: list[Operation] = []
+        for _stream, run in self._ready_runs():
+            if skip and run[0].model_id in skip:
+                continue
+            for op in run:
+                if op.kind != "forward_backward":
+                    break
+                out.append(op)
+        return out
+
+    def _take(self, ops: list[Operation]) -> None:
+        for op in ops:
+            assert op.model_id is not None
+            assert op.seq_id is not None
+            stream = self._streams[op.model_id]
+            del stream.pending[op.seq_id]
+            stream.next_seq = op.seq_id + 1
+            stream.advance()
+
+    def more_forward_backward(self, batch: Batch) -> None:
+        """Add the forward_backward chunks of models that became ready since `batch` was cut."""
+        more = self._leading_forward_backward({op.model_id for op in batch.ops if op.model_id})
+        self._take(more)
+        batch.ops.extend(more)
 
     def has_work(self) -> bool:
         return bool(self._samples) or bool(self._ready_runs())
