@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -22,19 +23,23 @@ async def server(tmp_path: Path) -> AsyncIterator[tuple[Any, KeyStore]]:
         yield app, KeyStore(tmp_path / "keys.json")
 
 
-@pytest.fixture
-async def api(server: tuple[Any, KeyStore]) -> AsyncIterator[Api]:
+@contextlib.asynccontextmanager
+async def _tenant(server: tuple[Any, KeyStore], name: str) -> AsyncIterator[Api]:
+    """A client holding a fresh key of tenant `name`."""
     app, keys = server
-    key, _ = keys.create("alice")
+    key, _ = keys.create(name)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://tuneloop") as http:
         yield Api(http, key, keys)
+
+
+@pytest.fixture
+async def api(server: tuple[Any, KeyStore]) -> AsyncIterator[Api]:
+    async with _tenant(server, "alice") as client:
+        yield client
 
 
 @pytest.fixture
 async def other_tenant(server: tuple[Any, KeyStore]) -> AsyncIterator[Api]:
-    app, keys = server
-    key, _ = keys.create("bob")
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://tuneloop") as http:
-        yield Api(http, key, keys)
+    async with _tenant(server, "bob") as client:
+        yield client
