@@ -121,5 +121,5 @@ async def asample(request: Request, state: State, tenant: Tenant) -> dict[str, A
     if key is not None:
         state.sample_submissions[key] = (digest, request_id, sequence_ids)
     state.queue.submit_sample(Operation(request_id, "sample", work, _sample_outcome))
-    state.engine.notify()
+    state.engine.notify("sample")
     return {"request_id": request_id, "sample_sequence_ids": sequence_ids}

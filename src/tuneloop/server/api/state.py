@@ -122,7 +122,7 @@ class ServerState:
         self.queue.submit_training(
             Operation(request_id, kind, work, finish, model_id, seq_id, digest)
         )
-        self.engine.notify()
+        self.engine.notify(kind)
         self.registry.touch_training_run(model_id)
         return {"request_id": request_id, "model_id": model_id}
 
