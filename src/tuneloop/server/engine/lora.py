@@ -43,6 +43,11 @@ class Routing:
     """
 
     runs: list[tuple[str | None, int, int]] = field(default_factory=list)
+    # Per layer, the stacked factors of the grouped path, built once per routed block (a whole
+    # decode loop): re-stacking them every step cost more than the matmuls they replace.
+    stacked: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )
 
     @classmethod
     def from_rows(cls, row_keys: Sequence[str | None]) -> Routing:
@@ -96,6 +101,9 @@ class LoRALinear(nn.Module):
         if len(runs) == 1:  # one adapter for the whole batch, the common case
             delta = self._delta(runs[0][0], x, out.dtype)
             return out if delta is None else out + delta
+        grouped = self._grouped_delta(runs, x, out.dtype)
+        if grouped is not None:
+            return out + grouped
         # Several adapters: split into runs, add each run's delta, concatenate once. (An
         # index_add per adapter copied the whole output each time; slicing instead of split
         # makes the backward pass zero-fill a full-size gradient per run.)
@@ -105,6 +113,34 @@ class LoRALinear(nn.Module):
             delta = self._delta(key, x_run, out.dtype)
             pieces.append(out_run if delta is None else out_run + delta)
         return torch.cat(pieces, dim=0)
+
+    def _grouped_delta(
+        self, runs: list[tuple[str | None, int, int]], x: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """All adapters' deltas in two batched matmuls, when the runs allow it.
+
+        Needs equal-size runs whose adapters all target this layer with one rank: the decode
+        steps of a batch of requests with the same num_samples. There, per-adapter matmuls of a
+        few rows each cost more in per-operation overhead than in arithmetic (measured: 8
+        adapters x 1 row per decode step ran at 0.6x of one adapter x 8 rows).
+        """
+        size = runs[0][2] - runs[0][1]
+        factors = [self.factors.get(key) if key is not None else None for key, _, _ in runs]
+        if any(f is None for f in factors) or any(end - start != size for _, start, end in runs):
+            return None
+        present = [f for f in factors if f is not None]
+        if len({f[0].shape[0] for f in present}) != 1:
+            return None
+        assert self.routing is not None
+        if id(self) not in self.routing.stacked:
+            a = torch.stack([f[0] for f in present])  # [G, r, in]
+            b = torch.stack([f[1] for f in present])  # [G, out, r]
+            scale = torch.tensor([f[2] for f in present], dtype=a.dtype, device=a.device)
+            self.routing.stacked[id(self)] = (a, b, scale)
+        a, b, scale = self.routing.stacked[id(self)]
+        groups = x.reshape(len(runs), -1, x.shape[-1]).to(a.dtype)  # [G, rows x tokens, in]
+        low = torch.bmm(groups, a.transpose(1, 2)) * scale[:, None, None]  # [G, n, r]
+        return torch.bmm(low, b.transpose(1, 2)).view(*x.shape[:-1], -1).to(dtype)
 
 
 def inject(model: nn.Module) -> dict[str, LoRALinear]:
