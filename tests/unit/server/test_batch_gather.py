@@ -76,7 +76,13 @@ async def test_concurrent_sample_requests_join_one_batch() -> None:
     await arrivals
     while await loop.step():
         pass
-    assert backend.batches == [["s0"], ["s1", "s2", "s3", "s4"], ["s5"]]
+    # Nothing arrived while those batches ran (the client waits for its results); its next
+    # burst is still batched: concurrency, once seen, is remembered for a while.
+    _arrive(loop, queue, futures, sample_op("s6"))
+    arrivals = asyncio.create_task(_later(0.01, loop, queue, futures, [sample_op("s7")]))
+    await loop.step()
+    await arrivals
+    assert backend.batches == [["s0"], ["s1", "s2", "s3", "s4"], ["s5"], ["s6", "s7"]]
     await loop.stop()
 
 

@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -16,6 +18,8 @@ from tuneloop.server.scheduler.futures import FutureTable, Outcome
 from tuneloop.server.scheduler.queue import Batch, Operation, OperationQueue
 
 log = logging.getLogger(__name__)
+# How long concurrency, once seen, keeps batches waiting for company.
+CONCURRENCY_MEMORY_S = 30.0
 T = TypeVar("T")
 
 
@@ -59,11 +63,12 @@ class EngineLoop:
         # arrive together (a client's burst of samples, several tenants' steps) then share one
         # batch instead of the first running alone and the rest after it (measured: 8
         # concurrent sample requests ran at 0.66x of one batch of 8 without it). It waits only
-        # once requests of that kind were seen arriving while an earlier batch ran, so a lone
-        # client calling one request at a time pays no added latency.
+        # while requests of that kind were seen arriving during a running batch in the last
+        # CONCURRENCY_MEMORY_S, so a lone client calling one request at a time pays no added
+        # latency, and a client that sends bursts and then waits keeps its bursts batched.
         self.gather_s = gather_s
         self._arrivals = {"sample": 0, "forward_backward": 0}
-        self._concurrent = {"sample": False, "forward_backward": False}
+        self._overlap_seen_at = {"sample": -math.inf, "forward_backward": -math.inf}
         self.queue = queue
         self.futures = futures
         # One engine thread: the backend is never called concurrently, so it needs no locks.
@@ -87,7 +92,8 @@ class EngineLoop:
         batch = self.queue.next_batch()
         if batch is None:
             return False
-        if self.gather_s > 0 and self._concurrent.get(batch.kind, False):
+        recent = time.monotonic() - self._overlap_seen_at.get(batch.kind, -math.inf)
+        if self.gather_s > 0 and recent < CONCURRENCY_MEMORY_S:
             await asyncio.sleep(self.gather_s)
             if batch.kind == "sample":
                 batch.ops.extend(
@@ -99,10 +105,9 @@ class EngineLoop:
             self._arrivals[batch.kind] = 0
         loop = asyncio.get_running_loop()
         results = await loop.run_in_executor(self._executor, _execute, self.backend, batch)
-        if batch.kind in self._arrivals:
-            # Requests of this kind arrived while the batch ran: clients are working
-            # concurrently, so the next batch of this kind waits for company.
-            self._concurrent[batch.kind] = self._arrivals[batch.kind] > 0
+        if self._arrivals.get(batch.kind, 0) > 0:
+            # Requests of this kind arrived while the batch ran: clients work concurrently.
+            self._overlap_seen_at[batch.kind] = time.monotonic()
         for op, result in zip(batch.ops, results, strict=True):
             self.futures.resolve(op.request_id, self._outcome(op, result))
         self.batches_run += 1
