@@ -28,6 +28,18 @@ async def test_finish_frees_adapters_and_samplers_but_keeps_checkpoints(
         )
     )
     sampler_id = snapshot.json()["sampling_session_id"]
+    prompt = {"chunks": [{"tokens": TOKENS[:3], "type": "encoded_text"}]}
+    sampled = await api.post(
+        "asample",
+        {
+            "sampling_session_id": sampler_id,
+            "seq_id": 0,
+            "prompt": prompt,
+            "sampling_params": {"max_tokens": 2},
+        },
+    )
+    await api.result(sampled)
+    assert (sampler_id, 0) in app.state.tuneloop.sample_submissions
     # Queued behind a seq that never comes: it must fail when the session finishes, not hang.
     stuck = await api.forward_backward(model_id, 9, [datum(TOKENS)])
     assert model_id in backend._adapters
@@ -37,6 +49,7 @@ async def test_finish_frees_adapters_and_samplers_but_keeps_checkpoints(
     assert finished.status_code == 200
     assert model_id not in backend._adapters
     assert sampler_id not in backend._samplers
+    assert not any(k[0] == sampler_id for k in app.state.tuneloop.sample_submissions)
     failed = await api.result(stuck)
     assert "finished" in failed.json()["error"]
 

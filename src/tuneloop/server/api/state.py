@@ -92,6 +92,9 @@ class ServerState:
             self.futures.resolve(op.request_id, gone)
         for sampler_id in samplers:
             await self.engine.call(self.engine.backend.delete_sampler, sampler_id)
+        # Their sample-retry records go too: the map would otherwise grow with every request.
+        for key in [k for k in self.sample_submissions if k[0] in released]:
+            del self.sample_submissions[key]
 
     def skip_rejected(self, tenant: str, model_id: str, seq_id: int, body: bytes) -> None:
         """A rejected training request still consumes its seq_id (the SDKs never reuse one)."""

@@ -75,7 +75,6 @@ class EngineLoop:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.batches_run = 0
 
     def notify(self, kind: str | None = None) -> None:
         """New work was queued; `kind` ("sample", "forward_backward", ...) feeds the gather rule."""
@@ -110,7 +109,6 @@ class EngineLoop:
             self._overlap_seen_at[batch.kind] = time.monotonic()
         for op, result in zip(batch.ops, results, strict=True):
             self.futures.resolve(op.request_id, self._outcome(op, result))
-        self.batches_run += 1
         return True
 
     @staticmethod
