@@ -21,6 +21,7 @@ from tuneloop.types import (
     ListSessionsResponse,
     TrainingRun,
     TrainingRunsResponse,
+    UsageResponse,
     WeightsInfoResponse,
 )
 
@@ -171,3 +172,8 @@ class RestClient:
 
     def get_server_capabilities(self) -> APIFuture[GetServerCapabilitiesResponse]:
         return self._call("GET", "/api/v1/get_server_capabilities", GetServerCapabilitiesResponse)
+
+    def get_usage(self, session_id: str | None = None) -> APIFuture[UsageResponse]:
+        """Tokens and requests metered for your tenant, or for one of its sessions."""
+        params = {"session_id": session_id} if session_id is not None else None
+        return self._call("GET", "/api/v1/usage", UsageResponse, params=params)

@@ -32,6 +32,7 @@ from tuneloop.types import (
     LoadWeightsResponse,
     LoraConfig,
     UntypedFuture,
+    UsageResponse,
 )
 from tuneloop.types.requests import FinishReason
 
@@ -262,6 +263,13 @@ class ServiceClient:
 
     async def get_server_capabilities_async(self) -> GetServerCapabilitiesResponse:
         return await self.create_rest_client().get_server_capabilities()
+
+    def get_usage(self) -> UsageResponse:
+        """Tokens and requests metered for this session so far (blocks)."""
+        return self.create_rest_client().get_usage(self.session_id).result()
+
+    async def get_usage_async(self) -> UsageResponse:
+        return await self.create_rest_client().get_usage(self.session_id)
 
     # ---- shutdown ------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from fastapi import FastAPI
 
 from tuneloop.server.api import client, futures, rest, sampling, sessions, training
 from tuneloop.server.api.errors import error_response, install
+from tuneloop.server.api.metering import Meter, record_completed
 from tuneloop.server.api.state import ServerState
 from tuneloop.server.config import ServerConfig
 from tuneloop.server.engine.backend import Backend
@@ -132,7 +133,14 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = EngineLoop(backend, queue, future_table, config.batch_gather_s)
+        meter = Meter()
+        engine = EngineLoop(
+            backend,
+            queue,
+            future_table,
+            config.batch_gather_s,
+            on_success=lambda op, result: record_completed(meter, future_table, op, result),
+        )
         app.state.tuneloop = ServerState(
             config=config,
             layout=layout,
@@ -142,6 +150,7 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
             queue=queue,
             engine=engine,
             models={m.name: m for m in backend.models()},
+            meter=meter,
         )
         engine.start()
 
@@ -151,11 +160,14 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
                 future_table.sweep()
 
         sweeper = asyncio.get_running_loop().create_task(sweep())
+        flusher = asyncio.get_running_loop().create_task(meter.run_flusher(registry))
         try:
             yield
         finally:
             sweeper.cancel()
+            flusher.cancel()
             await engine.stop()
+            meter.flush(registry)  # the engine is stopped: these are the last counts
             registry.close()
 
     app = FastAPI(title="tuneloop", lifespan=lifespan)

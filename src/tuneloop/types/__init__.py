@@ -42,6 +42,7 @@ from tuneloop.types.responses import (
     TrainingRunsResponse,
     TryAgainResponse,
     UntypedFuture,
+    UsageResponse,
     WeightsInfoResponse,
 )
 from tuneloop.types.sampling import SampledSequence, SampleResponse, SamplingParams, StopReason
@@ -111,6 +112,7 @@ __all__ = [
     "TrainingRunsResponse",
     "TryAgainResponse",
     "UntypedFuture",
+    "UsageResponse",
     "WeightsInfoResponse",
     "WireFormatError",
 ]

@@ -169,3 +169,18 @@ class WeightsInfoResponse(ResponseBase):
     train_unembed: bool | None = None
     train_mlp: bool | None = None
     train_attn: bool | None = None
+
+
+class UsageResponse(ResponseBase):
+    """Tokens and requests metered for a tenant, or for one of its sessions.
+
+    Both maps are keyed by kind: "train" (forward_backward input tokens), "forward"
+    (forward-only input tokens), "sample_prompt" (prompt tokens, once per sample request) and
+    "sample_generated" (tokens generated over all returned sequences). A map, so a server may
+    add kinds without breaking older clients.
+    """
+
+    tenant: str
+    session_id: str | None = None
+    tokens: dict[str, int]
+    requests: dict[str, int]

@@ -277,3 +277,20 @@ def test_tokenizer_rejects_unsafe_file_names(service, server, tmp_path, monkeypa
     with pytest.raises(errors.APIResponseValidationError, match="plain file name"):
         _tokenizer.get_tokenizer(service._holder, "tiny-base")
     assert not (tmp_path / "evil.json").exists()
+
+
+def test_usage_of_the_session_and_of_the_tenant(service, server):
+    body = {
+        "tenant": "me",
+        "session_id": "sess-1",
+        "tokens": {"train": 8, "forward": 0, "sample_prompt": 4, "sample_generated": 6},
+        "requests": {"train": 1, "forward": 0, "sample_prompt": 1, "sample_generated": 1},
+    }
+    server.queue("GET", "/api/v1/usage", httpx.Response(200, json=body))
+    usage = service.get_usage()
+    assert usage.tokens["train"] == 8
+    assert usage.session_id == "sess-1"
+    assert server.requests[-1].url.params["session_id"] == "sess-1"
+    server.queue("GET", "/api/v1/usage", httpx.Response(200, json={**body, "session_id": None}))
+    assert service.create_rest_client().get_usage().result(5).session_id is None
+    assert "session_id" not in server.requests[-1].url.params

@@ -1,15 +1,15 @@
-"""REST routes: training runs, checkpoints, weights info. Always scoped to the caller's tenant."""
+"""REST routes: training runs, checkpoints, weights info, usage. Always scoped to the caller's
+tenant."""
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
 
 from tuneloop.server.api.deps import State, Tenant, read_json
 from tuneloop.server.api.errors import ApiError, bad_request, not_found
+from tuneloop.server.api.metering import summarize
 from tuneloop.server.api.state import ServerState
 from tuneloop.server.storage.layout import TinkerPath
 from tuneloop.server.storage.registry import CheckpointRow, TrainingRunRow
@@ -19,6 +19,7 @@ from tuneloop.types import (
     Cursor,
     TrainingRun,
     TrainingRunsResponse,
+    UsageResponse,
     WeightsInfoResponse,
 )
 from tuneloop.types._base import StrictBase
@@ -110,10 +111,8 @@ async def delete_checkpoint(
         path = TinkerPath.parse(f"tinker://{run_id}/{segment}/{name}")
     except ValueError as exc:
         raise bad_request(f"checkpoint_id: {exc}", "checkpoint_id") from None
-    row = state.registry.delete_checkpoint(str(path), tenant)
-    if row is None:
+    if state.registry.remove_checkpoint(str(path), tenant) is None:
         raise not_found(f"checkpoint {path}", "checkpoint_id")
-    shutil.rmtree(Path(row.directory), ignore_errors=True)
     return {"deleted": str(path)}
 
 
@@ -146,3 +145,17 @@ async def weights_info(request: Request, state: State, tenant: Tenant) -> dict[s
         train_mlp=run.train_mlp,
         train_attn=run.train_attn,
     ).model_dump()
+
+
+@router.get("/usage")
+async def usage(state: State, tenant: Tenant, session_id: str | None = None) -> dict[str, Any]:
+    """Tokens and requests metered for the caller, or for one of its sessions."""
+    if session_id is not None and state.registry.session(session_id, tenant) is None:
+        raise not_found(f"session {session_id!r}", "session_id")
+    # Write what is still counted in memory first, so the answer includes every completed
+    # operation whose result the caller may already hold.
+    await state.meter.flush_async(state.registry)
+    tokens, requests = summarize(state.registry.usage(tenant, session_id))
+    return UsageResponse(
+        tenant=tenant, session_id=session_id, tokens=tokens, requests=requests
+    ).model_dump(mode="json")

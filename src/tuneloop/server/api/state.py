@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 from fastapi import Request
 
 from tuneloop.server.api.errors import ApiError, not_found
+from tuneloop.server.api.metering import Meter
 from tuneloop.server.config import ServerConfig
 from tuneloop.server.engine.types import ModelSpec
 from tuneloop.server.scheduler.futures import FutureTable, Outcome
@@ -18,6 +20,8 @@ from tuneloop.server.scheduler.queue import Operation, OperationQueue, OpKind, S
 from tuneloop.server.storage.keys import KeyStore
 from tuneloop.server.storage.layout import Layout, TinkerPath
 from tuneloop.server.storage.registry import CheckpointRow, Registry, SessionRow, TrainingRunRow
+
+log = logging.getLogger(__name__)
 
 
 def fingerprint(body: bytes) -> str:
@@ -34,6 +38,7 @@ class ServerState:
     queue: OperationQueue
     engine: EngineLoop
     models: dict[str, ModelSpec]
+    meter: Meter = field(default_factory=Meter)
     # (sampling_session_id, seq_id) -> (fingerprint, request_id, sample_sequence_ids)
     sample_submissions: dict[tuple[str, int], tuple[str, str, list[str]]] = field(
         default_factory=dict
@@ -95,6 +100,10 @@ class ServerState:
         # Their sample-retry records go too: the map would otherwise grow with every request.
         for key in [k for k in self.sample_submissions if k[0] in released]:
             del self.sample_submissions[key]
+        try:  # the session's usage is final now: write it, so readers see it at once
+            await self.meter.flush_async(self.registry)
+        except Exception:  # the periodic flush retries; finishing must not fail for this
+            log.exception("writing usage counts failed")
 
     def skip_rejected(self, tenant: str, model_id: str, seq_id: int, body: bytes) -> None:
         """A rejected training request still consumes its seq_id (the SDKs never reuse one)."""

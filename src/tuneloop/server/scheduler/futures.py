@@ -50,6 +50,11 @@ class FutureTable:
         entry.outcome = outcome
         entry.event.set()
 
+    def tenant(self, request_id: str) -> str | None:
+        """Who submitted the request (for metering completed work)."""
+        entry = self._entries.get(request_id)
+        return entry.tenant if entry is not None else None
+
     def kind(self, request_id: str, tenant: str) -> str | None:
         entry = self._entries.get(request_id)
         return entry.kind if entry is not None and entry.tenant == tenant else None

@@ -57,8 +57,11 @@ class EngineLoop:
         queue: OperationQueue,
         futures: FutureTable,
         gather_s: float = 0.0,
+        on_success: Callable[[Operation, Any], None] | None = None,
     ) -> None:
         self.backend = backend
+        # Told of every operation that succeeded, with its engine result (usage metering).
+        self.on_success = on_success
         # A sampling or forward_backward batch waits this long for company: requests that
         # arrive together (a client's burst of samples, several tenants' steps) then share one
         # batch instead of the first running alone and the rest after it (measured: 8
@@ -108,7 +111,13 @@ class EngineLoop:
             # Requests of this kind arrived while the batch ran: clients work concurrently.
             self._overlap_seen_at[batch.kind] = time.monotonic()
         for op, result in zip(batch.ops, results, strict=True):
-            self.futures.resolve(op.request_id, self._outcome(op, result))
+            outcome = self._outcome(op, result)
+            if not outcome.failed and self.on_success is not None:
+                try:
+                    self.on_success(op, result)
+                except Exception:  # a metering bug must not fail the user's request
+                    log.exception("on_success hook failed for %s", op.request_id)
+            self.futures.resolve(op.request_id, outcome)
         return True
 
     @staticmethod

@@ -1,15 +1,33 @@
-"""The metadata registry: sessions, training runs, checkpoints, samplers, each with its tenant.
+"""The metadata registry: sessions, training runs, checkpoints, samplers, usage, each with its
+tenant.
 
-SQLite through SQLAlchemy by default (a Postgres URL works the same). Every lookup takes the
-caller's tenant, so a row of another tenant is simply not found.
+SQLite through SQLAlchemy by default (a Postgres URL works the same). Every lookup the API makes
+takes the caller's tenant, so a row of another tenant is simply not found; the few methods that
+span tenants are for the operator's command line and say so.
 """
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, DateTime, Integer, String, create_engine, event, func, select
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Integer,
+    String,
+    create_engine,
+    event,
+    func,
+    select,
+    update,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 from sqlalchemy.types import TypeDecorator
 
@@ -85,6 +103,43 @@ class SamplerRow(Base):
     base_model: Mapped[str] = mapped_column(String(256))
     model_path: Mapped[str | None] = mapped_column(String(512), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class UsageRow(Base):
+    """Tokens and requests metered for one (tenant, session, model, kind); counts accumulate."""
+
+    __tablename__ = "usage"
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    session_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    # A training run id or a sampler id.
+    model_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    # "train", "forward", "sample_prompt" or "sample_generated" (see api/metering.py).
+    kind: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+@dataclass(frozen=True)
+class UsageCount:
+    """Counts to add to one usage row."""
+
+    tenant: str
+    session_id: str
+    model_id: str
+    kind: str
+    tokens: int
+    requests: int
+
+
+@dataclass(frozen=True)
+class UsageTotal:
+    """The sum over a tenant's usage rows of one kind (optionally of one session)."""
+
+    tenant: str
+    kind: str
+    tokens: int
+    requests: int
 
 
 class Registry:
@@ -226,7 +281,105 @@ class Registry:
             db.delete(row)
             return row
 
+    def remove_checkpoint(self, tinker_path: str, tenant: str) -> CheckpointRow | None:
+        """Delete the row, then its files; None if the tenant has no such checkpoint.
+
+        The one way a checkpoint goes (REST delete and `tuneloop checkpoints delete`): the row
+        first, so a crash in between leaves orphaned files and never a row without files.
+        """
+        row = self.delete_checkpoint(tinker_path, tenant)
+        if row is not None:
+            shutil.rmtree(Path(row.directory), ignore_errors=True)
+        return row
+
     # ---- samplers ---------------------------------------------------------------------------
 
     def sampler(self, sampler_id: str, tenant: str) -> SamplerRow | None:
         return self._get(SamplerRow, sampler_id, tenant)
+
+    # ---- usage ------------------------------------------------------------------------------
+
+    def add_usage(self, counts: Iterable[UsageCount]) -> None:
+        """Add counts to their rows (created on first use), all in one transaction."""
+        with self._db() as db, db.begin():
+            for c in counts:
+                key = (
+                    (UsageRow.tenant == c.tenant)
+                    & (UsageRow.session_id == c.session_id)
+                    & (UsageRow.model_id == c.model_id)
+                    & (UsageRow.kind == c.kind)
+                )
+                # An in-place increment, so the sum is right even if another writer got there
+                # first; the insert only happens for a key never seen before.
+                changed = db.execute(
+                    update(UsageRow)
+                    .where(key)
+                    .values(
+                        tokens=UsageRow.tokens + c.tokens,
+                        requests=UsageRow.requests + c.requests,
+                        updated_at=utcnow(),
+                    )
+                )
+                if getattr(changed, "rowcount", 0) == 0:
+                    db.add(
+                        UsageRow(
+                            tenant=c.tenant,
+                            session_id=c.session_id,
+                            model_id=c.model_id,
+                            kind=c.kind,
+                            tokens=c.tokens,
+                            requests=c.requests,
+                            updated_at=utcnow(),
+                        )
+                    )
+                    db.flush()
+
+    def usage(self, tenant: str, session_id: str | None = None) -> list[UsageTotal]:
+        """The tenant's totals per kind, over all its sessions or over one."""
+        return self.usage_totals(tenant, session_id)
+
+    # ---- operator views (command line only: they span tenants when tenant is None) ----------
+
+    def usage_totals(
+        self, tenant: str | None = None, session_id: str | None = None
+    ) -> list[UsageTotal]:
+        """Totals per (tenant, kind), ordered by tenant then kind."""
+        query = select(
+            UsageRow.tenant,
+            UsageRow.kind,
+            func.sum(UsageRow.tokens),
+            func.sum(UsageRow.requests),
+        ).group_by(UsageRow.tenant, UsageRow.kind)
+        if tenant is not None:
+            query = query.where(UsageRow.tenant == tenant)
+        if session_id is not None:
+            query = query.where(UsageRow.session_id == session_id)
+        with self._db() as db:
+            rows = db.execute(query.order_by(UsageRow.tenant, UsageRow.kind)).all()
+        return [UsageTotal(t, k, int(tok or 0), int(req or 0)) for t, k, tok, req in rows]
+
+    def session_any_tenant(self, session_id: str) -> SessionRow | None:
+        with self._db() as db:
+            return db.get(SessionRow, session_id)
+
+    def all_training_runs(self, tenant: str | None = None) -> list[TrainingRunRow]:
+        query = select(TrainingRunRow).order_by(TrainingRunRow.created_at.desc())
+        if tenant is not None:
+            query = query.where(TrainingRunRow.tenant == tenant)
+        with self._db() as db:
+            return list(db.scalars(query))
+
+    def all_checkpoints(
+        self, tenant: str | None = None, training_run_id: str | None = None
+    ) -> list[CheckpointRow]:
+        query = select(CheckpointRow).order_by(CheckpointRow.created_at.desc())
+        if tenant is not None:
+            query = query.where(CheckpointRow.tenant == tenant)
+        if training_run_id is not None:
+            query = query.where(CheckpointRow.training_run_id == training_run_id)
+        with self._db() as db:
+            return list(db.scalars(query))
+
+    def checkpoint_any_tenant(self, tinker_path: str) -> CheckpointRow | None:
+        with self._db() as db:
+            return db.get(CheckpointRow, tinker_path)
