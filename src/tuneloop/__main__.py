@@ -1,3 +1,5 @@
+"""`python -m tuneloop` is the `tuneloop` command (clients start local servers this way)."""
+
 import sys
 
 from tuneloop.cli import main

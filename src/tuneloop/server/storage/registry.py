@@ -369,6 +369,10 @@ class Registry:
         with self._db() as db:
             return list(db.scalars(query))
 
+    def training_run_any_tenant(self, run_id: str) -> TrainingRunRow | None:
+        with self._db() as db:
+            return db.get(TrainingRunRow, run_id)
+
     def all_checkpoints(
         self, tenant: str | None = None, training_run_id: str | None = None
     ) -> list[CheckpointRow]:

@@ -1,0 +1,140 @@
+"""`tuneloop serve`: run the server with uvicorn until stopped (SIGTERM exits 0)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from tuneloop.server.cli.common import (
+    DataDirOption,
+    DbUrlOption,
+    KeysFileOption,
+    need_server_extra,
+)
+from tuneloop.server.config import ServerConfig
+
+
+class BackendName(StrEnum):
+    torch = "torch"
+    fake = "fake"
+
+
+class DtypeName(StrEnum):
+    bfloat16 = "bfloat16"
+    float32 = "float32"
+
+
+def serve(
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on; 0 lets the OS pick one.")] = 8000,
+    data_dir: DataDirOption = None,
+    db_url: DbUrlOption = None,
+    keys_file: KeysFileOption = None,
+    backend: Annotated[
+        BackendName,
+        typer.Option(
+            help="torch: the real engine; fake: a NumPy stand-in for testing the service."
+        ),
+    ] = BackendName.torch,
+    models: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--model",
+            metavar="NAME_OR_PATH",
+            help="Base model to keep resident (repeatable; default: SmolLM2-135M-Instruct).",
+            show_default=False,
+        ),
+    ] = None,
+    device: Annotated[
+        str | None,
+        typer.Option(help="Torch device (default: cuda if present, else cpu).", show_default=False),
+    ] = None,
+    dtype: Annotated[
+        DtypeName | None,
+        typer.Option(
+            help="Base model weights (default: bfloat16 on GPU, float32 on CPU).",
+            show_default=False,
+        ),
+    ] = None,
+    cache_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Converted models (default: $TUNELOOP_CACHE_DIR, else ~/.cache/tuneloop).",
+            show_default=False,
+        ),
+    ] = None,
+    long_poll_s: Annotated[
+        float | None,
+        typer.Option(
+            help="How long retrieve_future holds a poll before answering try-again (default 30).",
+            show_default=False,
+        ),
+    ] = None,
+    parent_pid: Annotated[
+        int | None,
+        typer.Option(
+            help="Stop when this process exits (used when a client starts a local server).",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Run the tuneloop server (prints `tuneloop serving at URL` once it accepts requests)."""
+    try:
+        import uvicorn
+
+        from tuneloop.server.app import create_app
+    except ImportError as exc:
+        need_server_extra(exc)
+
+    config = ServerConfig.from_env(
+        host=host,
+        port=port,
+        data_dir=data_dir,
+        db_url=db_url,
+        keys_file=keys_file,
+        backend=backend.value,
+        models=tuple(models or ()) or None,
+        device=device,
+        dtype=dtype.value if dtype is not None else None,
+        cache_dir=cache_dir,
+        long_poll_s=long_poll_s,
+    )
+    app = create_app(config)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+        )
+    )
+    original_startup = server.startup
+
+    async def startup(sockets: Any = None) -> None:
+        await original_startup(sockets=sockets)
+        if server.started:  # with --port 0 the OS picks the port: print the bound one
+            bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else config.port
+            print(f"tuneloop serving at http://{config.host}:{bound}", flush=True)
+
+    setattr(server, "startup", startup)  # noqa: B010 - announce readiness with the real port
+    if parent_pid is not None:
+        threading.Thread(target=_exit_with_parent, args=(server, parent_pid), daemon=True).start()
+    # uvicorn turns SIGTERM into a graceful shutdown and then re-raises it to the handler that
+    # was installed before: make that one a no-op, so a requested stop exits with status 0.
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: None)
+    server.run()
+
+
+def _exit_with_parent(server: Any, parent_pid: int) -> None:
+    """Shut the server down once the process that started it is gone (even after SIGKILL)."""
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    server.should_exit = True
