@@ -117,7 +117,9 @@ def train(be: Any, adapter_id: str, examples: Sequence[Any], steps: int, lr: flo
 
 
 def bank(be: Any) -> Any:
-    return be._runtimes[TINY].bank
+    """The adapter bank of the backend's one model."""
+    [runtime] = be._runtimes.values()
+    return runtime.bank
 
 
 def params(be: Any, adapter_id: str) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from tests.unit.engine.conftest import (  # noqa: E402
 )
 from tuneloop.server.engine import logprobs as logprobs_module  # noqa: E402
 from tuneloop.server.engine.torch_backend import TorchBackend  # noqa: E402
-from tuneloop.server.engine.types import EngineError, Example  # noqa: E402
+from tuneloop.server.engine.types import AdapterSpec, EngineError, Example  # noqa: E402
 
 DATA_A = [example(seq(12, 1)), example(seq(7, 2))]
 DATA_B = [example(seq(9, 3)), example(seq(15, 4), weights=np.linspace(0, 2, 14))]
@@ -155,6 +155,47 @@ def test_chunked_lm_head_matches_unchunked(backend, monkeypatch: pytest.MonkeyPa
     assert len(calls) > 2  # the chunked, recomputing path really ran
     assert_near(forward(backend, "A", DATA_A), whole_lp, 1e-6, "chunked logprobs")
     assert_near(grads(backend, "A"), whole_g, 1e-6, "chunked grads", relative=True)
+
+
+@pytest.mark.parametrize("model", ["tuneloop/tiny-qwen3", "tuneloop/tiny-llama"])
+def test_packed_batches_equal_padded_ones(tmp_path: Path, model: str) -> None:
+    """Sequences packed end to end give the padded batch's logprobs, losses and gradients."""
+    be = TorchBackend([model], cache_dir=tmp_path, device="cpu")
+    runtime = be._runtimes[model]
+    assert runtime.packed  # SDPA models pack by default
+    for i, key in enumerate("AB"):
+        be.create_adapter(AdapterSpec(key, model, 4, i))
+        with torch.no_grad():  # B != 0: each adapter changes the outputs its own way
+            for p in runtime.bank.parameters(key):
+                p.normal_(0, 0.05)
+    batch = [work("A", DATA_A), work("B", DATA_B), work("A", DATA_C, forward_only=True)]
+    runs = {}
+    for packed in (True, False):
+        runtime.packed = packed
+        for key in "AB":
+            for p in runtime.bank.parameters(key):
+                p.grad = None
+        results = [ok(r) for r in be.forward_backward(batch)]
+        runs[packed] = (
+            [r.logprobs for r in results],
+            [r.metrics["loss:sum"] for r in results],
+            {key: grads(be, key) for key in "AB"},
+        )
+    (lp_p, loss_p, g_p), (lp_u, loss_u, g_u) = runs[True], runs[False]
+    assert_near(lp_p, lp_u, 1e-5, "packed vs padded logprobs")
+    assert_near(loss_p, loss_u, 1e-4, "packed vs padded loss", relative=True)
+    assert_near(g_p, g_u, 1e-5, "packed vs padded grads", relative=True)
+    be.close()
+
+
+def test_packed_attention_stays_within_each_sequence(tmp_path: Path) -> None:
+    """A sequence's logprobs do not change with what it is packed next to."""
+    be = TorchBackend([TINY], cache_dir=tmp_path, device="cpu")
+    be.create_adapter(adapter_spec("A"))
+    alone = forward(be, "A", DATA_A[1:])
+    after_other = forward(be, "A", [DATA_B[1], DATA_A[1]])
+    assert_near(after_other[1:], alone, 1e-5, "packed after another sequence vs alone")
+    be.close()
 
 
 # ---- 3. losses through the engine -------------------------------------------------------------

@@ -53,14 +53,25 @@ def _head_logprobs(
 
 
 def _hidden_and_head(
-    model: nn.Module, input_ids: torch.Tensor, lengths: Sequence[int]
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    lengths: Sequence[int],
+    position_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, nn.Module, float | None, int]:
-    """Final hidden states [B, T, d] of right-padded rows, the LM head, its softcap, vocab."""
-    width = input_ids.shape[1]
-    positions = torch.arange(width, device=input_ids.device)
-    mask = (positions[None, :] < torch.as_tensor(lengths, device=input_ids.device)[:, None]).long()
+    """Final hidden states [B, T, d], the LM head, its softcap, vocab.
+
+    Rows are right-padded to `lengths`; with `position_ids` given, the input is one packed row
+    instead (no mask: the packed attention keeps sequences apart).
+    """
     decoder: nn.Module = model.get_decoder()  # type: ignore[operator]
-    hidden = decoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
+    if position_ids is not None:
+        hidden = decoder(input_ids=input_ids, position_ids=position_ids).last_hidden_state
+    else:
+        width = input_ids.shape[1]
+        positions = torch.arange(width, device=input_ids.device)
+        lens = torch.as_tensor(lengths, device=input_ids.device)
+        mask = (positions[None, :] < lens[:, None]).long()
+        hidden = decoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
     head: nn.Module = model.get_output_embeddings()  # type: ignore[operator]
     softcap = getattr(model.config, "final_logit_softcapping", None)
     vocab = int(head.weight.shape[0])  # type: ignore[index]
@@ -73,13 +84,19 @@ def _chunk(rows: int, vocab: int) -> int:
 
 
 def target_logprobs(
-    model: nn.Module, input_ids: torch.Tensor, lengths: Sequence[int], targets: torch.Tensor
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    lengths: Sequence[int],
+    targets: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """log p(targets[b, t, k] | input_ids[b, :t+1]) for every row, as [B, T, K] float32.
 
     Differentiable when grad is enabled. Positions past a row's length are padding (garbage).
+    With `position_ids`, `input_ids` is one packed row [1, sum(lengths)] (see packing.py; call
+    inside `packed_segments(lengths)`).
     """
-    hidden, head, softcap, vocab = _hidden_and_head(model, input_ids, lengths)
+    hidden, head, softcap, vocab = _hidden_and_head(model, input_ids, lengths, position_ids)
     width = input_ids.shape[1]
     if input_ids.shape[0] * width * vocab <= LOGIT_ELEMENTS_UNCHUNKED:
         return _head_logprobs(head, softcap, hidden, targets)
@@ -94,6 +111,23 @@ def target_logprobs(
         else:
             pieces.append(_head_logprobs(head, softcap, h, t))
     return torch.cat(pieces, dim=1)
+
+
+def pack_rows(rows: Sequence[np.ndarray], device: torch.device) -> torch.Tensor:
+    """1-D token rows end to end as one row [1, sum(len)]."""
+    return torch.as_tensor(np.concatenate(rows), dtype=torch.long)[None].to(device)
+
+
+def pack_targets(targets: Sequence[np.ndarray], device: torch.device) -> torch.Tensor:
+    """Targets [N] or [N, K] per row, end to end, as [1, sum(N), K] (K = the widest's, 0-padded)."""
+    k = max(1 if t.ndim == 1 else t.shape[1] for t in targets)
+    out = torch.zeros((1, sum(t.shape[0] for t in targets), k), dtype=torch.long)
+    start = 0
+    for t in targets:
+        t2 = t[:, None] if t.ndim == 1 else t
+        out[0, start : start + t2.shape[0], : t2.shape[1]] = torch.as_tensor(t2, dtype=torch.long)
+        start += t2.shape[0]
+    return out.to(device)
 
 
 @torch.no_grad()

@@ -39,7 +39,8 @@ class Routing:
 
     A key of None, or one without factors for a module, means the base model alone. Runs keep
     every slice a view: the engine lays a batch out request by request, so one adapter's rows
-    are usually consecutive.
+    are usually consecutive. A "row" is a unit of the flattened leading dimensions: a batch row
+    of a padded [B, T] batch, or a token of a packed [1, T] row (`from_lengths`).
     """
 
     runs: list[tuple[str | None, int, int]] = field(default_factory=list)
@@ -57,6 +58,19 @@ class Routing:
                 runs[-1] = (key, runs[-1][1], index + 1)
             else:
                 runs.append((key, index, index + 1))
+        return cls(runs)
+
+    @classmethod
+    def from_lengths(cls, keys: Sequence[str | None], lengths: Sequence[int]) -> Routing:
+        """Token runs of a packed row: segment i, of lengths[i] tokens, uses keys[i]."""
+        runs: list[tuple[str | None, int, int]] = []
+        start = 0
+        for key, length in zip(keys, lengths, strict=True):
+            if runs and runs[-1][0] == key:
+                runs[-1] = (key, runs[-1][1], start + length)
+            else:
+                runs.append((key, start, start + length))
+            start += length
         return cls(runs)
 
 
@@ -106,13 +120,18 @@ class LoRALinear(nn.Module):
             return out + grouped
         # Several adapters: split into runs, add each run's delta, concatenate once. (An
         # index_add per adapter copied the whole output each time; slicing instead of split
-        # makes the backward pass zero-fill a full-size gradient per run.)
-        sizes = [end - start for _, start, end in runs]
+        # makes the backward pass zero-fill a full-size gradient per run.) Runs count rows of
+        # the flattened leading dimensions, so one split serves padded and packed batches.
+        per_row = x.numel() // x.shape[-1] // runs[-1][2]
+        sizes = [(end - start) * per_row for _, start, end in runs]
+        flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
         pieces = []
-        for (key, _, _), x_run, out_run in zip(runs, x.split(sizes), out.split(sizes), strict=True):
+        for (key, _, _), x_run, out_run in zip(
+            runs, flat_x.split(sizes), flat_out.split(sizes), strict=True
+        ):
             delta = self._delta(key, x_run, out.dtype)
             pieces.append(out_run if delta is None else out_run + delta)
-        return torch.cat(pieces, dim=0)
+        return torch.cat(pieces, dim=0).view(out.shape)
 
     def _grouped_delta(
         self, runs: list[tuple[str | None, int, int]], x: torch.Tensor, dtype: torch.dtype
@@ -257,9 +276,18 @@ class AdapterBank:
         self.specs.pop(key, None)
 
     @contextlib.contextmanager
-    def routed(self, row_keys: Sequence[str | None]) -> Iterator[None]:
-        """Route batch rows to adapters for the forward passes inside the block."""
-        routing = Routing.from_rows(row_keys)
+    def routed(
+        self, row_keys: Sequence[str | None], lengths: Sequence[int] | None = None
+    ) -> Iterator[None]:
+        """Route batch rows to adapters for the forward passes inside the block.
+
+        With `lengths`, the batch is one packed row and row_keys[i] covers lengths[i] tokens.
+        """
+        routing = (
+            Routing.from_rows(row_keys)
+            if lengths is None
+            else Routing.from_lengths(row_keys, lengths)
+        )
         for module in self.modules.values():
             module.routing = routing
         try:

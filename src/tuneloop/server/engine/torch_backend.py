@@ -3,11 +3,14 @@
 One forward/backward batch may hold rows of several adapters (sessions, tenants): each row is
 routed through its own adapter (`lora.AdapterBank.routed`), the losses of every request are
 summed, and one backward pass fills each adapter's gradients from its own rows only. Gradients
-accumulate across forward_backward calls until that adapter's optim_step.
+accumulate across forward_backward calls until that adapter's optim_step. Rows are packed end to
+end with no padding (packing.py) on models whose attention allows it, padded otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,11 +22,18 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine import checkpoints, sampler
-from tuneloop.server.engine.logprobs import pad_rows, pad_targets, target_logprobs
+from tuneloop.server.engine.logprobs import (
+    pack_rows,
+    pack_targets,
+    pad_rows,
+    pad_targets,
+    target_logprobs,
+)
 from tuneloop.server.engine.lora import AdapterBank, inject
 from tuneloop.server.engine.losses import compute_loss
 from tuneloop.server.engine.models import LoadedModel, default_dtype, load_model
 from tuneloop.server.engine.optim import AdapterOptimizer
+from tuneloop.server.engine.packing import enable_packing, packed_positions, packed_segments
 from tuneloop.server.engine.types import (
     AdamStep,
     AdapterSpec,
@@ -35,7 +45,8 @@ from tuneloop.server.engine.types import (
     SampleWork,
 )
 
-# Tokens (rows x padded width) per micro-batch: a large request is split so activations fit.
+# Tokens per micro-batch (packed: real tokens; padded: rows x padded width): a large request is
+# split so that activations fit.
 DEFAULT_TOKEN_BUDGET = 8192
 # KV-cache tokens (rows x (prompt + max_tokens)) per decode batch: SmolLM2-135M keeps ~46 KB per
 # token in fp32, so 32k tokens is ~1.5 GB.
@@ -49,6 +60,7 @@ class _Runtime:
     loaded: LoadedModel
     bank: AdapterBank
     pad_id: int
+    packed: bool = False  # training batches packed end to end (see packing.py)
     tokenizer: Any = None
 
     @property
@@ -111,7 +123,10 @@ class TorchBackend:
             pad = getattr(loaded.model.config, "pad_token_id", None)
             bank = AdapterBank(inject(loaded.model))
             self._runtimes[loaded.spec.name] = _Runtime(
-                loaded, bank, pad if isinstance(pad, int) else loaded.spec.eos_token_id
+                loaded,
+                bank,
+                pad if isinstance(pad, int) else loaded.spec.eos_token_id,
+                packed=enable_packing(loaded.model),
             )
         self._adapters: dict[str, _Adapter] = {}
         self._samplers: dict[str, _Runtime] = {}
@@ -165,8 +180,8 @@ class TorchBackend:
                 results[index] = result
         return [r if r is not None else EngineError("not run") for r in results]
 
-    def _micro_batches(self, rows: list[_Row]) -> list[tuple[list[_Row], int | None]]:
-        """Split rows under the token budget (rows x padded width).
+    def _micro_batches(self, rows: list[_Row], packed: bool) -> list[tuple[list[_Row], int | None]]:
+        """Split rows under the token budget (packed: total tokens; else rows x padded width).
 
         A request that fits the budget is never split across micro-batches; one that does not
         runs alone in consecutive micro-batches, named by the second value, so that its gradient
@@ -177,19 +192,23 @@ class TorchBackend:
             by_work.setdefault(row.work_index, []).append(row)
         batches: list[tuple[list[_Row], int | None]] = []
         current: list[_Row] = []
+
+        def fits(candidate: list[_Row]) -> bool:
+            return self._tokens(candidate, packed) <= self.token_budget
+
         for work_index, work_rows in by_work.items():
-            if self._fits(current + work_rows):
+            if fits(current + work_rows):
                 current += work_rows
                 continue
             if current:
                 batches.append((current, None))
                 current = []
-            if self._fits(work_rows):
+            if fits(work_rows):
                 current = list(work_rows)
                 continue
             part: list[_Row] = []
             for row in work_rows:
-                if part and not self._fits([*part, row]):
+                if part and not fits([*part, row]):
                     batches.append((part, work_index))
                     part = []
                 part.append(row)
@@ -198,8 +217,11 @@ class TorchBackend:
             batches.append((current, None))
         return batches
 
-    def _fits(self, rows: list[_Row]) -> bool:
-        return max((len(r.tokens) for r in rows), default=0) * len(rows) <= self.token_budget
+    @staticmethod
+    def _tokens(rows: list[_Row], packed: bool) -> int:
+        if packed:
+            return sum(len(r.tokens) for r in rows)
+        return max((len(r.tokens) for r in rows), default=0) * len(rows)
 
     def _train(
         self, runtime: _Runtime, works: Sequence[ForwardBackwardWork]
@@ -215,7 +237,7 @@ class TorchBackend:
         # Gradients of the adapter of a request split over several micro-batches, as they were
         # before it: restored if the request fails after some of its micro-batches ran.
         saved: tuple[int, list[torch.Tensor | None]] | None = None
-        for micro, alone in [*self._micro_batches(rows), ([], None)]:
+        for micro, alone in [*self._micro_batches(rows, runtime.packed), ([], None)]:
             if saved is not None and saved[0] != alone:
                 if saved[0] in failed:
                     params = runtime.bank.parameters(works[saved[0]].adapter_id)
@@ -254,21 +276,36 @@ class TorchBackend:
     ) -> None:
         device = runtime.device
         needs_grad = any(not works[r.work_index].forward_only for r in micro)
-        input_ids = pad_rows([r.tokens for r in micro], runtime.pad_id, device)
-        targets = pad_targets(
-            [r.inputs["target_tokens"] for r in micro], input_ids.shape[1], device
-        )
+        lengths = [len(r.tokens) for r in micro]
+        row_targets = [r.inputs["target_tokens"] for r in micro]
+        if runtime.packed:
+            input_ids = pack_rows([r.tokens for r in micro], device)
+            targets = pack_targets(row_targets, device)
+            positions: torch.Tensor | None = packed_positions(lengths, device)
+            # row i's positions in the [1, total] output start after the rows before it
+            offsets = [(0, start) for start in itertools.accumulate([0, *lengths[:-1]])]
+            segments: Any = packed_segments(lengths)
+        else:
+            input_ids = pad_rows([r.tokens for r in micro], runtime.pad_id, device)
+            targets = pad_targets(row_targets, input_ids.shape[1], device)
+            positions = None
+            offsets = [(i, 0) for i in range(len(micro))]
+            segments = contextlib.nullcontext()
         with (
-            runtime.bank.routed([r.key for r in micro]),
+            runtime.bank.routed([r.key for r in micro], lengths if runtime.packed else None),
+            segments,
             torch.set_grad_enabled(needs_grad),
         ):
-            all_lp = target_logprobs(
-                runtime.model, input_ids, [len(r.tokens) for r in micro], targets
-            )
+            all_lp = target_logprobs(runtime.model, input_ids, lengths, targets, positions)
             row_losses: list[tuple[int, torch.Tensor]] = []
             for i, row in enumerate(micro):
                 target = row.inputs["target_tokens"]
-                lp = all_lp[i, : len(row.tokens), : (1 if target.ndim == 1 else target.shape[1])]
+                batch_row, start = offsets[i]
+                lp = all_lp[
+                    batch_row,
+                    start : start + len(row.tokens),
+                    : (1 if target.ndim == 1 else target.shape[1]),
+                ]
                 lp = lp[:, 0] if target.ndim == 1 else lp
                 work = works[row.work_index]
                 tensors = {
