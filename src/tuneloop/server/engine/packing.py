@@ -71,7 +71,7 @@ def enable_packing(model: nn.Module) -> bool:
     Models with anything but plain SDPA (eager-only architectures, attention softcapping,
     sliding windows) keep their attention and train on padded batches.
     """
-    config = model.config  # type: ignore[union-attr]
+    config = model.config
     if getattr(config, "_attn_implementation", None) != "sdpa":
         return False
     if getattr(config, "attn_logit_softcapping", None) or getattr(config, "sliding_window", None):
