@@ -20,7 +20,8 @@ class ServerConfig:
     backend: str = "torch"
     models: tuple[str, ...] = field(default_factory=tuple)  # torch: default SmolLM2-135M
     device: str | None = None  # torch: default cuda if present, else cpu
-    dtype: str | None = None  # torch: "bfloat16" or "float32"; default bf16 on GPU, fp32 on CPU
+    # torch: "bfloat16" or "float32"; default: measured per device (engine/dtypes.py)
+    dtype: str | None = None
     # Converted and downloaded models, shared by every server on the machine.
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "tuneloop")
     # retrieve_future holds a poll this long before answering try_again; the official SDK's

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from tuneloop.server.engine.dtypes import choose_dtype
 from tuneloop.server.engine.types import EngineError, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,15 @@ class LoadedModel:
     model: torch.nn.Module  # a transformers *ForCausalLM in eval mode, all parameters frozen
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+def default_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The measured fastest dtype (dtypes.py), except fp32 for the built-in tiny models.
+
+    The tiny models exist for exact tests (sampler logprobs = forward logprobs, packed = padded)
+    and gain nothing from bf16 at their size; they still load in bf16 when asked to.
+    """
+    if name in _TINY_BUILDERS:
+        return torch.float32
+    return choose_dtype(device)
 
 
 def load_model(

@@ -114,12 +114,17 @@ class TorchBackend:
         sample_token_budget: int = DEFAULT_SAMPLE_TOKEN_BUDGET,
     ) -> None:
         self.device = _device(device)
-        self.dtype = dtype or default_dtype(self.device)
+        self.dtype = dtype  # None: per model, the measured fastest (dtypes.py)
         self.token_budget = token_budget
         self.sample_token_budget = sample_token_budget
         self._runtimes: dict[str, _Runtime] = {}
         for name in models:
-            loaded = load_model(name, cache_dir=cache_dir, device=self.device, dtype=self.dtype)
+            loaded = load_model(
+                name,
+                cache_dir=cache_dir,
+                device=self.device,
+                dtype=dtype or default_dtype(name, self.device),
+            )
             pad = getattr(loaded.model.config, "pad_token_id", None)
             bank = AdapterBank(inject(loaded.model))
             self._runtimes[loaded.spec.name] = _Runtime(

@@ -1,0 +1,59 @@
+"""The base model's weight dtype, chosen per device by measurement.
+
+bf16 weights halve the bytes every matmul and decode step reads; where the hardware multiplies
+bf16 natively (GPU tensor cores, CPU matrix units such as AMX) they are also several times faster
+to multiply. Where it does not (CPUs without bf16 instructions) bf16 is emulated and slower than
+fp32. So on a CPU a short timed matmul decides: bf16 only if it beats fp32 by a clear margin.
+LoRA factors, optimizer state, losses and logprobs stay fp32 whatever this picks.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# bf16 must be this much faster than fp32 on the probe to be chosen: matrix units (AMX) measure
+# several x, emulated bf16 (an AVX2-only CPU) ~0.02x, so noise on a busy machine cannot flip it.
+MIN_BF16_SPEEDUP = 1.5
+# Small enough that the probe costs milliseconds where bf16 is emulated (~50x slower), large
+# enough that matrix units show their speed: [tokens, hidden] @ [hidden, hidden].
+_PROBE_SHAPE = (128, 512, 512)
+
+
+def _best_seconds(a: torch.Tensor, b: torch.Tensor, repeats: int = 3) -> float:
+    a @ b  # warm-up: kernel selection, packing of weights
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@functools.cache
+def cpu_bf16_speedup() -> float:
+    """fp32 time / bf16 time of the probe matmul on this CPU, with the current thread count."""
+    m, k, n = _PROBE_SHAPE
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=generator)
+    b = torch.randn(k, n, generator=generator)
+    fp32 = _best_seconds(a, b)
+    bf16 = _best_seconds(a.bfloat16(), b.bfloat16())
+    return fp32 / bf16
+
+
+def choose_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on GPUs that support it and on CPUs where it measures faster; fp32 otherwise."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    if device.type != "cpu":
+        return torch.float32
+    speedup = cpu_bf16_speedup()
+    chosen = torch.bfloat16 if speedup >= MIN_BF16_SPEEDUP else torch.float32
+    log.info("bf16 matmul is %.2fx fp32 on this CPU: weights in %s", speedup, chosen)
+    return chosen
