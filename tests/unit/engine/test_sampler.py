@@ -192,6 +192,35 @@ def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(trained) -> N
     assert [s.tokens for s in other_seed[0].sequences] != tokens
 
 
+def test_prompts_prefill_once_and_finished_rows_leave_the_batch(trained) -> None:
+    """A request's num_samples share one prefill row; a row that stops stops costing."""
+    model = trained._runtimes[TINY].model
+    shapes: list[tuple[int, int]] = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, _a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    p = prompt(5, 11)
+    ref = sample(trained, [sw("sA", p, max_tokens=30, seed=8)])[0].sequences[0].tokens
+    shapes.clear()
+    works = [
+        sw("sA", p, num_samples=4, max_tokens=30, seed=8, stop_token_ids=(ref[3],)),
+        sw("sB", prompt(9, 12), num_samples=2, max_tokens=20, seed=3),
+    ]
+    try:
+        stopped, full = sample(trained, works)
+    finally:
+        hook.remove()
+    assert shapes[0] == (2, 9)  # one prefill row per request, not per sample
+    decode_rows = [rows for rows, width in shapes[1:]]
+    # sample 0 (seed 8, as `ref`) stops at the first ref[3] it draws
+    assert stopped.sequences[0].tokens == ref[: ref.index(ref[3]) + 1]
+    lengths = [len(s.tokens) for s in (*stopped.sequences, *full.sequences)]
+    assert min(lengths) < 20  # some rows stopped early
+    # decode step t feeds exactly the rows still running after t + 1 tokens
+    assert decode_rows == [sum(n > t + 1 for n in lengths) for t in range(19)]
+    assert all(len(s.tokens) == 20 for s in full.sequences)
+
+
 def test_temperature_zero_and_top_k_one_are_greedy(trained) -> None:
     p = prompt(4, 10)
     greedy = sample(trained, [sw("sA", p, max_tokens=10, temperature=0.0, seed=None)])[0]

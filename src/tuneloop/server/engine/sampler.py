@@ -1,8 +1,8 @@
 """Batched autoregressive sampling with a KV cache; rows of one batch may use different adapters.
 
-Correct first (the performance work adds continuous batching): every request of a batch is
-expanded into `num_samples` rows, prompts are left-padded into one prefill, then all rows decode
-together, each with its own sampling parameters, random generator and stop conditions.
+Prompts are left-padded into one prefill (one row per request, whatever its `num_samples`),
+then every sample decodes as its own row, each with its own sampling parameters, random
+generator and stop conditions; rows leave the batch as they finish.
 
 The logprob reported for a sampled token is the model's own log-softmax at temperature 1, the
 same number the training forward pass computes for that token, so RL losses that compare the two
@@ -12,6 +12,7 @@ token is drawn.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -100,6 +101,14 @@ def _finished(row: _Row, token: int, decode: Callable[[list[int]], str]) -> str 
     return None
 
 
+def _select(cache: DynamicCache, index: torch.Tensor) -> None:
+    """Keep (and repeat) the cache's batch rows named by `index`, in that order."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys = layer.keys.index_select(0, index)
+            layer.values = layer.values.index_select(0, index)
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module,
@@ -110,16 +119,21 @@ def generate(
     pad_id: int,
     decode: Callable[[list[int]], str],
 ) -> list[SampleResult | EngineError]:
-    """Sample every request of `works`; `keys[i]` is the adapter/sampler key of works[i]."""
+    """Sample every request of `works`; `keys[i]` is the adapter/sampler key of works[i].
+
+    Each prompt is prefilled once, whatever its `num_samples`: its KV cache rows and last logits
+    are then repeated for the samples. A row that stops leaves the decode batch at once (its
+    cache rows are dropped), so the batch shrinks as sequences finish instead of decoding
+    padding to the longest one.
+    """
     device = next(model.parameters()).device
     rows = [_Row(work, _generator(work.seed, j)) for work in works for j in range(work.num_samples)]
-    row_keys = [key for work, key in zip(works, keys, strict=True) for _ in range(work.num_samples)]
-    width = max(len(r.work.prompt) for r in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        n = len(row.work.prompt)
-        input_ids[i, width - n :] = torch.as_tensor(row.work.prompt, dtype=torch.long)
+    width = max(len(w.prompt) for w in works)
+    input_ids = torch.full((len(works), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(works), width), dtype=torch.long)
+    for i, work in enumerate(works):
+        n = len(work.prompt)
+        input_ids[i, width - n :] = torch.as_tensor(work.prompt, dtype=torch.long)
         mask[i, width - n :] = 1
     input_ids, mask = input_ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -127,7 +141,7 @@ def generate(
     # A growing cache: a static one (written in place, no re-copy per step) was measured 10 %
     # slower on CPU at 128 rows x 64 steps, its attention spanning the full length every step.
     cache = DynamicCache()
-    with bank.routed(row_keys):
+    with bank.routed(keys):
         out = model(
             input_ids=input_ids,
             attention_mask=mask,
@@ -136,32 +150,51 @@ def generate(
             use_cache=True,
             logits_to_keep=1,
         )
-        logits = out.logits[:, -1].float()
-        steps = max(w.max_tokens for w in works)
-        next_pos = positions[:, -1:] + 1
-        temperature = torch.tensor([r.work.temperature for r in rows], device=device)
-        for _ in range(steps):
+    # One prompt row per request -> one row per sample.
+    repeat = torch.tensor([w.num_samples for w in works], device=device)
+    expand = torch.repeat_interleave(torch.arange(len(works), device=device), repeat)
+    _select(cache, expand)
+    logits = out.logits[:, -1].float().index_select(0, expand)
+    mask = mask.index_select(0, expand)
+    next_pos = positions[:, -1:].index_select(0, expand) + 1
+    active = list(range(len(rows)))  # rows[active[i]] is decode-batch row i
+    row_keys = [key for work, key in zip(works, keys, strict=True) for _ in range(work.num_samples)]
+    temperature = torch.tensor([r.work.temperature for r in rows], device=device)
+    # The routing (and its stacked factors for grouped LoRA) lives until the batch changes.
+    with contextlib.ExitStack() as routing:
+        routing.enter_context(bank.routed(row_keys))
+        while True:
+            live = [rows[i] for i in active]
             step_logprobs = torch.log_softmax(logits, dim=-1)
-            chosen = _choose(logits, rows, temperature)
-            chosen_logprobs = step_logprobs.gather(1, torch.tensor(chosen, device=device)[:, None])[
-                :, 0
-            ].tolist()
-            next_tokens = torch.full((len(rows), 1), pad_id, dtype=torch.long)
-            for i, row in enumerate(rows):
-                if row.stop_reason is not None:
-                    continue
+            chosen = _choose(logits, live, temperature)
+            chosen_logprobs = step_logprobs.gather(1, torch.tensor(chosen, device=device)[:, None])
+            chosen_lp = chosen_logprobs[:, 0].tolist()
+            keep: list[int] = []
+            for i, row in enumerate(live):
                 token = chosen[i]
                 row.tokens.append(token)
-                row.logprobs.append(float(chosen_logprobs[i]))
+                row.logprobs.append(float(chosen_lp[i]))
                 if row.work.topk_sample_logprobs:
                     row.topk.append(_topk(step_logprobs[i], row.work.topk_sample_logprobs))
                 row.stop_reason = _finished(row, token, decode)
-                next_tokens[i, 0] = token
-            if all(r.stop_reason is not None for r in rows):
+                if row.stop_reason is None:
+                    keep.append(i)
+            if not keep:
                 break
-            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=device)], 1)
+            next_tokens = torch.tensor([[chosen[i]] for i in keep], dtype=torch.long, device=device)
+            if len(keep) < len(live):  # finished rows leave the batch
+                index = torch.tensor(keep, device=device)
+                _select(cache, index)
+                mask, next_pos = mask.index_select(0, index), next_pos.index_select(0, index)
+                temperature = temperature.index_select(0, index)
+                active = [active[i] for i in keep]
+                routing.close()
+                routing.enter_context(bank.routed([row_keys[i] for i in active]))
+            mask = torch.cat(
+                [mask, torch.ones((len(active), 1), dtype=mask.dtype, device=device)], 1
+            )
             out = model(
-                input_ids=next_tokens.to(device),
+                input_ids=next_tokens,
                 attention_mask=mask,
                 position_ids=next_pos,
                 cache=cache,
