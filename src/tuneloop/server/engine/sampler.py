@@ -16,6 +16,7 @@ import contextlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -104,9 +105,10 @@ def _finished(row: _Row, token: int, decode: Callable[[list[int]], str]) -> str 
 def _select(cache: DynamicCache, index: torch.Tensor) -> None:
     """Keep (and repeat) the cache's batch rows named by `index`, in that order."""
     for layer in cache.layers:
-        if getattr(layer, "keys", None) is not None and layer.keys.numel():
-            layer.keys = layer.keys.index_select(0, index)
-            layer.values = layer.values.index_select(0, index)
+        held: Any = layer  # a full-attention layer: keys/values [B, heads, T, dim]
+        if isinstance(getattr(held, "keys", None), torch.Tensor) and held.keys.numel():
+            held.keys = held.keys.index_select(0, index)
+            held.values = held.values.index_select(0, index)
 
 
 @torch.no_grad()
