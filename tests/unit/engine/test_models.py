@@ -37,11 +37,12 @@ def _logits(loaded: LoadedModel, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
         return loaded.model(input_ids=tokens).logits
 
 
-def test_builtin_names_and_default_dtype() -> None:
+def test_builtin_names_and_default_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     assert set(TINY) <= set(BUILTIN_MODELS)
     assert DEFAULT_MODEL in BUILTIN_MODELS
-    assert default_dtype(torch.device("cpu")) == torch.float32
-    assert default_dtype(torch.device("cuda")) == torch.bfloat16
+    assert default_dtype(TINY[0], torch.device("cpu")) == torch.float32
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert default_dtype(DEFAULT_MODEL, torch.device("cuda")) == torch.bfloat16
 
 
 @pytest.mark.parametrize("name", TINY)

@@ -345,3 +345,59 @@ def test_deleted_or_unknown_sampler_fails_alone(trained) -> None:
     assert len(ok(results[1]).sequences[0].tokens) == 8
     # The adapter the deleted sampler came from is still there and trains.
     train(trained, "B", TRAIN_DATA[1:], 1)
+
+
+# ---- continuous batching ----------------------------------------------------------------------
+
+
+def test_requests_join_a_running_decode_batch_and_leave_when_done(trained) -> None:
+    """Requests admitted mid-decode get exactly what they get alone; short ones come back first."""
+    long = sw("sA", prompt(5, 20), num_samples=2, max_tokens=24, seed=1)
+    joiners = [
+        sw("sB", prompt(12, 21), num_samples=3, max_tokens=4, seed=2),  # longer prompt
+        sw("base", prompt(2, 22), max_tokens=6, seed=3, prompt_logprobs=True),
+        sw("nope", prompt(3, 23), max_tokens=6, seed=4),  # unknown sampler: fails alone
+    ]
+    alone = {id(w): sample(trained, [w])[0] for w in (long, *joiners[:2])}
+    steps = 0
+    order: list[Any] = []
+    got: dict[int, Any] = {}
+
+    def admit() -> list[SampleWork]:
+        nonlocal steps
+        steps += 1
+        return joiners if steps == 3 else []
+
+    def deliver(work: SampleWork, result: Any) -> None:
+        assert id(work) not in got  # exactly once
+        order.append(work)
+        got[id(work)] = result
+
+    trained.sample_continuous([long], admit, deliver)
+    assert len(got) == 4
+    assert isinstance(got[id(joiners[2])], EngineError)
+    assert order[-1] is long  # the joiners finished while the long request still ran
+    for w in (long, *joiners[:2]):
+        mine, ref = got[id(w)], alone[id(w)]
+        assert [s.tokens for s in mine.sequences] == [s.tokens for s in ref.sequences]
+        assert_near(
+            [s.logprobs for s in mine.sequences], [s.logprobs for s in ref.sequences], 1e-5, "lp"
+        )
+        assert (
+            mine.prompt_logprobs == ref.prompt_logprobs
+            or max_diff(mine.prompt_logprobs[1:], ref.prompt_logprobs[1:]) < 1e-5
+        )
+
+
+def test_a_request_over_the_kv_budget_waits_for_the_next_decode_batch(trained) -> None:
+    trained.sample_token_budget = 40
+    first = sw("sA", prompt(5, 30), max_tokens=20, seed=1)
+    second = sw("sA", prompt(5, 31), max_tokens=20, seed=2)
+    alone = sample(trained, [second])[0]
+    order: list[SampleWork] = []
+    admitted = iter([[second]])
+    trained.sample_continuous([first], lambda: next(admitted, []), lambda w, r: order.append(w))
+    assert order == [first, second]  # 25 + 25 KV tokens > 40: run after, not alongside
+    again: list[Any] = []
+    trained.sample_continuous([second], list, lambda w, r: again.append(r))
+    assert [s.tokens for s in again[0].sequences] == [s.tokens for s in alone.sequences]

@@ -6,9 +6,9 @@ methods return one result or `EngineError` per item: one bad request fails only 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from tuneloop.server.engine.types import (
     AdamStep,
@@ -67,3 +67,18 @@ class Backend(Protocol):
     def sample(self, batch: Sequence[SampleWork]) -> list[SampleResult | EngineError]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class ContinuousSampling(Protocol):
+    """A backend whose sampling batch takes in new requests while it decodes."""
+
+    def sample_continuous(
+        self,
+        batch: Sequence[SampleWork],
+        admit: Callable[[], Sequence[SampleWork]],
+        deliver: Callable[[SampleWork, SampleResult | EngineError], None],
+    ) -> None:
+        """Sample `batch` and whatever `admit()` returns between decode steps; `deliver` every
+        request's result (or error) exactly once, as soon as it is known."""
+        ...

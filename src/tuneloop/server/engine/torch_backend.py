@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -438,6 +438,23 @@ class TorchBackend:
                     results[index] = result
         return [r if r is not None else EngineError("not run") for r in results]
 
+    def sample_continuous(
+        self,
+        batch: Sequence[SampleWork],
+        admit: Callable[[], Sequence[SampleWork]],
+        deliver: Callable[[SampleWork, SampleResult | EngineError], None],
+    ) -> None:
+        """Continuous batching: sample `batch`, let the requests `admit()` returns join the
+        running decode batch at step boundaries, and `deliver` each result as soon as it is done.
+
+        A joining request waits for the next decode batch when it is for another base model or
+        its KV cache would exceed the token budget; `admit()` is called once per decode step.
+        """
+        waiting = list(batch)
+        while waiting:
+            run = _DecodeRun(self, deliver)
+            waiting = run.run(waiting, admit)
+
     def _decode_batches(self, works: list[SampleWork], indices: list[int]) -> list[list[int]]:
         """Split requests so each decode batch's KV cache stays within the token budget."""
         groups: list[list[int]] = []
@@ -458,3 +475,76 @@ class TorchBackend:
         self._adapters.clear()
         self._samplers.clear()
         self._runtimes.clear()
+
+
+def _kv_cost(work: SampleWork) -> int:
+    return work.num_samples * (len(work.prompt) + work.max_tokens)
+
+
+class _DecodeRun:
+    """One decode batch of `TorchBackend.sample_continuous`: one base model, requests joining
+    while it runs, under the KV-token budget."""
+
+    def __init__(
+        self,
+        backend: TorchBackend,
+        deliver: Callable[[SampleWork, SampleResult | EngineError], None],
+    ) -> None:
+        self.backend = backend
+        self.deliver = deliver
+        self.runtime: _Runtime | None = None
+        self.decoding: sampler.DecodeBatch | None = None
+        self.committed: dict[int, int] = {}  # id(request) -> its KV-token budget
+        self.running: dict[int, SampleWork] = {}  # by id: SampleWork holds arrays, no __eq__
+        self.later: list[SampleWork] = []  # for the next decode batch
+
+    def join(self, works: Sequence[SampleWork]) -> None:
+        fits: list[SampleWork] = []
+        used = sum(self.committed.values())
+        for work in works:
+            owner = self.backend._samplers.get(work.sampler_id)
+            if owner is None:
+                self.deliver(work, EngineError(f"no sampler {work.sampler_id!r}", "user"))
+                continue
+            self.runtime = self.runtime or owner
+            cost = _kv_cost(work)
+            crowded = (self.committed or fits) and used + cost > self.backend.sample_token_budget
+            if owner is not self.runtime or crowded:
+                self.later.append(work)
+                continue
+            fits.append(work)
+            used += cost
+        runtime = self.runtime
+        if not fits or runtime is None:
+            return
+        if self.decoding is None:
+            self.decoding = sampler.DecodeBatch(
+                runtime.model, runtime.bank, pad_id=runtime.pad_id, decode=runtime.decode
+            )
+        keys = [w.sampler_id if w.sampler_id in runtime.bank.specs else None for w in fits]
+        self.running.update((id(w), w) for w in fits)
+        for request in self.decoding.add(fits, keys):
+            self.committed[id(request)] = _kv_cost(request.work)
+
+    def run(
+        self, works: Sequence[SampleWork], admit: Callable[[], Sequence[SampleWork]]
+    ) -> list[SampleWork]:
+        """Decode until no row is left; returns the requests left for the next decode batch."""
+        try:
+            with torch.no_grad():
+                self.join(works)
+                while self.decoding is not None and len(self.decoding):
+                    for request, result in self.decoding.step():
+                        self.committed.pop(id(request), None)
+                        self.running.pop(id(request.work), None)
+                        self.deliver(request.work, result)
+                    self.join(admit())
+        except torch.OutOfMemoryError:
+            for work in self.running.values():
+                self.deliver(
+                    work, EngineError("out of memory while sampling; retry with fewer samples")
+                )
+        finally:
+            if self.decoding is not None:
+                self.decoding.close()
+        return self.later

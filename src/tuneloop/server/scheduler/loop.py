@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -12,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from tuneloop.server.engine.backend import Backend
+from tuneloop.server.engine.backend import Backend, ContinuousSampling
 from tuneloop.server.engine.types import EngineError
 from tuneloop.server.scheduler.futures import FutureTable, Outcome
 from tuneloop.server.scheduler.queue import Batch, Operation, OperationQueue
@@ -105,20 +106,74 @@ class EngineLoop:
                 self.queue.more_forward_backward(batch)
         if batch.kind in self._arrivals:
             self._arrivals[batch.kind] = 0
+        if batch.kind == "sample" and isinstance(self.backend, ContinuousSampling):
+            await self._sample_continuously(batch)
+            return True
         loop = asyncio.get_running_loop()
         results = await loop.run_in_executor(self._executor, _execute, self.backend, batch)
         if self._arrivals.get(batch.kind, 0) > 0:
             # Requests of this kind arrived while the batch ran: clients work concurrently.
             self._overlap_seen_at[batch.kind] = time.monotonic()
         for op, result in zip(batch.ops, results, strict=True):
-            outcome = self._outcome(op, result)
-            if not outcome.failed and self.on_success is not None:
-                try:
-                    self.on_success(op, result)
-                except Exception:  # a metering bug must not fail the user's request
-                    log.exception("on_success hook failed for %s", op.request_id)
-            self.futures.resolve(op.request_id, outcome)
+            self._publish(op, result)
         return True
+
+    def _publish(self, op: Operation, result: Any) -> None:
+        outcome = self._outcome(op, result)
+        if not outcome.failed and self.on_success is not None:
+            try:
+                self.on_success(op, result)
+            except Exception:  # a metering bug must not fail the user's request
+                log.exception("on_success hook failed for %s", op.request_id)
+        self.futures.resolve(op.request_id, outcome)
+
+    async def _take_joining_samples(self) -> list[Operation]:
+        """On the event loop: queued samples that may join the running decode batch. None while
+        training work is ready: it gets the engine once the running rows finish."""
+        if self.queue.training_ready():
+            return []
+        self._arrivals["sample"] = 0
+        ops = self.queue.take_samples(self.queue.max_sample_batch)
+        if ops:
+            self._overlap_seen_at["sample"] = time.monotonic()
+        return ops
+
+    async def _sample_continuously(self, batch: Batch) -> None:
+        """Run a sampling batch that requests join while it decodes; each result is published
+        as soon as the engine delivers it, and every operation gets exactly one result."""
+        loop = asyncio.get_running_loop()
+        backend = self.backend
+        assert isinstance(backend, ContinuousSampling)
+        ops = {id(op.work): op for op in batch.ops}  # engine thread only, until it returns
+
+        def admit() -> list[Any]:
+            if self.queue.queued_samples() == 0:  # the common case costs no thread hop
+                return []
+            try:
+                joining = asyncio.run_coroutine_threadsafe(self._take_joining_samples(), loop)
+                # Bounded: a loop that is shutting down never runs the coroutine.
+                new_ops = joining.result(timeout=2.0)
+            except (concurrent.futures.TimeoutError, RuntimeError):
+                return []
+            ops.update((id(op.work), op) for op in new_ops)
+            return [op.work for op in new_ops]
+
+        def deliver(work: Any, result: Any) -> None:
+            op = ops.pop(id(work), None)
+            if op is not None:
+                loop.call_soon_threadsafe(self._publish, op, result)
+
+        def run() -> None:
+            backend.sample_continuous([op.work for op in batch.ops], admit, deliver)
+
+        error: EngineError = EngineError("the sampling batch ended without this request")
+        try:
+            await loop.run_in_executor(self._executor, run)
+        except Exception as exc:  # a backend bug fails what it had not answered, never the loop
+            log.exception("backend failed a continuous sampling batch")
+            error = EngineError(f"{type(exc).__name__}: {exc}")
+        for op in ops.values():
+            self._publish(op, error)
 
     @staticmethod
     def _outcome(op: Operation, result: Any) -> Outcome:

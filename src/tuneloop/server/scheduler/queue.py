@@ -104,6 +104,14 @@ class OperationQueue:
         """Up to `limit` more queued sampling operations, oldest first."""
         return [self._samples.popleft() for _ in range(min(limit, len(self._samples)))]
 
+    def queued_samples(self) -> int:
+        """How many sampling operations wait (a plain read: safe from the engine thread)."""
+        return len(self._samples)
+
+    def training_ready(self) -> bool:
+        """Whether some model has a training-side operation ready to run now."""
+        return bool(self._ready_runs())
+
     @property
     def max_sample_batch(self) -> int:
         return self._max_sample_batch

@@ -1,0 +1,121 @@
+"""The engine loop's continuous sampling: requests join a running decode batch between steps,
+each result is published as soon as it is delivered, and no request is ever left unanswered."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tests.unit.server.test_scheduler import StubBackend, op, outcome, sample_op, submit
+from tuneloop.server.scheduler.futures import FutureTable
+from tuneloop.server.scheduler.loop import EngineLoop
+from tuneloop.server.scheduler.queue import Operation, OperationQueue
+
+
+class StepBackend(StubBackend):
+    """Decodes in 20 ms steps; a request named "<name>:<steps>" needs that many steps."""
+
+    def __init__(self, explode_after: int | None = None) -> None:
+        super().__init__(fail=set())
+        self.joined: list[list[str]] = []
+        self.explode_after = explode_after
+        self.steps = 0
+
+    def sample_continuous(
+        self,
+        batch: Sequence[str],
+        admit: Callable[[], Sequence[str]],
+        deliver: Callable[[str, Any], None],
+    ) -> None:
+        left = {w: int(w.split(":")[1]) for w in batch}
+        self.joined.append(list(batch))
+        while left:
+            time.sleep(0.02)
+            self.steps += 1
+            if self.explode_after is not None and self.steps >= self.explode_after:
+                raise RuntimeError("device on fire")
+            for w in [w for w, n in left.items() if n <= 1]:
+                del left[w]
+                deliver(w, f"ok {w}")
+            left = {w: n - 1 for w, n in left.items()}
+            new = list(admit())
+            if new:
+                self.joined.append(new)
+                left.update({w: int(w.split(":")[1]) for w in new})
+
+
+def _setup(backend: StepBackend) -> tuple[EngineLoop, OperationQueue, FutureTable]:
+    queue, futures = OperationQueue(), FutureTable()
+    return EngineLoop(backend, queue, futures), queue, futures  # type: ignore[arg-type]
+
+
+def _arrive(loop: EngineLoop, queue: OperationQueue, futures: FutureTable, o: Operation) -> str:
+    request_id = submit(queue, futures, o)
+    loop.notify(o.kind)
+    return request_id
+
+
+async def test_requests_join_the_running_batch_and_finish_before_it() -> None:
+    backend = StepBackend()
+    loop, queue, futures = _setup(backend)
+    long_id = _arrive(loop, queue, futures, sample_op("long:20"))
+    step = asyncio.create_task(loop.step())
+    await asyncio.sleep(0.1)  # the long request is decoding
+    short_id = _arrive(loop, queue, futures, sample_op("short:2"))
+    short = await futures.wait(short_id, "t", 5.0)  # holds until resolved
+    assert short is not None
+    assert json.loads(short.body) == {"result": "ok short:2"}
+    assert not step.done()  # answered while the long request still decodes
+    assert await step
+    assert await outcome(futures, long_id) == {"result": "ok long:20"}
+    assert backend.joined == [["long:20"], ["short:2"]]
+    await loop.stop()
+
+
+async def test_ready_training_work_stops_admission() -> None:
+    backend = StepBackend()
+    loop, queue, futures = _setup(backend)
+    _arrive(loop, queue, futures, sample_op("first:5"))
+    step = asyncio.create_task(loop.step())
+    await asyncio.sleep(0.03)
+    _arrive(loop, queue, futures, op("m", 0))  # training is ready: it goes next
+    _arrive(loop, queue, futures, sample_op("second:2"))
+    await step
+    assert backend.joined == [["first:5"]]
+    assert queue.queued_samples() == 1
+    await loop.stop()
+
+
+async def test_a_failing_batch_answers_every_request_it_had_not() -> None:
+    backend = StepBackend(explode_after=3)
+    loop, queue, futures = _setup(backend)
+    quick = _arrive(loop, queue, futures, sample_op("quick:1"))
+    slow = _arrive(loop, queue, futures, sample_op("slow:9"))
+    assert await loop.step()
+    assert await outcome(futures, quick) == {"result": "ok quick:1"}
+    failed = await outcome(futures, slow)
+    assert failed["category"] == "server"
+    assert "device on fire" in failed["error"]
+    # the loop goes on
+    backend.explode_after = None
+    again = _arrive(loop, queue, futures, sample_op("again:1"))
+    assert await loop.step()
+    assert await outcome(futures, again) == {"result": "ok again:1"}
+    await loop.stop()
+
+
+async def test_a_request_the_backend_never_answers_still_gets_an_error() -> None:
+    class Forgetful(StepBackend):
+        def sample_continuous(self, batch: Sequence[str], admit: Any, deliver: Any) -> None:
+            deliver(batch[0], f"ok {batch[0]}")  # and forgets the rest
+
+    loop, queue, futures = _setup(Forgetful())
+    first = _arrive(loop, queue, futures, sample_op("a:1"))
+    second = _arrive(loop, queue, futures, sample_op("b:1"))
+    assert await loop.step()
+    assert await outcome(futures, first) == {"result": "ok a:1"}
+    assert "ended without" in (await outcome(futures, second))["error"]
+    await loop.stop()
