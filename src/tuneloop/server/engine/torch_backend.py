@@ -31,6 +31,7 @@ from tuneloop.server.engine.logprobs import (
 )
 from tuneloop.server.engine.lora import AdapterBank, inject
 from tuneloop.server.engine.losses import compute_loss
+from tuneloop.server.engine.memory import training_token_budget
 from tuneloop.server.engine.models import LoadedModel, default_dtype, load_model
 from tuneloop.server.engine.optim import AdapterOptimizer
 from tuneloop.server.engine.packing import enable_packing, packed_positions, packed_segments
@@ -45,9 +46,6 @@ from tuneloop.server.engine.types import (
     SampleWork,
 )
 
-# Tokens per micro-batch (packed: real tokens; padded: rows x padded width): a large request is
-# split so that activations fit.
-DEFAULT_TOKEN_BUDGET = 8192
 # KV-cache tokens (rows x (prompt + max_tokens)) per decode batch: SmolLM2-135M keeps ~46 KB per
 # token in fp32, so 32k tokens is ~1.5 GB.
 DEFAULT_SAMPLE_TOKEN_BUDGET = 32768
@@ -110,12 +108,14 @@ class TorchBackend:
         cache_dir: Path,
         device: str | None = None,
         dtype: torch.dtype | None = None,
-        token_budget: int = DEFAULT_TOKEN_BUDGET,
+        token_budget: int | None = None,
         sample_token_budget: int = DEFAULT_SAMPLE_TOKEN_BUDGET,
     ) -> None:
         self.device = _device(device)
         self.dtype = dtype  # None: per model, the measured fastest (dtypes.py)
-        self.token_budget = token_budget
+        # Tokens per training micro-batch (packed: real tokens; padded: rows x padded width):
+        # a large request is split so that activations fit. None: sized from free memory.
+        self.token_budget = token_budget or 0
         self.sample_token_budget = sample_token_budget
         self._runtimes: dict[str, _Runtime] = {}
         for name in models:
@@ -133,6 +133,11 @@ class TorchBackend:
                 pad if isinstance(pad, int) else loaded.spec.eos_token_id,
                 packed=enable_packing(loaded.model),
             )
+            if token_budget is None:  # the tightest model's budget, measured after it loaded
+                budget = training_token_budget(
+                    loaded.model.config, next(loaded.model.parameters()).dtype, self.device
+                )
+                self.token_budget = min(self.token_budget or budget, budget)
         self._adapters: dict[str, _Adapter] = {}
         self._samplers: dict[str, _Runtime] = {}
 
