@@ -8,6 +8,8 @@ take a sampler of the new weights, repeat. With no `--base-url` the SDK starts a
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,7 +28,7 @@ from rich.progress import (
 )
 
 import tuneloop
-from tuneloop import AdamParams, SamplingParams
+from tuneloop import SamplingParams
 from tuneloop.recipes import grpo
 from tuneloop.recipes.report import (
     MetricsLog,
@@ -39,6 +41,7 @@ from tuneloop.recipes.report import (
 from tuneloop.recipes.tasks import Task
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+TASK_NAME = "chain_sum"
 
 
 @dataclass
@@ -98,12 +101,16 @@ def _progress(console: Console) -> Progress:
     )
 
 
-def _server_usage(service: tuneloop.ServiceClient) -> dict[str, Any] | None:
+def _server_usage(service: tuneloop.ServiceClient, console: Console) -> dict[str, Any] | None:
     """The server's metered usage for this session, on servers and SDKs that have it."""
     get_usage = getattr(service, "get_usage", None)
     if get_usage is None:
         return None
-    usage = get_usage()
+    try:
+        usage = get_usage()
+    except tuneloop.APIError as exc:  # an older server: this loop's own counts will do
+        console.print(f"the server reports no usage ({exc}); showing this loop's counts")
+        return None
     if hasattr(usage, "result"):  # a future
         usage = usage.result()
     if hasattr(usage, "model_dump"):
@@ -121,12 +128,20 @@ def _flat(usage: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def _check_dependencies() -> None:
+    """Fail before the server starts, not after ten minutes of training at the plot."""
+    missing = [m for m in ("reasoning_gym", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError(f"the demo needs {', '.join(missing)}: pip install 'tuneloop[recipes]'")
+
+
 def run_demo(config: DemoConfig, console: Console | None = None) -> DemoResult:
     """Evaluate, train with GRPO-style RL, evaluate again, save; returns what it measured."""
+    _check_dependencies()
     console = console or Console()
     started = time.monotonic()
     seconds: dict[str, float] = {}
-    task = Task()
+    task = Task(TASK_NAME)
     train, held_out = task.splits(config.steps * config.problems, config.eval_problems, config.seed)
     out = config.out
     out.mkdir(parents=True, exist_ok=True)
@@ -134,9 +149,11 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> DemoResult:
     counts = _Counts()
     records: list[StepRecord] = []
     console.print(
-        f"[bold]tuneloop demo[/]: {config.model} learns {task.name} "
-        f"(single-digit a + b, a - b) by RL; seed {config.seed}, {config.steps} steps x "
-        f"{config.problems} problems x {config.group_size} samples"
+        f"[bold]tuneloop demo[/]: {config.model} learns single-digit sums ({task.name}) by RL"
+    )
+    console.print(
+        f"seed {config.seed}: {config.steps} steps x {config.problems} problems x "
+        f"{config.group_size} samples, {len(held_out)} held-out problems"
     )
     with _progress(console) as progress:
         phase = progress.add_task(
@@ -159,7 +176,7 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> DemoResult:
             def held_out_eval(label: str) -> grpo.EvalResult:
                 bar = progress.add_task(label, total=len(held_out))
                 result = grpo.evaluate(
-                    sampler, tokenizer, task, held_out, lambda: progress.advance(bar)
+                    sampler, tokenizer, task, held_out, functools.partial(progress.advance, bar)
                 )
                 progress.remove_task(bar)
                 counts.add_eval(result)
@@ -189,45 +206,41 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> DemoResult:
                         seed=(config.seed * 1_000_003 + step * 1_009 + i) % 2**31,
                     )
 
-                groups = grpo.sample_groups(
+                outcome = grpo.rl_step(
+                    training,
                     sampler,
                     tokenizer,
                     task,
                     problems,
                     config.group_size,
                     params,
-                    lambda bar=sampling_bar: progress.advance(bar),  # type: ignore[misc]
+                    config.learning_rate,
+                    functools.partial(progress.advance, sampling_bar),
                 )
                 progress.remove_task(sampling_bar)
-                rollouts = [r for g in groups for r in g]
-                data = grpo.training_data(groups)
-                loss = 0.0
-                tokens_trained = sum(d.model_input.length for d in data)
-                if data:
-                    progress.update(steps_bar, description=f"step {step}: training")
-                    fwd = training.forward_backward(data, "importance_sampling")
-                    opt = training.optim_step(AdamParams(learning_rate=config.learning_rate))
-                    loss = fwd.result().metrics.get("loss:sum", 0.0)
-                    opt.result()
-                # The next samples must come from the weights just updated.
-                sampler = training.save_weights_and_get_sampling_client()
+                sampler = outcome.sampler
+                step_seconds = time.monotonic() - t  # the held-out check is not the step's cost
                 held = None
                 if config.eval_every and step % config.eval_every == 0 and step < config.steps:
                     held = held_out_eval(f"step {step}: held-out accuracy").accuracy
+                rollouts = outcome.rollouts
                 record = StepRecord(
                     step=step,
                     reward=sum(r.score.reward for r in rollouts) / len(rollouts),
                     accuracy=sum(r.score.correct for r in rollouts) / len(rollouts),
                     held_out_accuracy=held,
-                    datums=len(data),
-                    tokens_trained=tokens_trained,
+                    datums=outcome.datums,
+                    tokens_trained=outcome.tokens_trained,
                     tokens_sampled=sum(len(r.completion) for r in rollouts),
-                    loss=loss,
-                    seconds=time.monotonic() - t,
+                    loss=outcome.loss,
+                    seconds=step_seconds,
                 )
-                counts.tokens_trained += tokens_trained
+                counts.tokens_trained += record.tokens_trained
                 counts.tokens_sampled += record.tokens_sampled
-                counts.prompt_tokens_sampled += sum(len(g[0].prompt) for g in groups)
+                # One prompt per problem: a group's samples share it on the server.
+                counts.prompt_tokens_sampled += sum(
+                    len(r.prompt) for r in rollouts[:: config.group_size]
+                )
                 records.append(record)
                 log.write({"event": "step", **asdict(record)})
                 progress.console.print(step_line(record, config.steps))
@@ -246,7 +259,7 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> DemoResult:
             sampler_path = training.save_weights_for_sampler(name).result().path or ""
             progress.remove_task(saving)
 
-            server_usage = _server_usage(service)
+            server_usage = _server_usage(service, console)
         finally:
             log.close()
             service.close()
@@ -299,7 +312,7 @@ def _show(result: DemoResult, console: Console) -> None:
     console.print()
     console.print(
         before_after_table(
-            "chain_sum",
+            TASK_NAME,
             result.config.eval_problems,
             (result.before.accuracy, result.before.clean),
             (result.after.accuracy, result.after.clean),

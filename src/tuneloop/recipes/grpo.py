@@ -15,7 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from tuneloop import Datum, ModelInput, SamplingClient, SamplingParams, TensorData
+from tuneloop import (
+    AdamParams,
+    Datum,
+    ModelInput,
+    SamplingClient,
+    SamplingParams,
+    TensorData,
+    TrainingClient,
+)
 from tuneloop.recipes.tasks import Problem, Score, Task
 
 
@@ -141,4 +149,44 @@ def evaluate(
         clean=sum(r.score.clean for r in rollouts) / n,
         tokens_sampled=sum(len(r.completion) for r in rollouts),
         prompt_tokens=sum(len(r.prompt) for r in rollouts),
+    )
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    rollouts: list[Rollout]
+    datums: int  # samples trained on
+    tokens_trained: int
+    loss: float
+    sampler: SamplingClient  # samples the weights after this step
+
+
+def rl_step(
+    training: TrainingClient,
+    sampler: SamplingClient,
+    tokenizer: Any,
+    task: Task,
+    problems: list[Problem],
+    group_size: int,
+    params: Callable[[int], SamplingParams],
+    learning_rate: float,
+    on_sampled: Callable[[], None] | None = None,
+) -> StepOutcome:
+    """One on-policy step: sample groups, score, train on the advantages, refresh the sampler."""
+    groups = sample_groups(sampler, tokenizer, task, problems, group_size, params, on_sampled)
+    data = training_data(groups)
+    loss = 0.0
+    if data:
+        # Both go out at once; the server runs them in order.
+        fwd = training.forward_backward(data, "importance_sampling")
+        opt = training.optim_step(AdamParams(learning_rate=learning_rate))
+        loss = fwd.result().metrics.get("loss:sum", 0.0)
+        opt.result()
+    return StepOutcome(
+        rollouts=[r for g in groups for r in g],
+        datums=len(data),
+        tokens_trained=sum(d.model_input.length for d in data),
+        loss=loss,
+        # The next samples must come from the weights just updated.
+        sampler=training.save_weights_and_get_sampling_client(),
     )

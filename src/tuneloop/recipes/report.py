@@ -101,11 +101,13 @@ def plot(
     ]
     if not records or records[-1].held_out_accuracy is None:
         held.append((records[-1].step if records else 0, after))
+    # Two points joined by a line would suggest a trend nobody measured: then markers only.
     ax.plot(
         [s for s, _ in held],
         [a for _, a in held],
-        "o--",
-        label="held-out accuracy (greedy)",
+        "o--" if len(held) > 2 else "o",
+        markersize=7,
+        label="held-out accuracy (greedy; step 0 = before training)",
     )
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -25,6 +25,7 @@ _NUMBER = re.compile(r"-?\d+")
 # model also learns to stop instead of rambling on after the answer.
 _CLEAN = re.compile(r"\s*-?\d+\s*\.?\s*")
 FORMAT_BONUS = 0.1
+SEED_STRIDE = 1_000_003
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,10 @@ class Task:
         Single-digit sums have only ~200 distinct questions, so the split is by question text;
         training repeats its pool when it needs more problems than are left.
         """
-        dataset = self._dataset(size=4 * (n_train + n_eval) + 400, seed=seed)
+        size = 4 * (n_train + n_eval) + 400
+        # reasoning-gym draws item i from Random(seed + i): seeds 0 and 1 would share all but
+        # one item. Spreading the seeds apart gives each seed its own problems.
+        dataset = self._dataset(size=size, seed=seed * SEED_STRIDE)
         self._verifier = dataset
         unique: dict[str, Problem] = {}
         for entry in dataset:
