@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install lint test serve bench clean
+.PHONY: install lint test serve demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,10 @@ serve: $(STAMP)
 	    > .tuneloop/api-key && chmod 600 .tuneloop/api-key; fi
 	@echo "API key of tenant 'local': .tuneloop/api-key"
 	$(BIN)/tuneloop serve --host 127.0.0.1 --port 8000 --data-dir .tuneloop
+
+# RL on SmolLM2-135M-Instruct through the SDK; starts and stops its own local server.
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/tuneloop demo
 
 bench: $(STAMP)
 	$(BIN)/python bench/control_plane.py

@@ -1,4 +1,5 @@
-"""`tuneloop demo` end to end on the tiny built-in model: every output it promises is there."""
+"""`tuneloop demo`: its GRPO pieces, and a whole run on the tiny built-in model that leaves every
+output it promises."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from tuneloop.recipes import grpo
 from tuneloop.recipes.demo import DemoConfig, run_demo
+from tuneloop.recipes.tasks import Score, Task
 
-pytestmark = [pytest.mark.recipe, pytest.mark.integration]
+pytestmark = pytest.mark.recipe
 
 TINY = "tuneloop/tiny-qwen3"
 
@@ -22,10 +25,12 @@ def embedded_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("TUNELOOP_BASE_URL", raising=False)
     monkeypatch.delenv("TUNELOOP_API_KEY", raising=False)
     monkeypatch.setenv("TUNELOOP_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TUNELOOP_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("TUNELOOP_SERVE_ARGS", f"--model {TINY} --device cpu")
     return tmp_path
 
 
+@pytest.mark.integration
 def test_demo_runs_and_leaves_every_output(embedded_tiny: Path) -> None:
     out = embedded_tiny / "demo"
     screen = io.StringIO()
@@ -69,3 +74,50 @@ def test_demo_runs_and_leaves_every_output(embedded_tiny: Path) -> None:
         assert word in text
     assert str(result.plot_path) in text
     assert result.state_path in text
+
+
+def test_held_out_problems_are_never_trained_on() -> None:
+    train, held_out = Task().splits(n_train=300, n_eval=50, seed=1)
+    assert len(held_out) == 50
+    assert len(train) == 300  # the pool repeats
+    assert not {p.question for p in train} & {p.question for p in held_out}
+
+
+def test_the_verifier_reads_the_first_number_and_rewards_a_bare_answer() -> None:
+    task = Task()
+    _, (problem, *_) = task.splits(n_train=1, n_eval=1, seed=0)
+    right, wrong = problem.answer, str(int(problem.answer) + 1)
+    assert task.score(f" {right}", problem) == Score(1.1, correct=True, clean=True)
+    assert task.score(f" {right} because", problem) == Score(1.0, correct=True, clean=False)
+    assert task.score(f" {wrong}", problem) == Score(0.1, correct=False, clean=True)
+    assert task.score(" none", problem) == Score(0.0, correct=False, clean=False)
+
+
+def _rollout(reward: float) -> grpo.Rollout:
+    problem = Task().splits(n_train=1, n_eval=1, seed=0)[1][0]
+    return grpo.Rollout(
+        problem, [1, 2, 3], [4, 5], [-0.1, -0.2], "", Score(reward, reward > 0.5, True)
+    )
+
+
+def test_datum_trains_only_the_reply_with_the_group_relative_advantage() -> None:
+    assert grpo.advantages([1.0, 0.0, 0.0, 1.0]) == [0.5, -0.5, -0.5, 0.5]
+    datum = grpo.rl_datum(_rollout(1.0), 0.5)
+    inputs = {k: v.to_numpy().tolist() for k, v in datum.loss_fn_inputs.items()}
+    assert datum.model_input.to_ints() == [1, 2, 3, 4]
+    assert inputs["target_tokens"] == [2, 3, 4, 5]
+    assert inputs["logprobs"] == pytest.approx([0.0, 0.0, -0.1, -0.2])
+    assert inputs["advantages"] == [0.0, 0.0, 0.5, 0.5]
+
+
+def test_groups_that_all_scored_the_same_are_left_out() -> None:
+    same = [_rollout(1.0), _rollout(1.0)]
+    mixed = [_rollout(1.0), _rollout(0.0)]
+    assert len(grpo.training_data([same, mixed])) == 2
+
+
+def test_outputs_go_beside_the_local_server_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TUNELOOP_HOME", str(tmp_path))
+    assert DemoConfig().out == tmp_path / "demo"
