@@ -40,8 +40,25 @@ def test_cpu_dtype_follows_the_measured_speedup(
 
 
 def test_probe_measures_a_positive_ratio() -> None:
+    assert dtypes.probe_speedup() > 0
+
+
+def test_cpu_without_bf16_instructions_is_not_probed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dtypes, "cpu_bf16_flags", lambda: False)
+    monkeypatch.setattr(dtypes.subprocess, "run", lambda *a, **k: pytest.fail("probed"))
     dtypes.cpu_bf16_speedup.cache_clear()
+    assert dtypes.cpu_bf16_speedup() == 0.0
+    assert dtypes.choose_dtype(CPU) == torch.float32
+    dtypes.cpu_bf16_speedup.cache_clear()
+
+
+def test_the_probe_runs_in_a_child_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Emulated bf16 in the server's own process slows its fp32 work: the probe runs apart."""
+    monkeypatch.setattr(dtypes, "cpu_bf16_flags", lambda: None)  # unknown: probe
+    dtypes.cpu_bf16_speedup.cache_clear()
+    monkeypatch.setattr(dtypes, "probe_speedup", lambda: pytest.fail("probed in-process"))
     assert dtypes.cpu_bf16_speedup() > 0
+    dtypes.cpu_bf16_speedup.cache_clear()
 
 
 def test_bf16_weights_train_and_sample_with_fp32_adapters(tmp_path: Path) -> None:
