@@ -13,7 +13,6 @@ import contextlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 from torch import nn
@@ -34,11 +33,6 @@ def targets_of(spec: AdapterSpec) -> tuple[str, ...]:
     )
 
 
-# How the grouped path lays runs out: None (equal runs, a view), False (too unequal), or
-# (index, mask) of a padded block; see Routing.layout.
-_Layout = tuple[torch.Tensor, torch.Tensor] | Literal[False] | None
-
-
 @dataclass
 class Routing:
     """Which adapter each batch row uses, as runs of consecutive rows: (key, start, end).
@@ -55,33 +49,6 @@ class Routing:
     stacked: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
         default_factory=dict
     )
-
-    # Per flattened row count, how the grouped path lays the runs out (see `layout`).
-    layouts: dict[int, _Layout] = field(default_factory=dict)
-
-    def layout(self, flat_rows: int, device: torch.device) -> _Layout:
-        """How runs map onto a [runs, longest, ...] block for `flat_rows` flattened rows.
-
-        None: the runs are of equal size (a plain view); False: too unequal to pad (the padded
-        block would hold over twice the rows); else (index [G, longest] into the flat rows,
-        mask [G, longest] of the real ones), computed once per routed block.
-        """
-        if flat_rows not in self.layouts:
-            per_row = flat_rows // self.runs[-1][2]
-            sizes = [(end - start) * per_row for _, start, end in self.runs]
-            longest = max(sizes)
-            if all(n == longest for n in sizes):
-                self.layouts[flat_rows] = None
-            elif longest * len(sizes) > 2 * flat_rows:
-                self.layouts[flat_rows] = False
-            else:
-                offsets = torch.arange(longest)
-                starts = torch.tensor([start * per_row for _, start, _ in self.runs])
-                lengths = torch.tensor(sizes)
-                mask = offsets[None, :] < lengths[:, None]
-                index = torch.where(mask, starts[:, None] + offsets[None, :], 0)
-                self.layouts[flat_rows] = (index.to(device), mask.to(device))
-        return self.layouts[flat_rows]
 
     @classmethod
     def from_rows(cls, row_keys: Sequence[str | None]) -> Routing:
@@ -171,37 +138,28 @@ class LoRALinear(nn.Module):
     ) -> torch.Tensor | None:
         """All adapters' deltas in two batched matmuls, when the runs allow it.
 
-        Needs adapters that all target this layer with one rank. Equal-size runs (the decode
-        steps of requests with the same num_samples) are reshaped in place; unequal ones (the
-        sequences of several tenants packed in one training row) are gathered into a
-        zero-cost padded [adapters, longest run, in] block, unless padding would double the
-        work. Per-adapter matmuls of a few rows each cost more in per-operation overhead than in
-        arithmetic (measured: 8 adapters x 1 row per decode step ran at 0.6x of one adapter x 8
-        rows; 8 tenants' packed sequences trained at 0.70x of one tenant's).
+        Needs equal-size runs whose adapters all target this layer with one rank: the decode
+        steps of a batch of requests with the same num_samples. There, per-adapter matmuls of a
+        few rows each cost more in per-operation overhead than in arithmetic (measured: 8
+        adapters x 1 row per decode step ran at 0.6x of one adapter x 8 rows).
         """
+        size = runs[0][2] - runs[0][1]
         factors = [self.factors.get(key) if key is not None else None for key, _, _ in runs]
-        if any(f is None for f in factors):
+        if any(f is None for f in factors) or any(end - start != size for _, start, end in runs):
             return None
         present = [f for f in factors if f is not None]
         if len({f[0].shape[0] for f in present}) != 1:
             return None
         assert self.routing is not None
-        layout = self.routing.layout(x.numel() // x.shape[-1], x.device)
-        if layout is False:
-            return None
         if id(self) not in self.routing.stacked:
             a = torch.stack([f[0] for f in present])  # [G, r, in]
             b = torch.stack([f[1] for f in present])  # [G, out, r]
             scale = torch.tensor([f[2] for f in present], dtype=a.dtype, device=a.device)
             self.routing.stacked[id(self)] = (a, b, scale)
         a, b, scale = self.routing.stacked[id(self)]
-        flat = x.reshape(-1, x.shape[-1]).to(a.dtype)
-        # equal runs: a view [G, n, in]; else [G, longest, in], padding rows reading row 0
-        groups = flat.view(len(runs), -1, flat.shape[-1]) if layout is None else flat[layout[0]]
+        groups = x.reshape(len(runs), -1, x.shape[-1]).to(a.dtype)  # [G, rows x tokens, in]
         low = torch.bmm(groups, a.transpose(1, 2)) * scale[:, None, None]  # [G, n, r]
-        full = torch.bmm(low, b.transpose(1, 2))  # [G, n, out]
-        delta = full.reshape(-1, full.shape[-1]) if layout is None else full[layout[1]]
-        return delta.view(*x.shape[:-1], -1).to(dtype)
+        return torch.bmm(low, b.transpose(1, 2)).view(*x.shape[:-1], -1).to(dtype)
 
 
 def inject(model: nn.Module) -> dict[str, LoRALinear]:
