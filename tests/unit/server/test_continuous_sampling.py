@@ -119,3 +119,18 @@ async def test_a_request_the_backend_never_answers_still_gets_an_error() -> None
     assert await outcome(futures, first) == {"result": "ok a:1"}
     assert "ended without" in (await outcome(futures, second))["error"]
     await loop.stop()
+
+
+async def test_stop_does_not_wait_on_admissions_it_cannot_serve() -> None:
+    """While stopping, the loop is blocked on the engine thread: a decode batch must not wait
+    (2 s per step) to hand it requests."""
+    backend = StepBackend()
+    loop, queue, futures = _setup(backend)
+    loop.start()
+    _arrive(loop, queue, futures, sample_op("long:10"))
+    await asyncio.sleep(0.05)
+    _arrive(loop, queue, futures, sample_op("late:1"))
+    _arrive(loop, queue, futures, sample_op("later:1"))
+    start = time.perf_counter()
+    await loop.stop()
+    assert time.perf_counter() - start < 1.5  # 10 steps of 20 ms, not 2 s of waiting per step

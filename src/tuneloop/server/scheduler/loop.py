@@ -79,6 +79,9 @@ class EngineLoop:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # Set by stop(): a running decode batch then takes in no more requests, since the loop
+        # that would hand them over is blocked waiting for the engine thread to finish.
+        self._stopping = False
 
     def notify(self, kind: str | None = None) -> None:
         """New work was queued; `kind` ("sample", "forward_backward", ...) feeds the gather rule."""
@@ -147,7 +150,7 @@ class EngineLoop:
         ops = {id(op.work): op for op in batch.ops}  # engine thread only, until it returns
 
         def admit() -> list[Any]:
-            if self.queue.queued_samples() == 0:  # the common case costs no thread hop
+            if self._stopping or self.queue.queued_samples() == 0:  # no thread hop
                 return []
             try:
                 joining = asyncio.run_coroutine_threadsafe(self._take_joining_samples(), loop)
@@ -196,6 +199,7 @@ class EngineLoop:
         self._task = asyncio.get_running_loop().create_task(self.run(), name="engine-loop")
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
