@@ -373,7 +373,7 @@ def demo_command(
 
     Measures greedy accuracy on held-out problems, runs a GRPO-style loop (groups of samples per
     problem, reward minus group mean, importance_sampling loss on a LoRA), measures again, and
-    saves the training state and sampler weights. Three to six minutes on 2 CPU cores; with no
+    saves the training state and sampler weights. About two to three minutes on 2 CPU cores; with no
     --base-url a local server is started for the run and stopped at the end.
     """
     run_demo(
