@@ -25,7 +25,6 @@ from transformers import DynamicCache
 from tuneloop.server.engine.logprobs import pad_rows, prompt_scores
 from tuneloop.server.engine.lora import AdapterBank
 from tuneloop.server.engine.types import (
-    EngineError,
     SampledTokens,
     SampleResult,
     SampleWork,
@@ -166,6 +165,7 @@ class DecodeBatch:
         """KV-cache tokens held now (rows x cache length)."""
         return len(self.rows) * self.mask.shape[1]
 
+    @torch.no_grad()
     def add(self, works: Sequence[SampleWork], keys: Sequence[str | None]) -> list[RunningRequest]:
         """Prefill `works` (one row each) and let their samples join the batch."""
         device = self.device
@@ -238,6 +238,7 @@ class DecodeBatch:
         self._routing.close()
         self._routing.enter_context(self.bank.routed([req.key for req, _ in self.rows]))
 
+    @torch.no_grad()
     def step(self) -> list[tuple[RunningRequest, SampleResult]]:
         """Draw one token for every row, retire the rows that stop, and run the model once for
         the rest. Returns the requests that finished, with their results."""
@@ -293,29 +294,6 @@ class DecodeBatch:
     def close(self) -> None:
         """Unroute the adapters (also after a failure part-way)."""
         self._routing.close()
-
-
-@torch.no_grad()
-def generate(
-    model: nn.Module,
-    bank: AdapterBank,
-    works: Sequence[SampleWork],
-    keys: Sequence[str | None],
-    *,
-    pad_id: int,
-    decode: Callable[[list[int]], str],
-) -> list[SampleResult | EngineError]:
-    """Sample every request of `works` in one decode batch; `keys[i]` is works[i]'s adapter."""
-    batch = DecodeBatch(model, bank, pad_id=pad_id, decode=decode)
-    results: dict[int, SampleResult] = {}
-    try:
-        requests = batch.add(works, keys)
-        while len(batch):
-            for request, result in batch.step():
-                results[id(request)] = result
-    finally:
-        batch.close()
-    return [results[id(r)] for r in requests]
 
 
 _Scores = dict[int, tuple[list[float | None] | None, list[TopkRow] | None]]

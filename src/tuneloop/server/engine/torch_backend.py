@@ -410,38 +410,10 @@ class TorchBackend:
             runtime.bank.delete(sampler_id)
 
     def sample(self, batch: Sequence[SampleWork]) -> list[SampleResult | EngineError]:
-        results: list[SampleResult | EngineError | None] = [None] * len(batch)
-        by_runtime: dict[int, list[int]] = {}
-        for index, work in enumerate(batch):
-            runtime = self._samplers.get(work.sampler_id)
-            if runtime is None:
-                results[index] = EngineError(f"no sampler {work.sampler_id!r}", "user")
-                continue
-            by_runtime.setdefault(id(runtime), []).append(index)
-        for indices in by_runtime.values():
-            runtime = self._samplers[batch[indices[0]].sampler_id]
-            for group in self._decode_batches([batch[i] for i in indices], indices):
-                works = [batch[i] for i in group]
-                keys = [w.sampler_id if w.sampler_id in runtime.bank.specs else None for w in works]
-                try:
-                    out = sampler.generate(
-                        runtime.model,
-                        runtime.bank,
-                        works,
-                        keys,
-                        pad_id=runtime.pad_id,
-                        decode=runtime.decode,
-                    )
-                except torch.OutOfMemoryError:
-                    out = [
-                        EngineError(
-                            "out of memory while sampling; retry with fewer samples", "server"
-                        )
-                        for _ in works
-                    ]
-                for index, result in zip(group, out, strict=True):
-                    results[index] = result
-        return [r if r is not None else EngineError("not run") for r in results]
+        """Every request of `batch`, in decode batches under the KV-token budget."""
+        results: dict[int, SampleResult | EngineError] = {}
+        self.sample_continuous(batch, list, lambda work, result: results.update({id(work): result}))
+        return [results.get(id(w), EngineError("not run")) for w in batch]
 
     def sample_continuous(
         self,
@@ -459,22 +431,6 @@ class TorchBackend:
         while waiting:
             run = _DecodeRun(self, deliver)
             waiting = run.run(waiting, admit)
-
-    def _decode_batches(self, works: list[SampleWork], indices: list[int]) -> list[list[int]]:
-        """Split requests so each decode batch's KV cache stays within the token budget."""
-        groups: list[list[int]] = []
-        current: list[int] = []
-        used = 0
-        for work, index in zip(works, indices, strict=True):
-            cost = work.num_samples * (len(work.prompt) + work.max_tokens)
-            if current and used + cost > self.sample_token_budget:
-                groups.append(current)
-                current, used = [], 0
-            current.append(index)
-            used += cost
-        if current:
-            groups.append(current)
-        return groups
 
     def close(self) -> None:
         self._adapters.clear()
@@ -499,13 +455,12 @@ class _DecodeRun:
         self.deliver = deliver
         self.runtime: _Runtime | None = None
         self.decoding: sampler.DecodeBatch | None = None
-        self.committed: dict[int, int] = {}  # id(request) -> its KV-token budget
         self.running: dict[int, SampleWork] = {}  # by id: SampleWork holds arrays, no __eq__
         self.later: list[SampleWork] = []  # for the next decode batch
 
     def join(self, works: Sequence[SampleWork]) -> None:
         fits: list[SampleWork] = []
-        used = sum(self.committed.values())
+        used = sum(_kv_cost(w) for w in self.running.values())
         for work in works:
             owner = self.backend._samplers.get(work.sampler_id)
             if owner is None:
@@ -513,7 +468,7 @@ class _DecodeRun:
                 continue
             self.runtime = self.runtime or owner
             cost = _kv_cost(work)
-            crowded = (self.committed or fits) and used + cost > self.backend.sample_token_budget
+            crowded = (self.running or fits) and used + cost > self.backend.sample_token_budget
             if owner is not self.runtime or crowded:
                 self.later.append(work)
                 continue
@@ -528,22 +483,19 @@ class _DecodeRun:
             )
         keys = [w.sampler_id if w.sampler_id in runtime.bank.specs else None for w in fits]
         self.running.update((id(w), w) for w in fits)
-        for request in self.decoding.add(fits, keys):
-            self.committed[id(request)] = _kv_cost(request.work)
+        self.decoding.add(fits, keys)
 
     def run(
         self, works: Sequence[SampleWork], admit: Callable[[], Sequence[SampleWork]]
     ) -> list[SampleWork]:
         """Decode until no row is left; returns the requests left for the next decode batch."""
         try:
-            with torch.no_grad():
-                self.join(works)
-                while self.decoding is not None and len(self.decoding):
-                    for request, result in self.decoding.step():
-                        self.committed.pop(id(request), None)
-                        self.running.pop(id(request.work), None)
-                        self.deliver(request.work, result)
-                    self.join(admit())
+            self.join(works)
+            while self.decoding is not None and len(self.decoding):
+                for request, result in self.decoding.step():
+                    self.running.pop(id(request.work), None)
+                    self.deliver(request.work, result)
+                self.join(admit())
         except torch.OutOfMemoryError:
             for work in self.running.values():
                 self.deliver(
