@@ -208,6 +208,29 @@ class Registry:
             )
             return list(db.scalars(query))
 
+    def count_live_sessions(self, tenant: str, active_since: datetime | None) -> int:
+        """The tenant's unfinished sessions, less those silent since before `active_since`."""
+        where = [SessionRow.tenant == tenant, SessionRow.finished_at.is_(None)]
+        if active_since is not None:
+            where.append(SessionRow.last_heartbeat >= active_since)
+        with self._db() as db:
+            return int(db.scalar(select(func.count()).select_from(SessionRow).where(*where)) or 0)
+
+    def oldest_live_activity(self, tenant: str) -> datetime | None:
+        """The earliest last_heartbeat among the tenant's unfinished sessions."""
+        where = (SessionRow.tenant == tenant) & SessionRow.finished_at.is_(None)
+        with self._db() as db:
+            value: datetime | None = db.scalar(
+                select(func.min(SessionRow.last_heartbeat)).where(where)
+            )
+        return value
+
+    def stale_sessions(self, silent_since: datetime) -> list[str]:
+        """Unfinished sessions of every tenant with no activity since `silent_since` (expiry)."""
+        where = SessionRow.finished_at.is_(None) & (SessionRow.last_heartbeat < silent_since)
+        with self._db() as db:
+            return list(db.scalars(select(SessionRow.id).where(where)))
+
     # ---- training runs ----------------------------------------------------------------------
 
     def training_run(self, run_id: str, tenant: str) -> TrainingRunRow | None:
