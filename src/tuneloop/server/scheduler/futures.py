@@ -37,10 +37,15 @@ class FutureTable:
         self._grace_s = grace_s
         self._max_age_s = max_age_s
         self._entries: dict[str, _Entry] = {}
+        # Per tenant: unresolved futures (in-flight quota), and a moving average of the seconds
+        # from submission to result (the 429's retry-after estimate).
+        self._pending: dict[str, int] = {}
+        self._latency_s: dict[str, float] = {}
 
     def create(self, tenant: str, kind: str) -> str:
         request_id = f"req-{secrets.token_hex(12)}"
         self._entries[request_id] = _Entry(tenant, kind, time.monotonic())
+        self._pending[tenant] = self._pending.get(tenant, 0) + 1
         return request_id
 
     def resolve(self, request_id: str, outcome: Outcome) -> None:
@@ -49,6 +54,19 @@ class FutureTable:
             return
         entry.outcome = outcome
         entry.event.set()
+        self._pending[entry.tenant] -= 1
+        took = time.monotonic() - entry.created_at
+        previous = self._latency_s.get(entry.tenant)
+        # Weight 0.2: about the last five results, so the estimate follows a changing load.
+        self._latency_s[entry.tenant] = took if previous is None else 0.8 * previous + 0.2 * took
+
+    def pending(self, tenant: str) -> int:
+        """How many of the tenant's futures have no result yet."""
+        return self._pending.get(tenant, 0)
+
+    def typical_latency_s(self, tenant: str) -> float | None:
+        """Recent seconds from submission to result of the tenant's requests; None before any."""
+        return self._latency_s.get(tenant)
 
     def tenant(self, request_id: str) -> str | None:
         """Who submitted the request (for metering completed work)."""
