@@ -97,6 +97,11 @@ class OperationQueue:
         stream.skipped.add(seq_id)
         stream.advance()
 
+    def unblocks_waiting(self, model_id: str, seq_id: int) -> bool:
+        """Whether accepted later operations of the model wait for `seq_id` to arrive."""
+        stream = self._streams.get(model_id)
+        return stream is not None and any(seq > seq_id for seq in stream.pending)
+
     def submit_sample(self, op: Operation) -> None:
         self._samples.append(op)
 
