@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -22,11 +24,22 @@ _KINDS = {
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, detail: str, field: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        detail: str,
+        field: str | None = None,
+        *,
+        headers: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(detail)
         self.status = status
         self.detail = detail
         self.field = field
+        # More response headers (e.g. retry-after) and body fields (e.g. a quota's limit).
+        self.headers = headers or {}
+        self.extra = extra or {}
 
 
 def bad_request(detail: str, field: str | None = None) -> ApiError:
@@ -37,11 +50,17 @@ def not_found(what: str, field: str | None = None) -> ApiError:
     return ApiError(404, f"{what} not found", field)
 
 
-def error_response(status: int, detail: str, field: str | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    detail: str,
+    field: str | None = None,
+    headers: dict[str, str] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> JSONResponse:
     # A 4xx is final: x-should-retry stops the SDKs' HTTP-layer retries; never an empty body.
-    headers = {"x-should-retry": "false"} if status < 500 and status not in (408, 429) else {}
-    body = {"detail": detail, "field": field, "type": _KINDS.get(status, "error")}
-    return JSONResponse(body, status_code=status, headers=headers)
+    final = {"x-should-retry": "false"} if status < 500 and status not in (408, 429) else {}
+    body = {**(extra or {}), "detail": detail, "field": field, "type": _KINDS.get(status, "error")}
+    return JSONResponse(body, status_code=status, headers={**final, **(headers or {})})
 
 
 def _location(loc: tuple[int | str, ...]) -> str:
@@ -55,7 +74,7 @@ def _location(loc: tuple[int | str, ...]) -> str:
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.detail, exc.field)
+        return error_response(exc.status, exc.detail, exc.field, exc.headers, exc.extra)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
