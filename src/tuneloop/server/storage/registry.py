@@ -142,9 +142,21 @@ class UsageTotal:
     requests: int
 
 
+def engine_url(url: str) -> str:
+    """The SQLAlchemy URL for a database URL: PostgreSQL ones that name no driver get psycopg 3
+    (SQLAlchemy's own default is psycopg2, which is not installed)."""
+    for scheme in ("postgresql://", "postgres://"):
+        if url.startswith(scheme):
+            return "postgresql+psycopg://" + url.removeprefix(scheme)
+    return url
+
+
 class Registry:
     def __init__(self, url: str) -> None:
-        self.engine = create_engine(url)
+        url = engine_url(url)
+        # A pooled PostgreSQL connection may have died with a database restart: test each one
+        # as it is taken from the pool (one round trip) rather than fail the request that gets it.
+        self.engine = create_engine(url, pool_pre_ping=not url.startswith("sqlite"))
         if url.startswith("sqlite"):
             # WAL lets readers proceed while the engine loop's writes commit.
             @event.listens_for(self.engine, "connect")
