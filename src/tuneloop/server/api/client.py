@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from tuneloop.server.api.deps import State, Tenant, read_json
+from tuneloop.server.api.deps import State, Tenant, json_body, read_json
 from tuneloop.server.engine.files import TOKENIZER_FILES
 from tuneloop.types import (
     ClientConfigRequest,
@@ -21,7 +21,7 @@ from tuneloop.types import (
 router = APIRouter(prefix="/api/v1")
 
 
-@router.post("/client/config")
+@router.post("/client/config", openapi_extra=json_body(ClientConfigRequest))
 async def client_config(request: Request, _tenant: Tenant) -> dict[str, Any]:
     await read_json(request, ClientConfigRequest)
     return ClientConfigResponse().model_dump()
@@ -36,7 +36,7 @@ async def dynamic_config(_tenant: Tenant) -> dict[str, Any]:
     }
 
 
-@router.post("/telemetry")
+@router.post("/telemetry", openapi_extra=json_body(TelemetryRequest))
 async def telemetry(request: Request, _tenant: Tenant) -> dict[str, str]:
     await read_json(request, TelemetryRequest)  # accepted and dropped
     return {"status": "accepted"}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
@@ -44,6 +44,49 @@ def require_content_type(request: Request, expected: str) -> None:
         raise ApiError(
             415, f"Content-Type must be {expected}, got {content_type or 'none'}", "content-type"
         )
+
+
+def _inline_refs(node: Any, defs: dict[str, Any], seen: tuple[str, ...] = ()) -> Any:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            name = ref.removeprefix("#/$defs/")
+            if name in seen:  # no wire type is recursive; refuse rather than loop
+                raise ValueError(f"recursive schema {name} cannot be inlined")
+            return _inline_refs(defs[name], defs, (*seen, name))
+        # A discriminator's mapping names $defs too; the inlined oneOf needs none (each branch
+        # pins `type` with a const).
+        return {
+            k: _inline_refs(v, defs, seen)
+            for k, v in node.items()
+            if k not in ("$defs", "discriminator")
+        }
+    if isinstance(node, list):
+        return [_inline_refs(v, defs, seen) for v in node]
+    return node
+
+
+def json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` declaring a route's JSON body as `model`, for handlers using `read_json`.
+
+    Handlers read the raw body themselves (training routes need it even when it fails to
+    parse, see seq_guard), so FastAPI cannot see the body type; this puts it in the OpenAPI
+    document. The schema is self-contained ($defs inlined): the document has no place for
+    pydantic's `#/$defs/...` references.
+    """
+    schema = model.model_json_schema(mode="validation")
+    inlined = _inline_refs(schema, schema.get("$defs", {}))
+    required = any(field.is_required() for field in model.model_fields.values())
+    content = {"application/json": {"schema": inlined}}
+    return {"requestBody": {"required": required, "content": content}}
+
+
+def protobuf_body(message: str, description: str) -> dict[str, Any]:
+    """`openapi_extra` for a protobuf body (`message` of tuneloop.types.proto), maybe zstd."""
+    schema = {"type": "string", "format": "binary", "description": f"{message}: {description}"}
+    return {
+        "requestBody": {"required": True, "content": {"application/x-protobuf": {"schema": schema}}}
+    }
 
 
 async def read_json(request: Request, model: type[M]) -> tuple[M, bytes]:

@@ -5,14 +5,14 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from tuneloop.server.api.deps import State, Tenant, read_json
+from tuneloop.server.api.deps import State, Tenant, json_body, read_json
 from tuneloop.server.api.errors import not_found
 from tuneloop.types import RetrieveFutureRequest, TryAgainResponse
 
 router = APIRouter(prefix="/api/v1")
 
 
-@router.post("/retrieve_future")
+@router.post("/retrieve_future", openapi_extra=json_body(RetrieveFutureRequest))
 async def retrieve_future(request: Request, state: State, tenant: Tenant) -> Response:
     body, _ = await read_json(request, RetrieveFutureRequest)
     try:

@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from tuneloop.server.api.deps import State, Tenant, read_json
+from tuneloop.server.api.deps import State, Tenant, json_body, read_json
 from tuneloop.server.api.errors import ApiError, bad_request, not_found
 from tuneloop.server.api.metering import summarize
 from tuneloop.server.api.state import ServerState
@@ -128,7 +128,7 @@ async def list_user_checkpoints(
     ).model_dump(mode="json")
 
 
-@router.post("/weights_info")
+@router.post("/weights_info", openapi_extra=json_body(WeightsInfoRequest))
 async def weights_info(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, _ = await read_json(request, WeightsInfoRequest)
     try:

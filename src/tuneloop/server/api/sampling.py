@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from tuneloop.server.api.deps import State, Tenant, read_json
+from tuneloop.server.api.deps import State, Tenant, json_body, read_json
 from tuneloop.server.api.errors import ApiError, bad_request, not_found
 from tuneloop.server.api.state import fingerprint
 from tuneloop.server.api.validation import sample_work
@@ -27,7 +27,7 @@ from tuneloop.types.codec import encode_sample_response
 router = APIRouter(prefix="/api/v1")
 
 
-@router.post("/create_sampling_session")
+@router.post("/create_sampling_session", openapi_extra=json_body(CreateSamplingSessionRequest))
 async def create_sampling_session(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, _ = await read_json(request, CreateSamplingSessionRequest)
     state.live_session(body.session_id, tenant)
@@ -100,7 +100,7 @@ def _sample_outcome(result: SampleResult) -> Outcome:
     return Outcome(encode_sample_response(response), "application/x-protobuf")
 
 
-@router.post("/asample")
+@router.post("/asample", openapi_extra=json_body(SampleRequest))
 async def asample(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, raw = await read_json(request, SampleRequest)
     if body.sampling_session_id is None:

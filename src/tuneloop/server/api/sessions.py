@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from tuneloop.server.api.deps import State, Tenant, read_json
+from tuneloop.server.api.deps import State, Tenant, json_body, read_json
 from tuneloop.server.api.errors import ApiError, not_found
 from tuneloop.server.storage.registry import SessionRow
 from tuneloop.types import (
@@ -22,7 +22,7 @@ from tuneloop.types import (
 router = APIRouter(prefix="/api/v1")
 
 
-@router.post("/create_session")
+@router.post("/create_session", openapi_extra=json_body(CreateSessionRequest))
 async def create_session(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, _ = await read_json(request, CreateSessionRequest)
     # A random UUID: session ids prefix every model and sampler id, so they must not be guessable.
@@ -39,7 +39,7 @@ async def create_session(request: Request, state: State, tenant: Tenant) -> dict
     return CreateSessionResponse(session_id=session_id).model_dump(exclude_none=True)
 
 
-@router.post("/session_heartbeat")
+@router.post("/session_heartbeat", openapi_extra=json_body(SessionHeartbeatRequest))
 async def heartbeat(request: Request, state: State, tenant: Tenant) -> dict[str, str]:
     body, _ = await read_json(request, SessionHeartbeatRequest)
     state.live_session(body.session_id, tenant)
@@ -47,7 +47,7 @@ async def heartbeat(request: Request, state: State, tenant: Tenant) -> dict[str,
     return {"type": "session_heartbeat"}
 
 
-@router.post("/sessions/{session_id}/finish")
+@router.post("/sessions/{session_id}/finish", openapi_extra=json_body(FinishSessionRequest))
 async def finish(session_id: str, request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, _ = await read_json(request, FinishSessionRequest)
     if state.registry.session(session_id, tenant) is None:

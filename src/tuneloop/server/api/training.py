@@ -11,7 +11,14 @@ from typing import Any
 import zstandard
 from fastapi import APIRouter, Request
 
-from tuneloop.server.api.deps import State, Tenant, read_json, require_content_type
+from tuneloop.server.api.deps import (
+    State,
+    Tenant,
+    json_body,
+    protobuf_body,
+    read_json,
+    require_content_type,
+)
 from tuneloop.server.api.errors import ApiError, bad_request, not_found
 from tuneloop.server.api.seq_guard import consumes_seq
 from tuneloop.server.api.state import ServerState
@@ -77,7 +84,7 @@ def _register_run(
     )
 
 
-@router.post("/create_model")
+@router.post("/create_model", openapi_extra=json_body(CreateModelRequest))
 async def create_model(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, raw = await read_json(request, CreateModelRequest)
     state.live_session(body.session_id, tenant)
@@ -110,7 +117,7 @@ async def create_model(request: Request, state: State, tenant: Tenant) -> dict[s
     )
 
 
-@router.post("/get_info")
+@router.post("/get_info", openapi_extra=json_body(GetInfoRequest))
 async def get_info(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, _ = await read_json(request, GetInfoRequest)
     run = state.registry.training_run(body.model_id, tenant)
@@ -131,7 +138,7 @@ async def get_info(request: Request, state: State, tenant: Tenant) -> dict[str, 
     ).model_dump()
 
 
-@router.post("/load_weights")
+@router.post("/load_weights", openapi_extra=json_body(LoadWeightsRequest))
 @consumes_seq
 async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, raw = await read_json(request, LoadWeightsRequest)
@@ -238,7 +245,13 @@ def _fwdbwd_outcome(result: ForwardBackwardResult) -> Outcome:
     return Outcome(encode_forward_backward_output(output), "application/x-protobuf")
 
 
-@router.post("/forward_backward")
+@router.post(
+    "/forward_backward",
+    openapi_extra=protobuf_body(
+        "ForwardBackwardRequest",
+        "the wire schema of tuneloop.types.proto; zstd if Content-Encoding: zstd",
+    ),
+)
 @consumes_seq
 async def forward_backward(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     raw = await _protobuf_body(request, state)
@@ -266,7 +279,7 @@ def _seq_id(seq_id: int | None) -> int:
     return seq_id
 
 
-@router.post("/optim_step")
+@router.post("/optim_step", openapi_extra=json_body(OptimStepRequest))
 @consumes_seq
 async def optim_step(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, raw = await read_json(request, OptimStepRequest)
@@ -332,7 +345,7 @@ def _refuse_overwrite(directory: Path, target: TinkerPath) -> None:
         raise EngineError(f"checkpoint {target} already exists (pass overwrite=True)", "user")
 
 
-@router.post("/save_weights")
+@router.post("/save_weights", openapi_extra=json_body(SaveWeightsRequest))
 @consumes_seq
 async def save_weights(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, raw = await read_json(request, SaveWeightsRequest)
@@ -354,7 +367,7 @@ async def save_weights(request: Request, state: State, tenant: Tenant) -> dict[s
     )
 
 
-@router.post("/save_weights_for_sampler")
+@router.post("/save_weights_for_sampler", openapi_extra=json_body(SaveWeightsForSamplerRequest))
 @consumes_seq
 async def save_weights_for_sampler(
     request: Request, state: State, tenant: Tenant
