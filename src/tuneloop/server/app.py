@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,6 +13,7 @@ from fastapi import FastAPI
 from tuneloop.server.api import client, futures, rest, sampling, sessions, training
 from tuneloop.server.api.errors import error_response, install
 from tuneloop.server.api.metering import Meter, record_completed
+from tuneloop.server.api.quotas import Quotas
 from tuneloop.server.api.state import ServerState
 from tuneloop.server.config import ServerConfig
 from tuneloop.server.engine.backend import Backend
@@ -20,7 +22,10 @@ from tuneloop.server.scheduler.loop import EngineLoop
 from tuneloop.server.scheduler.queue import OperationQueue
 from tuneloop.server.storage.keys import KeyStore
 from tuneloop.server.storage.layout import Layout
+from tuneloop.server.storage.limits import LimitStore
 from tuneloop.server.storage.registry import Registry
+
+log = logging.getLogger(__name__)
 
 
 def build_backend(config: ServerConfig) -> Backend:
@@ -150,22 +155,37 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
             queue=queue,
             engine=engine,
             models={m.name: m for m in backend.models()},
+            quotas=Quotas(config, LimitStore(config.limits_path), registry, future_table),
             meter=meter,
         )
         engine.start()
+        state: ServerState = app.state.tuneloop
 
         async def sweep() -> None:
             while True:
                 await asyncio.sleep(30)
                 future_table.sweep()
 
+        async def expire() -> None:
+            # From the registry's timestamps: sessions left silent before a restart expire too.
+            while True:
+                try:
+                    await state.expire_idle_sessions()
+                except Exception:  # a database hiccup must not end expiry for good
+                    log.exception("expiring idle sessions failed")
+                await asyncio.sleep(config.expiry_check_s)
+
         sweeper = asyncio.get_running_loop().create_task(sweep())
         flusher = asyncio.get_running_loop().create_task(meter.run_flusher(registry))
+        expirer = asyncio.get_running_loop().create_task(expire())
         try:
             yield
         finally:
             sweeper.cancel()
             flusher.cancel()
+            expirer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await expirer  # not mid-release when the engine stops
             await engine.stop()
             meter.flush(registry)  # the engine is stopped: these are the last counts
             registry.close()

@@ -9,6 +9,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# Environment variable -> config field -> parser, for the quota and expiry numbers.
+_NUMBERS: tuple[tuple[str, str, type[int] | type[float]], ...] = (
+    ("TUNELOOP_MAX_SESSIONS", "max_sessions", int),
+    ("TUNELOOP_MAX_INFLIGHT", "max_inflight", int),
+    ("TUNELOOP_SESSION_TTL_S", "session_ttl_s", float),
+    ("TUNELOOP_EXPIRY_CHECK_S", "expiry_check_s", float),
+)
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -32,6 +40,34 @@ class ServerConfig:
     max_sample_batch: int = 64
     # How long a sampling or forward_backward batch waits for more requests to join it.
     batch_gather_s: float = 0.02
+    # Per-tenant quotas (0 = unlimited); `tuneloop keys limits` overrides them per tenant in
+    # limits_file (default: limits.json beside the keys file). Past one, requests get a 429.
+    # Sessions: unfinished and unexpired. In flight: submitted requests without a result yet;
+    # 2048 is above the 1,000 futures a single client keeps in flight in bench/control_plane.py.
+    max_sessions: int = 64
+    max_inflight: int = 2048
+    limits_file: Path | None = None
+    # A session with no activity (heartbeat or request) for this long expires: its adapters and
+    # samplers are freed, its queued work fails; its checkpoints stay. Both SDKs heartbeat every
+    # 10 s, so 300 s is 30 missed heartbeats (the official SDK warns after 120 s). 0: never.
+    session_ttl_s: float = 300.0
+    # How often the server looks for expired sessions.
+    expiry_check_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_sessions", "max_inflight", "session_ttl_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: no limit), got {getattr(self, name)}")
+        if self.expiry_check_s <= 0:
+            raise ValueError(f"expiry_check_s must be > 0, got {self.expiry_check_s}")
+
+    @property
+    def limits_path(self) -> Path:
+        """Per-tenant quota overrides: beside the keys file, so both move together."""
+        if self.limits_file is not None:
+            return self.limits_file
+        keys = self.keys_file or self.data_dir / "keys.json"
+        return keys.parent / "limits.json"
 
     @classmethod
     def from_env(cls, **overrides: object) -> ServerConfig:
@@ -45,6 +81,11 @@ class ServerConfig:
             env["cache_dir"] = Path(os.environ["TUNELOOP_CACHE_DIR"])
         if "TUNELOOP_LONG_POLL_S" in os.environ:
             env["long_poll_s"] = float(os.environ["TUNELOOP_LONG_POLL_S"])
+        for name, key, parse in _NUMBERS:
+            if name in os.environ:
+                env[key] = parse(os.environ[name])
+        if "TUNELOOP_LIMITS_FILE" in os.environ:
+            env["limits_file"] = Path(os.environ["TUNELOOP_LIMITS_FILE"])
         values = {**env, **{k: v for k, v in overrides.items() if v is not None}}
         values.setdefault("data_dir", Path(".tuneloop"))
         return cls(**values)  # type: ignore[arg-type]

@@ -116,6 +116,7 @@ async def asample(request: Request, state: State, tenant: Tenant) -> dict[str, A
         seen_digest, request_id, sequence_ids = state.sample_submissions[key]
         if seen_digest == digest:
             return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
+    state.quotas.check_inflight(tenant)
     request_id = state.futures.create(tenant, "Sample")
     sequence_ids = [f"{request_id}:{i}" for i in range(body.num_samples)]
     if key is not None:

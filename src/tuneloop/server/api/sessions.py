@@ -25,6 +25,7 @@ router = APIRouter(prefix="/api/v1")
 @router.post("/create_session", openapi_extra=json_body(CreateSessionRequest))
 async def create_session(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, _ = await read_json(request, CreateSessionRequest)
+    state.quotas.check_sessions(tenant)
     # A random UUID: session ids prefix every model and sampler id, so they must not be guessable.
     session_id = str(uuid.uuid4())
     state.registry.add(
@@ -42,8 +43,9 @@ async def create_session(request: Request, state: State, tenant: Tenant) -> dict
 @router.post("/session_heartbeat", openapi_extra=json_body(SessionHeartbeatRequest))
 async def heartbeat(request: Request, state: State, tenant: Tenant) -> dict[str, str]:
     body, _ = await read_json(request, SessionHeartbeatRequest)
+    # live_session records the activity (at most one write per few seconds per session) and
+    # answers 410 for a finished or expired session, which stops the SDKs' heartbeat loops.
     state.live_session(body.session_id, tenant)
-    state.registry.touch_session(body.session_id)
     return {"type": "session_heartbeat"}
 
 

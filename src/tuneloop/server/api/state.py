@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from fastapi import Request
 
 from tuneloop.server.api.errors import ApiError, not_found
 from tuneloop.server.api.metering import Meter
+from tuneloop.server.api.quotas import Quotas
 from tuneloop.server.config import ServerConfig
 from tuneloop.server.engine.types import ModelSpec
 from tuneloop.server.scheduler.futures import FutureTable, Outcome
@@ -19,9 +22,19 @@ from tuneloop.server.scheduler.loop import EngineLoop, failure
 from tuneloop.server.scheduler.queue import Operation, OperationQueue, OpKind, SeqConflictError
 from tuneloop.server.storage.keys import KeyStore
 from tuneloop.server.storage.layout import Layout, TinkerPath
-from tuneloop.server.storage.registry import CheckpointRow, Registry, SessionRow, TrainingRunRow
+from tuneloop.server.storage.registry import (
+    CheckpointRow,
+    Registry,
+    SessionRow,
+    TrainingRunRow,
+    utcnow,
+)
 
 log = logging.getLogger(__name__)
+EXPIRED = "expired"  # the finish reason of a session that went silent past the TTL
+# Heartbeats and requests naming a session are its activity, written to its last_heartbeat
+# at most this often (or every quarter TTL, if shorter): not one database write per request.
+ACTIVITY_WRITE_S = 5.0
 
 
 def fingerprint(body: bytes) -> str:
@@ -38,11 +51,14 @@ class ServerState:
     queue: OperationQueue
     engine: EngineLoop
     models: dict[str, ModelSpec]
+    quotas: Quotas
     meter: Meter = field(default_factory=Meter)
     # (sampling_session_id, seq_id) -> (fingerprint, request_id, sample_sequence_ids)
     sample_submissions: dict[tuple[str, int], tuple[str, str, list[str]]] = field(
         default_factory=dict
     )
+    # Releases of sessions found expired by a request (held so they are not garbage collected).
+    _releases: set[asyncio.Task[None]] = field(default_factory=set)
 
     def model_spec(self, name: str, field_name: str = "base_model") -> ModelSpec:
         spec = self.models.get(name)
@@ -54,10 +70,31 @@ class ServerState:
         return spec
 
     def live_session(self, session_id: str, tenant: str) -> SessionRow:
+        """The caller's unfinished, unexpired session; any request naming it is activity.
+
+        404 if it is not the caller's, 410 if it finished or expired. A session found silent
+        past the TTL expires here and now, before the periodic sweep would get to it.
+        """
         row = self.registry.session(session_id, tenant)
         if row is None:
             raise not_found(f"session {session_id!r}", "session_id")
+        if row.finished_at is None:
+            idle_s = (utcnow() - row.last_heartbeat).total_seconds()
+            ttl = self.config.session_ttl_s
+            if ttl and idle_s > ttl:
+                self.expire_now(session_id)
+                row = self.registry.session(session_id, tenant) or row
+            elif idle_s > min(ACTIVITY_WRITE_S, ttl / 4 if ttl else ACTIVITY_WRITE_S):
+                self.registry.touch_session(session_id)
         if row.finished_at is not None:
+            if row.finish_reason == EXPIRED:
+                raise ApiError(
+                    410,
+                    f"session {session_id!r} expired: no heartbeat or request for more than "
+                    f"{self.config.session_ttl_s:g} s; its models and samplers were freed "
+                    "(saved checkpoints remain): start a new session",
+                    "session_id",
+                )
             raise ApiError(410, f"session {session_id!r} is finished", "session_id")
         return row
 
@@ -81,13 +118,46 @@ class ServerState:
             raise not_found(f"checkpoint {path!r}", field_name)
         return parsed, row
 
+    def expire_now(self, session_id: str) -> None:
+        """Mark a silent session expired and free it in the background (first finish wins)."""
+        if self.registry.finish_session(session_id, EXPIRED):
+            log.info("session %s expired after %g s without activity", session_id, self.ttl_s)
+            task = asyncio.get_running_loop().create_task(self.release_session(session_id))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+
+    @property
+    def ttl_s(self) -> float:
+        return self.config.session_ttl_s
+
+    async def expire_idle_sessions(self) -> list[str]:
+        """Expire every session silent for longer than the TTL (all tenants); their ids."""
+        if not self.ttl_s:
+            return []
+        silent_since = utcnow() - timedelta(seconds=self.ttl_s)
+        expired = []
+        for session_id in self.registry.stale_sessions(silent_since):
+            if self.registry.finish_session(session_id, EXPIRED):
+                log.info("session %s expired after %g s without activity", session_id, self.ttl_s)
+                await self.release_session(session_id)
+                expired.append(session_id)
+        return expired
+
     async def release_session(self, session_id: str) -> None:
         """Free a finished session's adapters and samplers; its checkpoints stay.
 
         Work still queued for them fails with a clear error instead of running.
         """
         runs, samplers = self.registry.session_children(session_id)
-        gone = failure(f"session {session_id} is finished", "user")
+        row = self.registry.session_any_tenant(session_id)
+        if row is not None and row.finish_reason == EXPIRED:
+            why = (
+                f"session {session_id} expired (no heartbeat or request for more than "
+                f"{self.ttl_s:g} s), so its pending work was cancelled"
+            )
+        else:
+            why = f"session {session_id} is finished"
+        gone = failure(why, "user")
         for run in runs:
             for op in self.queue.forget_model(run):
                 self.futures.resolve(op.request_id, gone)
@@ -130,6 +200,11 @@ class ServerState:
             raise ApiError(409, str(exc), "seq_id") from None
         if existing is not None:
             return {"request_id": existing, "model_id": model_id}
+        # A request that later, accepted requests of its model wait for is let in even at the
+        # limit: refusing it would leave them waiting, holding the very slots it waits for.
+        # So the tenant exceeds the limit by at most the number of those waiting requests.
+        if not self.queue.unblocks_waiting(model_id, seq_id):
+            self.quotas.check_inflight(tenant)
         request_id = self.futures.create(tenant, request_type)
         self.queue.submit_training(
             Operation(request_id, kind, work, finish, model_id, seq_id, digest)

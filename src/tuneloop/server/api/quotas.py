@@ -1,0 +1,115 @@
+"""Per-tenant quotas: live sessions and requests in flight. Past one, a 429 the SDKs retry.
+
+The 429 carries `retry-after` (whole seconds, for any client), `retry-after-ms` (which both
+SDKs read first) and `x-should-retry: true`; its body names the limit and its value. A refused
+request changes nothing on the server: no future, no session, and no seq_id consumed, since the
+SDKs retry it with the same seq_id.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import timedelta
+
+from tuneloop.server.api.errors import ApiError
+from tuneloop.server.config import ServerConfig
+from tuneloop.server.scheduler.futures import FutureTable
+from tuneloop.server.storage.limits import LimitStore
+from tuneloop.server.storage.registry import Registry, utcnow
+
+# Bounds of the advertised wait: short enough that freed capacity is used soon, long enough
+# that a client at its limit does not poll the server in a tight loop; 30 s is well inside the
+# 60 s above which both SDKs ignore the header and fall back to their own backoff.
+MIN_RETRY_S = 0.2
+MAX_RETRY_S = 30.0
+# A session frees when its owner finishes it, which the server cannot foresee: ask again this
+# often (sooner if the least recently active session would expire before).
+SESSION_RETRY_S = 5.0
+# Before any request of the tenant has completed there is no measured latency to go on.
+FIRST_RETRY_S = 1.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A tenant's effective limits (0: unlimited)."""
+
+    max_sessions: int
+    max_inflight: int
+
+
+def quota_exceeded(limit: str, value: int, detail: str, retry_after_s: float) -> ApiError:
+    wait = min(max(retry_after_s, MIN_RETRY_S), MAX_RETRY_S)
+    headers = {
+        "retry-after": str(math.ceil(wait)),
+        "retry-after-ms": str(round(wait * 1000)),
+        "x-should-retry": "true",
+    }
+    return ApiError(429, detail, limit, headers=headers, extra={"limit": limit, "value": value})
+
+
+class Quotas:
+    def __init__(
+        self, config: ServerConfig, store: LimitStore, registry: Registry, futures: FutureTable
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.registry = registry
+        self.futures = futures
+
+    def limits(self, tenant: str) -> Limits:
+        """The server defaults, overridden by the tenant's entry in the limits file."""
+        override = self.store.get(tenant)
+        return Limits(
+            max_sessions=(
+                override.max_sessions
+                if override.max_sessions is not None
+                else self.config.max_sessions
+            ),
+            max_inflight=(
+                override.max_inflight
+                if override.max_inflight is not None
+                else self.config.max_inflight
+            ),
+        )
+
+    def check_sessions(self, tenant: str) -> None:
+        """429 if the tenant already has its limit of live (unfinished, unexpired) sessions."""
+        limit = self.limits(tenant).max_sessions
+        if limit == 0:
+            return
+        ttl = self.config.session_ttl_s
+        now = utcnow()
+        live = self.registry.count_live_sessions(
+            tenant, now - timedelta(seconds=ttl) if ttl else None
+        )
+        if live < limit:
+            return
+        wait = SESSION_RETRY_S
+        oldest = self.registry.oldest_live_activity(tenant) if ttl else None
+        if oldest is not None:
+            wait = min(wait, (oldest + timedelta(seconds=ttl) - now).total_seconds())
+        raise quota_exceeded(
+            "max_sessions",
+            limit,
+            f"tenant {tenant!r} has {live} live sessions and may have {limit} (max_sessions):"
+            " finish one, or wait for an idle one to expire",
+            wait,
+        )
+
+    def check_inflight(self, tenant: str) -> None:
+        """429 if the tenant already has its limit of requests without a result."""
+        limit = self.limits(tenant).max_inflight
+        pending = self.futures.pending(tenant)
+        if limit == 0 or pending < limit:
+            return
+        # A slot frees when the next of them completes. By Little's law, `pending` requests
+        # that each take `typical` seconds complete one every typical / pending seconds.
+        typical = self.futures.typical_latency_s(tenant)
+        raise quota_exceeded(
+            "max_inflight",
+            limit,
+            f"tenant {tenant!r} has {pending} requests in flight and may have {limit}"
+            " (max_inflight): retry once some have completed",
+            typical / pending if typical is not None else FIRST_RETRY_S,
+        )
