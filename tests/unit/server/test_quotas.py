@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -205,3 +206,89 @@ def test_config_reads_quota_environment(monkeypatch: pytest.MonkeyPatch, tmp_pat
     )
     with pytest.raises(ValueError, match="max_sessions"):
         ServerConfig(tmp_path, max_sessions=-1)
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+
+def cli(*args: str) -> Any:
+    from typer.testing import CliRunner
+
+    from tuneloop.cli import build_app
+
+    return CliRunner().invoke(build_app(with_demo=False), list(args), catch_exceptions=False)
+
+
+def test_keys_create_sets_the_tenants_limits(tmp_path: Path) -> None:
+    created = cli(
+        "keys",
+        "create",
+        "--data-dir",
+        str(tmp_path),
+        "--tenant",
+        "alice",
+        "--max-sessions",
+        "2",
+        "--max-inflight",
+        "0",
+    )
+    assert created.exit_code == 0, created.output
+    assert created.stdout.strip().startswith("tml-")
+    assert LimitStore(tmp_path / "limits.json").get("alice") == TenantLimits(2, 0)
+    # A bad value fails before any key is made.
+    bad = cli(
+        "keys", "create", "--data-dir", str(tmp_path), "--tenant", "bob", "--max-sessions", "-3"
+    )
+    assert bad.exit_code == 2
+    assert "max-sessions" in bad.stderr
+    listed = cli("keys", "list", "--data-dir", str(tmp_path), "--json")
+    assert [k["tenant"] for k in json.loads(listed.stdout)] == ["alice"]
+
+
+def test_keys_limits_shows_sets_and_resets(tmp_path: Path) -> None:
+    where = ("--data-dir", str(tmp_path))
+    changed = cli("keys", "limits", "alice", "--max-inflight", "5", *where, "--json")
+    assert changed.exit_code == 0, changed.output
+    assert json.loads(changed.stdout) == {
+        "tenant": "alice",
+        "max_sessions": None,
+        "max_inflight": 5,
+    }
+    cli("keys", "limits", "bob", "--max-sessions", "1", *where)
+    every = json.loads(cli("keys", "limits", *where, "--json").stdout)
+    assert [row["tenant"] for row in every] == ["alice", "bob"]
+    cli("keys", "limits", "alice", "--max-inflight", "default", *where)
+    assert "alice" not in LimitStore(tmp_path / "limits.json").all()
+    assert cli("keys", "limits", "bob", "--reset", *where).exit_code == 0
+    assert LimitStore(tmp_path / "limits.json").all() == {}
+    assert cli("keys", "limits", "--max-sessions", "1", *where).exit_code == 2
+
+
+def test_serve_passes_quota_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import tuneloop.server.app as app_module
+
+    seen: list[ServerConfig] = []
+
+    def fake_create_app(config: ServerConfig) -> Any:
+        seen.append(config)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(app_module, "create_app", fake_create_app)
+    cli(
+        "serve",
+        "--data-dir",
+        str(tmp_path),
+        "--backend",
+        "fake",
+        "--max-sessions",
+        "3",
+        "--max-inflight",
+        "7",
+        "--session-ttl-s",
+        "60",
+        "--expiry-check-s",
+        "2",
+    )
+    [config] = seen
+    assert (config.max_sessions, config.max_inflight) == (3, 7)
+    assert (config.session_ttl_s, config.expiry_check_s) == (60.0, 2.0)

@@ -81,6 +81,49 @@ def serve(
             show_default=False,
         ),
     ] = None,
+    max_sessions: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help=(
+                "Live (unfinished, unexpired) sessions per tenant; past it create_session gets a"
+                " retryable 429. 0: unlimited. Per tenant: `tuneloop keys limits`."
+                " [default: $TUNELOOP_MAX_SESSIONS, else 64]"
+            ),
+            show_default=False,
+        ),
+    ] = None,
+    max_inflight: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help=(
+                "Requests per tenant submitted and not yet completed; past it new ones get a"
+                " retryable 429. 0: unlimited. [default: $TUNELOOP_MAX_INFLIGHT, else 2048]"
+            ),
+            show_default=False,
+        ),
+    ] = None,
+    session_ttl_s: Annotated[
+        float | None,
+        typer.Option(
+            min=0,
+            help=(
+                "A session with no heartbeat or request for this long expires: its models and"
+                " samplers are freed, its pending work fails, its checkpoints stay. 0: never."
+                " [default: $TUNELOOP_SESSION_TTL_S, else 300]"
+            ),
+            show_default=False,
+        ),
+    ] = None,
+    expiry_check_s: Annotated[
+        float | None,
+        typer.Option(
+            min=0.01,
+            help="How often to look for expired sessions. [default: 10]",
+            show_default=False,
+        ),
+    ] = None,
     parent_pid: Annotated[
         int | None,
         typer.Option(
@@ -109,6 +152,10 @@ def serve(
         dtype=dtype.value if dtype is not None else None,
         cache_dir=cache_dir,
         long_poll_s=long_poll_s,
+        max_sessions=max_sessions,
+        max_inflight=max_inflight,
+        session_ttl_s=session_ttl_s,
+        expiry_check_s=expiry_check_s,
     )
     app = create_app(config)
     server = uvicorn.Server(
