@@ -1,4 +1,7 @@
-"""An in-process server (fake backend) over httpx.ASGITransport, one client per tenant."""
+"""An in-process server (fake backend) over httpx.ASGITransport, one client per tenant.
+
+Every test that uses the server runs twice: on a SQLite registry and on PostgreSQL (tests/db.py).
+"""
 
 from __future__ import annotations
 
@@ -10,15 +13,19 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.db import db_url
 from tests.unit.server.harness import Api
 from tuneloop.server.app import create_app
 from tuneloop.server.config import ServerConfig
 from tuneloop.server.storage.keys import KeyStore
 
+__all__ = ["api", "db_url", "other_tenant", "server"]
+
 
 @pytest.fixture
-async def server(tmp_path: Path) -> AsyncIterator[tuple[Any, KeyStore]]:
-    app = create_app(ServerConfig(data_dir=tmp_path, long_poll_s=1.0, backend="fake"))
+async def server(tmp_path: Path, db_url: str) -> AsyncIterator[tuple[Any, KeyStore]]:
+    config = ServerConfig(data_dir=tmp_path, db_url=db_url, long_poll_s=1.0, backend="fake")
+    app = create_app(config)
     async with app.router.lifespan_context(app):
         yield app, KeyStore(tmp_path / "keys.json")
 
