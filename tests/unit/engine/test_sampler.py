@@ -350,9 +350,16 @@ def test_deleted_or_unknown_sampler_fails_alone(trained) -> None:
 # ---- continuous batching ----------------------------------------------------------------------
 
 
-def test_requests_join_a_running_decode_batch_and_leave_when_done(trained) -> None:
-    """Requests admitted mid-decode get exactly what they get alone; short ones come back first."""
-    long = sw("sA", prompt(5, 20), num_samples=2, max_tokens=24, seed=1)
+@pytest.mark.parametrize("prefill_chunk", [256, 3])
+def test_requests_join_a_running_decode_batch_and_leave_when_done(
+    trained, prefill_chunk: int
+) -> None:
+    """Requests admitted mid-decode get exactly what they get alone; short ones come back first.
+
+    With a 3-token chunk the joiners' prompts are prefilled a column per step (chunked prefill).
+    """
+    trained.prefill_chunk = prefill_chunk
+    long = sw("sA", prompt(5, 20), num_samples=2, max_tokens=40, seed=1)
     joiners = [
         sw("sB", prompt(12, 21), num_samples=3, max_tokens=4, seed=2),  # longer prompt
         sw("base", prompt(2, 22), max_tokens=6, seed=3, prompt_logprobs=True),
@@ -401,3 +408,96 @@ def test_a_request_over_the_kv_budget_waits_for_the_next_decode_batch(trained) -
     again: list[Any] = []
     trained.sample_continuous([second], list, lambda w, r: again.append(r))
     assert [s.tokens for s in again[0].sequences] == [s.tokens for s in alone.sequences]
+
+
+def _decode_batch(be: Any, sampler_id: str, chunk: int) -> Any:
+    from tuneloop.server.engine.sampler import DecodeBatch
+
+    rt = be._samplers[sampler_id]
+    return DecodeBatch(rt.model, rt.bank, pad_id=rt.pad_id, decode=rt.decode, prefill_chunk=chunk)
+
+
+def _tokens(result: SampleResult) -> list[list[int]]:
+    return [s.tokens for s in result.sequences]
+
+
+def test_a_long_joining_prompt_is_prefilled_in_chunks_while_rows_keep_decoding(trained) -> None:
+    running = sw("sA", prompt(3, 40), max_tokens=30, seed=1)
+    joiner = sw("sB", prompt(24, 41), num_samples=2, max_tokens=3, seed=2)
+    alone = sample(trained, [joiner])[0]
+    batch = _decode_batch(trained, "sA", chunk=4)
+    [first] = batch.add([running], ["sA"])
+    batch.step()
+    [second] = batch.add([joiner], ["sB"])
+    assert batch.pending
+    assert not second.rows[0].tokens
+    prefill_steps = 0
+    while batch.pending:
+        before = len(first.rows[0].tokens)
+        batch.step()
+        assert len(first.rows[0].tokens) == before + 1  # one token per step, never stalled
+        prefill_steps += 1
+    assert prefill_steps == 6  # 24 prompt tokens, 4 per step (one prompt row)
+    results = {}
+    while len(batch):
+        results.update({id(req): res for req, res in batch.step()})
+    assert _tokens(results[id(second)]) == _tokens(alone)
+    assert_near(
+        [s.logprobs for s in results[id(second)].sequences],
+        [s.logprobs for s in alone.sequences],
+        1e-5,
+        "lp",
+    )
+    assert len(results[id(first)].sequences[0].tokens) == 30
+
+
+def test_requests_of_cancelled_samplers_leave_the_batch_wherever_they_are(
+    trained, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dropped from the decode rows and from a joining prefill, whose other requests restart and
+    still get exactly what they get alone."""
+    keep = sw("sA", prompt(4, 50), max_tokens=12, seed=1)
+    decoding = sw("sB", prompt(4, 51), num_samples=2, max_tokens=40, seed=2)
+    mixed = [sw("sA", prompt(9, 52), max_tokens=5, seed=3), sw("sB", prompt(6, 53), seed=4)]
+    alone = {id(w): sample(trained, [w])[0] for w in (keep, mixed[0])}
+    got: dict[int, Any] = {}
+    steps = 0
+    cancelled: frozenset[str] = frozenset()
+
+    def admit() -> list[SampleWork]:
+        nonlocal steps, cancelled
+        steps += 1
+        if steps == 2:
+            return mixed  # prefilled a column per step: still joining at step 3
+        if steps == 3:
+            cancelled = frozenset({"sB"})  # mid-prefill for mixed[1], mid-decode for `decoding`
+        return []
+
+    def deliver(work: SampleWork, result: Any) -> None:
+        assert id(work) not in got
+        got[id(work)] = result
+
+    from tuneloop.server.engine.sampler import DecodeBatch
+
+    restarted: list[int] = []
+    requeue = DecodeBatch._requeue
+    monkeypatch.setattr(
+        DecodeBatch,
+        "_requeue",
+        lambda self, kept, old: (restarted.append(len(kept)), requeue(self, kept, old))[1],
+    )
+    trained.prefill_chunk = 2
+    trained.sample_continuous([keep, decoding], admit, deliver, lambda: cancelled)
+    assert restarted == [1]  # mixed[0]'s prefill restarted without mixed[1]
+    assert len(got) == 4
+    for w in (decoding, mixed[1]):
+        assert isinstance(got[id(w)], EngineError)
+        assert "cancelled" in str(got[id(w)])
+    for w in (keep, mixed[0]):
+        assert _tokens(got[id(w)]) == _tokens(alone[id(w)])
+    # a cancelled sampler's new requests are refused at the door
+    late: list[Any] = []
+    trained.sample_continuous(
+        [sw("sB", prompt(3, 54))], list, lambda w, r: late.append(r), lambda: {"sB"}
+    )
+    assert isinstance(late[0], EngineError)

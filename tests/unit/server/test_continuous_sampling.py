@@ -29,6 +29,7 @@ class StepBackend(StubBackend):
         batch: Sequence[str],
         admit: Callable[[], Sequence[str]],
         deliver: Callable[[str, Any], None],
+        cancelled: Callable[[], Any] = frozenset,
     ) -> None:
         left = {w: int(w.split(":")[1]) for w in batch}
         self.joined.append(list(batch))
@@ -109,7 +110,9 @@ async def test_a_failing_batch_answers_every_request_it_had_not() -> None:
 
 async def test_a_request_the_backend_never_answers_still_gets_an_error() -> None:
     class Forgetful(StepBackend):
-        def sample_continuous(self, batch: Sequence[str], admit: Any, deliver: Any) -> None:
+        def sample_continuous(
+            self, batch: Sequence[str], admit: Any, deliver: Any, cancelled: Any = frozenset
+        ) -> None:
             deliver(batch[0], f"ok {batch[0]}")  # and forgets the rest
 
     loop, queue, futures = _setup(Forgetful())
@@ -134,3 +137,41 @@ async def test_stop_does_not_wait_on_admissions_it_cannot_serve() -> None:
     start = time.perf_counter()
     await loop.stop()
     assert time.perf_counter() - start < 1.5  # 10 steps of 20 ms, not 2 s of waiting per step
+
+
+async def test_cancelled_samplers_stop_in_a_gathered_batch_and_in_the_running_one() -> None:
+    """cancel_samplers fails a sampler's requests already taken off the queue before they run,
+    and the running decode batch sees the cancellation through `cancelled()`."""
+    seen: list[frozenset[str]] = []
+
+    class Watching(StepBackend):
+        def sample_continuous(
+            self, batch: Sequence[str], admit: Any, deliver: Any, cancelled: Any = frozenset
+        ) -> None:
+            for _ in range(10):
+                time.sleep(0.02)
+                seen.append(frozenset(cancelled()))
+            for w in batch:
+                deliver(w, "cancelled" if w in seen[-1] else f"ok {w}")
+
+    loop, queue, futures = _setup(Watching())
+    running = _arrive(loop, queue, futures, sample_op("s1"))
+    step = asyncio.create_task(loop.step())
+    await asyncio.sleep(0.05)
+    loop.cancel_samplers(["s1"])
+    assert await step
+    assert seen[0] == frozenset()
+    assert seen[-1] == {"s1"}
+    assert await outcome(futures, running) == {"result": "cancelled"}
+
+    class Work:
+        sampler_id = "s2"
+
+    gathered = Operation("s2-op", "sample", Work(), lambda r: None)  # type: ignore[arg-type,return-value]
+    request_id = _arrive(loop, queue, futures, gathered)
+    loop.cancel_samplers(["s2"])
+    assert await loop.step()  # nothing left to run: the backend is not called
+    failed = await outcome(futures, request_id)
+    assert failed["category"] == "user"
+    assert "cancelled" in failed["error"]
+    await loop.stop()

@@ -6,7 +6,7 @@ methods return one result or `EngineError` per item: one bad request fails only 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -78,7 +78,12 @@ class ContinuousSampling(Protocol):
         batch: Sequence[SampleWork],
         admit: Callable[[], Sequence[SampleWork]],
         deliver: Callable[[SampleWork, SampleResult | EngineError], None],
+        cancelled: Callable[[], Collection[str]] = frozenset,
     ) -> None:
         """Sample `batch` and whatever `admit()` returns between decode steps; `deliver` every
-        request's result (or error) exactly once, as soon as it is known."""
+        request's result (or error) exactly once, as soon as it is known.
+
+        Requests of the sampler ids `cancelled()` names (checked once per step) leave the batch
+        and are answered with an error: their session is gone, so they stop costing compute.
+        """
         ...

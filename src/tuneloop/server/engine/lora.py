@@ -288,10 +288,13 @@ class AdapterBank:
             if lengths is None
             else Routing.from_lengths(row_keys, lengths)
         )
+        # Blocks nest: a joining prompt's prefill chunk runs inside a decode batch's routing,
+        # which must hold again once the chunk is done.
+        previous = {name: module.routing for name, module in self.modules.items()}
         for module in self.modules.values():
             module.routing = routing
         try:
             yield
         finally:
-            for module in self.modules.values():
-                module.routing = None
+            for name, module in self.modules.items():
+                module.routing = previous[name]

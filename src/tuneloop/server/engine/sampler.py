@@ -129,13 +129,39 @@ class RunningRequest:
     done: int = 0  # rows finished
 
 
+# Prompt tokens prefilled per decode step while other rows decode: a long joining prompt then
+# costs each step about as much as this many extra tokens, instead of stalling every running row
+# for its whole prefill (a 2,000-token prompt is ~3 s of matmuls on 2 CPU threads).
+DEFAULT_PREFILL_CHUNK = 256
+
+
+@dataclass
+class _Prefill:
+    """Joining requests (one left-padded prompt row each) whose prefill is under way."""
+
+    requests: list[RunningRequest]
+    keys: list[str | None]
+    input_ids: torch.Tensor  # [R, W]
+    mask: torch.Tensor  # [R, W], 0 on the left padding
+    positions: torch.Tensor  # [R, W]
+    cache: DynamicCache = field(default_factory=DynamicCache)
+    done: int = 0  # columns prefilled
+    logits: torch.Tensor | None = None  # [R, V] after the last column
+
+    @property
+    def width(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
 class DecodeBatch:
     """A running decode batch that requests join at step boundaries and leave when done.
 
     Each request's prompt is prefilled once, whatever its `num_samples`; its KV cache rows and
     last logits are then repeated for the samples. Joining requests are prefilled on their own
-    and merged into the running cache, left-padded (masked) to a common length. A row that stops
-    leaves the batch at once, and a request whose rows have all stopped is handed back by
+    and merged into the running cache, left-padded (masked) to a common length. While rows are
+    decoding, a joining prefill advances `prefill_chunk` prompt tokens per step (chunked prefill),
+    so a long prompt slows the running rows' steps a little instead of stopping them. A row that
+    stops leaves the batch at once, and a request whose rows have all stopped is handed back by
     `step()` at once, not when the longest request of the batch ends.
     """
 
@@ -146,10 +172,13 @@ class DecodeBatch:
         *,
         pad_id: int,
         decode: Callable[[list[int]], str],
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     ) -> None:
         self.model, self.bank, self.pad_id, self.decode = model, bank, pad_id, decode
+        self.prefill_chunk = max(1, prefill_chunk)
         self.device = next(model.parameters()).device
         self.rows: list[tuple[RunningRequest, _Row]] = []  # decode-batch row i
+        self.pending: list[_Prefill] = []  # joining, in arrival order
         self.cache = DynamicCache()
         self.mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
         self.next_pos = torch.zeros((0, 1), dtype=torch.long, device=self.device)
@@ -159,15 +188,20 @@ class DecodeBatch:
         self._routing = contextlib.ExitStack()
 
     def __len__(self) -> int:
-        return len(self.rows)
+        """Rows decoding plus rows still being prefilled."""
+        return len(self.rows) + sum(r.work.num_samples for p in self.pending for r in p.requests)
 
     def kv_tokens(self) -> int:
-        """KV-cache tokens held now (rows x cache length)."""
-        return len(self.rows) * self.mask.shape[1]
+        """KV-cache tokens held now (rows x cache length, prefills included)."""
+        held = len(self.rows) * self.mask.shape[1]
+        return held + sum(len(p.requests) * p.done for p in self.pending)
 
     @torch.no_grad()
     def add(self, works: Sequence[SampleWork], keys: Sequence[str | None]) -> list[RunningRequest]:
-        """Prefill `works` (one row each) and let their samples join the batch."""
+        """Start prefilling `works` (one row each); their samples join the batch once done.
+
+        With no rows decoding there is no one to stall: the prefill then runs whole, now.
+        """
         device = self.device
         scored = _score_prompts(self.model, self.bank, works, keys, self.pad_id, device)
         requests = []
@@ -185,30 +219,55 @@ class DecodeBatch:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         # A growing cache: a static one (written in place, no re-copy per step) was measured
         # 10 % slower on CPU at 128 rows x 64 steps, its attention spanning the full length.
-        cache = DynamicCache()
-        with self.bank.routed(keys):
+        prefill = _Prefill(requests, list(keys), input_ids, mask, positions)
+        self.pending.append(prefill)
+        if not self.rows:
+            self._prefill_some()
+        return requests
+
+    def _advance(self, prefill: _Prefill, tokens: float) -> None:
+        """Prefill the next columns of `prefill`, about `tokens` prompt tokens (all rows)."""
+        rows = len(prefill.requests)
+        columns = max(1, int(tokens // rows)) if tokens != float("inf") else prefill.width
+        start, end = prefill.done, min(prefill.width, prefill.done + columns)
+        with self.bank.routed(prefill.keys):
             out = self.model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=positions,
-                cache=cache,
+                input_ids=prefill.input_ids[:, start:end],
+                attention_mask=prefill.mask[:, :end],
+                position_ids=prefill.positions[:, start:end],
+                cache=prefill.cache,
                 use_cache=True,
                 logits_to_keep=1,
             )
+        prefill.done = end
+        if end == prefill.width:
+            prefill.logits = out.logits[:, -1].float()
+
+    def _prefill_some(self) -> None:
+        """Advance the oldest joining prefill by one chunk (all of it if no row decodes) and
+        let its samples join once it is complete."""
+        if not self.pending:
+            return
+        prefill = self.pending[0]
+        self._advance(prefill, self.prefill_chunk if self.rows else float("inf"))
+        if prefill.logits is None:
+            return
+        self.pending.pop(0)
+        works = [request.work for request in prefill.requests]
+        device = self.device
         # One prompt row per request -> one row per sample.
         repeat = torch.tensor([w.num_samples for w in works], device=device)
         expand = torch.repeat_interleave(torch.arange(len(works), device=device), repeat)
-        _select(cache, expand)
-        logits = out.logits[:, -1].float().index_select(0, expand)
-        mask = mask.index_select(0, expand)
-        next_pos = positions[:, -1:].index_select(0, expand) + 1
+        _select(prefill.cache, expand)
+        logits = prefill.logits.index_select(0, expand)
+        mask = prefill.mask.index_select(0, expand)
+        next_pos = prefill.positions[:, -1:].index_select(0, expand) + 1
         temperature = torch.tensor(
             [w.temperature for w in works for _ in range(w.num_samples)], device=device
         )
-        self._merge(cache, mask, next_pos, temperature, logits)
-        self.rows += [(request, row) for request in requests for row in request.rows]
+        self._merge(prefill.cache, mask, next_pos, temperature, logits)
+        self.rows += [(request, row) for request in prefill.requests for row in request.rows]
         self._reroute()
-        return requests
 
     def _merge(
         self,
@@ -238,10 +297,74 @@ class DecodeBatch:
         self._routing.close()
         self._routing.enter_context(self.bank.routed([req.key for req, _ in self.rows]))
 
+    def _keep(self, keep: list[int]) -> None:
+        """Keep only decode-batch rows `keep` (in order)."""
+        if len(keep) == len(self.rows):
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        _select(self.cache, index)
+        self.mask = self.mask.index_select(0, index)
+        self.next_pos = self.next_pos.index_select(0, index)
+        self.temperature = self.temperature.index_select(0, index)
+        if self.logits is not None:
+            self.logits = self.logits.index_select(0, index)
+        self.rows = [self.rows[i] for i in keep]
+        if not self.rows:
+            self.logits = None
+        self._reroute()
+
+    def drop(self, unwanted: Callable[[SampleWork], bool]) -> list[RunningRequest]:
+        """Remove the requests `unwanted` picks (decoding or still prefilling), unanswered; the
+        caller answers them. Their rows stop costing compute from the next step on."""
+        dropped: list[RunningRequest] = []
+        for prefill in list(self.pending):
+            if any(unwanted(r.work) for r in prefill.requests):
+                # A prefill's rows share one cache: the whole group is restarted without them.
+                self.pending.remove(prefill)
+                dropped += [r for r in prefill.requests if unwanted(r.work)]
+                kept = [r for r in prefill.requests if not unwanted(r.work)]
+                if kept:
+                    self._requeue(kept, prefill)
+        gone = {id(req) for req, _ in self.rows if unwanted(req.work)}
+        if gone:
+            seen: set[int] = set()
+            for req, _ in self.rows:
+                if id(req) in gone and id(req) not in seen:
+                    seen.add(id(req))
+                    dropped.append(req)
+            self._keep([i for i, (req, _) in enumerate(self.rows) if id(req) not in gone])
+        if not self.rows and not self.pending:
+            self.close()
+        return dropped
+
+    def _requeue(self, kept: list[RunningRequest], old: _Prefill) -> None:
+        """Restart a joining prefill from its first column with only `kept` of its requests."""
+        ids = {id(r) for r in kept}
+        picked = [i for i, r in enumerate(old.requests) if id(r) in ids]
+        index = torch.tensor(picked, dtype=torch.long, device=self.device)
+        self.pending.insert(
+            0,
+            _Prefill(
+                kept,
+                [old.keys[i] for i in picked],
+                old.input_ids.index_select(0, index),
+                old.mask.index_select(0, index),
+                old.positions.index_select(0, index),
+            ),
+        )
+
     @torch.no_grad()
     def step(self) -> list[tuple[RunningRequest, SampleResult]]:
-        """Draw one token for every row, retire the rows that stop, and run the model once for
-        the rest. Returns the requests that finished, with their results."""
+        """Draw one token for every row, retire the rows that stop, run the model once for the
+        rest, and advance a joining prefill by one chunk. Returns the requests that finished,
+        with their results."""
+        finished = self._decode() if self.rows else []
+        self._prefill_some()
+        if not self.rows and not self.pending:
+            self.close()
+        return finished
+
+    def _decode(self) -> list[tuple[RunningRequest, SampleResult]]:
         assert self.logits is not None
         device = self.device
         logits = self.logits
@@ -266,17 +389,9 @@ class DecodeBatch:
             if request.done == len(request.rows):
                 finished.append((request, _result(request)))
         next_tokens = torch.tensor([[chosen[i]] for i in keep], dtype=torch.long, device=device)
-        if len(keep) < len(self.rows):  # finished rows leave the batch
-            index = torch.tensor(keep, dtype=torch.long, device=device)
-            _select(self.cache, index)
-            self.mask = self.mask.index_select(0, index)
-            self.next_pos = self.next_pos.index_select(0, index)
-            self.temperature = self.temperature.index_select(0, index)
-            self.rows = [self.rows[i] for i in keep]
-            self._reroute()
+        self.logits = None  # used up: the forward below gives the next ones
+        self._keep(keep)  # finished rows leave the batch
         if not self.rows:
-            self.logits = None
-            self.close()
             return finished
         ones = torch.ones((len(self.rows), 1), dtype=self.mask.dtype, device=device)
         self.mask = torch.cat([self.mask, ones], 1)

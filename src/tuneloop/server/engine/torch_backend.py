@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,6 +110,7 @@ class TorchBackend:
         dtype: torch.dtype | None = None,
         token_budget: int | None = None,
         sample_token_budget: int = DEFAULT_SAMPLE_TOKEN_BUDGET,
+        prefill_chunk: int = sampler.DEFAULT_PREFILL_CHUNK,
     ) -> None:
         self.device = _device(device)
         self.dtype = dtype  # None: per model, the measured fastest (dtypes.py)
@@ -117,6 +118,8 @@ class TorchBackend:
         # a large request is split so that activations fit. None: sized from free memory.
         self.token_budget = token_budget or 0
         self.sample_token_budget = sample_token_budget
+        # Prompt tokens a joining request prefills per decode step (sampler.DecodeBatch).
+        self.prefill_chunk = prefill_chunk
         self._runtimes: dict[str, _Runtime] = {}
         for name in models:
             loaded = load_model(
@@ -420,22 +423,29 @@ class TorchBackend:
         batch: Sequence[SampleWork],
         admit: Callable[[], Sequence[SampleWork]],
         deliver: Callable[[SampleWork, SampleResult | EngineError], None],
+        cancelled: Callable[[], Collection[str]] = frozenset,
     ) -> None:
         """Continuous batching: sample `batch`, let the requests `admit()` returns join the
         running decode batch at step boundaries, and `deliver` each result as soon as it is done.
 
         A joining request waits for the next decode batch when it is for another base model or
         its KV cache would exceed the token budget; `admit()` is called once per decode step.
+        Requests of the samplers `cancelled()` names leave at the next step, answered with an
+        error.
         """
         waiting = list(batch)
         while waiting:
-            run = _DecodeRun(self, deliver)
+            run = _DecodeRun(self, deliver, cancelled)
             waiting = run.run(waiting, admit)
 
     def close(self) -> None:
         self._adapters.clear()
         self._samplers.clear()
         self._runtimes.clear()
+
+
+def _cancelled() -> EngineError:
+    return EngineError("cancelled: the sampler's session ended", "user")
 
 
 def _kv_cost(work: SampleWork) -> int:
@@ -450,9 +460,11 @@ class _DecodeRun:
         self,
         backend: TorchBackend,
         deliver: Callable[[SampleWork, SampleResult | EngineError], None],
+        cancelled: Callable[[], Collection[str]] = frozenset,
     ) -> None:
         self.backend = backend
         self.deliver = deliver
+        self.cancelled = cancelled
         self.runtime: _Runtime | None = None
         self.decoding: sampler.DecodeBatch | None = None
         self.running: dict[int, SampleWork] = {}  # by id: SampleWork holds arrays, no __eq__
@@ -461,7 +473,11 @@ class _DecodeRun:
     def join(self, works: Sequence[SampleWork]) -> None:
         fits: list[SampleWork] = []
         used = sum(_kv_cost(w) for w in self.running.values())
+        gone = self.cancelled()
         for work in works:
+            if work.sampler_id in gone:
+                self.deliver(work, _cancelled())
+                continue
             owner = self.backend._samplers.get(work.sampler_id)
             if owner is None:
                 self.deliver(work, EngineError(f"no sampler {work.sampler_id!r}", "user"))
@@ -479,7 +495,11 @@ class _DecodeRun:
             return
         if self.decoding is None:
             self.decoding = sampler.DecodeBatch(
-                runtime.model, runtime.bank, pad_id=runtime.pad_id, decode=runtime.decode
+                runtime.model,
+                runtime.bank,
+                pad_id=runtime.pad_id,
+                decode=runtime.decode,
+                prefill_chunk=self.backend.prefill_chunk,
             )
         keys = [w.sampler_id if w.sampler_id in runtime.bank.specs else None for w in fits]
         self.running.update((id(w), w) for w in fits)
@@ -495,6 +515,7 @@ class _DecodeRun:
                 for request, result in self.decoding.step():
                     self.running.pop(id(request.work), None)
                     self.deliver(request.work, result)
+                self._drop_cancelled()
                 self.join(admit())
         except torch.OutOfMemoryError:
             for work in self.running.values():
@@ -505,3 +526,15 @@ class _DecodeRun:
             if self.decoding is not None:
                 self.decoding.close()
         return self.later
+
+    def _drop_cancelled(self) -> None:
+        gone = self.cancelled()
+        if not gone or self.decoding is None:
+            return
+        for request in self.decoding.drop(lambda work: work.sampler_id in gone):
+            self.running.pop(id(request.work), None)
+            self.deliver(request.work, _cancelled())
+        for work in self.later:
+            if work.sampler_id in gone:
+                self.deliver(work, _cancelled())
+        self.later = [w for w in self.later if w.sampler_id not in gone]

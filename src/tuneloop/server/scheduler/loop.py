@@ -9,7 +9,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -21,6 +21,9 @@ from tuneloop.server.scheduler.queue import Batch, Operation, OperationQueue
 log = logging.getLogger(__name__)
 # How long concurrency, once seen, keeps batches waiting for company.
 CONCURRENCY_MEMORY_S = 30.0
+# How long a cancelled sampler id is remembered: enough for work already taken off the queue
+# (a batch gathering, a decode batch) to see it. Sampler ids are never reused.
+CANCEL_MEMORY_S = 600.0
 T = TypeVar("T")
 
 
@@ -82,12 +85,38 @@ class EngineLoop:
         # Set by stop(): a running decode batch then takes in no more requests, since the loop
         # that would hand them over is blocked waiting for the engine thread to finish.
         self._stopping = False
+        # Samplers whose requests must stop (their session ended), with when they were named.
+        # Written on the event loop only; the engine thread reads the frozenset view, whose
+        # replacement is atomic.
+        self._cancelled_at: dict[str, float] = {}
+        self._cancelled: frozenset[str] = frozenset()
 
     def notify(self, kind: str | None = None) -> None:
         """New work was queued; `kind` ("sample", "forward_backward", ...) feeds the gather rule."""
         if kind in self._arrivals:
             self._arrivals[kind] += 1
         self._wake.set()
+
+    def cancel_samplers(self, sampler_ids: Iterable[str]) -> None:
+        """Stop the samplers' requests wherever they are past the queue: a gathering batch
+        fails them before it runs, a running decode batch drops their rows at its next step."""
+        now = time.monotonic()
+        self._cancelled_at.update((sampler_id, now) for sampler_id in sampler_ids)
+        self._cancelled_at = {
+            k: t for k, t in self._cancelled_at.items() if now - t < CANCEL_MEMORY_S
+        }
+        self._cancelled = frozenset(self._cancelled_at)
+
+    def _drop_cancelled(self, batch: Batch) -> None:
+        if batch.kind != "sample" or not self._cancelled:
+            return
+        kept = []
+        for op in batch.ops:
+            if getattr(op.work, "sampler_id", None) in self._cancelled:
+                self._publish(op, EngineError("cancelled: the sampler's session ended", "user"))
+            else:
+                kept.append(op)
+        batch.ops[:] = kept
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a direct backend call on the engine thread, between batches."""
@@ -109,6 +138,9 @@ class EngineLoop:
                 self.queue.more_forward_backward(batch)
         if batch.kind in self._arrivals:
             self._arrivals[batch.kind] = 0
+        self._drop_cancelled(batch)
+        if not batch.ops:
+            return True
         if batch.kind == "sample" and isinstance(self.backend, ContinuousSampling):
             await self._sample_continuously(batch)
             return True
@@ -167,7 +199,9 @@ class EngineLoop:
                 loop.call_soon_threadsafe(self._publish, op, result)
 
         def run() -> None:
-            backend.sample_continuous([op.work for op in batch.ops], admit, deliver)
+            backend.sample_continuous(
+                [op.work for op in batch.ops], admit, deliver, lambda: self._cancelled
+            )
 
         error: EngineError = EngineError("the sampling batch ended without this request")
         try:
