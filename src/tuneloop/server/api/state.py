@@ -165,6 +165,8 @@ class ServerState:
         released = set(samplers)
         for op in self.queue.drop_samples(lambda op: op.work.sampler_id not in released):
             self.futures.resolve(op.request_id, gone)
+        # Requests already past the queue (a gathering or running decode batch) stop too.
+        self.engine.cancel_samplers(released)
         for sampler_id in samplers:
             await self.engine.call(self.engine.backend.delete_sampler, sampler_id)
         # Their sample-retry records go too: the map would otherwise grow with every request.
