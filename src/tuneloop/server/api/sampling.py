@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 
 from tuneloop.server.api.deps import State, Tenant, json_body, read_json
 from tuneloop.server.api.errors import ApiError, bad_request, not_found
+from tuneloop.server.api.restarts import require_held
 from tuneloop.server.api.state import fingerprint
 from tuneloop.server.api.validation import sample_work
 from tuneloop.server.engine.types import SampleResult
@@ -109,6 +110,13 @@ async def asample(request: Request, state: State, tenant: Tenant) -> dict[str, A
     if sampler is None:
         raise not_found(f"sampler {body.sampling_session_id!r}", "sampling_session_id")
     state.live_session(sampler.session_id, tenant)
+    require_held(
+        sampler.created_at,
+        state.futures.started_at,
+        f"sampler {sampler.id!r}",
+        "sampling_session_id",
+        "create a new sampling client (from a saved checkpoint or the base model)",
+    )
     work = sample_work(body, state.model_spec(sampler.base_model), sampler.id)
     digest = fingerprint(raw)
     key = (sampler.id, body.seq_id) if body.seq_id is not None else None

@@ -15,6 +15,7 @@ from fastapi import Request
 from tuneloop.server.api.errors import ApiError, not_found
 from tuneloop.server.api.metering import Meter
 from tuneloop.server.api.quotas import Quotas
+from tuneloop.server.api.restarts import LOAD, require_held
 from tuneloop.server.config import ServerConfig
 from tuneloop.server.engine.types import ModelSpec
 from tuneloop.server.scheduler.futures import FutureTable, Outcome
@@ -103,6 +104,9 @@ class ServerState:
         if run is None:
             raise not_found(f"model {model_id!r}", "model_id")
         self.live_session(run.session_id, tenant)
+        require_held(
+            run.created_at, self.futures.started_at, f"model {model_id!r}", "model_id", LOAD
+        )
         return run
 
     def checkpoint(

@@ -1,14 +1,24 @@
 """The future table: results of long operations, long-polled through retrieve_future.
 
 Lives on the server's event loop thread only (asyncio.Event is not thread-safe).
+
+The table dies with the process. Request ids carry the id of the process that issued them
+(`req-<boot id>-<random>`), so a poll for an id of an earlier run of the server (killed or
+restarted with the request in flight) is told apart from an id that never existed: its result is
+lost for good and the client must submit the request again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+# req-<8 hex: boot id>-<24 hex>, and the plain req-<24 hex> of versions before boot ids.
+_REQUEST_ID = re.compile(r"^req-(?:([0-9a-f]{8})-)?[0-9a-f]{24}$")
 
 
 @dataclass(frozen=True)
@@ -31,7 +41,15 @@ class _Entry:
 
 
 class FutureTable:
-    def __init__(self, grace_s: float = 300.0, max_age_s: float = 3600.0) -> None:
+    def __init__(
+        self, grace_s: float = 300.0, max_age_s: float = 3600.0, boot_id: str | None = None
+    ) -> None:
+        # This run of the server: a random id per process start (8 hex digits, so two runs of
+        # one data dir share it with odds of 1 in 4e9), and the wall-clock time it started.
+        self.boot_id = boot_id if boot_id is not None else secrets.token_hex(4)
+        if not re.fullmatch(r"[0-9a-f]{8}", self.boot_id):
+            raise ValueError(f"boot_id must be 8 lowercase hex digits, got {self.boot_id!r}")
+        self.started_at = datetime.now(UTC)
         # Results stay `grace_s` after first delivery: the SDK may re-fetch after a transport
         # error and sends no acknowledgement. Undelivered results go after `max_age_s`.
         self._grace_s = grace_s
@@ -43,7 +61,7 @@ class FutureTable:
         self._latency_s: dict[str, float] = {}
 
     def create(self, tenant: str, kind: str) -> str:
-        request_id = f"req-{secrets.token_hex(12)}"
+        request_id = f"req-{self.boot_id}-{secrets.token_hex(12)}"
         self._entries[request_id] = _Entry(tenant, kind, time.monotonic())
         self._pending[tenant] = self._pending.get(tenant, 0) + 1
         return request_id
@@ -67,6 +85,11 @@ class FutureTable:
     def typical_latency_s(self, tenant: str) -> float | None:
         """Recent seconds from submission to result of the tenant's requests; None before any."""
         return self._latency_s.get(tenant)
+
+    def issued_earlier(self, request_id: str) -> bool:
+        """Whether `request_id` has the shape of one an earlier run of the server issued."""
+        match = _REQUEST_ID.match(request_id)
+        return match is not None and match[1] != self.boot_id
 
     def tenant(self, request_id: str) -> str | None:
         """Who submitted the request (for metering completed work)."""
