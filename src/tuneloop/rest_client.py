@@ -6,7 +6,8 @@ Every method returns an `APIFuture` at once.
 from __future__ import annotations
 
 import urllib.parse
-from typing import Any, TypeVar
+from datetime import datetime
+from typing import Any, Literal, TypeVar
 
 import httpx
 import pydantic
@@ -173,7 +174,38 @@ class RestClient:
     def get_server_capabilities(self) -> APIFuture[GetServerCapabilitiesResponse]:
         return self._call("GET", "/api/v1/get_server_capabilities", GetServerCapabilitiesResponse)
 
-    def get_usage(self, session_id: str | None = None) -> APIFuture[UsageResponse]:
-        """Tokens and requests metered for your tenant, or for one of its sessions."""
-        params = {"session_id": session_id} if session_id is not None else None
+    def get_usage(
+        self,
+        session_id: str | None = None,
+        *,
+        training_run_id: str | None = None,
+        since: datetime | str | None = None,
+        until: datetime | str | None = None,
+        bucket: Literal["none", "hour", "day"] = "none",
+    ) -> APIFuture[UsageResponse]:
+        """Tokens (prefill, sampled, trained) and requests metered for your tenant: all of it,
+        or one session's, or one training run's (or sampler's).
+
+        `since`/`until` are datetimes or strings: ISO times, or spans back from now such as
+        "24h" or "7d"; usage is kept per UTC hour, so they resolve to whole hours. With
+        `bucket="hour"` or `"day"` the answer also lists each hour or day that has usage.
+        """
+        params: dict[str, Any] = {"bucket": bucket}
+        for name, value in (
+            ("session_id", session_id),
+            ("training_run_id", training_run_id),
+            ("since", since),
+            ("until", until),
+        ):
+            if value is not None:
+                params[name] = value.isoformat() if isinstance(value, datetime) else value
         return self._call("GET", "/api/v1/usage", UsageResponse, params=params)
+
+    def set_checkpoint_ttl_from_tinker_path(
+        self, tinker_path: str, ttl_seconds: int | None
+    ) -> APIFuture[None]:
+        """Expire a checkpoint `ttl_seconds` from now (an hour to ten years), or never (None);
+        the server deletes expired checkpoints, files and all."""
+        run_id, checkpoint_id = parse_tinker_path(tinker_path)
+        path = f"/api/v1/training_runs/{_q(run_id)}/checkpoints/{_q(checkpoint_id, safe=':/')}/ttl"
+        return self._call("PUT", path, None, json_body={"ttl_seconds": ttl_seconds})

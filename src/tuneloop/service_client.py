@@ -265,7 +265,8 @@ class ServiceClient:
         return await self.create_rest_client().get_server_capabilities()
 
     def get_usage(self) -> UsageResponse:
-        """Tokens and requests metered for this session so far (blocks)."""
+        """Tokens (prefill, sampled, trained) and requests metered for this session so far, in
+        total and per operation (blocks)."""
         return self.create_rest_client().get_usage(self.session_id).result()
 
     async def get_usage_async(self) -> UsageResponse:

@@ -131,7 +131,7 @@ def _flat(usage: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     for key, value in usage.items():
         if isinstance(value, dict):
             flat.update(_flat(value, f"{prefix}{key}."))
-        else:
+        elif value is not None and not isinstance(value, list):  # no empty filters or buckets
             flat[f"{prefix}{key}"] = value
     return flat
 

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from tuneloop.server.api import client, futures, rest, sampling, sessions, training
 from tuneloop.server.api.errors import error_response, install
 from tuneloop.server.api.metering import Meter, record_completed
+from tuneloop.server.api.packages import run_package_gc
 from tuneloop.server.api.quotas import Quotas
 from tuneloop.server.api.state import ServerState
 from tuneloop.server.config import ServerConfig
@@ -177,12 +178,14 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
 
         sweeper = asyncio.get_running_loop().create_task(sweep())
         flusher = asyncio.get_running_loop().create_task(meter.run_flusher(registry))
+        package_gc = asyncio.get_running_loop().create_task(run_package_gc(registry))
         expirer = asyncio.get_running_loop().create_task(expire())
         try:
             yield
         finally:
             sweeper.cancel()
             flusher.cancel()
+            package_gc.cancel()
             expirer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await expirer  # not mid-release when the engine stops

@@ -42,7 +42,6 @@ from tuneloop.types.responses import (
     TrainingRunsResponse,
     TryAgainResponse,
     UntypedFuture,
-    UsageResponse,
     WeightsInfoResponse,
 )
 from tuneloop.types.sampling import SampledSequence, SampleResponse, SamplingParams, StopReason
@@ -55,6 +54,7 @@ from tuneloop.types.training import (
     OptimizerConfig,
     OptimStepResponse,
 )
+from tuneloop.types.usage import SetCheckpointTtlRequest, UsageBucket, UsageCounts, UsageResponse
 
 __all__ = [
     "LOSS_INPUT_DTYPES",
@@ -103,6 +103,7 @@ __all__ = [
     "SaveWeightsRequest",
     "SaveWeightsResponse",
     "SessionHeartbeatRequest",
+    "SetCheckpointTtlRequest",
     "StopReason",
     "SupportedModel",
     "TelemetryRequest",
@@ -112,6 +113,8 @@ __all__ = [
     "TrainingRunsResponse",
     "TryAgainResponse",
     "UntypedFuture",
+    "UsageBucket",
+    "UsageCounts",
     "UsageResponse",
     "WeightsInfoResponse",
     "WireFormatError",

@@ -119,6 +119,18 @@ class Checkpoint(ResponseBase):
     public: bool = False
     user_metadata: dict[str, Any] | None = None
     expires_at: datetime | None = None
+    # Model-package fields (tuneloop; the official SDK ignores them). `name` is the checkpoint
+    # name; `version` numbers the tenant's packages of that name 1, 2, ...; `kind` is
+    # "training-state", "sampler" or "merged"; `parent_tinker_path` the package the run was
+    # loaded from (for a merged one, its source); `training_step` the optimizer steps applied.
+    name: str | None = None
+    version: int | None = None
+    kind: str | None = None
+    base_model: str | None = None
+    lora_rank: int | None = None
+    lora_targets: list[str] | None = None
+    parent_tinker_path: str | None = None
+    training_step: int | None = None
 
 
 class TrainingRun(ResponseBase):
@@ -169,18 +181,3 @@ class WeightsInfoResponse(ResponseBase):
     train_unembed: bool | None = None
     train_mlp: bool | None = None
     train_attn: bool | None = None
-
-
-class UsageResponse(ResponseBase):
-    """Tokens and requests metered for a tenant, or for one of its sessions.
-
-    Both maps are keyed by kind: "train" (forward_backward input tokens), "forward"
-    (forward-only input tokens), "sample_prompt" (prompt tokens, once per sample request) and
-    "sample_generated" (tokens generated over all returned sequences). A map, so a server may
-    add kinds without breaking older clients.
-    """
-
-    tenant: str
-    session_id: str | None = None
-    tokens: dict[str, int]
-    requests: dict[str, int]

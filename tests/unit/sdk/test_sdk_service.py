@@ -283,14 +283,29 @@ def test_usage_of_the_session_and_of_the_tenant(service, server):
     body = {
         "tenant": "me",
         "session_id": "sess-1",
-        "tokens": {"train": 8, "forward": 0, "sample_prompt": 4, "sample_generated": 6},
-        "requests": {"train": 1, "forward": 0, "sample_prompt": 1, "sample_generated": 1},
+        "bucket": "none",
+        "totals": {"prefill_tokens": 4, "sampled_tokens": 6, "trained_tokens": 8, "requests": 2},
+        "by_operation": {
+            "forward_backward": {"trained_tokens": 8, "requests": 1},
+            "sample": {"prefill_tokens": 4, "sampled_tokens": 6, "requests": 1},
+        },
+        "buckets": [],
     }
     server.queue("GET", "/api/v1/usage", httpx.Response(200, json=body))
     usage = service.get_usage()
-    assert usage.tokens["train"] == 8
+    assert usage.totals.trained_tokens == 8
+    assert usage.by_operation["sample"].sampled_tokens == 6
     assert usage.session_id == "sess-1"
     assert server.requests[-1].url.params["session_id"] == "sess-1"
     server.queue("GET", "/api/v1/usage", httpx.Response(200, json={**body, "session_id": None}))
-    assert service.create_rest_client().get_usage().result(5).session_id is None
+    rest = service.create_rest_client()
+    assert rest.get_usage().result(5).session_id is None
     assert "session_id" not in server.requests[-1].url.params
+    server.queue("GET", "/api/v1/usage", httpx.Response(200, json={**body, "bucket": "day"}))
+    rest.get_usage(training_run_id="sess-1:train:0", since="24h", bucket="day").result(5)
+    params = server.requests[-1].url.params
+    assert (params["training_run_id"], params["since"], params["bucket"]) == (
+        "sess-1:train:0",
+        "24h",
+        "day",
+    )

@@ -229,12 +229,34 @@ def test_checkpoints_export_merged(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert out_dir == out
     assert cache_dir == cache
     assert (adapter_dir / "adapter_config.json").is_file()
+    # Registered as a package of kind merged, its source as parent.
+    listed = json.loads(run("checkpoints", "list", *where, "--json").stdout)
+    [package] = [c for c in listed if c["kind"] == "merged"]
+    run_id = ids["weights"].split("/")[2]
+    assert package["tinker_path"] == f"tinker://{run_id}/external_weights/w1-merged"
+    assert package["parent_tinker_path"] == ids["weights"]
+    assert (package["name"], package["version"], package["checkpoint_type"]) == (
+        "w1-merged", 1, "external",
+    )  # fmt: skip
+    assert package["size_bytes"] == len(b"merged")
+    assert Path(package["directory"]) == out.resolve()
+    taken = run(
+        "checkpoints", "export", ids["weights"], "--out", str(tmp_path / "again"), "--merged",
+        *where,
+    )  # fmt: skip
+    assert taken.exit_code == 2
+    assert "already registered" in taken.stderr
     failed = run(
         "checkpoints", "export", ids["weights"], "--out", str(tmp_path / "fails"), "--merged",
-        *where,
+        "--name", "other", *where,
     )  # fmt: skip
     assert failed.exit_code == 1
     assert "ValueError: base model has no such layer" in failed.stderr
+    listed = json.loads(run("checkpoints", "list", *where, "--json").stdout)
+    assert [c["name"] for c in listed if c["kind"] == "merged"] == ["w1-merged"]
+    deleted = run("checkpoints", "delete", package["tinker_path"], "--tenant", "alice", *where)
+    assert deleted.exit_code == 0
+    assert not out.exists()  # deleting the package removes its files
 
 
 # ---- usage ------------------------------------------------------------------------------------
@@ -246,29 +268,54 @@ def test_usage(tmp_path: Path) -> None:
     assert [r["tenant"] for r in report] == ["alice"]  # bob did no metered work
     [alice] = report
     assert alice["session_id"] is None
-    assert alice["tokens"] == {
-        "train": 3,
-        "forward": 0,
-        "sample_prompt": 3,
-        "sample_generated": ids["generated"],
+    sample_counts = {
+        "prefill_tokens": 3,
+        "sampled_tokens": ids["generated"],
+        "trained_tokens": 0,
+        "requests": 1,
     }
-    assert alice["requests"] == {
-        "train": 1,
-        "forward": 0,
-        "sample_prompt": 1,
-        "sample_generated": 1,
-    }
+    assert alice["by_operation"] == {
+        "forward_backward": {
+            "prefill_tokens": 0, "sampled_tokens": 0, "trained_tokens": 3, "requests": 1,
+        },
+        "forward": {"prefill_tokens": 0, "sampled_tokens": 0, "trained_tokens": 0, "requests": 0},
+        "sample": sample_counts,
+    }  # fmt: skip
+    assert alice["totals"] == {
+        "prefill_tokens": 3, "sampled_tokens": ids["generated"], "trained_tokens": 3,
+        "requests": 2,
+    }  # fmt: skip
     session = run("usage", "--session", ids["session"], *data(tmp_path), "--json")
     assert json.loads(session.stdout) == [{**alice, "session_id": ids["session"]}]
     bob = json.loads(run("usage", "--tenant", "bob", *data(tmp_path), "--json").stdout)
-    assert bob[0]["tokens"] == dict.fromkeys(alice["tokens"], 0)
-    rows = run("usage", "--tenant", "alice", *data(tmp_path)).stdout.splitlines()
-    assert rows[0] == "alice\ttrain\t3\t1"
-    assert len(rows) == 4
+    assert bob[0]["totals"] == dict.fromkeys(alice["totals"], 0)
+    by_run = json.loads(run("usage", "--run", ids["model"], *data(tmp_path), "--json").stdout)
+    assert by_run[0]["totals"]["trained_tokens"] == 3
+    assert by_run[0]["totals"]["sampled_tokens"] == 0
+    hourly = json.loads(run("usage", "--bucket", "hour", *data(tmp_path), "--json").stdout)
+    [bucket] = hourly[0]["buckets"]  # all of it ran within this test, in one hour (or two)
+    assert bucket["totals"] == alice["totals"] or len(hourly[0]["buckets"]) == 2
+    recent = json.loads(run("usage", "--since", "2h", *data(tmp_path), "--json").stdout)
+    assert recent[0]["totals"] == alice["totals"]
+    future = run("usage", "--since", "2999-01-01", *data(tmp_path), "--json")
+    assert json.loads(future.stdout) == []  # no usage from then: no tenant listed
+
+    table = run("usage", "--tenant", "alice", *data(tmp_path)).stdout
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in table.splitlines()]
+    assert ["alice", "total", "3", f"{ids['generated']:,}", "3", "2"] in rows
+    assert ["alice", "forward_backward", "0", "0", "3", "1"] in rows
+    assert "forward_backward" in table
+    assert "sample" in table
+
     assert run("usage", "--session", "nope", *data(tmp_path)).exit_code == 1
     not_bobs = run("usage", "--session", ids["session"], "--tenant", "bob", *data(tmp_path))
     assert not_bobs.exit_code == 1
     assert "no session" in not_bobs.stderr
+    assert run("usage", "--run", "nope:train:0", *data(tmp_path)).exit_code == 1
+    bad_since = run("usage", "--since", "yesterday", *data(tmp_path))
+    assert bad_since.exit_code == 2
+    assert "--since" in bad_since.stderr
+    assert run("usage", "--bucket", "week", *data(tmp_path)).exit_code == 2
 
 
 # ---- errors, the bare install, the demo -------------------------------------------------------
@@ -363,9 +410,9 @@ def test_serve_then_usage_of_what_a_client_did(tmp_path: Path) -> None:
             training.forward([example], "cross_entropy").result(60)
             usage = service.get_usage()
             assert usage.session_id == service.session_id
-            assert usage.tokens["train"] == 3
-            assert usage.tokens["forward"] == 3
+            assert usage.by_operation["forward_backward"].trained_tokens == 3
+            assert usage.by_operation["forward"].prefill_tokens == 3
             session_id = service.session_id
         assert stop(live.process) == 0
     report = run("usage", "--session", session_id, *data(tmp_path), "--json")
-    assert json.loads(report.stdout)[0]["tokens"] == usage.tokens
+    assert json.loads(report.stdout)[0]["totals"] == usage.totals.model_dump()

@@ -1,16 +1,20 @@
 """Token metering: counted in memory as work completes, written to the registry in batches.
 
-Completed forward_backward and sample operations are counted here on the event loop; a
-background task writes the sums to the registry every FLUSH_INTERVAL_S (and on session finish,
-on shutdown, and before a usage read), so no request pays for an SQLite write. Failed or
-rejected work is never counted: the engine loop reports only operations that succeeded.
+Completed forward_backward, forward and sample operations are counted here on the event loop;
+a background task writes the sums to the registry every FLUSH_INTERVAL_S (and on session finish,
+on shutdown, and before a usage read), so no request pays for a database write. Failed or
+rejected work is never counted: the engine loop reports only operations that succeeded, and a
+request refused at the API never reaches it. Client-side work (reward scoring, data loading)
+never reaches the server, so it costs nothing.
 
-Kinds:
-- "train": input tokens of forward_backward datums (not forward-only);
-- "forward": input tokens of forward-only datums;
-- "sample_prompt": prompt tokens of a sample request, once per request whatever num_samples
-  is (the prompt is prefilled once);
-- "sample_generated": tokens generated, summed over every returned sequence.
+Token classes, per operation:
+- forward_backward: the datums' input tokens are "trained";
+- forward (forward-only): the datums' input tokens are "prefill";
+- sample: the prompt tokens are "prefill", once per request whatever num_samples is (the prompt
+  is prefilled once), and the tokens generated over every returned sequence are "sampled".
+
+Counts are kept per (tenant, UTC hour of completion, session, training run or sampler,
+operation), each with its number of requests.
 """
 
 from __future__ import annotations
@@ -18,21 +22,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from tuneloop.server.engine.types import ForwardBackwardWork, SampleResult, SampleWork
 from tuneloop.server.scheduler.futures import FutureTable
 from tuneloop.server.scheduler.queue import Operation
-from tuneloop.server.storage.registry import Registry, UsageCount, UsageTotal
+from tuneloop.server.storage.registry import Registry, UsageCount, utcnow
 
 log = logging.getLogger(__name__)
 
-KINDS = ("train", "forward", "sample_prompt", "sample_generated")
+OPERATIONS = ("forward_backward", "forward", "sample")
+TOKEN_CLASSES = ("prefill", "sampled", "trained")
+HOUR_S = 3600
 # Usage is for accounting and dashboards: a few seconds of lag is fine, and one write per
-# interval instead of one per request keeps SQLite out of the request path.
+# interval instead of one per request keeps the database out of the request path.
 FLUSH_INTERVAL_S = 2.0
 
-_Key = tuple[str, str, str, str]  # tenant, session_id, model_id, kind
+_Key = tuple[str, int, str, str, str]  # tenant, hour, session_id, model_id, operation
+
+
+def hour_of(when: datetime) -> int:
+    """UTC epoch seconds of the start of the hour holding `when`."""
+    seconds = int(when.timestamp())
+    return seconds - seconds % HOUR_S
 
 
 def session_of(model_or_sampler_id: str) -> str:
@@ -42,31 +56,58 @@ def session_of(model_or_sampler_id: str) -> str:
 
 
 class Meter:
-    """Thread-safe counters per (tenant, session, model, kind), drained into the registry."""
+    """Thread-safe counters per (tenant, hour, session, model, operation), drained into the
+    registry. `clock` says when work completed (a test may set it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], datetime] = utcnow) -> None:
+        self.clock = clock
         self._lock = threading.Lock()
         # Held across drain + write, so a flush that returns has seen every earlier count
         # committed, even one a concurrent flush had drained.
         self._flush_lock = threading.Lock()
+        # prefill, sampled, trained, requests
         self._counts: dict[_Key, list[int]] = {}
 
     def add(
-        self, tenant: str, session_id: str, model_id: str, kind: str, tokens: int, requests: int = 1
+        self,
+        tenant: str,
+        session_id: str,
+        model_id: str,
+        operation: str,
+        *,
+        prefill: int = 0,
+        sampled: int = 0,
+        trained: int = 0,
+        requests: int = 1,
+        hour: int | None = None,
     ) -> None:
+        hour = hour_of(self.clock()) if hour is None else hour
         with self._lock:
-            counts = self._counts.setdefault((tenant, session_id, model_id, kind), [0, 0])
-            counts[0] += tokens
-            counts[1] += requests
+            key = (tenant, hour, session_id, model_id, operation)
+            counts = self._counts.setdefault(key, [0, 0, 0, 0])
+            counts[0] += prefill
+            counts[1] += sampled
+            counts[2] += trained
+            counts[3] += requests
 
     def _drain(self) -> list[UsageCount]:
         with self._lock:
             drained, self._counts = self._counts, {}
-        return [UsageCount(*key, tokens, requests) for key, (tokens, requests) in drained.items()]
+        return [UsageCount(*key, *counts) for key, counts in drained.items()]
 
     def _restore(self, counts: list[UsageCount]) -> None:
         for c in counts:
-            self.add(c.tenant, c.session_id, c.model_id, c.kind, c.tokens, c.requests)
+            self.add(
+                c.tenant,
+                c.session_id,
+                c.model_id,
+                c.operation,
+                prefill=c.prefill_tokens,
+                sampled=c.sampled_tokens,
+                trained=c.trained_tokens,
+                requests=c.requests,
+                hour=c.hour,
+            )
 
     def flush(self, registry: Registry) -> int:
         """Write the pending counts; returns how many rows changed. Blocking (SQL)."""
@@ -103,20 +144,21 @@ def record_completed(meter: Meter, futures: FutureTable, op: Operation, result: 
     work = op.work
     if isinstance(work, ForwardBackwardWork):
         tokens = sum(int(example.tokens.size) for example in work.examples)
-        kind = "forward" if work.forward_only else "train"
-        meter.add(tenant, session_of(work.adapter_id), work.adapter_id, kind, tokens)
+        session_id = session_of(work.adapter_id)
+        if work.forward_only:
+            meter.add(tenant, session_id, work.adapter_id, "forward", prefill=tokens)
+        else:
+            meter.add(tenant, session_id, work.adapter_id, "forward_backward", trained=tokens)
     elif isinstance(work, SampleWork) and isinstance(result, SampleResult):
-        session_id = session_of(work.sampler_id)
-        meter.add(tenant, session_id, work.sampler_id, "sample_prompt", int(work.prompt.size))
-        generated = sum(len(s.tokens) for s in result.sequences)
-        meter.add(tenant, session_id, work.sampler_id, "sample_generated", generated)
+        meter.add(
+            tenant,
+            session_of(work.sampler_id),
+            work.sampler_id,
+            "sample",
+            prefill=int(work.prompt.size),
+            sampled=sum(len(s.tokens) for s in result.sequences),
+        )
 
 
-def summarize(totals: list[UsageTotal]) -> tuple[dict[str, int], dict[str, int]]:
-    """(tokens per kind, requests per kind), every kind present, summed over tenants."""
-    tokens = dict.fromkeys(KINDS, 0)
-    requests = dict.fromkeys(KINDS, 0)
-    for t in totals:
-        tokens[t.kind] = tokens.get(t.kind, 0) + t.tokens
-        requests[t.kind] = requests.get(t.kind, 0) + t.requests
-    return tokens, requests
+def epoch(hour: int) -> datetime:
+    return datetime.fromtimestamp(hour, UTC)

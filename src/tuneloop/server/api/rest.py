@@ -1,25 +1,27 @@
-"""REST routes: training runs, checkpoints, weights info, usage. Always scoped to the caller's
-tenant."""
+"""REST routes: training runs, checkpoints (model packages) and their TTLs, weights info, usage.
+Always scoped to the caller's tenant."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from fastapi import APIRouter, Request
 
 from tuneloop.server.api.deps import State, Tenant, json_body, read_json
 from tuneloop.server.api.errors import ApiError, bad_request, not_found
-from tuneloop.server.api.metering import summarize
+from tuneloop.server.api.packages import check_ttl
 from tuneloop.server.api.state import ServerState
+from tuneloop.server.api.usage_report import BUCKETS, build_report, hour_range, parse_time
 from tuneloop.server.storage.layout import TinkerPath
-from tuneloop.server.storage.registry import CheckpointRow, TrainingRunRow
+from tuneloop.server.storage.registry import CheckpointRow, TrainingRunRow, UsageFilter, utcnow
 from tuneloop.types import (
     Checkpoint,
     CheckpointsListResponse,
     Cursor,
+    SetCheckpointTtlRequest,
     TrainingRun,
     TrainingRunsResponse,
-    UsageResponse,
     WeightsInfoResponse,
 )
 from tuneloop.types._base import StrictBase
@@ -47,6 +49,14 @@ def _checkpoint(row: CheckpointRow) -> Checkpoint:
         size_bytes=row.size_bytes,
         user_metadata=row.user_metadata,
         expires_at=row.expires_at,
+        name=row.name,
+        version=row.version,
+        kind=row.kind,
+        base_model=row.base_model,
+        lora_rank=row.lora_rank,
+        lora_targets=row.lora_targets,
+        parent_tinker_path=row.parent_path,
+        training_step=row.training_step,
     )
 
 
@@ -102,15 +112,40 @@ async def list_run_checkpoints(run_id: str, state: State, tenant: Tenant) -> dic
     )
 
 
+def _checkpoint_path(run_id: str, checkpoint_id: str) -> TinkerPath:
+    segment, _, name = checkpoint_id.partition("/")
+    try:
+        return TinkerPath.parse(f"tinker://{run_id}/{segment}/{name}")
+    except ValueError as exc:
+        raise bad_request(f"checkpoint_id: {exc}", "checkpoint_id") from None
+
+
+# Declared before the delete route: its `{checkpoint_id:path}` would also match ".../ttl".
+@router.put(
+    "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl",
+    openapi_extra=json_body(SetCheckpointTtlRequest),
+)
+async def set_checkpoint_ttl(
+    run_id: str, checkpoint_id: str, request: Request, state: State, tenant: Tenant
+) -> dict[str, Any]:
+    """Expire a package `ttl_seconds` from now, or never (null); the GC removes it then."""
+    path = _checkpoint_path(run_id, checkpoint_id)
+    body, _ = await read_json(request, SetCheckpointTtlRequest)
+    check_ttl(body.ttl_seconds)
+    expires_at = (
+        utcnow() + timedelta(seconds=body.ttl_seconds) if body.ttl_seconds is not None else None
+    )
+    row = state.registry.set_checkpoint_expiry(str(path), tenant, expires_at)
+    if row is None:
+        raise not_found(f"checkpoint {path}", "checkpoint_id")
+    return _checkpoint(row).model_dump(mode="json")
+
+
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
 async def delete_checkpoint(
     run_id: str, checkpoint_id: str, state: State, tenant: Tenant
 ) -> dict[str, Any]:
-    segment, _, name = checkpoint_id.partition("/")
-    try:
-        path = TinkerPath.parse(f"tinker://{run_id}/{segment}/{name}")
-    except ValueError as exc:
-        raise bad_request(f"checkpoint_id: {exc}", "checkpoint_id") from None
+    path = _checkpoint_path(run_id, checkpoint_id)
     if state.registry.remove_checkpoint(str(path), tenant) is None:
         raise not_found(f"checkpoint {path}", "checkpoint_id")
     return {"deleted": str(path)}
@@ -148,14 +183,46 @@ async def weights_info(request: Request, state: State, tenant: Tenant) -> dict[s
 
 
 @router.get("/usage")
-async def usage(state: State, tenant: Tenant, session_id: str | None = None) -> dict[str, Any]:
-    """Tokens and requests metered for the caller, or for one of its sessions."""
+async def usage(
+    state: State,
+    tenant: Tenant,
+    session_id: str | None = None,
+    training_run_id: str | None = None,
+    since: str | None = None,
+    until: str | None = None,
+    bucket: str = "none",
+) -> dict[str, Any]:
+    """Tokens (prefill, sampled, trained) and requests metered for the caller: all of it, or
+    one session's, or one training run's or sampler's; over [since, until) (ISO times or spans
+    back from now like 24h); in hour or day buckets (UTC) if asked."""
     if session_id is not None and state.registry.session(session_id, tenant) is None:
         raise not_found(f"session {session_id!r}", "session_id")
+    if (
+        training_run_id is not None
+        and state.registry.training_run(training_run_id, tenant) is None
+        and state.registry.sampler(training_run_id, tenant) is None
+    ):
+        raise not_found(f"training run or sampler {training_run_id!r}", "training_run_id")
+    if bucket not in BUCKETS:
+        raise bad_request(f"bucket: must be one of {', '.join(BUCKETS)}", "bucket")
+    now = utcnow()
+    times = {}
+    for name, value in (("since", since), ("until", until)):
+        try:
+            times[name] = parse_time(value, now) if value is not None else None
+        except ValueError as exc:
+            raise bad_request(f"{name}: {exc}", name) from None
+    since_hour, until_hour = hour_range(times["since"], times["until"])
     # Write what is still counted in memory first, so the answer includes every completed
     # operation whose result the caller may already hold.
     await state.meter.flush_async(state.registry)
-    tokens, requests = summarize(state.registry.usage(tenant, session_id))
-    return UsageResponse(
-        tenant=tenant, session_id=session_id, tokens=tokens, requests=requests
+    where = UsageFilter(tenant, session_id, training_run_id, since_hour, until_hour)
+    return build_report(
+        state.registry.usage_sums(where),
+        tenant,
+        bucket=bucket,
+        session_id=session_id,
+        training_run_id=training_run_id,
+        since=times["since"],
+        until=times["until"],
     ).model_dump(mode="json")

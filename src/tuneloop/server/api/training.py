@@ -20,6 +20,7 @@ from tuneloop.server.api.deps import (
     require_content_type,
 )
 from tuneloop.server.api.errors import ApiError, bad_request, not_found
+from tuneloop.server.api.packages import check_ttl
 from tuneloop.server.api.seq_guard import consumes_seq
 from tuneloop.server.api.state import ServerState
 from tuneloop.server.api.validation import forward_backward_work
@@ -32,7 +33,14 @@ from tuneloop.server.engine.types import (
 )
 from tuneloop.server.scheduler.futures import Outcome
 from tuneloop.server.storage.layout import TinkerPath, valid_name
-from tuneloop.server.storage.registry import CheckpointRow, SamplerRow, TrainingRunRow, utcnow
+from tuneloop.server.storage.registry import (
+    PACKAGE_KINDS,
+    CheckpointRow,
+    SamplerRow,
+    TrainingRunRow,
+    lora_targets,
+    utcnow,
+)
 from tuneloop.types import (
     CreateModelRequest,
     ForwardBackwardOutput,
@@ -67,6 +75,7 @@ def _register_run(
     adapter: AdapterSpec,
     session_id: str,
     user_metadata: dict[str, Any] | None,
+    origin: CheckpointRow | None = None,
 ) -> None:
     state.registry.add(
         TrainingRunRow(
@@ -80,6 +89,10 @@ def _register_run(
             train_attn=adapter.train_attn,
             train_unembed=adapter.train_unembed,
             user_metadata=user_metadata,
+            # A run made from a package continues its step count, and the package is the
+            # parent of what the run saves.
+            training_step=(origin.training_step or 0) if origin is not None else 0,
+            parent_path=origin.tinker_path if origin is not None else None,
         )
     )
 
@@ -143,6 +156,11 @@ async def get_info(request: Request, state: State, tenant: Tenant) -> dict[str, 
 async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, raw = await read_json(request, LoadWeightsRequest)
     path, ckpt = state.checkpoint(tenant, body.path, "path")
+    if ckpt.checkpoint_type not in ("training", "sampler"):
+        raise bad_request(
+            f"path: a {ckpt.kind or ckpt.checkpoint_type} package holds no adapter to load",
+            "path",
+        )
     if body.optimizer and ckpt.checkpoint_type != "training":
         raise bad_request(
             "optimizer: only training checkpoints (weights/...) hold optimizer state", "optimizer"
@@ -182,7 +200,7 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[s
             metadata = (
                 body.user_metadata if body.user_metadata is not None else source.user_metadata
             )
-            _register_run(state, tenant, adapter, body.session_id or "", metadata)
+            _register_run(state, tenant, adapter, body.session_id or "", metadata, origin=ckpt)
             return json_outcome({**result, "model_id": adapter.adapter_id})
 
         return state.submit_training(
@@ -206,13 +224,18 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[s
             "path",
         )
     model_id = run.id
+
+    def finish_load(_r: None) -> Outcome:
+        state.registry.set_training_origin(model_id, ckpt.tinker_path, ckpt.training_step or 0)
+        return json_outcome({**result, "model_id": model_id})
+
     return state.submit_training(
         tenant,
         model_id,
         body.seq_id,
         "single",
         lambda b: b.load_state(model_id, directory, optimizer=body.optimizer),
-        lambda _r: json_outcome({**result, "model_id": model_id}),
+        finish_load,
         raw,
         "LoadWeights",
     )
@@ -287,13 +310,19 @@ async def optim_step(request: Request, state: State, tenant: Tenant) -> dict[str
     p = body.params
     step = AdamStep(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
     model_id = run.id
+
+    def finish(metrics: dict[str, float]) -> Outcome:
+        # Runs in the model's order, so a later save sees this step counted.
+        state.registry.advance_training_step(model_id)
+        return json_outcome({"metrics": metrics, "type": "optim_step"})
+
     return state.submit_training(
         tenant,
         model_id,
         _seq_id(body.seq_id),
         "single",
         lambda b: b.optim_step(model_id, step),
-        lambda metrics: json_outcome({"metrics": metrics, "type": "optim_step"}),
+        finish,
         raw,
         "OptimStep",
     )
@@ -319,9 +348,13 @@ def _checkpoint_writer(
     ttl_seconds: int | None,
     user_metadata: dict[str, str] | None,
 ) -> Any:
+    """The finish step of a save: register the files as the next version of package
+    `target.name`, with the run's model, LoRA config, origin and step as of this save."""
+
     def finish(size: int) -> Outcome:
         now = utcnow()
-        state.registry.add(
+        run = state.registry.training_run(target.training_run_id, tenant)
+        state.registry.register_package(
             CheckpointRow(
                 tinker_path=str(target),
                 tenant=tenant,
@@ -333,6 +366,13 @@ def _checkpoint_writer(
                 created_at=now,
                 user_metadata=user_metadata,
                 expires_at=now + timedelta(seconds=ttl_seconds) if ttl_seconds else None,
+                name=target.name,
+                kind=PACKAGE_KINDS[kind],
+                base_model=run.base_model if run else None,
+                lora_rank=run.lora_rank if run else None,
+                lora_targets=lora_targets(run) if run else None,
+                parent_path=run.parent_path if run else None,
+                training_step=run.training_step if run else None,
             )
         )
         return json_outcome({"path": str(target), "type": "save_weights"})
@@ -351,6 +391,7 @@ async def save_weights(request: Request, state: State, tenant: Tenant) -> dict[s
     body, raw = await read_json(request, SaveWeightsRequest)
     run = state.live_training_run(body.model_id, tenant)
     seq_id = _seq_id(body.seq_id)
+    check_ttl(body.ttl_seconds)
     target, directory = _checkpoint_target(state, tenant, run.id, "weights", body.path)
     model_id = run.id
 
@@ -375,6 +416,7 @@ async def save_weights_for_sampler(
     body, raw = await read_json(request, SaveWeightsForSamplerRequest)
     run = state.live_training_run(body.model_id, tenant)
     seq_id = _seq_id(body.seq_id)
+    check_ttl(body.ttl_seconds)
     model_id = run.id
     if body.sampling_session_seq_id is not None:
         # Ephemeral: a frozen snapshot of the adapter as of this point in the model's order.

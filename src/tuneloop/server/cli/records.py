@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import shutil
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -25,7 +26,10 @@ from tuneloop.server.cli.common import (
     registry_group_options,
     where,
 )
-from tuneloop.server.storage.layout import TinkerPath
+from tuneloop.server.storage.layout import TinkerPath, valid_name
+
+if TYPE_CHECKING:
+    from tuneloop.server.storage.registry import CheckpointRow
 
 runs_app = typer.Typer(
     help="Inspect training runs (LoRA adapters) in the registry.", no_args_is_help=True
@@ -99,9 +103,11 @@ def checkpoints_list(
     db_url: DbUrlOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """List checkpoints, newest first.
+    """List checkpoints (model packages), newest first.
 
-    Rows: tinker path, tenant, type (training|sampler), size in bytes, created, expires.
+    Rows: tinker path, tenant, package name, version, kind (training-state|sampler|merged),
+    training step, size in bytes, created, expires. --json adds the base model, LoRA rank and
+    targets, the parent package and the folder.
     Exit 1 if --run names no training run (of --tenant, when given).
     """
     registry = open_registry(where(ctx).merged(data_dir, db_url))
@@ -113,27 +119,71 @@ def checkpoints_list(
         rows = registry.all_checkpoints(tenant, run)
     finally:
         registry.close()
-    checkpoints = [
-        {
-            "tinker_path": r.tinker_path,
-            "tenant": r.tenant,
-            "training_run_id": r.training_run_id,
-            "checkpoint_type": r.checkpoint_type,
-            "size_bytes": r.size_bytes,
-            "created_at": iso_time(r.created_at),
-            "expires_at": iso_time(r.expires_at),
-            "directory": r.directory,
-        }
-        for r in rows
-    ]
+    checkpoints = [_package(r) for r in rows]
     if as_json:
         print_json(checkpoints)
         return
-    keys = ("tinker_path", "tenant", "checkpoint_type", "size_bytes", "created_at", "expires_at")
+    keys = (
+        "tinker_path", "tenant", "name", "version", "kind", "training_step", "size_bytes",
+        "created_at", "expires_at",
+    )  # fmt: skip
     print_rows(
-        ("TINKER_PATH", "TENANT", "TYPE", "SIZE_BYTES", "CREATED", "EXPIRES"),
+        ("TINKER_PATH", "TENANT", "NAME", "VERSION", "KIND", "STEP", "SIZE_BYTES", "CREATED",
+         "EXPIRES"),
         [tuple(c[k] for k in keys) for c in checkpoints],
+    )  # fmt: skip
+
+
+def _package(r: CheckpointRow) -> dict[str, Any]:
+    return {
+        "tinker_path": r.tinker_path,
+        "tenant": r.tenant,
+        "training_run_id": r.training_run_id,
+        "checkpoint_type": r.checkpoint_type,
+        "name": r.name,
+        "version": r.version,
+        "kind": r.kind,
+        "base_model": r.base_model,
+        "lora_rank": r.lora_rank,
+        "lora_targets": r.lora_targets,
+        "parent_tinker_path": r.parent_path,
+        "training_step": r.training_step,
+        "size_bytes": r.size_bytes,
+        "created_at": iso_time(r.created_at),
+        "expires_at": iso_time(r.expires_at),
+        "directory": r.directory,
+    }
+
+
+@checkpoints_app.command("gc")
+def checkpoints_gc(
+    ctx: typer.Context,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Only list what has expired; delete nothing.")
+    ] = False,
+    data_dir: DataDirOption = None,
+    db_url: DbUrlOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Delete every expired checkpoint (row, then files), as a running server does each minute.
+
+    Rows: the tinker paths deleted (or, with --dry-run, that would be).
+    """
+    registry = open_registry(where(ctx).merged(data_dir, db_url))
+    try:
+        now = datetime.now(UTC)
+        rows = registry.expired_checkpoints(now) if dry_run else registry.collect_expired(now)
+    finally:
+        registry.close()
+    if as_json:
+        print_json([_package(r) for r in rows])
+        return
+    print_rows(
+        ("TINKER_PATH", "TENANT", "EXPIRED"),
+        [(r.tinker_path, r.tenant, iso_time(r.expires_at)) for r in rows],
     )
+    verb = "would delete" if dry_run else "deleted"
+    typer.echo(f"{verb} {len(rows)} expired checkpoint(s)", err=True)
 
 
 @checkpoints_app.command("delete")
@@ -183,10 +233,22 @@ def checkpoints_export(
             show_default=False,
         ),
     ] = None,
+    name: Annotated[
+        str | None,
+        typer.Option(
+            "--name",
+            help="Package name of a --merged export (default: the source's name + '-merged').",
+            show_default=False,
+        ),
+    ] = None,
     data_dir: DataDirOption = None,
     db_url: DbUrlOption = None,
 ) -> None:
-    """Export a checkpoint to a folder: the adapter as saved, or merged into its base model."""
+    """Export a checkpoint to a folder: the adapter as saved, or merged into its base model.
+
+    A --merged export is registered as a model package of kind "merged" (its parent: the
+    source), at tinker://<run>/external_weights/<name>; deleting that package deletes --out.
+    """
     path = _parse_path(tinker_path)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         fail(f"--out {out} exists and is not an empty folder", EXIT_USAGE)
@@ -207,14 +269,34 @@ def checkpoints_export(
         return
     try:
         from tuneloop.server.engine import merge
+        from tuneloop.server.storage.registry import merged_package
     except ImportError as exc:
         need_server_extra(exc)
+    target = TinkerPath(row.training_run_id, "external_weights", name or f"{row.name}-merged")
+    if not valid_name(target.name):
+        fail(f"--name {target.name!r}: letters, digits, '.', '_' or '-', at most 128", EXIT_USAGE)
+    registry = open_registry(config)
+    try:
+        taken = registry.checkpoint_any_tenant(str(target)) is not None
+    finally:
+        registry.close()
+    if taken:
+        fail(f"{target} is already registered (pass another --name)", EXIT_USAGE)
     cache = cache_dir or config.cache_dir
     try:
         merge.export_merged(source, out, cache_dir=cache)
     except Exception as exc:  # one message at this boundary: a bad base model, disk, ...
         fail(f"merging {path} failed: {type(exc).__name__}: {exc}", EXIT_NOT_FOUND)
-    typer.echo(f"exported {path} merged into its base model to {out}", err=True)
+    registry = open_registry(config)
+    try:
+        package = registry.register_package(merged_package(row, target, out.resolve()))
+    finally:
+        registry.close()
+    typer.echo(
+        f"exported {path} merged into its base model to {out}, registered as {target} "
+        f"(package {package.name} v{package.version})",
+        err=True,
+    )
 
 
 # ---- usage ------------------------------------------------------------------------------------
@@ -226,22 +308,55 @@ def usage(
         str | None,
         typer.Option("--session", help="Only this session's usage.", show_default=False),
     ] = None,
+    run: Annotated[
+        str | None,
+        typer.Option(
+            "--run", help="Only this training run's (or sampler's) usage.", show_default=False
+        ),
+    ] = None,
+    since: Annotated[
+        str | None,
+        typer.Option(
+            "--since",
+            help="From this time: ISO (2025-01-31T12:00Z; UTC if no zone) or a span back from "
+            "now: 30m, 24h, 7d.",
+            show_default=False,
+        ),
+    ] = None,
+    until: Annotated[
+        str | None,
+        typer.Option("--until", help="Up to this time (same forms).", show_default=False),
+    ] = None,
+    bucket: Annotated[
+        str, typer.Option("--bucket", help="Also per UTC hour or day: none, hour or day.")
+    ] = "none",
     data_dir: DataDirOption = None,
     db_url: DbUrlOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Show metered tokens and requests per tenant and kind.
+    """Show metered tokens per tenant and operation: prefill, sampled and trained, and requests.
 
-    Kinds: train (forward_backward input tokens), forward (forward-only input tokens),
-    sample_prompt (prompt tokens, once per sample request), sample_generated (tokens generated
-    over all returned sequences). A running server writes its counts every 2 s.
+    Operations: forward_backward (its input tokens are trained), forward (forward-only: input
+    tokens are prefill), sample (prompt tokens are prefill, once per request; generated tokens
+    are sampled). Usage is kept per UTC hour, so --since/--until resolve to whole hours. A
+    running server writes its counts every 2 s.
 
-    Rows: tenant, kind, tokens, requests. Exit 1 if --session is unknown (or not --tenant's).
+    Exit 1 if --session or --run is unknown (or not --tenant's); 2 on a bad time or --bucket.
     """
     try:
-        from tuneloop.server.api.metering import KINDS, summarize
+        from tuneloop.server.api.usage_report import BUCKETS, build_report, hour_range, parse_time
+        from tuneloop.server.storage.registry import UsageFilter
     except ImportError as exc:
         need_server_extra(exc)
+    if bucket not in BUCKETS:
+        fail(f"--bucket {bucket!r}: must be one of {', '.join(BUCKETS)}", EXIT_USAGE)
+    now = datetime.now(UTC)
+    times: dict[str, datetime | None] = {}
+    for option, value in (("--since", since), ("--until", until)):
+        try:
+            times[option] = parse_time(value, now) if value is not None else None
+        except ValueError as exc:
+            fail(f"{option}: {exc}", EXIT_USAGE)
     registry = open_registry(Where().merged(data_dir, db_url))
     try:
         if session is not None:
@@ -249,20 +364,50 @@ def usage(
             if owner is None or (tenant is not None and owner.tenant != tenant):
                 fail(f"no session {session}", EXIT_NOT_FOUND)
             tenant = owner.tenant
-        totals = registry.usage_totals(tenant, session)
+        if run is not None:
+            run_owner = registry.usage_owner(run)
+            if run_owner is None or (tenant is not None and run_owner != tenant):
+                fail(f"no training run or sampler {run}", EXIT_NOT_FOUND)
+            tenant = run_owner
+        since_hour, until_hour = hour_range(times["--since"], times["--until"])
+        sums = registry.usage_sums(UsageFilter(tenant, session, run, since_hour, until_hour))
     finally:
         registry.close()
-    tenants = sorted({t.tenant for t in totals} | ({tenant} if tenant is not None else set()))
-    report: list[dict[str, Any]] = []
-    for name in tenants:
-        tokens, requests = summarize([t for t in totals if t.tenant == name])
-        report.append(
-            {"tenant": name, "session_id": session, "tokens": tokens, "requests": requests}
+    tenants = sorted({s.tenant for s in sums} | ({tenant} if tenant is not None else set()))
+    reports = [
+        build_report(
+            sums, name, bucket=bucket, session_id=session, training_run_id=run,
+            since=times["--since"], until=times["--until"],
         )
+        for name in tenants
+    ]  # fmt: skip
     if as_json:
-        print_json(report)
+        print_json([r.model_dump(mode="json") for r in reports])
         return
-    print_rows(
-        ("TENANT", "KIND", "TOKENS", "REQUESTS"),
-        [(r["tenant"], k, r["tokens"][k], r["requests"][k]) for r in report for k in KINDS],
-    )
+    _print_usage(reports, bucket)
+
+
+def _print_usage(reports: list[Any], bucket: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="usage (tokens)")
+    for header in ("tenant", *(() if bucket == "none" else (bucket,)), "operation"):
+        table.add_column(header)
+    for header in ("prefill", "sampled", "trained", "requests"):
+        table.add_column(header, justify="right")
+
+    def cells(c: Any) -> tuple[str, ...]:
+        counts = (c.prefill_tokens, c.sampled_tokens, c.trained_tokens, c.requests)
+        return tuple(f"{v:,}" for v in counts)
+
+    for report in reports:
+        groups = [(None, report.by_operation, report.totals)]
+        if bucket != "none":
+            groups = [(b.start, b.by_operation, b.totals) for b in report.buckets]
+        for start, by_operation, totals in groups:
+            when = () if start is None else (start.strftime("%Y-%m-%d %H:%M"),)
+            for operation, counts in by_operation.items():
+                table.add_row(report.tenant, *when, operation, *cells(counts))
+            table.add_row(report.tenant, *when, "total", *cells(totals), end_section=True)
+    Console(width=max(100, Console().width)).print(table)

@@ -1,5 +1,5 @@
-"""The metadata registry: sessions, training runs, checkpoints, samplers, usage, each with its
-tenant.
+"""The metadata registry: sessions, training runs, checkpoints (model packages), samplers, usage,
+each with its tenant.
 
 SQLite through SQLAlchemy by default (a Postgres URL works the same). Every lookup the API makes
 takes the caller's tenant, so a row of another tenant is simply not found; the few methods that
@@ -30,6 +30,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 from sqlalchemy.types import TypeDecorator
+
+from tuneloop.server.storage.layout import TinkerPath
+from tuneloop.server.storage.migrations import upgrade
 
 
 def utcnow() -> datetime:
@@ -79,9 +82,26 @@ class TrainingRunRow(Base):
     user_metadata: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     last_request_time: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # Optimizer steps the weights have had: 0 at creation, the package's step after a load,
+    # +1 per completed optim_step. Saved into every package of the run.
+    training_step: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # The package (tinker path) the run was last loaded from, if any: the parent of its packages.
+    parent_path: Mapped[str | None] = mapped_column(String(512), nullable=True)
+
+
+# Package kinds, by checkpoint type: what a package holds.
+PACKAGE_KINDS = {"training": "training-state", "sampler": "sampler", "external": "merged"}
 
 
 class CheckpointRow(Base):
+    """A saved checkpoint, registered as a versioned model package.
+
+    `name` is the checkpoint name the user gave (the last part of the tinker path); `version`
+    counts 1, 2, ... over every package the tenant registered under that name, whatever its run
+    or kind, and is never reused (see PackageNameRow). Package columns are NULL only on rows an
+    older version wrote and the migration could not fill (training_step, unknown then).
+    """
+
     __tablename__ = "checkpoints"
     tinker_path: Mapped[str] = mapped_column(String(512), primary_key=True)
     tenant: Mapped[str] = mapped_column(String(64), index=True)
@@ -93,6 +113,53 @@ class CheckpointRow(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     user_metadata: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    name: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)
+    version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    kind: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    base_model: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    lora_rank: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # Trained parts, of "attn", "mlp", "unembed".
+    lora_targets: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
+    parent_path: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    training_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+class PackageNameRow(Base):
+    """The last version given out per (tenant, package name): versions are never reused, also
+    after the newest package of a name is deleted or expires."""
+
+    __tablename__ = "package_names"
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    last_version: Mapped[int] = mapped_column(Integer, default=0)
+
+
+def lora_targets(run: TrainingRunRow) -> list[str]:
+    flags = (("attn", run.train_attn), ("mlp", run.train_mlp), ("unembed", run.train_unembed))
+    return [name for name, on in flags if on]
+
+
+def merged_package(source: CheckpointRow, target: TinkerPath, directory: Path) -> CheckpointRow:
+    """The row of a merged export of `source` (base model + adapter as one plain model) kept
+    in `directory`, to be registered at tinker path `target`."""
+    size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+    return CheckpointRow(
+        tinker_path=str(target),
+        tenant=source.tenant,
+        training_run_id=source.training_run_id,
+        checkpoint_id=target.checkpoint_id,
+        checkpoint_type="external",
+        directory=str(directory),
+        size_bytes=size,
+        created_at=utcnow(),
+        name=target.name,
+        kind=PACKAGE_KINDS["external"],
+        base_model=source.base_model,
+        lora_rank=source.lora_rank,
+        lora_targets=source.lora_targets,
+        parent_path=source.tinker_path,
+        training_step=source.training_step,
+    )
 
 
 class SamplerRow(Base):
@@ -106,16 +173,23 @@ class SamplerRow(Base):
 
 
 class UsageRow(Base):
-    """Tokens and requests metered for one (tenant, session, model, kind); counts accumulate."""
+    """Tokens metered for one (tenant, hour, session, model, operation); counts accumulate.
 
-    __tablename__ = "usage"
+    Hours are UTC epoch seconds of the hour's start: an integer key compares and groups the
+    same way on every database, and a day or a range is a plain integer interval.
+    """
+
+    __tablename__ = "usage_hourly"
     tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    hour: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     session_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     # A training run id or a sampler id.
     model_id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    # "train", "forward", "sample_prompt" or "sample_generated" (see api/metering.py).
-    kind: Mapped[str] = mapped_column(String(32), primary_key=True)
-    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    # "forward_backward", "forward" or "sample" (see api/metering.py).
+    operation: Mapped[str] = mapped_column(String(32), primary_key=True)
+    prefill_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    sampled_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    trained_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     requests: Mapped[int] = mapped_column(BigInteger, default=0)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
@@ -125,20 +199,37 @@ class UsageCount:
     """Counts to add to one usage row."""
 
     tenant: str
+    hour: int
     session_id: str
     model_id: str
-    kind: str
-    tokens: int
-    requests: int
+    operation: str
+    prefill_tokens: int = 0
+    sampled_tokens: int = 0
+    trained_tokens: int = 0
+    requests: int = 0
 
 
 @dataclass(frozen=True)
-class UsageTotal:
-    """The sum over a tenant's usage rows of one kind (optionally of one session)."""
+class UsageFilter:
+    """Which usage rows to sum; hours are epoch seconds, `since` inclusive, `until` exclusive."""
+
+    tenant: str | None = None
+    session_id: str | None = None
+    model_id: str | None = None
+    since_hour: int | None = None
+    until_hour: int | None = None
+
+
+@dataclass(frozen=True)
+class UsageSum:
+    """The sum of usage rows of one (tenant, hour, operation)."""
 
     tenant: str
-    kind: str
-    tokens: int
+    hour: int
+    operation: str
+    prefill_tokens: int
+    sampled_tokens: int
+    trained_tokens: int
     requests: int
 
 
@@ -167,6 +258,7 @@ class Registry:
                 cursor.close()
 
         Base.metadata.create_all(self.engine)
+        upgrade(self.engine, Base.metadata)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     def close(self) -> None:
@@ -254,6 +346,24 @@ class Registry:
             if row is not None:
                 row.last_request_time = utcnow()
 
+    def advance_training_step(self, run_id: str) -> None:
+        """One more optimizer step applied (an in-place increment: no lost update)."""
+        with self._db() as db, db.begin():
+            db.execute(
+                update(TrainingRunRow)
+                .where(TrainingRunRow.id == run_id)
+                .values(training_step=TrainingRunRow.training_step + 1)
+            )
+
+    def set_training_origin(self, run_id: str, parent_path: str, training_step: int) -> None:
+        """The run's weights now come from package `parent_path`, at its training step."""
+        with self._db() as db, db.begin():
+            db.execute(
+                update(TrainingRunRow)
+                .where(TrainingRunRow.id == run_id)
+                .values(parent_path=parent_path, training_step=training_step)
+            )
+
     def list_training_runs(
         self, tenant: str, limit: int, offset: int
     ) -> tuple[list[TrainingRunRow], int]:
@@ -308,6 +418,38 @@ class Registry:
             )
         return rows, int(total or 0)
 
+    def register_package(self, row: CheckpointRow) -> CheckpointRow:
+        """Store a checkpoint row under the next version of its (tenant, name).
+
+        A row at the same tinker path (an overwrite) is replaced: its files were overwritten,
+        so the old version is gone and the new one gets a new number.
+        """
+        assert row.name is not None
+        with self._db() as db, db.begin():
+            key = (PackageNameRow.tenant == row.tenant) & (PackageNameRow.name == row.name)
+            changed = db.execute(
+                update(PackageNameRow)
+                .where(key)
+                .values(last_version=PackageNameRow.last_version + 1)
+            )
+            if getattr(changed, "rowcount", 0) == 0:
+                db.add(PackageNameRow(tenant=row.tenant, name=row.name, last_version=1))
+                db.flush()
+            row.version = db.scalar(select(PackageNameRow.last_version).where(key))
+            db.merge(row)
+        return row
+
+    def set_checkpoint_expiry(
+        self, tinker_path: str, tenant: str, expires_at: datetime | None
+    ) -> CheckpointRow | None:
+        """Set (or with None, clear) when a package expires; None if the tenant has no such."""
+        with self._db() as db, db.begin():
+            row = db.get(CheckpointRow, tinker_path)
+            if row is None or row.tenant != tenant:
+                return None
+            row.expires_at = expires_at
+            return row
+
     def delete_checkpoint(self, tinker_path: str, tenant: str) -> CheckpointRow | None:
         with self._db() as db, db.begin():
             row = db.get(CheckpointRow, tinker_path)
@@ -327,6 +469,32 @@ class Registry:
             shutil.rmtree(Path(row.directory), ignore_errors=True)
         return row
 
+    def expired_checkpoints(self, now: datetime) -> list[CheckpointRow]:
+        """Packages of every tenant whose expiry is at or before `now` (operator, GC)."""
+        query = select(CheckpointRow).where(
+            CheckpointRow.expires_at.is_not(None), CheckpointRow.expires_at <= now
+        )
+        with self._db() as db:
+            return list(db.scalars(query.order_by(CheckpointRow.expires_at)))
+
+    def collect_expired(self, now: datetime | None = None) -> list[CheckpointRow]:
+        """Remove every package expired at `now` (default: the current time), row then files.
+
+        A row whose expiry was extended or cleared since the listing is kept: each delete
+        checks the expiry again inside its own transaction.
+        """
+        now = now or utcnow()
+        removed: list[CheckpointRow] = []
+        for candidate in self.expired_checkpoints(now):
+            with self._db() as db, db.begin():
+                row = db.get(CheckpointRow, candidate.tinker_path)
+                if row is None or row.expires_at is None or row.expires_at > now:
+                    continue
+                db.delete(row)
+            shutil.rmtree(Path(row.directory), ignore_errors=True)
+            removed.append(row)
+        return removed
+
     # ---- samplers ---------------------------------------------------------------------------
 
     def sampler(self, sampler_id: str, tenant: str) -> SamplerRow | None:
@@ -340,9 +508,10 @@ class Registry:
             for c in counts:
                 key = (
                     (UsageRow.tenant == c.tenant)
+                    & (UsageRow.hour == c.hour)
                     & (UsageRow.session_id == c.session_id)
                     & (UsageRow.model_id == c.model_id)
-                    & (UsageRow.kind == c.kind)
+                    & (UsageRow.operation == c.operation)
                 )
                 # An in-place increment, so the sum is right even if another writer got there
                 # first; the insert only happens for a key never seen before.
@@ -350,7 +519,9 @@ class Registry:
                     update(UsageRow)
                     .where(key)
                     .values(
-                        tokens=UsageRow.tokens + c.tokens,
+                        prefill_tokens=UsageRow.prefill_tokens + c.prefill_tokens,
+                        sampled_tokens=UsageRow.sampled_tokens + c.sampled_tokens,
+                        trained_tokens=UsageRow.trained_tokens + c.trained_tokens,
                         requests=UsageRow.requests + c.requests,
                         updated_at=utcnow(),
                     )
@@ -359,39 +530,47 @@ class Registry:
                     db.add(
                         UsageRow(
                             tenant=c.tenant,
+                            hour=c.hour,
                             session_id=c.session_id,
                             model_id=c.model_id,
-                            kind=c.kind,
-                            tokens=c.tokens,
+                            operation=c.operation,
+                            prefill_tokens=c.prefill_tokens,
+                            sampled_tokens=c.sampled_tokens,
+                            trained_tokens=c.trained_tokens,
                             requests=c.requests,
                             updated_at=utcnow(),
                         )
                     )
                     db.flush()
 
-    def usage(self, tenant: str, session_id: str | None = None) -> list[UsageTotal]:
-        """The tenant's totals per kind, over all its sessions or over one."""
-        return self.usage_totals(tenant, session_id)
-
-    # ---- operator views (command line only: they span tenants when tenant is None) ----------
-
-    def usage_totals(
-        self, tenant: str | None = None, session_id: str | None = None
-    ) -> list[UsageTotal]:
-        """Totals per (tenant, kind), ordered by tenant then kind."""
+    def usage_sums(self, where: UsageFilter) -> list[UsageSum]:
+        """Sums per (tenant, hour, operation), ordered so; spans tenants when tenant is None
+        (the operator's command line), the API always passes the caller's."""
         query = select(
             UsageRow.tenant,
-            UsageRow.kind,
-            func.sum(UsageRow.tokens),
+            UsageRow.hour,
+            UsageRow.operation,
+            func.sum(UsageRow.prefill_tokens),
+            func.sum(UsageRow.sampled_tokens),
+            func.sum(UsageRow.trained_tokens),
             func.sum(UsageRow.requests),
-        ).group_by(UsageRow.tenant, UsageRow.kind)
-        if tenant is not None:
-            query = query.where(UsageRow.tenant == tenant)
-        if session_id is not None:
-            query = query.where(UsageRow.session_id == session_id)
+        ).group_by(UsageRow.tenant, UsageRow.hour, UsageRow.operation)
+        if where.tenant is not None:
+            query = query.where(UsageRow.tenant == where.tenant)
+        if where.session_id is not None:
+            query = query.where(UsageRow.session_id == where.session_id)
+        if where.model_id is not None:
+            query = query.where(UsageRow.model_id == where.model_id)
+        if where.since_hour is not None:
+            query = query.where(UsageRow.hour >= where.since_hour)
+        if where.until_hour is not None:
+            query = query.where(UsageRow.hour < where.until_hour)
+        order = (UsageRow.tenant, UsageRow.hour, UsageRow.operation)
         with self._db() as db:
-            rows = db.execute(query.order_by(UsageRow.tenant, UsageRow.kind)).all()
-        return [UsageTotal(t, k, int(tok or 0), int(req or 0)) for t, k, tok, req in rows]
+            rows = db.execute(query.order_by(*order)).all()
+        return [UsageSum(t, int(h), op, *(int(v or 0) for v in sums)) for t, h, op, *sums in rows]
+
+    # ---- operator views (command line only: they span tenants when tenant is None) ----------
 
     def session_any_tenant(self, session_id: str) -> SessionRow | None:
         with self._db() as db:
@@ -403,6 +582,12 @@ class Registry:
             query = query.where(TrainingRunRow.tenant == tenant)
         with self._db() as db:
             return list(db.scalars(query))
+
+    def usage_owner(self, model_id: str) -> str | None:
+        """The tenant of a training run or sampler id, whoever it is."""
+        with self._db() as db:
+            row = db.get(TrainingRunRow, model_id) or db.get(SamplerRow, model_id)
+            return row.tenant if row is not None else None
 
     def training_run_any_tenant(self, run_id: str) -> TrainingRunRow | None:
         with self._db() as db:
