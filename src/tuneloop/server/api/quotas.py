@@ -18,10 +18,11 @@ from tuneloop.server.scheduler.futures import FutureTable
 from tuneloop.server.storage.limits import LimitStore
 from tuneloop.server.storage.registry import Registry, utcnow
 
-# Bounds of the advertised wait: short enough that freed capacity is used soon, long enough
-# that a client at its limit does not poll the server in a tight loop; 30 s is well inside the
-# 60 s above which both SDKs ignore the header and fall back to their own backoff.
-MIN_RETRY_S = 0.2
+# Bounds of the advertised wait. At least 1 s: the official SDK retries some calls (model and
+# session creation) only 10 times at the HTTP layer, so a shorter wait would exhaust them within
+# a few seconds at the limit; and thousands of refused requests must not poll in a tight loop.
+# At most 30 s, well inside the 60 s above which both SDKs ignore the header.
+MIN_RETRY_S = 1.0
 MAX_RETRY_S = 30.0
 # A session frees when its owner finishes it, which the server cannot foresee: ask again this
 # often (sooner if the least recently active session would expire before).
