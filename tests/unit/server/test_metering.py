@@ -293,3 +293,50 @@ def test_a_failed_write_keeps_the_counts(tmp_path: Path) -> None:
     [total] = registry.usage_sums(UsageFilter("t", "s"))
     assert (total.hour, total.prefill_tokens, total.requests) == (hour_of(when), 6, 2)
     registry.close()
+
+
+async def test_counts_equal_the_tokens_with_the_torch_engine(tmp_path: Path) -> None:
+    """The real engine with the tiny model: several samples decoded together (continuous
+    batching), a training step and a forward pass are metered exactly as sent and generated."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a shared 2-core machine: no spinning OpenMP workers
+    tiny = "tuneloop/tiny-qwen3"
+    try:
+        async with serve(
+            tmp_path,
+            backend="torch",
+            models=(tiny,),
+            device="cpu",
+            dtype="float32",  # no dtype probe (a child process) for a tiny model
+            cache_dir=tmp_path / "cache",
+        ) as api:
+            session_id = await api.session()
+            create = {"session_id": session_id, "model_seq_id": 0, "base_model": tiny}
+            create["lora_config"] = {"rank": 4, "seed": 0}
+            model_id = (await api.result(await api.post("create_model", create))).json()["model_id"]
+            trained = [datum([5, 6, 7, 8, 9, 10, 11]), datum([12, 13, 14, 15])]
+            forward = [datum([20, 21, 22, 23, 24])]
+            await api.result(await api.forward_backward(model_id, 1, trained))
+            await api.result(await api.forward_backward(model_id, 2, forward, forward_only=True))
+            sampler_id = await sampler(api, session_id, base_model=tiny)
+            prompts = [[30, 31, 32], [40, 41, 42, 43, 44, 45], [50]]
+            responses = await asyncio.gather(
+                *(
+                    sample(api, sampler_id, p, num_samples=n, max_tokens=6, temperature=1.0, seed=n)
+                    for p, n in zip(prompts, (2, 1, 3), strict=True)
+                )
+            )
+            generated = sum(len(s.tokens) for r in responses for s in r.sequences)
+            assert generated > 0
+            body = await usage(api, session_id=session_id)
+    finally:
+        torch.set_num_threads(threads)
+    assert body["by_operation"] == {
+        "forward_backward": counts(trained=input_tokens(trained), requests=1),
+        "forward": counts(prefill=input_tokens(forward), requests=1),
+        "sample": counts(prefill=sum(map(len, prompts)), sampled=generated, requests=3),
+    }
