@@ -189,6 +189,8 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
             expirer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await expirer  # not mid-release when the engine stops
+            # Nor a release a request started on finding its session expired.
+            await asyncio.gather(*state.releases, return_exceptions=True)
             await engine.stop()
             meter.flush(registry)  # the engine is stopped: these are the last counts
             registry.close()

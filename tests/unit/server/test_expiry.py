@@ -222,3 +222,18 @@ async def test_expiry_frees_torch_adapter_and_sampler_memory(tmp_path: Path) -> 
             assert not alive, f"{len(alive)} of {len(held)} tensors ({held_bytes} bytes) kept"
     finally:
         torch.set_num_threads(threads)
+
+
+async def test_a_request_on_a_silent_session_expires_it_before_the_sweep(tmp_path: Path) -> None:
+    # The sweep runs at start and then not for a minute: the request itself must find the silence.
+    async with serve(tmp_path, session_ttl_s=0.5, expiry_check_s=60) as api:
+        backend = state_of(api).engine.backend
+        session_id = await api.session()
+        model_id = await api.model(session_id)
+        await asyncio.sleep(0.7)
+        body = expect_error(
+            await api.forward_backward(model_id, 1, [datum(TOKENS)]), 410, "session_id"
+        )
+        assert "expired" in body["detail"]
+        assert expired(api, session_id)
+        await until(lambda: model_id not in backend._adapters)

@@ -59,7 +59,7 @@ class ServerState:
         default_factory=dict
     )
     # Releases of sessions found expired by a request (held so they are not garbage collected).
-    _releases: set[asyncio.Task[None]] = field(default_factory=set)
+    releases: set[asyncio.Task[None]] = field(default_factory=set)
 
     def model_spec(self, name: str, field_name: str = "base_model") -> ModelSpec:
         spec = self.models.get(name)
@@ -127,8 +127,8 @@ class ServerState:
         if self.registry.finish_session(session_id, EXPIRED):
             log.info("session %s expired after %g s without activity", session_id, self.ttl_s)
             task = asyncio.get_running_loop().create_task(self.release_session(session_id))
-            self._releases.add(task)
-            task.add_done_callback(self._releases.discard)
+            self.releases.add(task)
+            task.add_done_callback(self.releases.discard)
 
     @property
     def ttl_s(self) -> float:
