@@ -24,7 +24,8 @@ LossFnType = Literal[
 
 class LoraConfig(StrictBase):
     rank: int = Field(default=32, ge=1, le=1024)
-    seed: int | None = None
+    # Stored as a 64-bit integer and fed to the generators, which take no negatives.
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True

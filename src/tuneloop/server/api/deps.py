@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, TypeVar
 
-from fastapi import Depends, Request
+from fastapi import Depends, Query, Request
 from pydantic import BaseModel, ValidationError
 
 from tuneloop.server.api.errors import ApiError
@@ -36,6 +36,12 @@ async def authenticate(request: Request) -> str:
 
 Tenant = Annotated[str, Depends(authenticate)]
 State = Annotated[ServerState, Depends(get_state)]
+
+
+# Databases hold 64-bit signed integers: a larger offset would fail in the driver (a 500)
+# instead of answering 400 here; 2**62 is far past any real listing.
+MAX_OFFSET = 2**62
+Offset = Annotated[int, Query(ge=0, le=MAX_OFFSET)]
 
 
 def require_content_type(request: Request, expected: str) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from tuneloop.server.api.deps import State, Tenant, json_body, read_json
+from tuneloop.server.api.deps import Offset, State, Tenant, json_body, read_json
 from tuneloop.server.api.errors import ApiError, bad_request, not_found
 from tuneloop.server.api.packages import check_ttl
 from tuneloop.server.api.state import ServerState
@@ -81,7 +81,7 @@ def _training_run(state: ServerState, row: TrainingRunRow) -> TrainingRun:
 
 @router.get("/training_runs")
 async def list_training_runs(
-    state: State, tenant: Tenant, limit: int = 20, offset: int = 0
+    state: State, tenant: Tenant, limit: int = 20, offset: Offset = 0
 ) -> dict[str, Any]:
     _page(limit, offset)
     rows, total = state.registry.list_training_runs(tenant, limit, offset)
@@ -153,7 +153,7 @@ async def delete_checkpoint(
 
 @router.get("/checkpoints")
 async def list_user_checkpoints(
-    state: State, tenant: Tenant, limit: int = 100, offset: int = 0
+    state: State, tenant: Tenant, limit: int = 100, offset: Offset = 0
 ) -> dict[str, Any]:
     _page(limit, offset)
     rows, total = state.registry.list_checkpoints(tenant, limit=limit, offset=offset)

@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from tuneloop.server.api.deps import State, Tenant, json_body, read_json
+from tuneloop.server.api.deps import Offset, State, Tenant, json_body, read_json
 from tuneloop.server.api.errors import ApiError, not_found
 from tuneloop.server.storage.registry import SessionRow
 from tuneloop.types import (
@@ -62,7 +62,7 @@ async def finish(session_id: str, request: Request, state: State, tenant: Tenant
 
 @router.get("/sessions")
 async def list_sessions(
-    state: State, tenant: Tenant, limit: int = 20, offset: int = 0
+    state: State, tenant: Tenant, limit: int = 20, offset: Offset = 0
 ) -> dict[str, Any]:
     if not (1 <= limit <= 1000) or offset < 0:
         raise ApiError(400, "limit must be in [1, 1000] and offset >= 0", "limit")
