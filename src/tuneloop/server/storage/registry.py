@@ -9,17 +9,13 @@ span tenants are for the operator's command line and say so.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterable
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
     JSON,
-    BigInteger,
     Boolean,
-    DateTime,
     Integer,
     String,
     create_engine,
@@ -28,31 +24,31 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
-from sqlalchemy.types import TypeDecorator
+from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
+from tuneloop.server.storage.base import Base, UTCDateTime, utcnow
 from tuneloop.server.storage.layout import TinkerPath
 from tuneloop.server.storage.migrations import upgrade
+from tuneloop.server.storage.usage_store import UsageCount, UsageFilter, UsageStore, UsageSum
 
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
-
-
-class UTCDateTime(TypeDecorator[datetime]):
-    """Times are stored and returned as aware UTC; SQLite would otherwise drop the zone."""
-
-    impl = DateTime(timezone=True)
-    cache_ok = True
-
-    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
-        if value is not None and value.tzinfo is None:
-            return value.replace(tzinfo=UTC)
-        return value
-
-
-class Base(DeclarativeBase):
-    pass
+# Re-exported: the API and the command line import these from here.
+__all__ = [
+    "PACKAGE_KINDS",
+    "Base",
+    "CheckpointRow",
+    "PackageNameRow",
+    "Registry",
+    "SamplerRow",
+    "SessionRow",
+    "TrainingRunRow",
+    "UsageCount",
+    "UsageFilter",
+    "UsageSum",
+    "engine_url",
+    "lora_targets",
+    "merged_package",
+    "utcnow",
+]
 
 
 class SessionRow(Base):
@@ -172,67 +168,6 @@ class SamplerRow(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
-class UsageRow(Base):
-    """Tokens metered for one (tenant, hour, session, model, operation); counts accumulate.
-
-    Hours are UTC epoch seconds of the hour's start: an integer key compares and groups the
-    same way on every database, and a day or a range is a plain integer interval.
-    """
-
-    __tablename__ = "usage_hourly"
-    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
-    hour: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    session_id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    # A training run id or a sampler id.
-    model_id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    # "forward_backward", "forward" or "sample" (see api/metering.py).
-    operation: Mapped[str] = mapped_column(String(32), primary_key=True)
-    prefill_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
-    sampled_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
-    trained_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
-    requests: Mapped[int] = mapped_column(BigInteger, default=0)
-    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
-
-
-@dataclass(frozen=True)
-class UsageCount:
-    """Counts to add to one usage row."""
-
-    tenant: str
-    hour: int
-    session_id: str
-    model_id: str
-    operation: str
-    prefill_tokens: int = 0
-    sampled_tokens: int = 0
-    trained_tokens: int = 0
-    requests: int = 0
-
-
-@dataclass(frozen=True)
-class UsageFilter:
-    """Which usage rows to sum; hours are epoch seconds, `since` inclusive, `until` exclusive."""
-
-    tenant: str | None = None
-    session_id: str | None = None
-    model_id: str | None = None
-    since_hour: int | None = None
-    until_hour: int | None = None
-
-
-@dataclass(frozen=True)
-class UsageSum:
-    """The sum of usage rows of one (tenant, hour, operation)."""
-
-    tenant: str
-    hour: int
-    operation: str
-    prefill_tokens: int
-    sampled_tokens: int
-    trained_tokens: int
-    requests: int
-
-
 def engine_url(url: str) -> str:
     """The SQLAlchemy URL for a database URL: PostgreSQL ones that name no driver get psycopg 3
     (SQLAlchemy's own default is psycopg2, which is not installed)."""
@@ -242,7 +177,7 @@ def engine_url(url: str) -> str:
     return url
 
 
-class Registry:
+class Registry(UsageStore):
     def __init__(self, url: str) -> None:
         url = engine_url(url)
         # A pooled PostgreSQL connection may have died with a database restart: test each one
@@ -499,76 +434,6 @@ class Registry:
 
     def sampler(self, sampler_id: str, tenant: str) -> SamplerRow | None:
         return self._get(SamplerRow, sampler_id, tenant)
-
-    # ---- usage ------------------------------------------------------------------------------
-
-    def add_usage(self, counts: Iterable[UsageCount]) -> None:
-        """Add counts to their rows (created on first use), all in one transaction."""
-        with self._db() as db, db.begin():
-            for c in counts:
-                key = (
-                    (UsageRow.tenant == c.tenant)
-                    & (UsageRow.hour == c.hour)
-                    & (UsageRow.session_id == c.session_id)
-                    & (UsageRow.model_id == c.model_id)
-                    & (UsageRow.operation == c.operation)
-                )
-                # An in-place increment, so the sum is right even if another writer got there
-                # first; the insert only happens for a key never seen before.
-                changed = db.execute(
-                    update(UsageRow)
-                    .where(key)
-                    .values(
-                        prefill_tokens=UsageRow.prefill_tokens + c.prefill_tokens,
-                        sampled_tokens=UsageRow.sampled_tokens + c.sampled_tokens,
-                        trained_tokens=UsageRow.trained_tokens + c.trained_tokens,
-                        requests=UsageRow.requests + c.requests,
-                        updated_at=utcnow(),
-                    )
-                )
-                if getattr(changed, "rowcount", 0) == 0:
-                    db.add(
-                        UsageRow(
-                            tenant=c.tenant,
-                            hour=c.hour,
-                            session_id=c.session_id,
-                            model_id=c.model_id,
-                            operation=c.operation,
-                            prefill_tokens=c.prefill_tokens,
-                            sampled_tokens=c.sampled_tokens,
-                            trained_tokens=c.trained_tokens,
-                            requests=c.requests,
-                            updated_at=utcnow(),
-                        )
-                    )
-                    db.flush()
-
-    def usage_sums(self, where: UsageFilter) -> list[UsageSum]:
-        """Sums per (tenant, hour, operation), ordered so; spans tenants when tenant is None
-        (the operator's command line), the API always passes the caller's."""
-        query = select(
-            UsageRow.tenant,
-            UsageRow.hour,
-            UsageRow.operation,
-            func.sum(UsageRow.prefill_tokens),
-            func.sum(UsageRow.sampled_tokens),
-            func.sum(UsageRow.trained_tokens),
-            func.sum(UsageRow.requests),
-        ).group_by(UsageRow.tenant, UsageRow.hour, UsageRow.operation)
-        if where.tenant is not None:
-            query = query.where(UsageRow.tenant == where.tenant)
-        if where.session_id is not None:
-            query = query.where(UsageRow.session_id == where.session_id)
-        if where.model_id is not None:
-            query = query.where(UsageRow.model_id == where.model_id)
-        if where.since_hour is not None:
-            query = query.where(UsageRow.hour >= where.since_hour)
-        if where.until_hour is not None:
-            query = query.where(UsageRow.hour < where.until_hour)
-        order = (UsageRow.tenant, UsageRow.hour, UsageRow.operation)
-        with self._db() as db:
-            rows = db.execute(query.order_by(*order)).all()
-        return [UsageSum(t, int(h), op, *(int(v or 0) for v in sums)) for t, h, op, *sums in rows]
 
     # ---- operator views (command line only: they span tenants when tenant is None) ----------
 
