@@ -6,6 +6,7 @@ import asyncio
 import json
 import sys
 import types
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import tuneloop.server.engine
 from tests.unit.server.harness import datum, sample, sampler, serve
 from tuneloop._local_server import live_server, stop
 from tuneloop.cli import build_app, main
+from tuneloop.server.storage.registry import Registry
 
 runner = CliRunner()
 
@@ -127,6 +129,14 @@ def test_checkpoints_list(tmp_path: Path) -> None:
     kinds = {c["tinker_path"]: c["checkpoint_type"] for c in listed}
     assert kinds == {ids["weights"]: "training", ids["sampler_weights"]: "sampler"}
     assert all(c["size_bytes"] > 0 and Path(c["directory"]).is_dir() for c in listed)
+    packages = {c["tinker_path"]: c for c in listed}
+    saved = (ids["weights"], ids["sampler_weights"])
+    assert [(packages[p]["name"], packages[p]["kind"]) for p in saved] == [
+        ("w1", "training-state"),
+        ("s1", "sampler"),
+    ]
+    assert all(c["version"] == 1 and c["training_step"] == 0 for c in listed)
+    assert all(c["base_model"] == "tuneloop/fake-tiny" and c["lora_rank"] == 4 for c in listed)
     by_run = run("checkpoints", "list", "--run", ids["model"], *data(tmp_path), "--json")
     assert len(json.loads(by_run.stdout)) == 2
     empty = run("checkpoints", "list", "--run", ids["bob_model"], *data(tmp_path), "--json")
@@ -166,6 +176,33 @@ def test_checkpoints_delete(tmp_path: Path) -> None:
     left = json.loads(run("checkpoints", "list", *data(tmp_path), "--json").stdout)
     assert [c["tinker_path"] for c in left] == [ids["sampler_weights"]]
     assert run("checkpoints", "delete", path, "--tenant", "alice", *data(tmp_path)).exit_code == 1
+
+
+def test_checkpoints_gc(tmp_path: Path) -> None:
+    ids = populated(tmp_path)
+    listed = json.loads(run("checkpoints", "list", *data(tmp_path), "--json").stdout)
+    directories = {c["tinker_path"]: Path(c["directory"]) for c in listed}
+    registry = Registry(f"sqlite:///{tmp_path / 'registry.sqlite3'}")
+    past = datetime.now(UTC) - timedelta(minutes=1)
+    future = datetime.now(UTC) + timedelta(hours=1)
+    assert registry.set_checkpoint_expiry(ids["weights"], "alice", past) is not None
+    assert registry.set_checkpoint_expiry(ids["sampler_weights"], "alice", future) is not None
+    registry.close()
+
+    dry = run("checkpoints", "gc", "--dry-run", *data(tmp_path), "--json")
+    assert dry.exit_code == 0, dry.output
+    assert [c["tinker_path"] for c in json.loads(dry.stdout)] == [ids["weights"]]
+    assert "would delete 1" in dry.stderr
+    assert directories[ids["weights"]].is_dir()
+    done = run("checkpoints", "gc", *data(tmp_path))
+    assert done.exit_code == 0, done.output
+    assert done.stdout.split("\t")[0] == ids["weights"]
+    assert "deleted 1 expired" in done.stderr
+    assert not directories[ids["weights"]].exists()
+    assert directories[ids["sampler_weights"]].is_dir()
+    left = json.loads(run("checkpoints", "list", *data(tmp_path), "--json").stdout)
+    assert [c["tinker_path"] for c in left] == [ids["sampler_weights"]]
+    assert json.loads(run("checkpoints", "gc", *data(tmp_path), "--json").stdout) == []
 
 
 def test_checkpoints_export_copies_the_adapter(tmp_path: Path) -> None:

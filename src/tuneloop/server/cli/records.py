@@ -175,6 +175,8 @@ def checkpoints_gc(
         rows = registry.expired_checkpoints(now) if dry_run else registry.collect_expired(now)
     finally:
         registry.close()
+    verb = "would delete" if dry_run else "deleted"
+    typer.echo(f"{verb} {len(rows)} expired checkpoint(s)", err=True)
     if as_json:
         print_json([_package(r) for r in rows])
         return
@@ -182,8 +184,6 @@ def checkpoints_gc(
         ("TINKER_PATH", "TENANT", "EXPIRED"),
         [(r.tinker_path, r.tenant, iso_time(r.expires_at)) for r in rows],
     )
-    verb = "would delete" if dry_run else "deleted"
-    typer.echo(f"{verb} {len(rows)} expired checkpoint(s)", err=True)
 
 
 @checkpoints_app.command("delete")
