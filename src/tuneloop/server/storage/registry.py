@@ -29,6 +29,7 @@ from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 from tuneloop.server.storage.base import Base, UTCDateTime, utcnow
 from tuneloop.server.storage.layout import TinkerPath
 from tuneloop.server.storage.migrations import upgrade
+from tuneloop.server.storage.upsert import insert_missing
 from tuneloop.server.storage.usage_store import UsageCount, UsageFilter, UsageStore, UsageSum
 
 # Re-exported: the API and the command line import these from here.
@@ -362,14 +363,14 @@ class Registry(UsageStore):
         assert row.name is not None
         with self._db() as db, db.begin():
             key = (PackageNameRow.tenant == row.tenant) & (PackageNameRow.name == row.name)
-            changed = db.execute(
+            # Created at version 0 unless it exists, then incremented in place, so concurrent
+            # registrations of one name get distinct versions (upsert.py).
+            insert_missing(db, PackageNameRow, tenant=row.tenant, name=row.name)
+            db.execute(
                 update(PackageNameRow)
                 .where(key)
                 .values(last_version=PackageNameRow.last_version + 1)
             )
-            if getattr(changed, "rowcount", 0) == 0:
-                db.add(PackageNameRow(tenant=row.tenant, name=row.name, last_version=1))
-                db.flush()
             row.version = db.scalar(select(PackageNameRow.last_version).where(key))
             db.merge(row)
         return row

@@ -11,6 +11,7 @@ from sqlalchemy import BigInteger, String, func, select, update
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from tuneloop.server.storage.base import Base, UTCDateTime, utcnow
+from tuneloop.server.storage.upsert import insert_missing
 
 
 class UsageRow(Base):
@@ -91,9 +92,18 @@ class UsageStore:
                     & (UsageRow.model_id == c.model_id)
                     & (UsageRow.operation == c.operation)
                 )
-                # An in-place increment, so the sum is right even if another writer got there
-                # first; the insert only happens for a key never seen before.
-                changed = db.execute(
+                # The row first (empty, unless it exists), then an in-place increment: the sum
+                # is right however many writers add to one row at once (upsert.py).
+                insert_missing(
+                    db,
+                    UsageRow,
+                    tenant=c.tenant,
+                    hour=c.hour,
+                    session_id=c.session_id,
+                    model_id=c.model_id,
+                    operation=c.operation,
+                )
+                db.execute(
                     update(UsageRow)
                     .where(key)
                     .values(
@@ -104,22 +114,6 @@ class UsageStore:
                         updated_at=utcnow(),
                     )
                 )
-                if getattr(changed, "rowcount", 0) == 0:
-                    db.add(
-                        UsageRow(
-                            tenant=c.tenant,
-                            hour=c.hour,
-                            session_id=c.session_id,
-                            model_id=c.model_id,
-                            operation=c.operation,
-                            prefill_tokens=c.prefill_tokens,
-                            sampled_tokens=c.sampled_tokens,
-                            trained_tokens=c.trained_tokens,
-                            requests=c.requests,
-                            updated_at=utcnow(),
-                        )
-                    )
-                    db.flush()
 
     def usage_sums(self, where: UsageFilter) -> list[UsageSum]:
         """Sums per (tenant, hour, operation), ordered so; spans tenants when tenant is None
