@@ -11,6 +11,9 @@ from tuneloop.types.model_input import ModelInput
 from tuneloop.types.sampling import SamplingParams
 from tuneloop.types.training import AdamParams, LoraConfig, OptimizerConfig
 
+# Model and sampler ids embed these ("<session>:train:<n>") in 128-character columns.
+MAX_SEQ_ID = 2**63 - 1
+
 
 class ClientConfigRequest(StrictBase):
     sdk_version: str = ""
@@ -19,7 +22,8 @@ class ClientConfigRequest(StrictBase):
 class CreateSessionRequest(StrictBase):
     tags: list[str] = Field(default_factory=list)
     user_metadata: dict[str, Any] | None = None
-    sdk_version: str = ""
+    # Stored in a 32-character column (PostgreSQL enforces the length).
+    sdk_version: str = Field(default="", max_length=32)
     project_id: str | None = None
     display_name: str | None = None
     type: Literal["create_session"] = "create_session"
@@ -41,7 +45,7 @@ class FinishSessionRequest(StrictBase):
 
 class CreateModelRequest(StrictBase):
     session_id: str
-    model_seq_id: int = Field(ge=0)
+    model_seq_id: int = Field(ge=0, le=MAX_SEQ_ID)
     base_model: str
     user_metadata: dict[str, Any] | None = None
     lora_config: LoraConfig | None = None
@@ -69,7 +73,7 @@ class LoadWeightsRequest(StrictBase):
     model_id: str | None = None
     seq_id: int | None = None
     session_id: str | None = None
-    model_seq_id: int | None = None
+    model_seq_id: int | None = Field(default=None, le=MAX_SEQ_ID)
     base_model: str | None = None
     user_metadata: dict[str, Any] | None = None
     path: str
@@ -117,7 +121,7 @@ class SaveWeightsForSamplerRequest(StrictBase):
 
     model_id: str
     path: str | None = None
-    sampling_session_seq_id: int | None = None
+    sampling_session_seq_id: int | None = Field(default=None, le=MAX_SEQ_ID)
     kind: Literal["snapshot", "inflight"] = "snapshot"
     seq_id: int | None = None
     ttl_seconds: int | None = None
@@ -133,7 +137,7 @@ class SaveWeightsForSamplerRequest(StrictBase):
 
 class CreateSamplingSessionRequest(StrictBase):
     session_id: str
-    sampling_session_seq_id: int = Field(ge=0)
+    sampling_session_seq_id: int = Field(ge=0, le=MAX_SEQ_ID)
     base_model: str | None = None
     model_path: str | None = None
     type: Literal["create_sampling_session"] = "create_sampling_session"
