@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from tests.db import schema_of
+from tests.unit.server.harness import MODEL, Api, expect_error
 from tuneloop.server.storage.layout import TinkerPath
 from tuneloop.server.storage.registry import (
     CheckpointRow,
@@ -389,3 +390,17 @@ def test_times_come_back_aware_and_equal(registry: Registry) -> None:
     assert row is not None
     assert row.created_at == when
     assert row.created_at.utcoffset() == timedelta(0)
+
+
+async def test_fields_longer_than_their_columns_are_400s_not_database_errors(api: Api) -> None:
+    """SQLite ignores VARCHAR lengths, PostgreSQL enforces them: the API checks them first."""
+    create = {"tags": [], "sdk_version": "v" * 33}
+    expect_error(await api.post("create_session", create), 400, "sdk_version")
+    session_id = await api.session()
+    too_big = 2**63
+    model = {"session_id": session_id, "model_seq_id": too_big, "base_model": MODEL}
+    expect_error(await api.post("create_model", model), 400, "model_seq_id")
+    sampler = {"session_id": session_id, "sampling_session_seq_id": too_big, "base_model": MODEL}
+    expect_error(await api.post("create_sampling_session", sampler), 400, "sampling_session_seq_id")
+    biggest = {**sampler, "sampling_session_seq_id": too_big - 1}
+    assert (await api.post("create_sampling_session", biggest)).status_code == 200
