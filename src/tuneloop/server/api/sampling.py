@@ -37,6 +37,8 @@ async def create_sampling_session(request: Request, state: State, tenant: Tenant
     weights_dir: Path | None = None
     if body.model_path is not None:
         _path, ckpt = state.checkpoint(tenant, body.model_path, "model_path")
+        if ckpt.checkpoint_type not in ("training", "sampler"):  # a merged export: no adapter
+            raise bad_request(f"model_path: a {ckpt.kind} package holds no adapter", "model_path")
         run = state.registry.training_run(ckpt.training_run_id, tenant)
         if run is None:
             raise not_found(f"training run of {body.model_path!r}", "model_path")
