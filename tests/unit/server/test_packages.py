@@ -265,7 +265,7 @@ async def test_expired_packages_are_collected_row_then_files(api: Api, server: A
     assert directories[forever].is_dir()
 
 
-async def test_a_merged_package_cannot_be_loaded_as_an_adapter(api: Api, server: Any) -> None:
+async def test_a_merged_package_is_no_adapter_to_load_or_sample(api: Api, server: Any) -> None:
     app, _keys = server
     registry: Registry = app.state.tuneloop.registry
     model_id = await api.model(await api.session())
@@ -283,6 +283,9 @@ async def test_a_merged_package_cannot_be_loaded_as_an_adapter(api: Api, server:
     assert listed["parent_tinker_path"] == source
     load = {"model_id": model_id, "seq_id": 2, "path": str(target), "optimizer": False}
     expect_error(await api.post("load_weights", load), 400, "path")
+    session_id = model_id.split(":")[0]
+    as_sampler = {"session_id": session_id, "sampling_session_seq_id": 0, "model_path": str(target)}
+    expect_error(await api.post("create_sampling_session", as_sampler), 400, "model_path")
 
 
 def _legacy_tables(metadata: MetaData) -> tuple[Table, Table, Table]:
