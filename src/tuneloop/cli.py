@@ -73,6 +73,9 @@ def build_app(*, with_demo: bool = True) -> typer.Typer:
             pass
         else:
             app.command("demo")(demo_command)
+            from tuneloop.recipes.cli import recipe_app
+
+            app.add_typer(recipe_app(), name="recipe")
     return app
 
 
