@@ -28,3 +28,10 @@ async def test_lora_seed_outside_64_bits_is_400(api: Api, seed: int) -> None:
         "lora_config": {"rank": 4, "seed": seed},
     }
     expect_error(await api.post("create_model", body), 400, "lora_config.seed")
+
+
+@pytest.mark.parametrize("name", ["since", "until"])
+async def test_usage_span_past_year_one_is_400(api: Api, name: str) -> None:
+    # `now - 9999999999h` is before what a datetime holds: it was an OverflowError (500).
+    expect_error(await api.get("usage", params={name: "9999999999h"}), 400, name)
+    assert (await api.get("usage", params={name: "24h"})).status_code == 200

@@ -23,7 +23,10 @@ def parse_time(value: str, now: datetime) -> datetime:
     """
     match = _RELATIVE.match(value.strip())
     if match:
-        return now - timedelta(seconds=int(match.group(1)) * _UNIT_S[match.group(2)])
+        try:
+            return now - timedelta(seconds=int(match.group(1)) * _UNIT_S[match.group(2)])
+        except OverflowError:  # past what datetime holds (year 1)
+            raise ValueError(f"{value!r} reaches back before the year 1") from None
     try:
         parsed = datetime.fromisoformat(value.strip())
     except ValueError:
