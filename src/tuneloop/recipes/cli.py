@@ -5,6 +5,8 @@ from __future__ import annotations
 import typer
 
 from tuneloop.recipes.chat_sft import ChatSFTConfig, run_chat_sft
+from tuneloop.recipes.code_rl import CodeRLConfig, run_code_rl
+from tuneloop.recipes.math_rl import MathRLConfig, run_math_rl
 from tuneloop.recipes.run import command
 
 
@@ -16,5 +18,11 @@ def recipe_app() -> typer.Typer:
     )
     app.command("chat-sft")(
         command(ChatSFTConfig, run_chat_sft, "Supervised fine-tuning on chat conversations.")
+    )
+    app.command("math-rl")(
+        command(MathRLConfig, run_math_rl, "GRPO on grade-school math, evaluated on GSM8K.")
+    )
+    app.command("code-rl")(
+        command(CodeRLConfig, run_code_rl, "RL on HumanEval with a code sandbox, two turns.")
     )
     return app

@@ -1,0 +1,113 @@
+"""`code_rl`: RL on HumanEval with the answers run in a sandbox; two turns with a check tool.
+
+The model gets the function to complete and answers with a Python code block. Turn 1's code is
+run against the problem's tests by the `check_solution` tool (the environment calls it; a small
+model does not call tools reliably): if it passes the episode ends with reward 1; otherwise the
+tool's report (the failing assertion or the error, cut short) comes back as a `tool` message and
+the model may revise once. The final answer's reward: 1 if all tests pass, else 0, minus 0.1
+when it has no code block. Code runs in the local sandbox (recipes/sandbox.py: its own process,
+temp dir, time and memory limits, no network) or, with `--sandbox-url`, on a SandboxFusion
+server. Sampling overlaps training (`--max-staleness 3` by default: samples up to 3 optimizer
+steps old are kept, the `cispo` loss corrects for their age), and gradients go in sub-batches.
+
+    tuneloop recipe code-rl --steps 10 --log-dir runs/code
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tuneloop.recipes import rl
+from tuneloop.recipes.datasets import CodeProblem, humaneval, split
+from tuneloop.recipes.renderers import renderer_for
+from tuneloop.recipes.rl_train import RLConfig, train_rl
+from tuneloop.recipes.run import Run, service_for
+from tuneloop.recipes.sandbox import NO_CODE_PENALTY, CodeRunner, extract_code, run_python
+
+PROMPT = (
+    "Complete this Python function. Reply with the whole function in one ```python code block."
+    "\n\n```python\n{prompt}```"
+)
+REPORT_CHARS = 600
+
+
+@dataclass
+class CodeRLConfig(RLConfig):
+    log_dir: str = "runs/code_rl"
+    loss: str = "cispo"
+    max_staleness: int = 3
+    max_turns: int = 2
+    max_tokens: int = 384
+    eval_problems: int = 32
+    sandbox_url: str | None = None  # a SandboxFusion server; default: the local sandbox
+    timeout_s: float = 10.0
+    memory_mb: int = 512
+
+
+class CodeEnv:
+    def __init__(self, problem: CodeProblem, runner: CodeRunner, config: CodeRLConfig) -> None:
+        self.problem, self.runner, self.config = problem, runner, config
+
+    def initial(self) -> list[dict[str, str]]:
+        return [{"role": "user", "content": PROMPT.format(prompt=self.problem.prompt)}]
+
+    def judge(self, reply: str, turn: int) -> rl.Judgement:
+        code = extract_code(reply)
+        if code is None:
+            metrics = {"passed": 0.0, "has_code": 0.0, "turns": turn + 1.0}
+            return rl.Judgement(-NO_CODE_PENALTY, done=True, metrics=metrics)
+        # HumanEval's prompt holds imports the body may need; a full function redefines it.
+        result = self.runner(
+            f"{self.problem.prompt}\n    pass\n\n{code}\n",
+            self.problem.tests,
+            timeout_s=self.config.timeout_s,
+            memory_mb=self.config.memory_mb,
+        )
+        metrics = {"passed": float(result.passed), "has_code": 1.0, "turns": turn + 1.0}
+        if result.passed:
+            return rl.Judgement(1.0, done=True, metrics=metrics)
+        report = (result.stderr or result.details or result.status)[-REPORT_CHARS:]
+        follow_up = [
+            {
+                "role": "tool",
+                "content": f"check_solution: {result.status}\n{report}\nFix the code and reply "
+                "with the whole function again.",
+            }
+        ]
+        return rl.Judgement(0.0, done=False, follow_up=follow_up, metrics=metrics)
+
+
+def _runner(config: CodeRLConfig) -> CodeRunner:
+    if config.sandbox_url:
+        from tuneloop.recipes.sandbox_fusion import SandboxFusionClient
+
+        return SandboxFusionClient(config.sandbox_url).run_python
+    return run_python
+
+
+def run_code_rl(config: CodeRLConfig) -> dict[str, Any]:
+    run = Run(config)
+    service = service_for(config)
+    try:
+        training, step, position = run.training_client(service)
+        renderer = renderer_for(training.get_tokenizer())
+        train, held = split(humaneval(), 0.2, key=lambda p: p.task_id, salt="code_rl")
+        evaluation = held[: config.eval_problems]
+        runner = _runner(config)
+        run.console.print(f"code_rl: {len(train)} training / {len(evaluation)} held-out problems")
+        return train_rl(
+            config,
+            run,
+            service,
+            training,
+            step,
+            position,
+            renderer,
+            train,
+            evaluation,
+            lambda p, n: [CodeEnv(p, runner, config) for _ in range(n)],
+        )
+    finally:
+        run.close()
+        service.close()
