@@ -491,3 +491,17 @@ def test_reward_penalises_a_missing_code_block_and_runs_the_rest() -> None:
     wrong = "Here:\n```python\ndef square(x):\n    return x + x\n```"
     assert reward(right, tests) == 1.0
     assert reward(wrong, tests) == 0.0
+
+
+def test_bad_limits_are_refused_and_a_failed_setup_is_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(ValueError, match="max_processes"):
+        run_python("pass", max_processes=0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        run_python("pass", timeout_s=-1)
+    # a sandbox whose own setup fails reports it as an error result, not a test failure
+    monkeypatch.setattr(sandbox, "_CHILD_SCRIPT", Path("/nonexistent/sandbox_child.py"))
+    result = run_python("pass", "assert True")
+    assert (result.passed, result.status) == (False, "error")
+    assert "did not start" in result.details

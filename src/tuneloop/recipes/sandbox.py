@@ -147,6 +147,11 @@ def run_python(
     beyond it); `namespaces=False` keeps only limits, session and uid (for hosts that forbid
     namespaces); `work_root` is where the temporary work dir is made (default: the temp dir).
     """
+    sizes = {"memory_mb": memory_mb, "max_processes": max_processes, "max_file_mb": max_file_mb}
+    sizes |= {"max_open_files": max_open_files, "max_output_bytes": max_output_bytes}
+    for name, value in {"timeout_s": timeout_s, **sizes, "tail_bytes": tail_bytes}.items():
+        if not value > 0:
+            raise ValueError(f"{name} must be positive, got {value!r}")
     started = time.monotonic()
     root = os.geteuid() == 0
     uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if root else None
@@ -402,6 +407,7 @@ def _classify(outcome: _Outcome, timeout_s: float, duration_s: float) -> Sandbox
     worker = next((r["worker"] for r in reversed(outcome.records) if "worker" in r), None)
     failure = next((r for r in outcome.records if "exception" in r), None)
     done = any(r.get("done") == outcome.nonce for r in outcome.records)
+    setup_error = next((r["setup_error"] for r in outcome.records if "setup_error" in r), None)
     exit_code: int | None = None
     sig: int | None = None
     if isinstance(worker, dict):
@@ -423,6 +429,8 @@ def _classify(outcome: _Outcome, timeout_s: float, duration_s: float) -> Sandbox
         exit_code = None
     elif done and exit_code == 0:
         status, why = "passed", "all tests passed"
+    elif setup_error is not None:
+        status, why = "error", f"the sandbox could not start the solution: {setup_error}"
     elif setup is None:
         status, why = "error", f"the sandbox did not start (exit {outcome.returncode})"
     elif sig == signal.SIGXCPU:

@@ -210,6 +210,10 @@ def supervise(cfg: dict[str, Any], nonce: str, setup: Setup) -> None:
     if worker == 0:
         try:
             run_worker(cfg, nonce)
+        except BaseException as exc:
+            # run_worker ends the process itself once the solution runs: this is its setup
+            traceback.print_exc()
+            _report(result_fd, {"setup_error": f"{type(exc).__name__}: {exc}"})
         finally:
             os._exit(70)
     while True:
@@ -240,6 +244,10 @@ def _set_limits(cfg: dict[str, Any]) -> None:
         resource.RLIMIT_CORE: 0,
     }
     for which, value in pairs.items():
+        # Never above the hard limit we inherited: raising it needs CAP_SYS_RESOURCE.
+        hard = resource.getrlimit(which)[1]
+        if hard != resource.RLIM_INFINITY:
+            value = min(value, hard)
         resource.setrlimit(which, (value, value))
 
 
