@@ -3,11 +3,14 @@ objects are 404, never 403, and never listed."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
+from fastapi.routing import APIRoute, iter_route_contexts
 
 from tests.unit.server.harness import (
     Api,
@@ -84,6 +87,7 @@ class AliceWorld:
     weights_path: str
     sampler_path: str
     pending_request_id: str
+    done_request_id: str
 
 
 @pytest.fixture
@@ -110,6 +114,7 @@ async def alice(api: Api) -> AliceWorld:
         saved.json()["path"],
         sampled.json()["path"],
         pending.json()["request_id"],
+        json.loads(saved.request.content)["request_id"],  # the poll that got its result
     )
 
 
@@ -303,3 +308,276 @@ async def test_sample_ids_are_not_shared_across_tenants(
         404,
         "request_id",
     )
+
+
+# ---- every route, by table ---------------------------------------------------------------------
+
+
+@dataclass
+class BobWorld:
+    session_id: str
+    weights_path: str  # bob's own checkpoint, to aim at alice's model or session
+
+
+Call = Callable[[Api, AliceWorld, BobWorld], Awaitable[httpx.Response]]
+MODEL = "tuneloop/fake-tiny"
+
+
+def _fb(bob: Api, a: AliceWorld, _s: BobWorld) -> Awaitable[httpx.Response]:
+    return bob.forward_backward(a.model_id, 5, [datum(TOKENS)])
+
+
+def _ckpt(a: AliceWorld) -> str:
+    return f"training_runs/{a.model_id}/checkpoints/weights/w1"
+
+
+# (method, route) -> every way its resource ids can name one of alice's: (call, field named).
+# Called as bob, with bob's own live session as the third argument.
+RESOURCE_ROUTES: dict[tuple[str, str], list[tuple[Call, str | None]]] = {
+    ("POST", "/api/v1/session_heartbeat"): [
+        (lambda b, a, _s: b.post("session_heartbeat", {"session_id": a.session_id}), "session_id")
+    ],
+    ("POST", "/api/v1/sessions/{session_id}/finish"): [
+        (lambda b, a, _s: b.post(f"sessions/{a.session_id}/finish", {}), "session_id")
+    ],
+    ("GET", "/api/v1/sessions/{session_id}"): [
+        (lambda b, a, _s: b.get(f"sessions/{a.session_id}"), "session_id")
+    ],
+    ("POST", "/api/v1/create_model"): [
+        (
+            lambda b, a, _s: b.post(
+                "create_model",
+                {"session_id": a.session_id, "model_seq_id": 9, "base_model": MODEL},
+            ),
+            "session_id",
+        )
+    ],
+    ("POST", "/api/v1/get_info"): [
+        (lambda b, a, _s: b.post("get_info", {"model_id": a.model_id}), "model_id")
+    ],
+    ("POST", "/api/v1/load_weights"): [
+        (
+            lambda b, a, _s: b.post(
+                "load_weights", {"model_id": a.model_id, "seq_id": 5, "path": a.weights_path}
+            ),
+            "path",
+        ),
+        (
+            lambda b, a, s: b.post(
+                "load_weights", {"model_id": a.model_id, "seq_id": 5, "path": s.weights_path}
+            ),
+            "model_id",
+        ),
+        (
+            lambda b, a, s: b.post(
+                "load_weights",
+                {"session_id": s.session_id, "model_seq_id": 0, "path": a.weights_path},
+            ),
+            "path",
+        ),
+        (
+            lambda b, a, s: b.post(
+                "load_weights",
+                {"session_id": a.session_id, "model_seq_id": 8, "path": s.weights_path},
+            ),
+            "session_id",
+        ),
+    ],
+    ("POST", "/api/v1/forward_backward"): [(_fb, "model_id")],
+    ("POST", "/api/v1/optim_step"): [
+        (
+            lambda b, a, _s: b.post(
+                "optim_step", {"model_id": a.model_id, "seq_id": 5, "adam_params": {}}
+            ),
+            "model_id",
+        )
+    ],
+    ("POST", "/api/v1/save_weights"): [
+        (
+            lambda b, a, _s: b.post(
+                "save_weights", {"model_id": a.model_id, "path": "steal", "seq_id": 5}
+            ),
+            "model_id",
+        )
+    ],
+    ("POST", "/api/v1/save_weights_for_sampler"): [
+        (
+            lambda b, a, _s: b.post(
+                "save_weights_for_sampler", {"model_id": a.model_id, "path": "s", "seq_id": 5}
+            ),
+            "model_id",
+        ),
+        (
+            lambda b, a, _s: b.post(
+                "save_weights_for_sampler",
+                {"model_id": a.model_id, "sampling_session_seq_id": 3, "seq_id": 5},
+            ),
+            "model_id",
+        ),
+    ],
+    ("POST", "/api/v1/create_sampling_session"): [
+        (
+            lambda b, a, _s: b.post(
+                "create_sampling_session",
+                {"session_id": a.session_id, "sampling_session_seq_id": 7, "base_model": MODEL},
+            ),
+            "session_id",
+        ),
+        (
+            lambda b, a, s: b.post(
+                "create_sampling_session",
+                {
+                    "session_id": s.session_id,
+                    "sampling_session_seq_id": 0,
+                    "model_path": a.sampler_path,
+                },
+            ),
+            "model_path",
+        ),
+    ],
+    ("GET", "/api/v1/samplers/{sampler_id}"): [
+        (lambda b, a, _s: b.get(f"samplers/{a.sampler_id}"), "sampler_id")
+    ],
+    ("POST", "/api/v1/asample"): [
+        (
+            lambda b, a, _s: b.post("asample", sample_body(a.sampler_id, [5, 7], max_tokens=2)),
+            "sampling_session_id",
+        )
+    ],
+    ("POST", "/api/v1/retrieve_future"): [
+        (
+            lambda b, a, _s: b.post("retrieve_future", {"request_id": a.pending_request_id}),
+            "request_id",
+        ),
+        (
+            lambda b, a, _s: b.post("retrieve_future", {"request_id": a.done_request_id}),
+            "request_id",
+        ),
+    ],
+    ("GET", "/api/v1/training_runs/{run_id}"): [
+        (lambda b, a, _s: b.get(f"training_runs/{a.model_id}"), "training_run_id")
+    ],
+    ("GET", "/api/v1/training_runs/{run_id}/checkpoints"): [
+        (lambda b, a, _s: b.get(f"training_runs/{a.model_id}/checkpoints"), "training_run_id")
+    ],
+    ("PUT", "/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl"): [
+        (
+            lambda b, a, _s: b.http.put(
+                f"/api/v1/{_ckpt(a)}/ttl", json={"ttl_seconds": 7200}, headers=b.headers()
+            ),
+            "checkpoint_id",
+        )
+    ],
+    ("DELETE", "/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:path}"): [
+        (
+            lambda b, a, _s: b.http.delete(f"/api/v1/{_ckpt(a)}", headers=b.headers()),
+            "checkpoint_id",
+        )
+    ],
+    ("POST", "/api/v1/weights_info"): [
+        (lambda b, a, _s: b.post("weights_info", {"tinker_path": a.weights_path}), "tinker_path")
+    ],
+    ("GET", "/api/v1/usage"): [
+        (lambda b, a, _s: b.get("usage", params={"session_id": a.session_id}), "session_id"),
+        (
+            lambda b, a, _s: b.get("usage", params={"training_run_id": a.model_id}),
+            "training_run_id",
+        ),
+        (
+            lambda b, a, _s: b.get("usage", params={"training_run_id": a.sampler_id}),
+            "training_run_id",
+        ),
+    ],
+}
+# Routes that take no resource id (or, like usage, also answer without one): checked apart,
+# each answer must hold nothing of alice's.
+NO_RESOURCE_ROUTES: dict[tuple[str, str], Call] = {
+    ("POST", "/api/v1/client/config"): lambda b, _a, _s: b.post("client/config", {}),
+    ("POST", "/api/v1/client/dynamic_config"): lambda b, _a, _s: b.post("client/dynamic_config"),
+    ("POST", "/api/v1/telemetry"): lambda b, _a, _s: b.post("telemetry", {}),
+    ("GET", "/api/v1/healthz"): lambda b, _a, _s: b.get("healthz"),
+    ("GET", "/api/v1/get_server_capabilities"): lambda b, _a, _s: b.get("get_server_capabilities"),
+    ("GET", "/api/v1/tokenizer"): lambda b, _a, _s: b.get(
+        "tokenizer", params={"base_model": MODEL}
+    ),
+    ("POST", "/api/v1/create_session"): lambda b, _a, _s: b.post("create_session", {}),
+    ("GET", "/api/v1/sessions"): lambda b, _a, _s: b.get("sessions"),
+    ("GET", "/api/v1/training_runs"): lambda b, _a, _s: b.get("training_runs"),
+    ("GET", "/api/v1/checkpoints"): lambda b, _a, _s: b.get("checkpoints"),
+    ("GET", "/api/v1/usage"): lambda b, _a, _s: b.get("usage"),
+}
+
+
+def app_routes(app: Any) -> set[tuple[str, str]]:
+    """(method, path) of every API route the app serves, however its routers are nested."""
+    out = set()
+    for context in iter_route_contexts(app.routes):
+        route = context.original_route
+        if isinstance(route, APIRoute):
+            assert context.path is not None
+            out |= {(method, context.path) for method in route.methods}
+    return out
+
+
+def alice_secrets(a: AliceWorld) -> list[str]:
+    ids = [a.session_id, a.model_id, a.sampler_id, a.weights_path, a.sampler_path]
+    return [*ids, a.pending_request_id, a.done_request_id, "alice"]
+
+
+async def test_every_route_is_classified(server: tuple[Any, KeyStore]) -> None:
+    # A new route fails here until it is added to one of the tables (and so tested below).
+    routes = app_routes(server[0])
+    assert routes == set(RESOURCE_ROUTES) | set(NO_RESOURCE_ROUTES), routes ^ (
+        set(RESOURCE_ROUTES) | set(NO_RESOURCE_ROUTES)
+    )
+
+
+async def test_every_route_answers_404_for_another_tenants_resource(
+    api: Api, other_tenant: Api, alice: AliceWorld
+) -> None:
+    bob_session = await other_tenant.session()
+    bob_model = await other_tenant.model(bob_session)
+    saved = await other_tenant.result(
+        await other_tenant.post("save_weights", {"model_id": bob_model, "path": "b", "seq_id": 1})
+    )
+    bob = BobWorld(bob_session, saved.json()["path"])
+    for route, calls in RESOURCE_ROUTES.items():
+        for i, (call, field) in enumerate(calls):
+            response = await call(other_tenant, alice, bob)
+            what = (route, i)
+            assert response.status_code == 404, (what, response.status_code, response.text)
+            body: dict[str, Any] = response.json()
+            assert body["type"] == "not_found", what
+            assert body["field"] == field, (what, body)
+            # An error may echo the id bob sent, never anything else of alice's.
+            sent = (str(response.request.url) + response.request.content.decode()).replace(
+                "%3A", ":"
+            )
+            for secret in alice_secrets(alice):
+                # A checkpoint path may come back assembled from the URL's run and checkpoint.
+                parts = secret.removeprefix("tinker://").split("/", 1)
+                echoed = all(part in sent for part in parts)
+                assert secret not in response.text or echoed, (what, secret, body)
+
+    # Nothing of alice's was touched: her session lives, her checkpoints and futures remain.
+    assert (
+        await api.post("session_heartbeat", {"session_id": alice.session_id})
+    ).status_code == 200
+    listed = (await api.get(f"training_runs/{alice.model_id}/checkpoints")).json()
+    assert {c["tinker_path"] for c in listed["checkpoints"]} == {
+        alice.weights_path,
+        alice.sampler_path,
+    }
+    assert all(c["expires_at"] is None for c in listed["checkpoints"])
+    waiting = await api.post("retrieve_future", {"request_id": alice.pending_request_id})
+    assert waiting.status_code == 408
+
+
+async def test_routes_without_resource_ids_show_nothing_of_another_tenant(
+    other_tenant: Api, alice: AliceWorld
+) -> None:
+    for route, call in NO_RESOURCE_ROUTES.items():
+        response = await call(other_tenant, alice, BobWorld("", ""))
+        assert response.status_code == 200, (route, response.text)
+        for secret in alice_secrets(alice):
+            assert secret not in response.text, (route, secret, response.text)
