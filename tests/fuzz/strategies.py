@@ -40,7 +40,7 @@ def tensors(draw: Any, out: Any, n: int) -> None:
     """Fill the Tensor message `out`: right or wrong dtype, shape, length, dense or CSR."""
     import numpy as np
 
-    out.dtype = draw(st.sampled_from([0, 1, 2, 3, 4, 7]))
+    out.dtype = draw(st.sampled_from([1, 2, 2, 3, 1, 2, 0, 4, 7]))
     length = draw(st.sampled_from([n, n, 0, n + 1, max(n - 1, 0)]))
     shape_kind = draw(st.sampled_from(["none", "right", "random"]))
     if shape_kind == "right":
@@ -52,12 +52,22 @@ def tensors(draw: Any, out: Any, n: int) -> None:
         raw = np.asarray(values, dtype="<f4").tobytes()
     else:
         raw = _ints_bytes(draw, draw(st.sampled_from([4, 8])), length)
-    raw += draw(st.sampled_from([b"", b"\x01"]))  # sometimes not a whole number of items
-    if draw(st.integers(0, 4)) == 0:
+    raw += draw(st.sampled_from([b""] * 5 + [b"\x01"]))  # sometimes not a whole number of items
+    if draw(st.integers(0, 3)) == 0:
+        # CSR with the right counts (else decoding stops early) but hostile contents: row
+        # pointers out of order, columns out of range, a width of 2**40.
+        del out.shape[:]
+        rows, nnz = draw(st.integers(0, 4)), draw(st.integers(0, 4))
+        out.shape.extend([rows, draw(st.integers(0, 8) | SMALL_OR_EXTREME)])
+        pointers = st.lists(st.integers(-1, nnz + 1), min_size=rows + 1, max_size=rows + 1)
+        crow = draw(pointers.map(sorted) | pointers)
+        cols = draw(st.lists(st.integers(-2, 9), min_size=nnz, max_size=nnz))
         csr = out.sparse_csr
-        csr.values = raw
-        csr.crow_indices = _ints_bytes(draw, 8, draw(st.integers(0, 4)))
-        csr.col_indices = _ints_bytes(draw, 8, draw(st.integers(0, 4)))
+        csr.values = np.asarray(draw(st.lists(FLOATS, min_size=nnz, max_size=nnz)), "<f4").tobytes()
+        if out.dtype == 2:
+            csr.values = np.arange(nnz, dtype="<i8").tobytes()
+        csr.crow_indices = np.asarray(crow, dtype="<i8").tobytes()
+        csr.col_indices = np.asarray(cols, dtype="<i8").tobytes()
     else:
         out.dense = raw
 
@@ -70,7 +80,7 @@ def forward_backward_messages(draw: Any, model_ids: list[str]) -> bytes:
     msg = proto.ForwardBackwardRequestProto()
     msg.model_id = draw(st.sampled_from(model_ids) | st.text(max_size=20))
     msg.seq_id = draw(st.one_of(st.integers(-2, 40), INT32))
-    msg.loss_fn = draw(st.sampled_from([*LOSS_NAMES, "", "nope"]))
+    msg.loss_fn = draw(st.sampled_from(["cross_entropy"] * 4 + [*LOSS_NAMES, "", "nope"]))
     msg.forward_only = draw(st.booleans())
     for key, value in draw(
         st.dictionaries(st.sampled_from(["clip_low_threshold", "beta", "x"]), FLOATS, max_size=2)
@@ -86,14 +96,16 @@ def forward_backward_messages(draw: Any, model_ids: list[str]) -> bytes:
         n = 0
         for _ in range(draw(st.integers(0, 3))):
             chunk = datum.model_input.add()
-            kind = draw(st.sampled_from(["text", "text", "text", "image", "dmel", "unset"]))
+            kind = draw(st.sampled_from(["text"] * 8 + ["image", "dmel", "unset"]))
             if kind == "text":
                 count = draw(st.integers(0, 12))
+                # Mostly valid ids, so that requests get past the token check to the tensors.
+                token = draw(st.sampled_from([st.integers(0, 250)] * 3 + [st.integers(-2, 300)]))
                 tokens = draw(
-                    st.lists(st.integers(-2, 300) | INT32, min_size=count, max_size=count)
+                    st.lists(token | INT32 if count > 11 else token, min_size=count, max_size=count)
                 )
                 chunk.encoded_text.tokens = np.asarray(tokens, dtype="<i4").tobytes() + draw(
-                    st.sampled_from([b"", b"\x00"])
+                    st.sampled_from([b""] * 5 + [b"\x00"])
                 )
                 n += count
             elif kind == "image":
@@ -104,7 +116,10 @@ def forward_backward_messages(draw: Any, model_ids: list[str]) -> bytes:
                 chunk.dmel.dmel = draw(st.binary(max_size=8))
             else:
                 chunk.SetInParent()
-        for key in draw(st.lists(st.sampled_from(INPUT_KEYS), max_size=3, unique=True)):
+        keys = draw(st.lists(st.sampled_from(INPUT_KEYS), max_size=3, unique=True))
+        if draw(st.integers(0, 3)) and "target_tokens" not in keys:
+            keys.insert(0, "target_tokens")  # required by every loss
+        for key in keys:
             draw(tensors(datum.loss_fn_inputs[key], n))
     return bytes(msg.SerializeToString())
 

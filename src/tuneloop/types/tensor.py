@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
@@ -44,14 +46,23 @@ class TensorData:
         self.sparse_col_indices = (
             None if sparse_col_indices is None else [int(i) for i in sparse_col_indices]
         )
+        if self.shape is not None and any(s < 0 for s in self.shape):
+            raise ValueError(f"shape {self.shape} has a negative dimension")
         if self.is_sparse:
             if self.shape is None or len(self.shape) != 2:
                 raise ValueError("a sparse CSR tensor needs a 2-D shape")
-            if len(self.sparse_crow_indices or []) != self.shape[0] + 1:
+            crow = self.sparse_crow_indices or []
+            if len(crow) != self.shape[0] + 1:
                 raise ValueError("sparse_crow_indices must have shape[0] + 1 entries")
             if len(self.sparse_col_indices or []) != array.size:
                 raise ValueError("sparse_col_indices must have one entry per value")
-        elif self.shape is not None and int(np.prod(self.shape)) != array.size:
+            # Checked here so that to_numpy never indexes out of bounds.
+            if crow[0] != 0 or crow[-1] != array.size or any(b < a for a, b in pairwise(crow)):
+                raise ValueError("sparse_crow_indices must rise from 0 to the number of values")
+            if any(not 0 <= c < self.shape[1] for c in self.sparse_col_indices or []):
+                raise ValueError(f"sparse_col_indices must lie in [0, {self.shape[1]})")
+        # math.prod: NumPy's product of a hostile shape wraps around 64 bits.
+        elif self.shape is not None and math.prod(self.shape) != array.size:
             raise ValueError(f"shape {self.shape} does not hold {array.size} values")
 
     @property

@@ -61,7 +61,19 @@ def _loss_config(request: ForwardBackwardRequest) -> dict[str, float]:
     return config
 
 
-def _check_input(name: str, tensor: TensorData, n: int, two_d_ok: bool, field: str) -> np.ndarray:
+def _check_input(
+    name: str, tensor: TensorData, n: int, two_d_ok: bool, field: str, max_width: int
+) -> np.ndarray:
+    # The shape first: a sparse tensor's dense form is allocated from it (2**40 columns would
+    # ask for terabytes).
+    shape = tensor.shape if tensor.shape is not None else [tensor.values.size]
+    if len(shape) == 2 and two_d_ok and name in ("target_tokens", "weights"):
+        if shape[1] > max_width:
+            raise bad_request(f"{field}: {shape[1]} columns, at most {max_width}", field)
+    elif len(shape) != 1 or shape[0] != n:
+        raise bad_request(
+            f"{field}: shape {list(shape)} does not match model_input length {n}", field
+        )
     array = tensor.to_numpy()
     if array.ndim == 2 and two_d_ok and name in ("target_tokens", "weights"):
         if array.shape[0] != n:
@@ -122,6 +134,7 @@ def forward_backward_work(
                 tokens.size,
                 loss.allows_2d_targets,
                 f"data[{i}].loss_fn_inputs.{key}",
+                spec.vocab_size,  # top-K targets: K can be no wider than the vocabulary
             )
         targets = inputs["target_tokens"].astype(np.int64)
         field = f"data[{i}].loss_fn_inputs.target_tokens"
