@@ -501,3 +501,54 @@ def test_requests_of_cancelled_samplers_leave_the_batch_wherever_they_are(
         [sw("sB", prompt(3, 54))], list, lambda w, r: late.append(r), lambda: {"sB"}
     )
     assert isinstance(late[0], EngineError)
+
+
+def test_a_far_longer_joiner_decodes_in_a_bucket_of_its_own(
+    trained, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Left-padding it into the running rows would stretch every row's cache to its length."""
+    from tuneloop.server.engine.sampler import DecodeBatch
+
+    short = [sw("sA", prompt(4, 60 + i), max_tokens=16, seed=i) for i in range(3)]
+    long = sw("sB", prompt(60, 70), max_tokens=4, seed=9)
+    alone = {id(w): sample(trained, [w])[0] for w in (*short, long)}
+    batches: dict[int, list[int]] = {}
+    add = DecodeBatch.add
+
+    def spy(self: Any, works: Any, keys: Any, **kw: Any) -> Any:
+        batches.setdefault(id(self), []).extend(len(w.prompt) for w in works)
+        return add(self, works, keys, **kw)
+
+    monkeypatch.setattr(DecodeBatch, "add", spy)
+    admitted = iter([[], [long]])
+    got: dict[int, Any] = {}
+    trained.sample_continuous(
+        short, lambda: next(admitted, []), lambda w, r: got.update({id(w): r})
+    )
+    assert sorted(batches.values()) == [[4, 4, 4], [60]]
+    for w in (*short, long):
+        assert _tokens(got[id(w)]) == _tokens(alone[id(w)])
+    # with one bucket allowed and no padding limit (the old behaviour) it joins the short rows
+    batches.clear()
+    trained.max_buckets, trained.pad_factor = 1, float("inf")
+    admitted = iter([[], [long]])
+    trained.sample_continuous(
+        short, lambda: next(admitted, []), lambda w, r: got.update({id(w): r})
+    )
+    assert list(batches.values()) == [[4, 4, 4, 60]]
+    assert _tokens(got[id(long)]) == _tokens(alone[id(long)])
+
+
+def test_cache_columns_that_only_a_departed_row_needed_are_dropped(trained) -> None:
+    batch = _decode_batch(trained, "sA", chunk=256)
+    long = sw("sA", prompt(30, 80), max_tokens=1, seed=1)
+    short = sw("sA", prompt(3, 81), max_tokens=6, seed=2)
+    batch.add([long, short], ["sA", "sA"])
+    assert batch.mask.shape[1] == 30
+    batch.step()  # the long request's only token: it leaves
+    assert len(batch.rows) == 1
+    assert batch.mask.shape[1] == 3 + 1  # the short row's prompt and its first token
+    results = {}
+    while len(batch):
+        results.update({id(req.work): res for req, res in batch.step()})
+    assert _tokens(results[id(short)]) == _tokens(sample(trained, [short])[0])

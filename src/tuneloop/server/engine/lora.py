@@ -288,8 +288,13 @@ class AdapterBank:
             if lengths is None
             else Routing.from_lengths(row_keys, lengths)
         )
-        # Blocks nest: a joining prompt's prefill chunk runs inside a decode batch's routing,
-        # which must hold again once the chunk is done.
+        with self.using(routing):
+            yield
+
+    @contextlib.contextmanager
+    def using(self, routing: Routing) -> Iterator[None]:
+        """Apply an existing routing inside the block (a decode batch keeps its own across steps,
+        with the stacked factors it built). Blocks nest: the previous routing holds again after."""
         previous = {name: module.routing for name, module in self.modules.items()}
         for module in self.modules.values():
             module.routing = routing

@@ -12,7 +12,6 @@ token is drawn.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from tuneloop.server.engine.logprobs import pad_rows, prompt_scores
-from tuneloop.server.engine.lora import AdapterBank
+from tuneloop.server.engine.lora import AdapterBank, Routing
 from tuneloop.server.engine.types import (
     SampledTokens,
     SampleResult,
@@ -184,8 +183,10 @@ class DecodeBatch:
         self.next_pos = torch.zeros((0, 1), dtype=torch.long, device=self.device)
         self.temperature = torch.zeros((0,), device=self.device)
         self.logits: torch.Tensor | None = None  # [rows, V]: the next token's, pending
-        # The routing (and its stacked factors for grouped LoRA) lives until the rows change.
-        self._routing = contextlib.ExitStack()
+        # The routing (and its stacked factors for grouped LoRA) lives until the rows change;
+        # it is applied around each of this batch's forward passes only, so that several
+        # batches (length buckets of one decode run) can take turns on the same model.
+        self._routing = Routing()
 
     def __len__(self) -> int:
         """Rows decoding plus rows still being prefilled."""
@@ -196,11 +197,25 @@ class DecodeBatch:
         held = len(self.rows) * self.mask.shape[1]
         return held + sum(len(p.requests) * p.done for p in self.pending)
 
+    def requests(self) -> list[RunningRequest]:
+        """Every request decoding or prefilling here."""
+        seen: dict[int, RunningRequest] = {}
+        for request, _ in self.rows:
+            seen.setdefault(id(request), request)
+        return list(seen.values()) + [r for p in self.pending for r in p.requests]
+
     @torch.no_grad()
-    def add(self, works: Sequence[SampleWork], keys: Sequence[str | None]) -> list[RunningRequest]:
+    def add(
+        self,
+        works: Sequence[SampleWork],
+        keys: Sequence[str | None],
+        *,
+        others_decoding: bool = False,
+    ) -> list[RunningRequest]:
         """Start prefilling `works` (one row each); their samples join the batch once done.
 
-        With no rows decoding there is no one to stall: the prefill then runs whole, now.
+        With no rows decoding, here or in another batch taking turns with this one
+        (`others_decoding`), there is no one to stall: the prefill then runs whole, now.
         """
         device = self.device
         scored = _score_prompts(self.model, self.bank, works, keys, self.pad_id, device)
@@ -221,8 +236,8 @@ class DecodeBatch:
         # 10 % slower on CPU at 128 rows x 64 steps, its attention spanning the full length.
         prefill = _Prefill(requests, list(keys), input_ids, mask, positions)
         self.pending.append(prefill)
-        if not self.rows:
-            self._prefill_some()
+        if not self.rows and not others_decoding:
+            self._prefill_some(chunked=False)
         return requests
 
     def _advance(self, prefill: _Prefill, tokens: float) -> None:
@@ -243,13 +258,13 @@ class DecodeBatch:
         if end == prefill.width:
             prefill.logits = out.logits[:, -1].float()
 
-    def _prefill_some(self) -> None:
-        """Advance the oldest joining prefill by one chunk (all of it if no row decodes) and
+    def _prefill_some(self, chunked: bool) -> None:
+        """Advance the oldest joining prefill by one chunk (all of it unless `chunked`) and
         let its samples join once it is complete."""
         if not self.pending:
             return
         prefill = self.pending[0]
-        self._advance(prefill, self.prefill_chunk if self.rows else float("inf"))
+        self._advance(prefill, self.prefill_chunk if chunked else float("inf"))
         if prefill.logits is None:
             return
         self.pending.pop(0)
@@ -294,8 +309,7 @@ class DecodeBatch:
         self.logits = torch.cat([self.logits, logits])
 
     def _reroute(self) -> None:
-        self._routing.close()
-        self._routing.enter_context(self.bank.routed([req.key for req, _ in self.rows]))
+        self._routing = Routing.from_rows([req.key for req, _ in self.rows])
 
     def _keep(self, keep: list[int]) -> None:
         """Keep only decode-batch rows `keep` (in order)."""
@@ -311,7 +325,22 @@ class DecodeBatch:
         self.rows = [self.rows[i] for i in keep]
         if not self.rows:
             self.logits = None
+        else:
+            self._trim()
         self._reroute()
+
+    def _trim(self) -> None:
+        """Drop leading cache columns that are padding for every row left (a long row that
+        left took its width with it); positions are explicit, so nothing else changes."""
+        first = int(self.mask.any(0).to(torch.int8).argmax())
+        if first == 0:
+            return
+        self.mask = self.mask[:, first:]
+        for layer in self.cache.layers:
+            held: Any = layer
+            if isinstance(getattr(held, "keys", None), torch.Tensor) and held.keys.numel():
+                held.keys = held.keys[:, :, first:]
+                held.values = held.values[:, :, first:]
 
     def drop(self, unwanted: Callable[[SampleWork], bool]) -> list[RunningRequest]:
         """Remove the requests `unwanted` picks (decoding or still prefilling), unanswered; the
@@ -333,8 +362,6 @@ class DecodeBatch:
                     seen.add(id(req))
                     dropped.append(req)
             self._keep([i for i, (req, _) in enumerate(self.rows) if id(req) not in gone])
-        if not self.rows and not self.pending:
-            self.close()
         return dropped
 
     def _requeue(self, kept: list[RunningRequest], old: _Prefill) -> None:
@@ -354,14 +381,12 @@ class DecodeBatch:
         )
 
     @torch.no_grad()
-    def step(self) -> list[tuple[RunningRequest, SampleResult]]:
+    def step(self, *, others_decoding: bool = False) -> list[tuple[RunningRequest, SampleResult]]:
         """Draw one token for every row, retire the rows that stop, run the model once for the
-        rest, and advance a joining prefill by one chunk. Returns the requests that finished,
-        with their results."""
+        rest, and advance a joining prefill by one chunk (all of it when no row decodes here
+        or in `others_decoding` batches). Returns the requests that finished, with results."""
         finished = self._decode() if self.rows else []
-        self._prefill_some()
-        if not self.rows and not self.pending:
-            self.close()
+        self._prefill_some(chunked=bool(self.rows) or others_decoding)
         return finished
 
     def _decode(self) -> list[tuple[RunningRequest, SampleResult]]:
@@ -395,20 +420,22 @@ class DecodeBatch:
             return finished
         ones = torch.ones((len(self.rows), 1), dtype=self.mask.dtype, device=device)
         self.mask = torch.cat([self.mask, ones], 1)
-        out = self.model(
-            input_ids=next_tokens,
-            attention_mask=self.mask,
-            position_ids=self.next_pos,
-            cache=self.cache,
-            use_cache=True,
-        )
+        with self.bank.using(self._routing):
+            out = self.model(
+                input_ids=next_tokens,
+                attention_mask=self.mask,
+                position_ids=self.next_pos,
+                cache=self.cache,
+                use_cache=True,
+            )
         self.logits = out.logits[:, -1].float()
         self.next_pos = self.next_pos + 1
         return finished
 
     def close(self) -> None:
-        """Unroute the adapters (also after a failure part-way)."""
-        self._routing.close()
+        """Drop the cached routing (its stacked factors) and the KV cache."""
+        self._routing = Routing()
+        self.cache = DynamicCache()
 
 
 _Scores = dict[int, tuple[list[float | None] | None, list[TopkRow] | None]]

@@ -49,6 +49,13 @@ from tuneloop.server.engine.types import (
 # KV-cache tokens (rows x (prompt + max_tokens)) per decode batch: SmolLM2-135M keeps ~46 KB per
 # token in fp32, so 32k tokens is ~1.5 GB.
 DEFAULT_SAMPLE_TOKEN_BUDGET = 32768
+# Rows of one decode batch share a cache length (shorter prompts are left-padded), so a request
+# joins a running batch only while the padded width stays within this factor of every request's
+# own; one far longer or shorter starts a batch of its own (a length bucket), up to MAX_BUCKETS
+# taking turns step by step. Without buckets a 1,536-token prompt joining 64 rows of ~160 tokens
+# left-padded all 65 rows to ~1,600: 10x their KV memory (4.7 GB) and attention.
+PAD_FACTOR = 2.0
+MAX_BUCKETS = 4
 
 
 @dataclass
@@ -111,6 +118,7 @@ class TorchBackend:
         token_budget: int | None = None,
         sample_token_budget: int = DEFAULT_SAMPLE_TOKEN_BUDGET,
         prefill_chunk: int = sampler.DEFAULT_PREFILL_CHUNK,
+        max_buckets: int = MAX_BUCKETS,
     ) -> None:
         self.device = _device(device)
         self.dtype = dtype  # None: per model, the measured fastest (dtypes.py)
@@ -120,6 +128,9 @@ class TorchBackend:
         self.sample_token_budget = sample_token_budget
         # Prompt tokens a joining request prefills per decode step (sampler.DecodeBatch).
         self.prefill_chunk = prefill_chunk
+        # Length buckets of a decode run (1: every request left-padded into one batch).
+        self.max_buckets = max(1, max_buckets)
+        self.pad_factor = PAD_FACTOR
         self._runtimes: dict[str, _Runtime] = {}
         for name in models:
             loaded = load_model(
@@ -448,13 +459,47 @@ def _cancelled() -> EngineError:
     return EngineError("cancelled: the sampler's session ended", "user")
 
 
-def _kv_cost(work: SampleWork) -> int:
-    return work.num_samples * (len(work.prompt) + work.max_tokens)
+def _width(work: SampleWork) -> int:
+    """The cache length a request's rows reach: its prompt plus everything it may generate."""
+    return len(work.prompt) + work.max_tokens
+
+
+class _Bucket:
+    """One decode batch of a run, with the widths and KV bound its admission rules need."""
+
+    def __init__(self, batch: sampler.DecodeBatch, pad_factor: float) -> None:
+        self.batch = batch
+        self.pad_factor = pad_factor
+        self.incoming: list[SampleWork] = []  # placed here by the join under way
+
+    def _live(self) -> list[SampleWork]:
+        return [request.work for request in self.batch.requests()] + self.incoming
+
+    def width(self) -> int:
+        """The widest its cache may grow: its padded width now plus the most a live row may
+        still generate, or a live request's full width if larger."""
+        live = self._live()
+        if not live:
+            return 0
+        grow = max(w.max_tokens for w in live)
+        return max([self.batch.mask.shape[1] + grow, *(_width(w) for w in live)])
+
+    def kv_bound(self, extra_rows: int = 0, extra_width: int = 0) -> int:
+        """Upper bound of the padded KV tokens, rows x width, with a request added."""
+        rows = len(self.batch) + sum(w.num_samples for w in self.incoming) + extra_rows
+        return rows * max(self.width(), extra_width)
+
+    def fits(self, width: int) -> bool:
+        live = self._live()
+        if not live:
+            return True
+        widths = [_width(w) for w in live] + [self.width(), width]
+        return max(widths) <= self.pad_factor * min(widths)
 
 
 class _DecodeRun:
-    """One decode batch of `TorchBackend.sample_continuous`: one base model, requests joining
-    while it runs, under the KV-token budget."""
+    """One decode run of `TorchBackend.sample_continuous`: one base model, requests joining
+    while it runs, in length buckets under the KV-token budget."""
 
     def __init__(
         self,
@@ -466,13 +511,32 @@ class _DecodeRun:
         self.deliver = deliver
         self.cancelled = cancelled
         self.runtime: _Runtime | None = None
-        self.decoding: sampler.DecodeBatch | None = None
+        self.buckets: list[_Bucket] = []
         self.running: dict[int, SampleWork] = {}  # by id: SampleWork holds arrays, no __eq__
-        self.later: list[SampleWork] = []  # for the next decode batch
+        self.later: list[SampleWork] = []  # for the next decode run
+
+    def _place(self, work: SampleWork, used: int) -> tuple[_Bucket | None, int] | None:
+        """The bucket a request joins (None: a new one) and the KV tokens it adds; None if it
+        must wait for the next decode run."""
+        width = _width(work)
+        # A fitting bucket if there is one (each bucket costs a forward pass per step), the one
+        # it pads least; else a new bucket while there may be more.
+        options: list[tuple[int, _Bucket | None]] = [
+            (b.kv_bound(work.num_samples, width) - b.kv_bound(), b)
+            for b in self.buckets
+            if b.fits(width)
+        ]
+        if not options and len(self.buckets) < self.backend.max_buckets:
+            options.append((work.num_samples * width, None))
+        if not options:
+            return None
+        added, bucket = min(options, key=lambda o: o[0])
+        if used and used + added > self.backend.sample_token_budget:
+            return None
+        return bucket, added
 
     def join(self, works: Sequence[SampleWork]) -> None:
-        fits: list[SampleWork] = []
-        used = sum(_kv_cost(w) for w in self.running.values())
+        used = sum(b.kv_bound() for b in self.buckets)
         gone = self.cancelled()
         for work in works:
             if work.sampler_id in gone:
@@ -483,39 +547,53 @@ class _DecodeRun:
                 self.deliver(work, EngineError(f"no sampler {work.sampler_id!r}", "user"))
                 continue
             self.runtime = self.runtime or owner
-            cost = _kv_cost(work)
-            crowded = (self.running or fits) and used + cost > self.backend.sample_token_budget
-            if owner is not self.runtime or crowded:
+            place = self._place(work, used) if owner is self.runtime else None
+            if place is None:
                 self.later.append(work)
                 continue
-            fits.append(work)
-            used += cost
+            bucket, added = place
+            if bucket is None:
+                bucket = _Bucket(
+                    sampler.DecodeBatch(
+                        owner.model,
+                        owner.bank,
+                        pad_id=owner.pad_id,
+                        decode=owner.decode,
+                        prefill_chunk=self.backend.prefill_chunk,
+                    ),
+                    self.backend.pad_factor,
+                )
+                self.buckets.append(bucket)
+            bucket.incoming.append(work)
+            used += added
         runtime = self.runtime
-        if not fits or runtime is None:
+        if runtime is None:
             return
-        if self.decoding is None:
-            self.decoding = sampler.DecodeBatch(
-                runtime.model,
-                runtime.bank,
-                pad_id=runtime.pad_id,
-                decode=runtime.decode,
-                prefill_chunk=self.backend.prefill_chunk,
-            )
-        keys = [w.sampler_id if w.sampler_id in runtime.bank.specs else None for w in fits]
-        self.running.update((id(w), w) for w in fits)
-        self.decoding.add(fits, keys)
+        for bucket in self.buckets:
+            fits, bucket.incoming = bucket.incoming, []
+            if not fits:
+                continue
+            keys = [w.sampler_id if w.sampler_id in runtime.bank.specs else None for w in fits]
+            self.running.update((id(w), w) for w in fits)
+            others = any(b.batch.rows for b in self.buckets if b is not bucket)
+            bucket.batch.add(fits, keys, others_decoding=others)
 
     def run(
         self, works: Sequence[SampleWork], admit: Callable[[], Sequence[SampleWork]]
     ) -> list[SampleWork]:
-        """Decode until no row is left; returns the requests left for the next decode batch."""
+        """Decode until no row is left; returns the requests left for the next decode run."""
         try:
             self.join(works)
-            while self.decoding is not None and len(self.decoding):
-                for request, result in self.decoding.step():
-                    self.running.pop(id(request.work), None)
-                    self.deliver(request.work, result)
+            while self.buckets:
+                for bucket in list(self.buckets):
+                    others = any(b.batch.rows for b in self.buckets if b is not bucket)
+                    for request, result in bucket.batch.step(others_decoding=others):
+                        self.running.pop(id(request.work), None)
+                        self.deliver(request.work, result)
                 self._drop_cancelled()
+                for bucket in [b for b in self.buckets if not len(b.batch)]:
+                    bucket.batch.close()
+                    self.buckets.remove(bucket)
                 self.join(admit())
         except torch.OutOfMemoryError:
             for work in self.running.values():
@@ -523,17 +601,18 @@ class _DecodeRun:
                     work, EngineError("out of memory while sampling; retry with fewer samples")
                 )
         finally:
-            if self.decoding is not None:
-                self.decoding.close()
+            for bucket in self.buckets:
+                bucket.batch.close()
         return self.later
 
     def _drop_cancelled(self) -> None:
         gone = self.cancelled()
-        if not gone or self.decoding is None:
+        if not gone:
             return
-        for request in self.decoding.drop(lambda work: work.sampler_id in gone):
-            self.running.pop(id(request.work), None)
-            self.deliver(request.work, _cancelled())
+        for bucket in self.buckets:
+            for request in bucket.batch.drop(lambda work: work.sampler_id in gone):
+                self.running.pop(id(request.work), None)
+                self.deliver(request.work, _cancelled())
         for work in self.later:
             if work.sampler_id in gone:
                 self.deliver(work, _cancelled())
