@@ -68,6 +68,10 @@ def test_code_rl_overlaps_sampling_and_runs_two_turns(
     assert [r["step"] for r in steps] == [1, 2]
     assert all(0 <= r["staleness"] <= 1 for r in steps)
     assert all(r["train_reward"] >= -0.1 for r in steps)
+    config.steps = 3
+    assert run_code_rl(config)["steps"] == 3  # resumed from step 2's checkpoint
+    lines = (tmp_path / "code" / "checkpoints.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3]
 
 
 def test_math_answers_are_read_from_the_marked_line_or_the_last_number() -> None:
