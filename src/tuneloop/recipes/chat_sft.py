@@ -21,7 +21,7 @@ import numpy as np
 from tuneloop import AdamParams, TrainingClient
 from tuneloop.recipes.datasets import conversations, split
 from tuneloop.recipes.renderers import Rendered, renderer_for
-from tuneloop.recipes.run import RecipeConfig, Run, service_for
+from tuneloop.recipes.run import RecipeConfig, started
 
 
 @dataclass
@@ -59,10 +59,8 @@ def mean_loss(training: TrainingClient, batch: list[Rendered], train: bool) -> f
 
 
 def run_chat_sft(config: ChatSFTConfig) -> dict[str, Any]:
-    run = Run(config)
-    service = service_for(config)
-    try:
-        training, step, position = run.training_client(service)
+    with started(config) as session:
+        run, training, step = session.run, session.training, session.step
         renderer = renderer_for(training.get_tokenizer())
         convs = conversations(config.data, config.limit)
         train_convs, held_convs = split(
@@ -81,13 +79,12 @@ def run_chat_sft(config: ChatSFTConfig) -> dict[str, Any]:
             f"chat_sft: {len(train)} training / {len(held)} held-out conversations, "
             f"{config.steps} steps of {config.batch_size}"
         )
-        cursor = int(position.get("cursor", 0))
+        cursor = int(session.position.get("cursor", 0))
 
         def validate(at: int) -> None:
             if held:
-                batches = [
-                    held[i : i + config.batch_size] for i in range(0, len(held), config.batch_size)
-                ]
+                size = config.batch_size
+                batches = [held[i : i + size] for i in range(0, len(held), size)]
                 losses = [mean_loss(training, b, train=False) for b in batches]
                 run.log(at, {"eval_loss": float(np.mean(losses))})
 
@@ -109,12 +106,6 @@ def run_chat_sft(config: ChatSFTConfig) -> dict[str, Any]:
                         "tokens": sum(len(r.tokens) for r in batch),
                     },
                 )
-                if run.due(config.eval_every, step):
-                    validate(step)
-                if run.due(config.save_every, step) or step == config.steps:
-                    run.save(training, step, {"cursor": cursor})
+                run.end_step(training, step, {"cursor": cursor}, validate)
                 bars.advance(bar)
         return {"steps": step, "metrics": run.metrics(), "log_dir": str(run.dir)}
-    finally:
-        run.close()
-        service.close()

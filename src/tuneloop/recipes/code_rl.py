@@ -20,9 +20,8 @@ from typing import Any
 
 from tuneloop.recipes import rl
 from tuneloop.recipes.datasets import CodeProblem, humaneval, split
-from tuneloop.recipes.renderers import renderer_for
 from tuneloop.recipes.rl_train import RLConfig, train_rl
-from tuneloop.recipes.run import Run, service_for
+from tuneloop.recipes.run import started
 from tuneloop.recipes.sandbox import NO_CODE_PENALTY, CodeRunner, extract_code, run_python
 
 PROMPT = (
@@ -87,27 +86,17 @@ def _runner(config: CodeRLConfig) -> CodeRunner:
 
 
 def run_code_rl(config: CodeRLConfig) -> dict[str, Any]:
-    run = Run(config)
-    service = service_for(config)
-    try:
-        training, step, position = run.training_client(service)
-        renderer = renderer_for(training.get_tokenizer())
+    with started(config) as session:
         train, held = split(humaneval(), 0.2, key=lambda p: p.task_id, salt="code_rl")
         evaluation = held[: config.eval_problems]
         runner = _runner(config)
-        run.console.print(f"code_rl: {len(train)} training / {len(evaluation)} held-out problems")
+        session.run.console.print(
+            f"code_rl: {len(train)} training / {len(evaluation)} held-out problems"
+        )
         return train_rl(
             config,
-            run,
-            service,
-            training,
-            step,
-            position,
-            renderer,
+            session,
             train,
             evaluation,
             lambda p, n: [CodeEnv(p, runner, config) for _ in range(n)],
         )
-    finally:
-        run.close()
-        service.close()

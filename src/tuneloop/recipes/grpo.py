@@ -13,17 +13,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from tuneloop import (
     AdamParams,
     Datum,
     ModelInput,
     SamplingClient,
     SamplingParams,
-    TensorData,
     TrainingClient,
 )
+from tuneloop.recipes import rl
 from tuneloop.recipes.tasks import Problem, Score, Task
 
 
@@ -103,23 +101,8 @@ def rl_datum(rollout: Rollout, advantage: float) -> Datum:
 
     Targets inside the prompt get advantage 0 (and logprob 0), so only the reply is trained.
     """
-    if len(rollout.logprobs) != len(rollout.completion):
-        raise ValueError("the sampler returned no logprob for some sampled tokens")
-    tokens = rollout.prompt + rollout.completion
-    n_prompt = len(rollout.prompt) - 1
-    n_reply = len(rollout.completion)
-    return Datum(
-        model_input=ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={
-            "target_tokens": TensorData.from_numpy(np.array(tokens[1:], dtype=np.int64)),
-            "logprobs": TensorData.from_numpy(
-                np.array([0.0] * n_prompt + rollout.logprobs, dtype=np.float32)
-            ),
-            "advantages": TensorData.from_numpy(
-                np.array([0.0] * n_prompt + [advantage] * n_reply, dtype=np.float32)
-            ),
-        },
-    )
+    turn = rl.Turn(rollout.prompt, rollout.completion, rollout.logprobs, rollout.reply)
+    return rl.datum(turn, advantage)
 
 
 def training_data(groups: list[list[Rollout]]) -> list[Datum]:

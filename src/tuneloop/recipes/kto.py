@@ -31,7 +31,7 @@ import numpy as np
 
 from tuneloop import AdamParams, Datum, ModelInput, SamplingParams, TensorData
 from tuneloop.recipes import grpo
-from tuneloop.recipes.run import RecipeConfig, Run, service_for
+from tuneloop.recipes.run import RecipeConfig, started
 from tuneloop.recipes.tasks import Task
 
 
@@ -59,30 +59,31 @@ class Feedback:
 def kto_loss(
     data: list[Datum], logprobs: list[Any], beta: float, weight_d: float, weight_u: float
 ) -> tuple[Any, dict[str, float]]:
-    """The KTO loss on the policy's per-token logprobs (torch tensors) of a batch."""
-    import torch
+    """The KTO loss on the policy's per-token logprobs (torch tensors) of a batch.
 
+    Written with tensor methods only, so the recipe itself never imports torch (the SDK hands
+    the tensors in; recipes use the public SDK alone)."""
     rewards = []
     for datum, lp in zip(data, logprobs, strict=True):
-        mask = torch.as_tensor(datum.loss_fn_inputs["weights"].to_numpy(), dtype=lp.dtype)
+        mask = lp.new_tensor(datum.loss_fn_inputs["weights"].to_numpy())
         ref = float(datum.loss_fn_inputs["ref_logprob"].to_numpy()[0])
         rewards.append((lp * mask).sum() - ref)
-    r = torch.stack(rewards)
-    desirable = torch.tensor(
-        [bool(d.loss_fn_inputs["desirable"].to_numpy()[0]) for d in data], dtype=torch.bool
-    )
-    z0 = r.detach().mean().clamp(min=0.0)
-    per_example = torch.where(
-        desirable,
-        weight_d * (1 - torch.sigmoid(beta * (r - z0))),
-        weight_u * (1 - torch.sigmoid(beta * (z0 - r))),
-    )
-    loss = per_example.mean()
-    seen = r.detach()
+    desirable = [bool(d.loss_fn_inputs["desirable"].to_numpy()[0]) for d in data]
+    seen = [float(r.detach()) for r in rewards]
+    z0 = max(0.0, sum(seen) / len(seen))  # not differentiated
+    terms = [
+        weight_d * (1 - (beta * (r - z0)).sigmoid())
+        if good
+        else weight_u * (1 - (beta * (z0 - r)).sigmoid())
+        for r, good in zip(rewards, desirable, strict=True)
+    ]
+    loss = sum(terms[1:], terms[0]) / len(terms)
+    chosen = [x for x, good in zip(seen, desirable, strict=True) if good]
+    rejected = [x for x, good in zip(seen, desirable, strict=True) if not good]
     metrics = {
-        "kto_z0": float(z0),
-        "reward_desirable": float(seen[desirable].mean()) if desirable.any() else 0.0,
-        "reward_undesirable": float(seen[~desirable].mean()) if (~desirable).any() else 0.0,
+        "kto_z0": z0,
+        "reward_desirable": sum(chosen) / len(chosen) if chosen else 0.0,
+        "reward_undesirable": sum(rejected) / len(rejected) if rejected else 0.0,
     }
     return loss, metrics
 
@@ -127,10 +128,9 @@ def collect_feedback(
 
 
 def run_kto(config: KTOConfig) -> dict[str, Any]:
-    run = Run(config)
-    service = service_for(config)
-    try:
-        training, step, position = run.training_client(service)
+    with started(config) as session:
+        run, service, training, step = session.run, session.service, session.training, session.step
+        position = session.position
         tokenizer = training.get_tokenizer()
         task = Task()
         train_problems, held_out = task.splits(
@@ -178,12 +178,6 @@ def run_kto(config: KTOConfig) -> dict[str, Any]:
                 step += 1
                 metrics = {k: v for k, v in out.metrics.items() if not k.startswith("surrogate")}
                 run.log(step, {"kto_loss": metrics.pop("loss:sum"), **metrics})
-                if run.due(config.eval_every, step):
-                    evaluate(step)
-                if run.due(config.save_every, step) or step == config.steps:
-                    run.save(training, step, {"cursor": cursor})
+                run.end_step(training, step, {"cursor": cursor}, evaluate)
                 bars.advance(bar)
         return {"steps": step, "metrics": run.metrics(), "log_dir": str(run.dir)}
-    finally:
-        run.close()
-        service.close()

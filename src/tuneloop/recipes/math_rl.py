@@ -21,9 +21,8 @@ from typing import Any
 
 from tuneloop.recipes import rl
 from tuneloop.recipes.datasets import MathProblem, gsm8k_test, gsm_symbolic, normalise_number, split
-from tuneloop.recipes.renderers import renderer_for
 from tuneloop.recipes.rl_train import RLConfig, train_rl
-from tuneloop.recipes.run import Run, service_for
+from tuneloop.recipes.run import started
 
 INSTRUCTION = (
     "Solve the problem step by step. End with the final answer on its own line as #### <number>."
@@ -86,28 +85,16 @@ def problems(config: MathRLConfig) -> tuple[list[MathProblem], list[MathProblem]
 
 
 def run_math_rl(config: MathRLConfig) -> dict[str, Any]:
-    run = Run(config)
-    service = service_for(config)
-    try:
-        training, step, position = run.training_client(service)
-        renderer = renderer_for(training.get_tokenizer())
+    with started(config) as session:
         train, evaluation = problems(config)
-        run.console.print(
+        session.run.console.print(
             f"math_rl: {len(train)} training problems ({config.train_source}), "
             f"{len(evaluation)} held-out GSM8K problems"
         )
         return train_rl(
             config,
-            run,
-            service,
-            training,
-            step,
-            position,
-            renderer,
+            session,
             train,
             evaluation,
             lambda p, n: [MathEnv(p, config.format_bonus) for _ in range(n)],
         )
-    finally:
-        run.close()
-        service.close()

@@ -15,10 +15,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from tuneloop import AdamParams, SamplingClient, SamplingParams, ServiceClient, TrainingClient
+from tuneloop import AdamParams, SamplingClient, SamplingParams
 from tuneloop.recipes import rl
-from tuneloop.recipes.renderers import Renderer
-from tuneloop.recipes.run import RecipeConfig, Run
+from tuneloop.recipes.renderers import Renderer, renderer_for
+from tuneloop.recipes.run import RecipeConfig, Started
 
 P = TypeVar("P")
 
@@ -71,18 +71,17 @@ def evaluate(
 
 def train_rl(
     config: RLConfig,
-    run: Run,
-    service: ServiceClient,
-    training: TrainingClient,
-    step: int,
-    position: dict[str, Any],
-    renderer: Renderer,
+    session: Started,
     train_problems: Sequence[P],
     eval_problems: Sequence[P],
     make_envs: Callable[[P, int], list[rl.Env]],
 ) -> dict[str, Any]:
+    """Train `steps` RL steps on the problems with the envs `make_envs(problem, n)` builds."""
     if not train_problems:
         raise ValueError("no training problems")
+    run, service, training = session.run, session.service, session.training
+    step, position = session.step, session.position
+    renderer = renderer_for(training.get_tokenizer())
     base = service.create_sampling_client(base_model=config.model) if config.kl_coef > 0 else None
 
     def make_batch(sampler: SamplingClient, version: int, index: int) -> rl.Batch:
@@ -110,17 +109,15 @@ def train_rl(
     stream = rl.RolloutStream(
         box, make_batch, int(position.get("batch_index", 0)), config.max_staleness
     )
+
+    def validate(at: int) -> None:
+        if eval_problems:
+            metrics = evaluate(box.get()[0], renderer, eval_problems, make_envs, config)
+            run.log(at, {f"eval_{k}": v for k, v in metrics.items()})
+
     try:
-        if step == 0 and config.eval_every > 0 and eval_problems:
-            run.log(
-                0,
-                {
-                    f"eval_{k}": v
-                    for k, v in evaluate(
-                        sampler, renderer, eval_problems, make_envs, config
-                    ).items()
-                },
-            )
+        if step == 0 and config.eval_every > 0:
+            validate(0)
         with run.progress() as bars:
             bar = bars.add_task("training", total=config.steps, completed=step)
             while step < config.steps:
@@ -154,11 +151,7 @@ def train_rl(
                 if base is not None:
                     record["kl_to_base"] = assembled.kl
                 run.log(step, record)
-                if run.due(config.eval_every, step) and eval_problems:
-                    metrics = evaluate(sampler, renderer, eval_problems, make_envs, config)
-                    run.log(step, {f"eval_{k}": v for k, v in metrics.items()})
-                if run.due(config.save_every, step) or step == config.steps:
-                    run.save(training, step, {"batch_index": batch.index + 1})
+                run.end_step(training, step, {"batch_index": batch.index + 1}, validate)
                 bars.advance(bar)
     finally:
         stream.close()

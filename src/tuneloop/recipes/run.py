@@ -175,6 +175,20 @@ class Run:
         """True after `step` steps when a periodic action (save, eval) is due."""
         return every > 0 and step % every == 0
 
+    def end_step(
+        self,
+        training: tuneloop.TrainingClient,
+        step: int,
+        position: dict[str, Any],
+        validate: Callable[[int], None] | None = None,
+    ) -> None:
+        """After step `step`: validate every `eval_every` steps, save every `save_every` steps
+        and after the last."""
+        if validate is not None and self.due(self.config.eval_every, step):
+            validate(step)
+        if self.due(self.config.save_every, step) or step == self.config.steps:
+            self.save(training, step, position)
+
     @contextmanager
     def progress(self) -> Iterator[Progress]:
         bars = Progress(
@@ -198,6 +212,29 @@ class Run:
 def service_for(config: RecipeConfig) -> tuneloop.ServiceClient:
     """The server at `base_url`, or a local one started for the run."""
     return tuneloop.ServiceClient(base_url=config.base_url, api_key=config.api_key)
+
+
+@dataclass
+class Started:
+    run: Run
+    service: tuneloop.ServiceClient
+    training: tuneloop.TrainingClient
+    step: int  # steps already done: 0, or the resumed checkpoint's
+    position: dict[str, Any]  # where the data continues (empty when fresh)
+
+
+@contextmanager
+def started(config: RecipeConfig) -> Iterator[Started]:
+    """A recipe's run folder, server connection and training client (fresh or resumed from the
+    folder's last checkpoint); all closed when the block ends."""
+    run = Run(config)
+    service = service_for(config)
+    try:
+        training, step, position = run.training_client(service)
+        yield Started(run, service, training, step, position)
+    finally:
+        run.close()
+        service.close()
 
 
 # ---- command lines from configs ---------------------------------------------------------------
