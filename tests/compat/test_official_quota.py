@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.compat.runner import run_official
 from tuneloop._local_server import live_server
 
 pytest.importorskip("tinker")
 pytestmark = [pytest.mark.compat, pytest.mark.integration]
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_official_sdk_retries_429s_until_capacity_frees(tmp_path: Path) -> None:
@@ -21,14 +18,6 @@ def test_official_sdk_retries_429s_until_capacity_frees(tmp_path: Path) -> None:
     with live_server(
         tmp_path, "--max-inflight", "1", "--max-sessions", "2", backend="fake", models=(model,)
     ) as live:
-        env = {**os.environ, "TINKER_TELEMETRY": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
-        done = subprocess.run(
-            [sys.executable, "-m", "tests.compat.official_quota", live.url, live.key, model],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
+        done = run_official("official_quota", live.url, live.key, model)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "official SDK quota flow: OK" in done.stdout
