@@ -536,6 +536,8 @@ class _DecodeRun:
         return bucket, added
 
     def join(self, works: Sequence[SampleWork]) -> None:
+        if not works:  # the common case, once per decode step: no bound to compute
+            return
         used = sum(b.kv_bound() for b in self.buckets)
         gone = self.cancelled()
         for work in works:
