@@ -118,12 +118,13 @@ def test_poll_backs_off_on_5xx_and_keeps_polling(service, server):
 
 def test_error_record_raises_request_failed(service, server):
     tc = service.create_lora_training_client("tiny-base")
-    fut = tc.optim_step()
+    # Queued before the call: the future starts polling at once, so queueing after it races.
     server.queue(
         "POST",
         "/api/v1/retrieve_future",
         lambda request: httpx.Response(200, json={"error": "NaN in gradients", "category": "user"}),
     )
+    fut = tc.optim_step()
     with pytest.raises(errors.RequestFailedError) as info:
         fut.result(timeout=5)
     assert info.value.category == "user"
