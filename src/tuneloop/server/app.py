@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from tuneloop.server.api import client, futures, rest, sampling, sessions, training
+from tuneloop.server.api import client, downloads, futures, oai, rest, sampling, sessions, training
 from tuneloop.server.api.errors import error_response, install
 from tuneloop.server.api.metering import Meter, record_completed
 from tuneloop.server.api.packages import run_package_gc
@@ -197,7 +197,11 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
 
     app = FastAPI(title="tuneloop", lifespan=lifespan)
     install(app)
-    for module in (client, sessions, training, sampling, futures, rest):
+    if config.openai_only:  # a deployment: the OpenAI-compatible routes (and their readiness)
+        routers = (oai,)
+    else:
+        routers = (client, sessions, training, sampling, futures, rest, downloads, oai)
+    for module in routers:
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     return app

@@ -53,11 +53,19 @@ class ServerConfig:
     session_ttl_s: float = 300.0
     # How often the server looks for expired sessions.
     expiry_check_s: float = 10.0
+    # Engine worker processes (one per device); 1 runs the engine in the server process.
+    workers: int = 1
+    # Place the worker group on this Ray cluster ("auto": the one this machine belongs to).
+    ray_address: str | None = None
+    # A deployment (`tuneloop deploy`): only the OpenAI-compatible routes, no training routes.
+    openai_only: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_inflight", "session_ttl_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: no limit), got {getattr(self, name)}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.expiry_check_s <= 0:
             raise ValueError(f"expiry_check_s must be > 0, got {self.expiry_check_s}")
 
