@@ -99,6 +99,32 @@ def test_code_env_runs_the_tests_and_offers_one_revision() -> None:
     assert (none.reward, none.done) == (-0.1, True)
 
 
+def test_code_env_in_model_mode_checks_only_when_the_reply_calls_the_tool() -> None:
+    problem = CodeProblem(
+        "t/0", "def add(a, b):\n", "add", "def check(f):\n    assert f(2, 3) == 5\n\ncheck(add)\n"
+    )
+    env = CodeEnv(problem, rl_runner(), CodeRLConfig(tool_mode="model"))
+    assert "check_solution" in env.initial()[0]["content"]
+    wrong = "```python\ndef add(a, b):\n    return a - b\n```"
+    final = env.judge(wrong, 0)  # no call: this answer is final
+    assert (final.reward, final.done, final.follow_up) == (0.0, True, [])
+    called = env.judge(wrong + '\n<tool_call>{"name": "check_solution"}</tool_call>', 0)
+    assert (called.reward, called.done) == (0.0, False)
+    assert "check_solution" in called.follow_up[0]["content"]
+    bare = env.judge(wrong + "\ncheck_solution()\n", 0)
+    assert not bare.done
+    other_tool = env.judge(wrong + '\n<tool_call>{"name": "search"}</tool_call>', 0)
+    assert other_tool.done
+    last_turn = env.judge(wrong + "\ncheck_solution()\n", 1)  # max_turns 2: no third turn
+    assert last_turn.done
+    right = env.judge("```python\ndef add(a, b):\n    return a + b\n```\ncheck_solution()", 0)
+    assert (right.reward, right.done) == (1.0, True)
+    assert (
+        "check_solution"
+        not in CodeEnv(problem, rl_runner(), CodeRLConfig()).initial()[0]["content"]
+    )
+
+
 def rl_runner():  # type: ignore[no-untyped-def]
     from tuneloop.recipes.sandbox import run_python
 

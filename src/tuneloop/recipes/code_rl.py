@@ -1,10 +1,13 @@
 """`code_rl`: RL on HumanEval with the answers run in a sandbox; two turns with a check tool.
 
-The model gets the function to complete and answers with a Python code block. Turn 1's code is
-run against the problem's tests by the `check_solution` tool (the environment calls it; a small
-model does not call tools reliably): if it passes the episode ends with reward 1; otherwise the
-tool's report (the failing assertion or the error, cut short) comes back as a `tool` message and
-the model may revise once. The final answer's reward: 1 if all tests pass, else 0, minus 0.1
+The model gets the function to complete and answers with a Python code block. With
+`--tool-mode env` (the default: a small model does not call tools reliably) the environment runs
+turn 1's code against the problem's tests through the `check_solution` tool; with
+`--tool-mode model` the prompt offers the tool and it runs only when the reply calls it (a
+`<tool_call>` naming `check_solution`, or a line `check_solution()`); a reply without the call is
+the final answer. Either way, passing ends the episode with reward 1; otherwise the tool's report
+(the failing assertion or the error, cut short) comes back as a `tool` message and the model may
+revise once. The final answer's reward: 1 if all tests pass, else 0, minus 0.1
 when it has no code block. Code runs in the local sandbox (recipes/sandbox.py: its own process,
 temp dir, time and memory limits, no network) or, with `--sandbox-url`, on a SandboxFusion
 server. Sampling overlaps training (`--max-staleness 3` by default: samples up to 3 optimizer
@@ -15,8 +18,9 @@ steps old are kept, the `cispo` loss corrects for their age), and gradients go i
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from tuneloop.recipes import rl
 from tuneloop.recipes.datasets import CodeProblem, humaneval, split
@@ -28,6 +32,15 @@ PROMPT = (
     "Complete this Python function. Reply with the whole function in one ```python code block."
     "\n\n```python\n{prompt}```"
 )
+TOOL_PROMPT = (
+    "\n\nYou may test your function before you commit to it: end your reply with "
+    '<tool_call>{"name": "check_solution"}</tool_call> to run it against the unit tests and see '
+    "the results. A reply without that call is your final answer."
+)
+# The Hermes/Qwen tool-call form naming the tool, or the tool written as a bare call on its line.
+TOOL_CALL = re.compile(
+    r"<tool_call>[^<]*\bcheck_solution\b[^<]*</tool_call>|^\s*check_solution\(\)\s*$", re.M
+)
 REPORT_CHARS = 600
 
 
@@ -37,6 +50,8 @@ class CodeRLConfig(RLConfig):
     loss: str = "cispo"
     max_staleness: int = 3
     max_turns: int = 2
+    # env: the environment checks turn 1's answer; model: only when the reply calls the tool.
+    tool_mode: Literal["env", "model"] = "env"
     max_tokens: int = 384
     eval_problems: int = 32
     sandbox_url: str | None = None  # a SandboxFusion server; default: the local sandbox
@@ -49,7 +64,15 @@ class CodeEnv:
         self.problem, self.runner, self.config = problem, runner, config
 
     def initial(self) -> list[dict[str, str]]:
-        return [{"role": "user", "content": PROMPT.format(prompt=self.problem.prompt)}]
+        content = PROMPT.format(prompt=self.problem.prompt)
+        if self.config.tool_mode == "model" and self.config.max_turns > 1:
+            content += TOOL_PROMPT
+        return [{"role": "user", "content": content}]
+
+    def _may_revise(self, reply: str, turn: int) -> bool:
+        if turn + 1 >= self.config.max_turns:
+            return False  # the last turn's answer is final whatever it asks for
+        return self.config.tool_mode == "env" or TOOL_CALL.search(reply) is not None
 
     def judge(self, reply: str, turn: int) -> rl.Judgement:
         code = extract_code(reply)
@@ -64,8 +87,8 @@ class CodeEnv:
             memory_mb=self.config.memory_mb,
         )
         metrics = {"passed": float(result.passed), "has_code": 1.0, "turns": turn + 1.0}
-        if result.passed:
-            return rl.Judgement(1.0, done=True, metrics=metrics)
+        if result.passed or not self._may_revise(reply, turn):
+            return rl.Judgement(float(result.passed), done=True, metrics=metrics)
         report = (result.stderr or result.details or result.status)[-REPORT_CHARS:]
         follow_up = [
             {
