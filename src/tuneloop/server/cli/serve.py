@@ -134,7 +134,7 @@ def serve(
 ) -> None:
     """Run the tuneloop server (prints `tuneloop serving at URL` once it accepts requests)."""
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - checked here: a bare SDK install gets the one-line message
 
         from tuneloop.server.app import create_app
     except ImportError as exc:
@@ -157,7 +157,14 @@ def serve(
         session_ttl_s=session_ttl_s,
         expiry_check_s=expiry_check_s,
     )
-    app = create_app(config)
+    run_server(create_app(config), config, parent_pid=parent_pid)
+
+
+def run_server(app: Any, config: ServerConfig, *, parent_pid: int | None = None) -> None:
+    """Run `app` with uvicorn until stopped: prints `tuneloop serving at URL` once it accepts
+    requests (the bound port, for --port 0); SIGTERM shuts it down gracefully and exits 0."""
+    import uvicorn
+
     server = uvicorn.Server(
         uvicorn.Config(
             app,
