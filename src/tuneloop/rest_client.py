@@ -5,17 +5,21 @@ Every method returns an `APIFuture` at once.
 
 from __future__ import annotations
 
+import asyncio
 import urllib.parse
-from datetime import datetime
-from typing import Any, Literal, TypeVar
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import IO, Any, Literal, TypeVar
 
 import httpx
 import pydantic
 
 from tuneloop._futures import APIFuture, ClientHolder, parse_json_model
-from tuneloop._http import VERSION, env_api_key
+from tuneloop._http import DEFAULT_TIMEOUT, VERSION, env_api_key, error_from_response
+from tuneloop.errors import APIConnectionError, APITimeoutError, TuneloopError
 from tuneloop.types import (
     CheckpointsListResponse,
+    ExternalWeightsUrlsResponse,
     GetSamplerResponse,
     GetServerCapabilitiesResponse,
     GetSessionResponse,
@@ -29,6 +33,11 @@ from tuneloop.types import (
 __all__ = ["RestClient", "parse_tinker_path"]
 
 ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
+
+# Signed URLs are renewed this long before they expire, as the official SDK does: a file
+# started just before the expiry could otherwise be refused halfway through the set.
+RESIGN_BEFORE = timedelta(minutes=5)
+_CHUNK_BYTES = 1 << 20
 
 
 def parse_tinker_path(path: str) -> tuple[str, str]:
@@ -73,6 +82,9 @@ class RestClient:
                 _holder.close()
                 raise
         self._holder = _holder
+        # File downloads use signed URLs and no API key: their own client (the same transport
+        # as the API calls when a test injects one).
+        self._file_transport = _transport
 
     def close(self) -> None:
         """Release the connection (only for a stand-alone RestClient)."""
@@ -209,3 +221,97 @@ class RestClient:
         run_id, checkpoint_id = parse_tinker_path(tinker_path)
         path = f"/api/v1/training_runs/{_q(run_id)}/checkpoints/{_q(checkpoint_id, safe=':/')}/ttl"
         return self._call("PUT", path, None, json_body={"ttl_seconds": ttl_seconds})
+
+    # ---- downloads -----------------------------------------------------------------------------
+
+    def get_external_weights_urls(self, tinker_path: str) -> APIFuture[ExternalWeightsUrlsResponse]:
+        """Signed URLs, one per file, of an external-weights checkpoint
+        (`tinker://<run>/external_weights/<name>`, from `TrainingClient.save_weights_external`).
+
+        The URLs need no API key (anyone holding one can fetch that file) and stop working at
+        `expires`; ask again for fresh ones.
+        """
+        run_id, checkpoint_id = _downloadable(tinker_path)
+        path = (
+            f"/api/v1/training_runs/{_q(run_id)}/checkpoints/{_q(checkpoint_id, safe=':/')}"
+            "/external_weights_urls"
+        )
+        return self._call("GET", path, ExternalWeightsUrlsResponse)
+
+    def download_checkpoint(self, tinker_path: str, out_dir: str | Path) -> APIFuture[Path]:
+        """Download every file of an external-weights checkpoint into `out_dir` (created; it
+        must not hold files already); the result is the folder.
+
+        For an adapter export that is the PEFT layout: `peft.PeftModel.from_pretrained(base,
+        out_dir)` loads it. URLs are signed again when they come within 5 minutes of expiring.
+        A training checkpoint is downloaded by exporting it first:
+        `service.create_training_client_from_state(path).save_weights_external(name)`.
+        """
+        _downloadable(tinker_path)
+        target = Path(out_dir)
+        if target.exists() and (not target.is_dir() or any(target.iterdir())):
+            raise ValueError(f"out_dir {str(target)!r} exists and is not an empty folder")
+        return self._holder.submit(self._download(tinker_path, target))
+
+    async def _download(self, tinker_path: str, target: Path) -> Path:
+        urls = await self.get_external_weights_urls(tinker_path)
+        if not urls.urls:
+            raise TuneloopError(f"{tinker_path} has no files to download")
+        for name in urls.urls:  # the names come from the server: never write outside out_dir
+            parts = name.split("/")
+            if name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts):
+                raise TuneloopError(f"refusing to write {name!r} outside {target}")
+        await asyncio.to_thread(target.mkdir, parents=True, exist_ok=True)
+        async with httpx.AsyncClient(
+            transport=self._file_transport, timeout=DEFAULT_TIMEOUT, follow_redirects=True
+        ) as client:
+            for name in sorted(urls.urls):
+                if datetime.now(UTC) >= urls.expires - RESIGN_BEFORE:
+                    urls = await self.get_external_weights_urls(tinker_path)
+                url = urls.urls.get(name)
+                if url is None:
+                    raise TuneloopError(f"{name!r} of {tinker_path} is gone from the server")
+                await _fetch(client, url, target / name)
+        return target
+
+
+def _downloadable(tinker_path: str) -> tuple[str, str]:
+    run_id, checkpoint_id = parse_tinker_path(tinker_path)
+    segment = checkpoint_id.split("/", 1)[0]
+    if segment == "sampler_weights":
+        raise ValueError(f"sampler checkpoints cannot be downloaded: {tinker_path}")
+    if segment != "external_weights":
+        raise ValueError(
+            "only external-weights checkpoints (tinker://<run>/external_weights/<name>) are "
+            f"downloaded; export {tinker_path} with TrainingClient.save_weights_external first"
+        )
+    return run_id, checkpoint_id
+
+
+async def _fetch(client: httpx.AsyncClient, url: str, dest: Path) -> None:
+    """One file, streamed to `dest` through a temporary name, its length checked."""
+    await asyncio.to_thread(dest.parent.mkdir, parents=True, exist_ok=True)
+    partial = dest.with_name(dest.name + ".part")
+    try:
+        async with client.stream("GET", url) as response:
+            if response.status_code != 200:
+                await response.aread()
+                raise error_from_response(response)
+            expected = response.headers.get("content-length")
+            written = 0
+            f: IO[bytes] = await asyncio.to_thread(partial.open, "wb")
+            try:
+                async for chunk in response.aiter_bytes(_CHUNK_BYTES):
+                    await asyncio.to_thread(f.write, chunk)
+                    written += len(chunk)
+            finally:
+                await asyncio.to_thread(f.close)
+        if expected is not None and int(expected) != written:
+            raise APIConnectionError(f"{dest.name}: got {written} of {expected} bytes")
+        await asyncio.to_thread(partial.replace, dest)
+    except httpx.TimeoutException as exc:
+        raise APITimeoutError(f"downloading {dest.name} timed out: {exc!r}") from exc
+    except httpx.TransportError as exc:
+        raise APIConnectionError(f"downloading {dest.name} failed: {exc!r}") from exc
+    finally:
+        await asyncio.to_thread(partial.unlink, missing_ok=True)

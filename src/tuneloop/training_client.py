@@ -30,6 +30,8 @@ from tuneloop.types import (
     LoadWeightsResponse,
     OptimStepRequest,
     OptimStepResponse,
+    SaveWeightsExternalRequest,
+    SaveWeightsExternalResponse,
     SaveWeightsForSamplerRequest,
     SaveWeightsForSamplerResponse,
     SaveWeightsRequest,
@@ -426,6 +428,28 @@ class TrainingClient:
             SaveWeightsForSamplerResponse.model_validate,
             "SaveWeightsForSampler",
         )
+
+    def save_weights_external(
+        self, name: str, ttl_seconds: int | None = None
+    ) -> APIFuture[SaveWeightsExternalResponse]:
+        """Export the adapter for download as `tinker://<model_id>/external_weights/<name>`:
+        the PEFT layout (`adapter_model.safetensors`, `adapter_config.json`), no optimizer
+        state. Fetch it with `RestClient.download_checkpoint` (or its signed URLs with
+        `RestClient.get_external_weights_urls`). `ttl_seconds`: an hour to ten years, or None.
+        """
+        return self._json_op(
+            "/api/v1/save_weights_external",
+            lambda seq: SaveWeightsExternalRequest(
+                model_id=self.model_id, path=name, seq_id=seq, ttl_seconds=ttl_seconds
+            ),
+            SaveWeightsExternalResponse.model_validate,
+            "SaveWeightsExternal",
+        )
+
+    async def save_weights_external_async(
+        self, name: str, ttl_seconds: int | None = None
+    ) -> SaveWeightsExternalResponse:
+        return await self.save_weights_external(name, ttl_seconds)
 
     def save_weights_and_get_sampling_client(self) -> SamplingClient:
         """Snapshot the current weights (no named checkpoint) and return a client sampling them.

@@ -60,6 +60,7 @@ DEFERRED_413_PATHS = frozenset(
         "optim_step",
         "save_weights",
         "save_weights_for_sampler",
+        "save_weights_external",
         "load_weights",
     )
 )

@@ -135,6 +135,21 @@ class SaveWeightsForSamplerRequest(StrictBase):
         return self
 
 
+class SaveWeightsExternalRequest(StrictBase):
+    """Export the adapter for download (PEFT layout), as `tinker://<run>/external_weights/<name>`.
+
+    `age_encryption_recipients` is part of the wire type; this server refuses it (400) rather
+    than store unencrypted files a caller asked to have encrypted.
+    """
+
+    model_id: str
+    path: str | None = None
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+    age_encryption_recipients: list[str] | None = None
+    type: Literal["save_weights_external"] = "save_weights_external"
+
+
 class CreateSamplingSessionRequest(StrictBase):
     session_id: str
     sampling_session_seq_id: int = Field(ge=0, le=MAX_SEQ_ID)

@@ -89,6 +89,20 @@ class SaveWeightsForSamplerResponse(ResponseBase):
     type: str = "save_weights_for_sampler"
 
 
+class SaveWeightsExternalResponse(ResponseBase):
+    path: str
+    size_bytes: int | None = None
+    type: str = "save_weights_external"
+
+
+class ExternalWeightsUrlsResponse(ResponseBase):
+    """A signed URL per file of an external-weights checkpoint, keyed by its path relative to
+    the checkpoint's folder. The URLs need no API key and stop working at `expires`."""
+
+    urls: dict[str, str]
+    expires: datetime
+
+
 class CreateSamplingSessionResponse(ResponseBase):
     sampling_session_id: str
 
@@ -121,8 +135,9 @@ class Checkpoint(ResponseBase):
     expires_at: datetime | None = None
     # Model-package fields (tuneloop; the official SDK ignores them). `name` is the checkpoint
     # name; `version` numbers the tenant's packages of that name 1, 2, ...; `kind` is
-    # "training-state", "sampler" or "merged"; `parent_tinker_path` the package the run was
-    # loaded from (for a merged one, its source); `training_step` the optimizer steps applied.
+    # "training-state", "sampler", "adapter" (a PEFT export, save_weights_external) or "merged"
+    # (base + adapter as one model); `parent_tinker_path` the package the run was loaded from
+    # (for a merged one, its source); `training_step` the optimizer steps applied.
     name: str | None = None
     version: int | None = None
     kind: str | None = None

@@ -474,6 +474,25 @@ RESOURCE_ROUTES: dict[tuple[str, str], list[tuple[Call, str | None]]] = {
             "checkpoint_id",
         )
     ],
+    (
+        "GET",
+        "/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls",
+    ): [
+        (
+            lambda b, a, _s: b.get(
+                f"training_runs/{a.model_id}/checkpoints/external_weights/w1/external_weights_urls"
+            ),
+            "checkpoint_id",
+        )
+    ],
+    ("POST", "/api/v1/save_weights_external"): [
+        (
+            lambda b, a, _s: b.post(
+                "save_weights_external", {"model_id": a.model_id, "path": "steal", "seq_id": 5}
+            ),
+            "model_id",
+        )
+    ],
     ("POST", "/api/v1/weights_info"): [
         (lambda b, a, _s: b.post("weights_info", {"tinker_path": a.weights_path}), "tinker_path")
     ],
@@ -508,6 +527,16 @@ NO_RESOURCE_ROUTES: dict[tuple[str, str], Call] = {
 }
 
 
+# Routes whose credential is a signature in the URL, not an API key (tests/unit/server/
+# test_downloads.py covers them): a URL bob alters to reach alice's checkpoint is a 403.
+SIGNED_ROUTES: dict[tuple[str, str], Call] = {
+    ("GET", "/api/v1/downloads/{run_id}/{name}/{file_path:path}"): lambda b, a, _s: b.http.get(
+        f"/api/v1/downloads/{a.model_id}/w1/adapter_config.json",
+        params={"tenant": "bob", "expires": 2**40, "signature": "0" * 64},
+    ),
+}
+
+
 def app_routes(app: Any) -> set[tuple[str, str]]:
     """(method, path) of every API route the app serves, however its routers are nested."""
     out = set()
@@ -527,9 +556,8 @@ def alice_secrets(a: AliceWorld) -> list[str]:
 async def test_every_route_is_classified(server: tuple[Any, KeyStore]) -> None:
     # A new route fails here until it is added to one of the tables (and so tested below).
     routes = app_routes(server[0])
-    assert routes == set(RESOURCE_ROUTES) | set(NO_RESOURCE_ROUTES), routes ^ (
-        set(RESOURCE_ROUTES) | set(NO_RESOURCE_ROUTES)
-    )
+    classified = set(RESOURCE_ROUTES) | set(NO_RESOURCE_ROUTES) | set(SIGNED_ROUTES)
+    assert routes == classified, routes ^ classified
 
 
 async def test_every_route_answers_404_for_another_tenants_resource(
@@ -579,5 +607,16 @@ async def test_routes_without_resource_ids_show_nothing_of_another_tenant(
     for route, call in NO_RESOURCE_ROUTES.items():
         response = await call(other_tenant, alice, BobWorld("", ""))
         assert response.status_code == 200, (route, response.text)
+        for secret in alice_secrets(alice):
+            assert secret not in response.text, (route, secret, response.text)
+
+
+async def test_signed_routes_refuse_another_tenants_files(
+    other_tenant: Api, alice: AliceWorld
+) -> None:
+    for route, call in SIGNED_ROUTES.items():
+        response = await call(other_tenant, alice, BobWorld("", ""))
+        assert response.status_code == 403, (route, response.text)
+        assert response.json()["field"] == "signature", route
         for secret in alice_secrets(alice):
             assert secret not in response.text, (route, secret, response.text)

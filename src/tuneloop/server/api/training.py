@@ -50,6 +50,7 @@ from tuneloop.types import (
     LoraConfig,
     ModelData,
     OptimStepRequest,
+    SaveWeightsExternalRequest,
     SaveWeightsForSamplerRequest,
     SaveWeightsRequest,
     TensorData,
@@ -156,7 +157,11 @@ async def get_info(request: Request, state: State, tenant: Tenant) -> dict[str, 
 async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, raw = await read_json(request, LoadWeightsRequest)
     path, ckpt = state.checkpoint(tenant, body.path, "path")
-    if ckpt.checkpoint_type not in ("training", "sampler"):
+    # A PEFT export (kind "adapter") holds an adapter too; a merged model does not.
+    if (
+        ckpt.checkpoint_type not in ("training", "sampler")
+        and ckpt.kind != PACKAGE_KINDS["external"]
+    ):
         raise bad_request(
             f"path: a {ckpt.kind or ckpt.checkpoint_type} package holds no adapter to load",
             "path",
@@ -462,4 +467,41 @@ async def save_weights_for_sampler(
         ),
         raw,
         "SaveWeightsForSampler",
+    )
+
+
+@router.post("/save_weights_external", openapi_extra=json_body(SaveWeightsExternalRequest))
+@consumes_seq
+async def save_weights_external(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
+    """Export the adapter in the PEFT layout for download (downloads.py signs its URLs): the
+    sampler-weights files, no optimizer state, registered as a package of kind "adapter"."""
+    body, raw = await read_json(request, SaveWeightsExternalRequest)
+    run = state.live_training_run(body.model_id, tenant)
+    seq_id = _seq_id(body.seq_id)
+    if body.age_encryption_recipients:
+        # No age library is installed, and encryption is not something to write by hand.
+        raise bad_request(
+            "age_encryption_recipients: encrypted exports are not supported by this server; "
+            "omit the field (downloads use signed URLs over your connection to the server)",
+            "age_encryption_recipients",
+        )
+    check_ttl(body.ttl_seconds)
+    target, directory = _checkpoint_target(state, tenant, run.id, "external_weights", body.path)
+    model_id = run.id
+
+    def work(backend: Backend) -> int:
+        return backend.save_sampler_weights(model_id, directory)
+
+    finish = _checkpoint_writer(
+        state, tenant, target, directory, "external", body.ttl_seconds, None
+    )
+
+    def answer(size: int) -> Outcome:
+        saved = json.loads(finish(size).body)
+        return json_outcome(
+            {"path": saved["path"], "size_bytes": size, "type": "save_weights_external"}
+        )
+
+    return state.submit_training(
+        tenant, model_id, seq_id, "single", work, answer, raw, "SaveWeightsExternal"
     )

@@ -105,7 +105,7 @@ def checkpoints_list(
 ) -> None:
     """List checkpoints (model packages), newest first.
 
-    Rows: tinker path, tenant, package name, version, kind (training-state|sampler|merged),
+    Rows: tinker path, tenant, package name, version, kind (training-state|sampler|adapter|merged),
     training step, size in bytes, created, expires. --json adds the base model, LoRA rank and
     targets, the parent package and the folder.
     Exit 1 if --run names no training run (of --tenant, when given).
@@ -206,6 +206,25 @@ def checkpoints_delete(
     typer.echo(f"deleted {path}", err=True)
 
 
+# What a training checkpoint holds beyond the adapter (engine/checkpoints.py's OPTIMIZER_FILE
+# and STATE_FILE; named here so that exporting needs no torch). An export leaves them out: it is
+# the adapter folder a download of save_weights_external gives.
+TRAINING_STATE_FILES = frozenset({"optimizer.pt", "tuneloop_state.json"})
+
+
+def _copy_adapter(source: Path, out: Path) -> list[str]:
+    """Copy the checkpoint's adapter files (not its optimizer state, not symbolic links)."""
+    names = sorted(
+        p.name
+        for p in source.iterdir()
+        if p.is_file() and not p.is_symlink() and p.name not in TRAINING_STATE_FILES
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        shutil.copy2(source / name, out / name)
+    return names
+
+
 @checkpoints_app.command("export")
 def checkpoints_export(
     ctx: typer.Context,
@@ -219,7 +238,7 @@ def checkpoints_export(
         typer.Option(
             "--merged",
             help="Write base model + adapter as one plain Hugging Face model (needs torch) "
-            "instead of copying the adapter folder (PEFT layout).",
+            "instead of the adapter alone (PEFT layout, as a download gives it).",
         ),
     ] = False,
     tenant: Annotated[
@@ -244,7 +263,9 @@ def checkpoints_export(
     data_dir: DataDirOption = None,
     db_url: DbUrlOption = None,
 ) -> None:
-    """Export a checkpoint to a folder: the adapter as saved, or merged into its base model.
+    """Export a checkpoint to a folder: its adapter in the PEFT layout (adapter_model.safetensors,
+    adapter_config.json; a training checkpoint's optimizer state is left out), the same files a
+    download of save_weights_external gives; or, with --merged, base model + adapter as one model.
 
     A --merged export is registered as a model package of kind "merged" (its parent: the
     source), at tinker://<run>/external_weights/<name>; deleting that package deletes --out.
@@ -264,8 +285,8 @@ def checkpoints_export(
     if not source.is_dir():
         fail(f"the files of {path} are missing ({source})", EXIT_NOT_FOUND)
     if not merged:
-        shutil.copytree(source, out, dirs_exist_ok=True)
-        typer.echo(f"exported {path} to {out}", err=True)
+        copied = _copy_adapter(source, out)
+        typer.echo(f"exported {path} to {out} ({', '.join(copied)})", err=True)
         return
     try:
         from tuneloop.server.engine import merge

@@ -22,6 +22,9 @@ _LEGACY_KINDS = {
     "sample_prompt": ("sample", "prefill_tokens", True),
     "sample_generated": ("sample", "sampled_tokens", False),
 }
+# Kinds of checkpoints saved before packages existed. Then the only external checkpoints were
+# merged exports (`checkpoints export --merged`): save_weights_external, whose PEFT adapters are
+# kind "adapter" (registry.PACKAGE_KINDS), came later and always writes its kind.
 _SEGMENT_KINDS = {"training": "training-state", "sampler": "sampler", "external": "merged"}
 
 

@@ -34,6 +34,7 @@ from tuneloop.server.storage.usage_store import UsageCount, UsageFilter, UsageSt
 
 # Re-exported: the API and the command line import these from here.
 __all__ = [
+    "MERGED_KIND",
     "PACKAGE_KINDS",
     "Base",
     "CheckpointRow",
@@ -86,8 +87,12 @@ class TrainingRunRow(Base):
     parent_path: Mapped[str | None] = mapped_column(String(512), nullable=True)
 
 
-# Package kinds, by checkpoint type: what a package holds.
-PACKAGE_KINDS = {"training": "training-state", "sampler": "sampler", "external": "merged"}
+# Package kinds, by checkpoint type: what a package holds. An external checkpoint the server
+# writes (save_weights_external) is the adapter alone in the PEFT layout; the other kind of
+# external package, base + adapter merged into one model, is registered only by
+# `tuneloop checkpoints export --merged` (merged_package).
+PACKAGE_KINDS = {"training": "training-state", "sampler": "sampler", "external": "adapter"}
+MERGED_KIND = "merged"
 
 
 class CheckpointRow(Base):
@@ -150,7 +155,7 @@ def merged_package(source: CheckpointRow, target: TinkerPath, directory: Path) -
         size_bytes=size,
         created_at=utcnow(),
         name=target.name,
-        kind=PACKAGE_KINDS["external"],
+        kind=MERGED_KIND,
         base_model=source.base_model,
         lora_rank=source.lora_rank,
         lora_targets=source.lora_targets,
