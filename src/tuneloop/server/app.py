@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from types import ModuleType
 from typing import Any
 
 from fastapi import FastAPI
@@ -198,6 +199,7 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
 
     app = FastAPI(title="tuneloop", lifespan=lifespan)
     install(app)
+    routers: tuple[ModuleType, ...]
     if config.openai_only:  # a deployment: the OpenAI-compatible routes (and their readiness)
         routers = (oai,)
     else:

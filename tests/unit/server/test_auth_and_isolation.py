@@ -508,6 +508,31 @@ RESOURCE_ROUTES: dict[tuple[str, str], list[tuple[Call, str | None]]] = {
         ),
     ],
 }
+
+
+def _oai(route: str, model: Callable[[AliceWorld], str]) -> list[tuple[Call, str | None]]:
+    """An OpenAI-compatible route naming one of alice's models (answered in OpenAI's shape)."""
+    body = (
+        {"messages": [{"role": "user", "content": "hi"}]}
+        if route == "chat/completions"
+        else {"prompt": [5, 7]}
+    )
+
+    def call(b: Api, a: AliceWorld, _s: BobWorld) -> Awaitable[httpx.Response]:
+        payload = {**body, "model": model(a), "max_tokens": 2}
+        return b.http.post(f"/oai/api/v1/{route}", json=payload, headers=b.headers())
+
+    return [(call, "model")]
+
+
+for _route in ("chat/completions", "completions"):
+    RESOURCE_ROUTES[("POST", f"/oai/api/v1/{_route}")] = [
+        *_oai(_route, lambda a: a.sampler_path),
+        *_oai(_route, lambda a: a.weights_path),
+        *_oai(_route, lambda a: a.sampler_id),
+        *_oai(_route, lambda a: f"{MODEL};{a.sampler_path}"),
+    ]
+
 # Routes that take no resource id (or, like usage, also answer without one): checked apart,
 # each answer must hold nothing of alice's.
 NO_RESOURCE_ROUTES: dict[tuple[str, str], Call] = {
@@ -524,6 +549,10 @@ NO_RESOURCE_ROUTES: dict[tuple[str, str], Call] = {
     ("GET", "/api/v1/training_runs"): lambda b, _a, _s: b.get("training_runs"),
     ("GET", "/api/v1/checkpoints"): lambda b, _a, _s: b.get("checkpoints"),
     ("GET", "/api/v1/usage"): lambda b, _a, _s: b.get("usage"),
+    ("GET", "/oai/api/v1/models"): lambda b, _a, _s: b.http.get(
+        "/oai/api/v1/models", headers=b.headers()
+    ),
+    ("GET", "/oai/api/v1/health"): lambda b, _a, _s: b.http.get("/oai/api/v1/health"),
 }
 
 
@@ -575,6 +604,8 @@ async def test_every_route_answers_404_for_another_tenants_resource(
             what = (route, i)
             assert response.status_code == 404, (what, response.status_code, response.text)
             body: dict[str, Any] = response.json()
+            if "error" in body:  # the OpenAI-compatible routes answer in OpenAI's shape
+                body = {"type": body["error"]["code"], "field": body["error"]["param"]}
             assert body["type"] == "not_found", what
             assert body["field"] == field, (what, body)
             # An error may echo the id bob sent, never anything else of alice's.

@@ -57,10 +57,55 @@ def error_response(
     headers: dict[str, str] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> JSONResponse:
+    body = {**(extra or {}), "detail": detail, "field": field, "type": _KINDS.get(status, "error")}
+    return JSONResponse(body, status_code=status, headers=_headers(status, headers))
+
+
+def _headers(status: int, headers: dict[str, str] | None) -> dict[str, str]:
     # A 4xx is final: x-should-retry stops the SDKs' HTTP-layer retries; never an empty body.
     final = {"x-should-retry": "false"} if status < 500 and status not in (408, 429) else {}
-    body = {**(extra or {}), "detail": detail, "field": field, "type": _KINDS.get(status, "error")}
-    return JSONResponse(body, status_code=status, headers={**final, **(headers or {})})
+    return {**final, **(headers or {})}
+
+
+# The OpenAI-compatible routes answer in OpenAI's error shape, which its clients parse.
+OPENAI_PREFIX = "/oai/"
+_OPENAI_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+
+
+def openai_error_body(
+    status: int, detail: str, field: str | None, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """`{"error": {message, type, param, code}}`; code is the kind this API names elsewhere,
+    and `extra` (a quota's limit, a restart's reason) rides along."""
+    kind = _OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {
+        "error": {
+            **(extra or {}),
+            "message": detail,
+            "type": kind,
+            "param": field,
+            "code": _KINDS.get(status, "error"),
+        }
+    }
+
+
+def _respond(
+    request: Request,
+    status: int,
+    detail: str,
+    field: str | None = None,
+    headers: dict[str, str] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> JSONResponse:
+    if not request.url.path.startswith(OPENAI_PREFIX):
+        return error_response(status, detail, field, headers, extra)
+    body = openai_error_body(status, detail, field, extra)
+    return JSONResponse(body, status_code=status, headers=_headers(status, headers))
 
 
 def _location(loc: tuple[int | str, ...]) -> str:
@@ -73,15 +118,15 @@ def _location(loc: tuple[int | str, ...]) -> str:
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.detail, exc.field, exc.headers, exc.extra)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _respond(request, exc.status, exc.detail, exc.field, exc.headers, exc.extra)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
         field = _location(tuple(first.get("loc", ())))
-        return error_response(400, f"{field}: {first.get('msg', 'invalid')}", field)
+        return _respond(request, 400, f"{field}: {first.get('msg', 'invalid')}", field)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _respond(request, exc.status_code, str(exc.detail))

@@ -12,6 +12,7 @@ token is drawn.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from tuneloop.server.engine.types import (
     TopkRow,
 )
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class _Row:
@@ -39,6 +42,7 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     topk: list[TopkRow] = field(default_factory=list)
     stop_reason: str | None = None
+    index: int = 0  # which of the request's samples this row is
 
 
 def _generator(seed: int | None, index: int) -> torch.Generator:
@@ -87,6 +91,16 @@ def _choose(logits: torch.Tensor, rows: list[_Row], temperature: torch.Tensor) -
 def _topk(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
     values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]))
     return [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
+
+
+def _tell(row: _Row) -> None:
+    """Hand the row's newest token to its request's hook (streaming)."""
+    assert row.work.on_token is not None
+    topk = row.topk[-1] if row.work.topk_sample_logprobs else None
+    try:
+        row.work.on_token(row.index, row.tokens[-1], row.logprobs[-1], topk)
+    except Exception:  # a listener's bug must not fail the batch: the result still arrives
+        log.exception("a token hook failed")
 
 
 def _finished(row: _Row, token: int, decode: Callable[[list[int]], str]) -> str | None:
@@ -221,7 +235,7 @@ class DecodeBatch:
         scored = _score_prompts(self.model, self.bank, works, keys, self.pad_id, device)
         requests = []
         for index, (work, key) in enumerate(zip(works, keys, strict=True)):
-            rows = [_Row(work, _generator(work.seed, j)) for j in range(work.num_samples)]
+            rows = [_Row(work, _generator(work.seed, j), index=j) for j in range(work.num_samples)]
             requests.append(RunningRequest(work, key, rows, scored.get(index, (None, None))))
         width = max(len(w.prompt) for w in works)
         input_ids = torch.full((len(works), width), self.pad_id, dtype=torch.long)
@@ -406,6 +420,8 @@ class DecodeBatch:
             row.logprobs.append(float(chosen_lp_list[i]))
             if row.work.topk_sample_logprobs:
                 row.topk.append(_topk(step_logprobs[i], row.work.topk_sample_logprobs))
+            if row.work.on_token is not None:
+                _tell(row)
             row.stop_reason = _finished(row, token, self.decode)
             if row.stop_reason is None:
                 keep.append(i)

@@ -5,7 +5,7 @@ The API converts wire types to these once; the engine trusts them (already valid
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -78,6 +78,12 @@ class AdamStep:
     grad_clip_norm: float
 
 
+TopkRow = list[tuple[int, float]] | None
+# Told of each token as it is drawn: (sample index, token, logprob, top-k row or None). Called
+# on the engine thread between decode steps, so it must be quick and hand work elsewhere.
+TokenHook = Callable[[int, int, float, TopkRow], None]
+
+
 @dataclass(frozen=True)
 class SampleWork:
     sampler_id: str
@@ -93,9 +99,14 @@ class SampleWork:
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
+    # Streaming: backends that decode step by step call it per token; others never do (the
+    # result still arrives whole), so a caller must not depend on it.
+    on_token: TokenHook | None = field(default=None, compare=False, repr=False)
 
-
-TopkRow = list[tuple[int, float]] | None
+    def __getstate__(self) -> dict[str, object]:
+        # The hook stays in this process: work sent to a worker process goes without it (it
+        # could not call back here), and its result arrives whole.
+        return {**self.__dict__, "on_token": None}
 
 
 @dataclass(frozen=True)
