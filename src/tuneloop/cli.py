@@ -13,7 +13,7 @@ Exit codes: 0 ok, 1 not found (or the operation failed), 2 bad usage or bad inpu
 """
 # Commands that never need the demo: building the command line for them skips importing it,
 # so `serve` (started as a child process by clients) neither waits for nor depends on it.
-_NOT_DEMO = frozenset({"serve", "keys", "runs", "checkpoints", "usage"})
+_NOT_DEMO = frozenset({"serve", "deploy", "keys", "runs", "checkpoints", "usage"})
 
 
 def _version(value: bool) -> None:

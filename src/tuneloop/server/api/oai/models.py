@@ -3,7 +3,9 @@
 `model` may be:
 - a base model the server keeps resident (also by its folder's name, for a model served from a
   local folder, as `tuneloop deploy` does);
-- a checkpoint of the caller: `tinker://<run>/sampler_weights/<name>` or `.../weights/<name>`;
+- a checkpoint of the caller: `tinker://<run>/sampler_weights/<name>`, `.../weights/<name>`, or
+  an adapter export `.../external_weights/<name>` (not a merged model: `tuneloop deploy` serves
+  those);
 - `"<base model>;<checkpoint path>"` (the base must be the checkpoint's);
 - a sampling session of the caller (`<session>:sample:<n>`), used as it is.
 Anything else, another tenant's checkpoint or sampler included, is a 404 that names nothing
@@ -27,6 +29,7 @@ from tuneloop.server.api.restarts import require_held
 from tuneloop.server.api.state import ServerState
 from tuneloop.server.engine.types import EngineError, ModelSpec
 from tuneloop.server.scheduler.loop import EngineLoop
+from tuneloop.server.storage.registry import MERGED_KIND
 
 # An adapter of LoRA rank 32 on SmolLM2-135M is ~20 MB; 16 of them stay well under a GB.
 MAX_CACHED_SAMPLERS = 16
@@ -83,7 +86,7 @@ def resolve(state: ServerState, tenant: str, model: str) -> Target:
 
 def _checkpoint(state: ServerState, tenant: str, path: str, model: str) -> Target:
     _parsed, row = state.checkpoint(tenant, path, "model")
-    if row.checkpoint_type not in ("training", "sampler"):
+    if row.kind == MERGED_KIND:  # every other package (a PEFT export too) holds an adapter
         raise bad_request(
             f"model: {path} is a merged model, not an adapter: serve it with `tuneloop deploy`",
             "model",
