@@ -4,8 +4,8 @@ server itself (no cloud storage needed).
 `GET .../checkpoints/external_weights/<name>/external_weights_urls` (the caller's API key) lists
 one signed URL per file; each URL is a plain GET with no key, the signature being the credential
 (signing.py). The URLs are built on the request's base URL: behind a reverse proxy, pass the
-Host header through and let uvicorn apply X-Forwarded-Proto (its --proxy-headers, on by default
-for a proxy on 127.0.0.1), or clients get URLs of the inner address.
+Host header through and let uvicorn apply X-Forwarded-Proto (its proxy headers, on by default
+for a proxy on 127.0.0.1), or clients get URLs of the inner address (docs/exports.md).
 """
 
 from __future__ import annotations
