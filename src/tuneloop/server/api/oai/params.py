@@ -14,11 +14,14 @@ Anything else is not an OpenAI parameter: a 400 names it, as OpenAI's own API do
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tuneloop.server.api.deps import require_content_type
 from tuneloop.server.api.errors import ApiError, bad_request
 
 MAX_N = 128
@@ -112,6 +115,31 @@ class CompletionRequest(_Common):
     # A string, a list of strings, a list of token ids, or a list of token-id lists.
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+M = TypeVar("M", bound=BaseModel)
+# Where pydantic names the branch of a union that failed ("prompt.list[int][0]"): not a field.
+_UNION_BRANCH = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|[A-Z][A-Za-z]*)$")
+
+
+async def read_body(request: Request, model: type[M]) -> M:
+    """Parse the JSON body; a 400 names the parameter as OpenAI's clients send it."""
+    raw = await request.body()
+    require_content_type(request, "application/json")
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        if first.get("type") == "json_invalid":
+            raise bad_request(f"body is not valid JSON: {first.get('msg')}", "body") from None
+        field = ""
+        for part in first.get("loc", ()):
+            if isinstance(part, int):
+                field += f"[{part}]"
+            elif not _UNION_BRANCH.match(part):
+                field += f".{part}" if field else part
+        field = field or "body"
+        raise bad_request(f"{field}: {first.get('msg')}", field) from None
 
 
 @dataclass(frozen=True)

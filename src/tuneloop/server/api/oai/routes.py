@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from tuneloop.server.api.deps import State, Tenant, json_body, read_json
+from tuneloop.server.api.deps import State, Tenant, json_body
 from tuneloop.server.api.errors import ApiError, bad_request, openai_error_body
 from tuneloop.server.api.oai import shapes
 from tuneloop.server.api.oai.models import SamplerCache, Target, resolve
@@ -23,6 +23,7 @@ from tuneloop.server.api.oai.params import (
     chat_plan,
     completion_plan,
     prompts_of,
+    read_body,
 )
 from tuneloop.server.api.oai.run import Finished, Generation
 from tuneloop.server.api.oai.text import ChoiceText, ModelText, model_text
@@ -117,6 +118,7 @@ async def _start(
         _max_tokens(plan, context, p, field if len(prompts) == 1 else f"{field}[{i}]")
         for i, p in enumerate(prompts)
     ]
+    state.quotas.check_inflight(tenant)  # before anything is made for the request
     cache = _samplers(request)
     sampler_id = await cache.acquire(tenant, target)
     try:
@@ -130,7 +132,7 @@ async def _start(
 
 @router.post("/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
 async def chat_completions(request: Request, state: State, tenant: Tenant) -> Any:
-    body, _ = await read_json(request, ChatCompletionRequest)
+    body = await read_body(request, ChatCompletionRequest)
     plan = chat_plan(body)
     messages = chat_messages(body)
     target = resolve(state, tenant, body.model)
@@ -151,7 +153,7 @@ async def chat_completions(request: Request, state: State, tenant: Tenant) -> An
 
 @router.post("/completions", openapi_extra=json_body(CompletionRequest))
 async def completions(request: Request, state: State, tenant: Tenant) -> Any:
-    body, _ = await read_json(request, CompletionRequest)
+    body = await read_body(request, CompletionRequest)
     plan = completion_plan(body)
     raw = prompts_of(body)
     target = resolve(state, tenant, body.model)

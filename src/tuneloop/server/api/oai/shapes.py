@@ -44,7 +44,11 @@ def completion_logprobs(choice: ChoiceText, start: int, end: int) -> dict[str, A
     model = choice.model
     top: list[dict[str, float]] = []
     for i in range(start, end):
-        top.append({model.token_text(t): lp for t, lp in choice.topk[i] or []})
+        # Keyed by text, which two tokens may share (bytes of one character): keep the likelier.
+        row: dict[str, float] = {}
+        for t, lp in choice.topk[i] or []:
+            row.setdefault(model.token_text(t), lp)
+        top.append(row)
     return {
         "tokens": [model.token_text(t) for t in choice.tokens[start:end]],
         "token_logprobs": choice.logprobs[start:end],
