@@ -42,6 +42,21 @@ def build_backend(config: ServerConfig) -> Backend:
         from tuneloop.server.engine.models import DEFAULT_MODEL
         from tuneloop.server.engine.torch_backend import TorchBackend
 
+        if config.workers > 1 or config.ray_address is not None:
+            # A group of worker processes (one per device) behind the same protocol.
+            from tuneloop.server.engine.workers.build import worker_group
+
+            return worker_group(
+                config.models or (DEFAULT_MODEL,),
+                workers=config.workers,
+                cache_dir=config.cache_dir,
+                device=config.device,
+                dtype=config.dtype,
+                ray_address=config.ray_address,
+                ray_cpus=config.ray_cpus_per_worker,
+                ray_gpus=config.ray_gpus_per_worker,
+                state_dir=config.data_dir / "workers",
+            )
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, None: None}[config.dtype]
         return TorchBackend(
             config.models or (DEFAULT_MODEL,),

@@ -57,6 +57,9 @@ class ServerConfig:
     workers: int = 1
     # Place the worker group on this Ray cluster ("auto": the one this machine belongs to).
     ray_address: str | None = None
+    # Resources of each worker's Ray actor (a fraction shares a device between workers).
+    ray_cpus_per_worker: float = 1.0
+    ray_gpus_per_worker: float = 0.0
     # A deployment (`tuneloop deploy`): only the OpenAI-compatible routes, no training routes.
     openai_only: bool = False
 

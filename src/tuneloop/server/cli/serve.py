@@ -124,6 +124,35 @@ def serve(
             show_default=False,
         ),
     ] = None,
+    workers: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help=(
+                "Engine worker processes, one per device (GPUs; on a CPU they share its cores):"
+                " training batches are sharded across them (data parallel), sampling requests"
+                " spread over them, and a worker that dies is restarted with its adapters."
+                " 1: the engine runs in the server process."
+            ),
+        ),
+    ] = 1,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            metavar="ADDR|auto",
+            help=(
+                "Place the worker group on this Ray cluster (auto: the one this machine"
+                " joined), one actor per worker. Needs the ray extra."
+            ),
+            show_default=False,
+        ),
+    ] = None,
+    ray_cpus_per_worker: Annotated[
+        float, typer.Option(min=0, help="CPUs each worker's Ray actor reserves.")
+    ] = 1.0,
+    ray_gpus_per_worker: Annotated[
+        float, typer.Option(min=0, help="GPUs each worker's Ray actor reserves (1 on GPUs).")
+    ] = 0.0,
     parent_pid: Annotated[
         int | None,
         typer.Option(
@@ -156,6 +185,10 @@ def serve(
         max_inflight=max_inflight,
         session_ttl_s=session_ttl_s,
         expiry_check_s=expiry_check_s,
+        workers=workers,
+        ray_address=ray_address,
+        ray_cpus_per_worker=ray_cpus_per_worker,
+        ray_gpus_per_worker=ray_gpus_per_worker,
     )
     run_server(create_app(config), config, parent_pid=parent_pid)
 

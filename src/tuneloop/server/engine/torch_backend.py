@@ -386,9 +386,22 @@ class TorchBackend:
         )
 
     def load_state(self, adapter_id: str, directory: Path, *, optimizer: bool) -> None:
-        adapter = self._adapter(adapter_id)
+        self._adapter(adapter_id)  # a missing adapter is the error, not a missing file
         factors = checkpoints.read_factors(directory)
         optimizer_state = checkpoints.read_optimizer(directory) if optimizer else None
+        self.restore_adapter(adapter_id, factors, optimizer_state)
+
+    # ---- hooks for worker groups (engine/workers): state in memory, gradients -----------------
+
+    def restore_adapter(
+        self,
+        adapter_id: str,
+        factors: dict[str, torch.Tensor],
+        optimizer_state: dict[str, Any] | None,
+    ) -> None:
+        """Set an adapter's factors (PEFT-named) and optimizer state (None: a fresh optimizer);
+        accumulated gradients are dropped."""
+        adapter = self._adapter(adapter_id)
         adapter.runtime.bank.load(adapter_id, factors)
         params = adapter.runtime.bank.parameters(adapter_id)
         adapter.optimizer = AdapterOptimizer(params)  # fresh, unless restored below
@@ -396,6 +409,31 @@ class TorchBackend:
             adapter.optimizer.load_state_dict(optimizer_state)
         for param in params:
             param.grad = None
+
+    def adapter_state(self, adapter_id: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """An adapter's factors and optimizer state (`restore_adapter` takes them back)."""
+        adapter = self._adapter(adapter_id)
+        return adapter.runtime.bank.state(adapter_id), adapter.optimizer.state_dict()
+
+    def adapter_parameters(self, adapter_id: str) -> list[nn.Parameter]:
+        """An adapter's trainable factors in the optimizer's order (gradients live on them)."""
+        return self._adapter(adapter_id).runtime.bank.parameters(adapter_id)
+
+    def add_frozen_sampler(
+        self, sampler_id: str, spec: AdapterSpec, factors: dict[str, torch.Tensor]
+    ) -> None:
+        """A sampler over factors held in memory (a snapshot restored elsewhere)."""
+        runtime = self._runtime(spec.base_model)
+        self.delete_sampler(sampler_id)
+        runtime.bank.add_frozen(sampler_id, spec, factors)
+        self._samplers[sampler_id] = runtime
+
+    def sampler_state(self, sampler_id: str) -> tuple[AdapterSpec, dict[str, torch.Tensor]] | None:
+        """A sampler's spec and factors (None: the base model alone, or no such sampler)."""
+        runtime = self._samplers.get(sampler_id)
+        if runtime is None or sampler_id not in runtime.bank.specs:
+            return None
+        return runtime.bank.specs[sampler_id], runtime.bank.state(sampler_id)
 
     # ---- sampling ---------------------------------------------------------------------------
 

@@ -1,0 +1,53 @@
+"""Building a worker group from the server's settings (the app calls `worker_group`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tuneloop.server.engine.workers.group import WorkerGroupBackend
+from tuneloop.server.engine.workers.placement import LocalPlacement, Placement
+from tuneloop.server.engine.workers.worker import WorkerSettings
+
+
+def worker_group(
+    models: tuple[str, ...],
+    *,
+    workers: int,
+    cache_dir: Path,
+    device: str | None = None,
+    dtype: str | None = None,
+    ray_address: str | None = None,
+    ray_cpus: float = 1.0,
+    ray_gpus: float = 0.0,
+    state_dir: Path | None = None,
+) -> WorkerGroupBackend:
+    """A local group of `workers` processes (one per GPU, else sharing the CPU cores), or
+    with `ray_address` one Ray actor per worker."""
+    if ray_address is not None:
+        from tuneloop.server.engine.workers.ray_placement import RayPlacement, import_ray
+
+        import_ray()  # a clear error now, not in the first restart
+        ray_settings = WorkerSettings(
+            models, cache_dir, device, dtype, threads=max(1, int(ray_cpus))
+        )
+
+        def make() -> Placement:
+            return RayPlacement(
+                ray_settings, workers, ray_address, num_cpus=ray_cpus, num_gpus=ray_gpus
+            )
+
+        return WorkerGroupBackend(make, state_dir=state_dir)
+    import torch
+
+    gpus = torch.cuda.device_count() if device in (None, "cuda") else 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    settings = WorkerSettings(
+        models,
+        cache_dir,
+        device,
+        dtype,
+        threads=max(1, (cores or 1) // workers),
+        gpus_per_host=gpus,
+    )
+    return WorkerGroupBackend(lambda: LocalPlacement(settings, workers), state_dir=state_dir)

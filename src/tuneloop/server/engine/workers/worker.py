@@ -1,0 +1,234 @@
+"""One worker of a group: a `TorchBackend` on one device, a rank of a torch.distributed group.
+
+`WorkerRuntime.handle` runs one `Call` and returns its reply; `process_main` is the loop of a
+local worker process (calls from a pipe), `ray_placement.WorkerActor` the same behind Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tuneloop.server.engine.types import (
+    AdamStep,
+    AdapterSpec,
+    EngineError,
+    ForwardBackwardResult,
+    ForwardBackwardWork,
+    SampleResult,
+    SampleWork,
+)
+from tuneloop.server.engine.workers.protocol import Call, Failure, ItemError, receive, send
+
+log = logging.getLogger(__name__)
+# A collective waits this long for a peer before failing: a dead peer is normally seen at once
+# (its sockets close), this only bounds a peer that hangs.
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What every worker of a group builds its backend from."""
+
+    models: tuple[str, ...]
+    cache_dir: Path
+    device: str | None = None  # None: cuda if the worker sees one, else cpu
+    dtype: str | None = None  # "bfloat16" / "float32" / None (per model, measured)
+    threads: int = 1  # torch intra-op threads (CPU workers share the machine's cores)
+    gpus_per_host: int = 0  # local groups: rank r uses cuda:(r % gpus_per_host)
+
+
+def worker_device(settings: WorkerSettings, rank: int) -> str:
+    if settings.device not in (None, "cuda"):
+        return str(settings.device)
+    if not torch.cuda.is_available():
+        return "cpu"
+    # Ray hides all but the actor's own GPUs (gpus_per_host 0 there): its first is its own.
+    return f"cuda:{rank % settings.gpus_per_host}" if settings.gpus_per_host else "cuda:0"
+
+
+def _cpu(value: Any) -> Any:
+    """Tensors (nested in dicts/lists) moved to host memory, for the pipe and the snapshot."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_cpu(v) for v in value)
+    return value
+
+
+class WorkerRuntime:
+    def __init__(self, settings: WorkerSettings, rank: int, size: int, init_method: str) -> None:
+        from tuneloop.server.engine.torch_backend import TorchBackend
+
+        self.rank, self.size = rank, size
+        device = worker_device(settings, rank)
+        if device == "cpu":
+            torch.set_num_threads(max(1, settings.threads))
+        else:
+            torch.cuda.set_device(torch.device(device))
+        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, None: None}[settings.dtype]
+        self.backend = TorchBackend(
+            settings.models, cache_dir=settings.cache_dir, device=device, dtype=dtype
+        )
+        self.device = torch.device(device)
+        dist.init_process_group(
+            "nccl" if self.device.type == "cuda" else "gloo",
+            init_method=init_method,
+            rank=rank,
+            world_size=size,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
+        # Gradients of each adapter as they were before the last forward_backward call, to
+        # take a request's share back when it failed on another rank (see group.py).
+        self._before: dict[str, list[torch.Tensor | None]] = {}
+
+    def handle(self, call: Call) -> Any:
+        try:
+            return getattr(self, "do_" + call.method)(*call.args)
+        except EngineError as exc:
+            return Failure(ItemError.of(exc))
+        except Exception as exc:
+            return Failure(
+                ItemError(f"{type(exc).__name__}: {exc}", "server"), traceback.format_exc()
+            )
+
+    def close(self) -> None:
+        self.backend.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- calls (the group names them without the do_ prefix) --------------------------------
+
+    def do_hello(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "device": str(self.device), "models": self.backend.models()}
+
+    def do_create_adapter(self, spec: AdapterSpec) -> None:
+        self.backend.create_adapter(spec)
+
+    def do_delete_adapter(self, adapter_id: str) -> None:
+        self._before.pop(adapter_id, None)
+        self.backend.delete_adapter(adapter_id)
+
+    def do_restore_adapter(
+        self, spec: AdapterSpec, factors: dict[str, torch.Tensor], optimizer: dict[str, Any]
+    ) -> None:
+        self.backend.delete_adapter(spec.adapter_id)
+        self.backend.create_adapter(spec)
+        self.backend.restore_adapter(spec.adapter_id, factors, optimizer)
+
+    def do_adapter_state(self, adapter_id: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        return _cpu(self.backend.adapter_state(adapter_id))
+
+    def do_forward_backward(
+        self, works: Sequence[ForwardBackwardWork]
+    ) -> list[ForwardBackwardResult | ItemError]:
+        self._before = {}
+        for adapter_id in {w.adapter_id for w in works if not w.forward_only}:
+            try:
+                params = self.backend.adapter_parameters(adapter_id)
+            except EngineError:
+                continue  # the request fails on its own below
+            self._before[adapter_id] = [None if p.grad is None else p.grad.clone() for p in params]
+        results = self.backend.forward_backward(works) if works else []
+        return [ItemError.of(r) if isinstance(r, EngineError) else r for r in results]
+
+    def do_revert_gradients(self) -> None:
+        """Gradients back to before the last forward_backward call (the group runs that batch
+        again without the requests that failed on some rank)."""
+        for adapter_id, grads in self._before.items():
+            for param, grad in zip(self.backend.adapter_parameters(adapter_id), grads, strict=True):
+                param.grad = grad
+        self._before = {}
+
+    def do_optim_step(
+        self, adapter_id: str, step: AdamStep, return_state: bool
+    ) -> tuple[dict[str, float], Any]:
+        """All-reduce (sum) the adapter's accumulated gradients, then the same AdamW step on
+        every rank: the adapters stay identical without sending weights."""
+        params = self.backend.adapter_parameters(adapter_id)
+        self._before.pop(adapter_id, None)
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])  # one collective, not one per tensor
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = flat[offset : offset + grad.numel()].view_as(grad).clone()
+            offset += grad.numel()
+        metrics = self.backend.optim_step(adapter_id, step)
+        return metrics, (self.do_adapter_state(adapter_id) if return_state else None)
+
+    def do_save_state(self, adapter_id: str, directory: Path, optimizer: bool) -> int:
+        return self.backend.save_state(adapter_id, directory, optimizer=optimizer)
+
+    def do_save_sampler_weights(self, adapter_id: str, directory: Path) -> int:
+        return self.backend.save_sampler_weights(adapter_id, directory)
+
+    def do_load_state(self, adapter_id: str, directory: Path, optimizer: bool) -> None:
+        self._before.pop(adapter_id, None)
+        self.backend.load_state(adapter_id, directory, optimizer=optimizer)
+
+    def do_create_sampler(
+        self, sampler_id: str, base_model: str, adapter_id: str | None, weights_dir: Path | None
+    ) -> None:
+        self.backend.create_sampler(
+            sampler_id, base_model, adapter_id=adapter_id, weights_dir=weights_dir
+        )
+
+    def do_restore_sampler(
+        self,
+        sampler_id: str,
+        base_model: str,
+        spec: AdapterSpec | None,
+        factors: dict[str, torch.Tensor] | None,
+    ) -> None:
+        if spec is None or factors is None:
+            self.backend.create_sampler(sampler_id, base_model)
+        else:
+            self.backend.add_frozen_sampler(sampler_id, spec, factors)
+
+    def do_sampler_state(self, sampler_id: str) -> Any:
+        """The spec and factors of a sampler with an adapter (None: the base model alone)."""
+        return _cpu(self.backend.sampler_state(sampler_id))
+
+    def do_delete_sampler(self, sampler_id: str) -> None:
+        self.backend.delete_sampler(sampler_id)
+
+    def do_sample(self, works: Sequence[SampleWork]) -> list[SampleResult | ItemError]:
+        results = self.backend.sample(works) if works else []
+        return [ItemError.of(r) if isinstance(r, EngineError) else r for r in results]
+
+
+def process_main(
+    conn: Connection, settings: WorkerSettings, rank: int, size: int, init_method: str
+) -> None:
+    """A local worker process: build, say hello, then answer calls until the pipe closes."""
+    try:
+        runtime = WorkerRuntime(settings, rank, size, init_method)
+    except BaseException as exc:
+        failure = ItemError(f"worker {rank} failed to start: {exc}", "server")
+        send(conn, Failure(failure, traceback.format_exc()))
+        raise
+    send(conn, runtime.handle(Call("hello")))
+    try:
+        while True:
+            try:
+                call = receive(conn)
+            except EOFError:  # the group closed the pipe (or the server died): stop
+                break
+            if call is None:
+                break
+            send(conn, runtime.handle(call))
+    finally:
+        runtime.close()

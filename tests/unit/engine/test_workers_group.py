@@ -1,0 +1,217 @@
+"""A worker group of 2 gloo ranks on the CPU computes what the single-process backend computes.
+
+Same tiny model, same data: per-request losses and per-datum logprobs, gradient accumulation
+over several forward_backward calls, optim_step metrics and the adapter weights after several
+steps, seeded sampling from a snapshot. Then recovery: a worker SIGKILLed between
+forward_backward and optim_step (the watchdog restarts the group between calls) and one killed
+while a call waits on it; the result still equals the undisturbed run's.
+
+Tolerance: float32 sums taken in another order (each rank sums its shard's gradients, then the
+all-reduce adds the two) differ in the last bits: 1e-5 relative on losses, logprobs and grad
+norms (measured ~3e-8). Weights: 1e-4 absolute, 1% of the learning rate (1e-2): AdamW divides
+each gradient element by its own running magnitude, so an element whose gradient is at the
+rounding-noise level moves by a noticeable fraction of a step either way (measured 1.3e-5).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from tests.unit.engine.conftest import (  # noqa: E402
+    TINY,
+    adam,
+    adapter_spec,
+    assert_near,
+    example,
+    ok,
+    seq,
+    work,
+)
+from tuneloop.server.engine.checkpoints import read_factors  # noqa: E402
+from tuneloop.server.engine.types import SampleWork  # noqa: E402
+
+TOL = 1e-5
+WEIGHT_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One 2-rank group for the module (starting one costs seconds)."""
+    from tuneloop.server.engine.workers.build import worker_group
+
+    root = tmp_path_factory.mktemp("group")
+    g = worker_group(
+        (TINY,), workers=2, cache_dir=root / "cache", device="cpu", state_dir=root / "state"
+    )
+    yield g
+    g.close()
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from tuneloop.server.engine.torch_backend import TorchBackend
+
+    be = TorchBackend([TINY], cache_dir=tmp_path_factory.mktemp("single"), device="cpu")
+    yield be
+    be.close()
+
+
+def _batch(step: int, adapters: tuple[str, ...]) -> list[Any]:
+    """Requests of uneven lengths for each adapter, and one forward-only request."""
+    works = []
+    for k, adapter in enumerate(adapters):
+        lengths = [23, 5, 14, 9, 31][: 3 + k]
+        works.append(
+            work(adapter, [example(seq(n + 1, 10 * step + i + k)) for i, n in enumerate(lengths)])
+        )
+    works.append(work(adapters[0], [example(seq(12, 99 + step))], forward_only=True))
+    return works
+
+
+def _weights(be: Any, adapter_id: str, directory: Path) -> dict[str, Any]:
+    be.save_state(adapter_id, directory, optimizer=True)
+    return read_factors(directory)
+
+
+def _run(be: Any, prefix: str, steps: int, out: Path) -> dict[str, Any]:
+    """Two adapters sharing batches, two forward_backward calls per optim_step."""
+    adapters = (f"{prefix}a", f"{prefix}b")
+    for i, adapter in enumerate(adapters):
+        be.create_adapter(adapter_spec(adapter, rank=4, seed=i))
+    record: dict[str, Any] = {"losses": [], "logprobs": [], "metrics": []}
+    for step in range(steps):
+        for half in range(2):
+            results = [ok(r) for r in be.forward_backward(_batch(2 * step + half, adapters))]
+            record["losses"].append([r.metrics["loss:sum"] for r in results])
+            record["logprobs"].append([lp for r in results for lp in r.logprobs])
+        for adapter in adapters:
+            record["metrics"].append(be.optim_step(adapter, adam(1e-2, grad_clip_norm=1.0)))
+    record["weights"] = {a: _weights(be, a, out / a) for a in adapters}
+    return record
+
+
+def _compare(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert_near(got["losses"], want["losses"], TOL, "loss sums", relative=True)
+    assert_near(got["logprobs"], want["logprobs"], TOL, "logprobs", relative=True)
+    assert_near(
+        [m["grad_norm"] for m in got["metrics"]],
+        [m["grad_norm"] for m in want["metrics"]],
+        TOL,
+        "grad norms",
+        relative=True,
+    )
+    for adapter_g, adapter_w in zip(got["weights"], want["weights"], strict=True):
+        assert_near(got["weights"][adapter_g], want["weights"][adapter_w], WEIGHT_TOL, "weights")
+
+
+def test_data_parallel_equals_single_process(group: Any, single: Any, tmp_path: Path) -> None:
+    assert group.size == 2
+    got = _run(group, "dp-", 3, tmp_path / "group")
+    want = _run(single, "sp-", 3, tmp_path / "single")
+    _compare(got, want)
+    # the adapters moved: an equality of untrained weights would prove nothing
+    assert (
+        max(float(t.abs().max()) for k, t in want["weights"]["sp-a"].items() if "lora_B" in k)
+        > 1e-3
+    )
+
+
+def _samples(be: Any, sampler_id: str) -> list[Any]:
+    works = [
+        SampleWork(sampler_id, seq(6 + i, 200 + i), 2, 6, 1.0, -1, 1.0, i, (), ()) for i in range(4)
+    ]
+    return [ok(r) for r in be.sample(works)]
+
+
+def test_sampling_spread_over_workers_matches_single(group: Any, single: Any) -> None:
+    for be, prefix in ((group, "g-"), (single, "s-")):
+        be.create_adapter(adapter_spec(prefix + "sam", rank=4, seed=3))
+        ok(be.forward_backward([work(prefix + "sam", [example(seq(20, 5))])])[0])
+        be.optim_step(prefix + "sam", adam(1e-1))
+        be.create_sampler(prefix + "snap", TINY, adapter_id=prefix + "sam")
+    got, want = _samples(group, "g-snap"), _samples(single, "s-snap")
+    assert [[s.tokens for s in r.sequences] for r in got] == [
+        [s.tokens for s in r.sequences] for r in want
+    ]
+    assert_near(
+        [[s.logprobs for s in r.sequences] for r in got],
+        [[s.logprobs for s in r.sequences] for r in want],
+        TOL,
+        "sampled logprobs",
+    )
+
+
+def _wait_for(predicate: Any, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_worker_killed_between_calls_and_during_one(
+    group: Any, single: Any, tmp_path: Path
+) -> None:
+    """Kill between forward_backward and optim_step (gradients replayed), then during a call:
+    the results equal the single-process run's, and the sampler survives."""
+    for be, prefix in ((group, "k-"), (single, "ks-")):
+        be.create_adapter(adapter_spec(prefix + "x", rank=4, seed=7))
+        be.create_sampler(prefix + "base", TINY)
+    data = [example(seq(n, 300 + n)) for n in (40, 9, 17)]
+    for be, prefix in ((group, "k-"), (single, "ks-")):
+        ok(be.forward_backward([work(prefix + "x", data)])[0])
+    restarts = group.restarts
+    os.kill(group.worker_pids()[1], signal.SIGKILL)
+    _wait_for(lambda: group.restarts > restarts)  # the watchdog restarted the group
+    assert group.last_recovery_s is not None
+    got = [group.optim_step("k-x", adam(5e-2))]
+    want = [single.optim_step("ks-x", adam(5e-2))]
+
+    # Now during a call: many forward_backward calls from another thread, a kill among them.
+    calls = 6
+    results: list[Any] = []
+
+    def train() -> None:
+        for _ in range(calls):
+            results.append(ok(group.forward_backward([work("k-x", data)])[0]))
+
+    thread = threading.Thread(target=train)
+    generation = group.generation
+    thread.start()
+    time.sleep(0.05)
+    os.kill(group.worker_pids()[0], signal.SIGKILL)
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    assert group.generation > generation
+    got.append(group.optim_step("k-x", adam(5e-2)))
+    for _ in range(calls):
+        ok(single.forward_backward([work("ks-x", data)])[0])
+    want.append(single.optim_step("ks-x", adam(5e-2)))
+    assert len(results) == calls
+    assert_near(
+        [m["grad_norm"] for m in got],
+        [m["grad_norm"] for m in want],
+        TOL,
+        "grad norms",
+        relative=True,
+    )
+    assert_near(
+        _weights(group, "k-x", tmp_path / "g"),
+        _weights(single, "ks-x", tmp_path / "s"),
+        WEIGHT_TOL,
+        "weights",
+    )
+    [sampled] = group.sample([SampleWork("k-base", seq(5, 1), 1, 3, 1.0, -1, 1.0, 0, (), ())])
+    assert len(ok(sampled).sequences[0].tokens) == 3
+    status = (group._state_dir / "workers.json").read_text()
+    assert str(group.worker_pids()[0]) in status
