@@ -8,6 +8,7 @@ single-process backend and local groups work as before.
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,13 +41,15 @@ class WorkerActor:
         host = ray.util.get_node_ip_address()
         return host, free_port(host)
 
-    def start(self, settings: WorkerSettings, rank: int, size: int, init_method: str) -> Any:
+    def start(self, settings: WorkerSettings, rank: int, size: int, init_method: str) -> bytes:
         self.runtime = WorkerRuntime(settings, rank, size, init_method)
-        return self.runtime.handle(Call("hello"))
+        return pickle.dumps(self.runtime.handle(Call("hello")))
 
-    def handle(self, call: Call) -> Any:
+    def handle(self, call: bytes) -> bytes:
+        """Calls and replies travel pickled, as through a local worker's pipe: Ray's own
+        serialization hands out read-only zero-copy arrays, which torch must not write to."""
         assert self.runtime is not None
-        return self.runtime.handle(call)
+        return pickle.dumps(self.runtime.handle(pickle.loads(call)))
 
     def pid(self) -> int:
         return os.getpid()
@@ -79,7 +82,7 @@ class RayPlacement:
             WorkerActor
         )
         self._actors = [actor.remote() for _ in range(self.size)]
-        host, port = self._get({0: self._actors[0].address.remote()}, START_TIMEOUT_S)[0]
+        host, port = self._get({0: self._actors[0].address.remote()}, START_TIMEOUT_S, raw=True)[0]
         init_method = f"tcp://{host}:{port}"
         hellos = self._get(
             {
@@ -96,10 +99,16 @@ class RayPlacement:
 
     def call(self, calls: Mapping[int, Call]) -> dict[int, Any]:
         return self._get(
-            {rank: self._actors[rank].handle.remote(call) for rank, call in calls.items()}, None
+            {
+                rank: self._actors[rank].handle.remote(pickle.dumps(call))
+                for rank, call in calls.items()
+            },
+            None,
         )
 
-    def _get(self, refs: Mapping[int, Any], timeout: float | None) -> dict[int, Any]:
+    def _get(
+        self, refs: Mapping[int, Any], timeout: float | None, raw: bool = False
+    ) -> dict[int, Any]:
         """Every reply, raising WorkerDiedError as soon as one actor is gone (not only after the
         replies before it, which may wait on it in a collective)."""
         ray = import_ray()
@@ -112,9 +121,10 @@ class RayPlacement:
                 raise WorkerDiedError(rank_of[remaining[0]], f"no answer within {timeout} s")
             rank = rank_of[ready[0]]
             try:
-                replies[rank] = ray.get(ready[0])
+                reply = ray.get(ready[0])
             except ray.exceptions.RayError as exc:
                 raise WorkerDiedError(rank, type(exc).__name__) from None
+            replies[rank] = reply if raw else pickle.loads(reply)
         return replies
 
     def sentinels(self) -> list[Any]:
