@@ -9,7 +9,8 @@ Parameters OpenAI accepts fall in three groups:
 - refused with a 400 that names them unless they hold their no-op value (a penalty of 0, no
   tools, a text response format, ...): honouring them would need what the engine does not do,
   and silently ignoring them would return something other than what was asked for.
-Anything else is not an OpenAI parameter: a 400 names it, as OpenAI's own API does.
+Anything else is not an OpenAI parameter: a 400 names it, as OpenAI's own API does. The
+request models declare every parameter, so the OpenAPI document describes the bodies exactly.
 """
 
 from __future__ import annotations
@@ -30,34 +31,21 @@ MAX_STOP = 4  # OpenAI's limit on stop sequences
 # /completions without max_tokens writes this many, as OpenAI's legacy endpoint does.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
-IGNORED = frozenset(
-    {
-        "user",
-        "store",
-        "metadata",
-        "service_tier",
-        "parallel_tool_calls",
-        "prompt_cache_key",
-        "safety_identifier",
-    }
-)
-
 
 def _no_tools(value: Any) -> bool:
-    return value in (None, [], "none", "auto")
+    return value in (None, "none", "auto")
 
 
-# Accepted only while the value is a no-op.
+# Accepted only while the value is a no-op (None: not sent).
 NO_OP: dict[str, Any] = {
     "frequency_penalty": lambda v: v in (None, 0),
     "presence_penalty": lambda v: v in (None, 0),
-    "repetition_penalty": lambda v: v in (None, 1),
     "logit_bias": lambda v: not v,
     "tools": lambda v: not v,
     "functions": lambda v: not v,
     "tool_choice": _no_tools,
     "function_call": _no_tools,
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "response_format": lambda v: v is None or v.get("type") == "text",
     "modalities": lambda v: v in (None, ["text"]),
     "audio": lambda v: v is None,
     "prediction": lambda v: v is None,
@@ -68,27 +56,41 @@ NO_OP: dict[str, Any] = {
     "suffix": lambda v: v in (None, ""),
     "best_of": lambda v: v in (None, 1),
 }
+_Object = dict[str, Any]
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool | None = None
 
 
 class _Common(BaseModel):
-    # Extra fields are sorted by `check_extras` (ignored, no-op or refused by name).
-    model_config = ConfigDict(extra="allow")
+    # Every OpenAI parameter is declared (so the OpenAPI document describes the body); anything
+    # else is refused by name, as OpenAI's own API does.
+    model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1, max_length=1024)
     n: int | None = Field(default=None, ge=1, le=MAX_N)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1)  # an extension many servers take
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    # Ignored: they change no token.
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # Refused unless a no-op (NO_OP).
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
 
 
 class TextPart(BaseModel):
@@ -98,10 +100,17 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # What a reply carries when a client sends it back; refused unless empty (no tool calls).
+    refusal: str | None = None
+    tool_calls: list[_Object] | None = None
+    tool_call_id: str | None = None
+    function_call: _Object | None = None
+    audio: _Object | None = None
+    annotations: list[_Object] | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -109,12 +118,26 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[_Object] | None = None
+    functions: list[_Object] | None = None
+    tool_choice: str | _Object | None = None
+    function_call: str | _Object | None = None
+    response_format: _Object | None = None
+    modalities: list[str] | None = None
+    audio: _Object | None = None
+    prediction: _Object | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: _Object | None = None
 
 
 class CompletionRequest(_Common):
     # A string, a list of strings, a list of token ids, or a list of token-id lists.
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -132,6 +155,7 @@ async def read_body(request: Request, model: type[M]) -> M:
         first = exc.errors()[0]
         if first.get("type") == "json_invalid":
             raise bad_request(f"body is not valid JSON: {first.get('msg')}", "body") from None
+        message = str(first.get("msg"))
         field = ""
         for part in first.get("loc", ()):
             if isinstance(part, int):
@@ -139,7 +163,9 @@ async def read_body(request: Request, model: type[M]) -> M:
             elif not _UNION_BRANCH.match(part):
                 field += f".{part}" if field else part
         field = field or "body"
-        raise bad_request(f"{field}: {first.get('msg')}", field) from None
+        if first.get("type") == "extra_forbidden":
+            message = "unrecognized request argument"
+        raise bad_request(f"{field}: {message}", field) from None
 
 
 @dataclass(frozen=True)
@@ -158,15 +184,10 @@ class Plan:
     include_usage: bool
 
 
-def check_extras(body: _Common) -> None:
-    for name, value in (body.model_extra or {}).items():
-        if name in IGNORED:
-            continue
-        if name in NO_OP:
-            if not NO_OP[name](value):
-                raise bad_request(f"{name}: not supported by this server", name)
-            continue
-        raise bad_request(f"Unrecognized request argument supplied: {name}", name)
+def check_no_ops(body: _Common) -> None:
+    for name, is_no_op in NO_OP.items():
+        if not is_no_op(getattr(body, name, None)):
+            raise bad_request(f"{name}: not supported by this server", name)
 
 
 def _stop(value: str | list[str] | None) -> tuple[str, ...]:
@@ -178,19 +199,27 @@ def _stop(value: str | list[str] | None) -> tuple[str, ...]:
     return tuple(stops)
 
 
+# Below this a temperature is greedy decoding (as vLLM takes it): dividing logits by 1e-300
+# overflows to infinities.
+GREEDY_BELOW = 1e-5
+
+
+def _temperature(value: float | None) -> float:
+    if value is None:
+        return 1.0
+    return 0.0 if value < GREEDY_BELOW else value
+
+
 def _plan(body: _Common, max_tokens: int | None, logprobs: int | None) -> Plan:
-    check_extras(body)
+    check_no_ops(body)
     if body.top_k == 0:
         raise bad_request("top_k: must be -1 (no limit) or >= 1", "top_k")
     stream = bool(body.stream)
     options = body.stream_options
-    if options is not None and options.model_extra:
-        name = next(iter(options.model_extra))
-        raise bad_request(f"stream_options.{name}: not supported", f"stream_options.{name}")
     return Plan(
         n=body.n or 1,
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
+        temperature=_temperature(body.temperature),
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=-1 if body.top_k is None else body.top_k,
         seed=body.seed,
@@ -222,8 +251,8 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
         if message.role == "tool":
             raise bad_request(f"{field}.role: tool messages are not supported", f"{field}.role")
         # A client may send back a reply it got, with its empty fields (refusal, tool_calls).
-        for name, value in (message.model_extra or {}).items():
-            if value not in (None, [], ""):
+        for name in ("tool_calls", "tool_call_id", "function_call", "audio", "refusal"):
+            if getattr(message, name) not in (None, [], ""):
                 raise bad_request(f"{field}.{name}: not supported", f"{field}.{name}")
         content = message.content
         if content is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -113,6 +114,8 @@ async def _start(
     field: str,
 ) -> tuple[Generation, Callable[[], None]]:
     """Submit the requests; returns the generation and what releases its sampler."""
+    if plan.top_k >= target.spec.vocab_size:  # k >= V: no limit, as the engine expects it
+        plan = dataclasses.replace(plan, top_k=-1)
     context = target.spec.max_context_length
     limits = [
         _max_tokens(plan, context, p, field if len(prompts) == 1 else f"{field}[{i}]")
