@@ -71,6 +71,9 @@ class WorkerGroupBackend:
         self.generation = 0
         self.restarts = 0
         self.last_recovery_s: float | None = None
+        # time.monotonic() when the last death was seen and when the group was whole again
+        self.last_detected_at: float | None = None
+        self.last_restored_at: float | None = None
         hellos = self._start()
         self._models: list[ModelSpec] = list(hellos[0]["models"])
         self._closing = threading.Event()
@@ -129,7 +132,7 @@ class WorkerGroupBackend:
 
     def _recover(self, reason: str) -> None:
         """Restart the whole group and restore every adapter, sampler and pending gradient."""
-        started = time.monotonic()
+        started = self.last_detected_at = time.monotonic()
         error = reason
         for _ in range(MAX_ATTEMPTS):
             self._stop_placement()
@@ -141,7 +144,8 @@ class WorkerGroupBackend:
                 log.warning("restoring the worker group failed (%s); trying again", exc)
                 continue
             self.restarts += 1
-            self.last_recovery_s = time.monotonic() - started
+            self.last_restored_at = time.monotonic()
+            self.last_recovery_s = self.last_restored_at - started
             log.warning(
                 "worker group restored in %.2f s after %s: %d adapters, %d samplers, "
                 "%d forward_backward batches replayed",

@@ -1,0 +1,151 @@
+"""Worker groups on the CPU: 2 data-parallel workers vs. 1 process, and recovery after a kill.
+
+Engine level, in one run, side by side (rounds alternate between the two so that machine noise
+hits both): the same fixed global batch (ROWS sequences of TOKENS tokens, one LoRA adapter) as
+forward_backward + optim_step through
+  1. the single-process `TorchBackend` with torch using every core, and
+  2. a `WorkerGroupBackend` of 2 local worker processes (gloo), each with cores // 2 threads,
+     the batch sharded by tokens and the LoRA gradients all-reduced.
+Reported: training tokens/s of each and their ratio. Then recovery: a worker SIGKILLed while a
+forward_backward call is running; timed from the kill to the death being seen (detect), to the
+group being whole again with the adapter restored and its gradients replayed (restored), and to
+the interrupted call's answer (answered).
+
+    python bench/workers_scaling.py [--model NAME] [--rows 8] [--tokens 256] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DEFAULT = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def batch(rows: int, tokens: int, vocab: int, seed: int) -> list[Any]:
+    from tuneloop.server.engine.types import Example, ForwardBackwardWork
+
+    rng = np.random.default_rng(seed)
+    examples = []
+    for _ in range(rows):
+        sequence = rng.integers(0, vocab, tokens + 1).astype(np.int64)
+        examples.append(
+            Example(
+                sequence[:-1],
+                {"target_tokens": sequence[1:], "weights": np.ones(tokens, np.float32)},
+            )
+        )
+    return [ForwardBackwardWork("bench", tuple(examples), "cross_entropy", {}, False)]
+
+
+def step(backend: Any, work: list[Any]) -> float:
+    from tuneloop.server.engine.types import AdamStep, EngineError
+
+    start = time.perf_counter()
+    [result] = backend.forward_backward(work)
+    if isinstance(result, EngineError):
+        raise result
+    backend.optim_step("bench", AdamStep(1e-4, 0.9, 0.999, 1e-8, 0.0, 1.0))
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=DEFAULT)
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "tuneloop")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    import torch
+
+    from tuneloop.server.engine.torch_backend import TorchBackend
+    from tuneloop.server.engine.types import AdapterSpec
+    from tuneloop.server.engine.workers.build import worker_group
+
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(cores)
+    spec = AdapterSpec("bench", args.model, args.rank, 0)
+    with tempfile.TemporaryDirectory() as state:
+        started = time.perf_counter()
+        single = TorchBackend([args.model], cache_dir=args.cache_dir, device="cpu")
+        single_load_s = time.perf_counter() - started
+        started = time.perf_counter()
+        group = worker_group(
+            (args.model,), workers=2, cache_dir=args.cache_dir, device="cpu", state_dir=Path(state)
+        )
+        group_start_s = time.perf_counter() - started
+        vocab = single.models()[0].vocab_size
+        for backend in (single, group):
+            backend.create_adapter(spec)
+            step(backend, batch(args.rows, args.tokens, vocab, 0))  # warm-up
+        times: dict[str, list[float]] = {"single": [], "group": []}
+        for round_ in range(args.rounds):
+            work = batch(args.rows, args.tokens, vocab, round_ + 1)
+            times["single"].append(step(single, work))
+            times["group"].append(step(group, work))
+        single.close()
+        tokens = args.rows * args.tokens
+        rates = {k: tokens / float(np.median(v)) for k, v in times.items()}
+
+        # Recovery: kill a worker while a call runs on the group.
+        work = batch(args.rows, args.tokens, vocab, 99)
+        answered: list[float] = []
+
+        def call() -> None:
+            group.forward_backward(work)
+            answered.append(time.monotonic())
+
+        thread = threading.Thread(target=call)
+        thread.start()
+        time.sleep(0.3)  # the call is under way (a step takes seconds on SmolLM2)
+        in_flight = thread.is_alive()
+        killed_at = time.monotonic()
+        os.kill(group.worker_pids()[1], signal.SIGKILL)
+        thread.join(timeout=600)
+        deadline = time.monotonic() + 600
+        while group.restarts == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)  # killed between calls: the watchdog restarts the group
+        if not in_flight:
+            call()  # the first request answered after the restart
+        assert group.last_detected_at is not None
+        assert group.last_restored_at is not None
+        recovery = {
+            "detect_s": group.last_detected_at - killed_at,
+            "restore_s": group.last_restored_at - group.last_detected_at,
+            "answer_s": answered[-1] - group.last_restored_at,
+            "kill_to_answer_s": answered[-1] - killed_at,
+        }
+        group.close()
+    report = {
+        "model": args.model,
+        "cores": cores,
+        "global_batch": f"{args.rows} x {args.tokens} tokens",
+        "single_load_s": round(single_load_s, 1),
+        "group_start_s": round(group_start_s, 1),
+        "step_s": {k: [round(x, 3) for x in v] for k, v in times.items()},
+        "tokens_per_s": {k: round(v, 1) for k, v in rates.items()},
+        "ratio_2_workers_vs_1": round(rates["group"] / rates["single"], 3),
+        "recovery": {k: round(v, 2) for k, v in recovery.items()},
+        "killed_during_a_call": in_flight,
+    }
+    print(json.dumps(report, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
