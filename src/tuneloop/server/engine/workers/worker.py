@@ -225,8 +225,8 @@ def process_main(
         while True:
             try:
                 call = receive(conn)
-            except EOFError:  # the group closed the pipe (or the server died): stop
-                break
+            except EOFError:  # the server process died: nothing left to answer or to flush
+                os._exit(0)
             if call is None:
                 break
             send(conn, runtime.handle(call))
