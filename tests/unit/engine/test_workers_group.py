@@ -39,7 +39,7 @@ from tests.unit.engine.conftest import (  # noqa: E402
     work,
 )
 from tuneloop.server.engine.checkpoints import read_factors  # noqa: E402
-from tuneloop.server.engine.types import SampleWork  # noqa: E402
+from tuneloop.server.engine.types import EngineError, SampleWork  # noqa: E402
 
 TOL = 1e-5
 WEIGHT_TOL = 1e-4
@@ -152,6 +152,33 @@ def test_sampling_spread_over_workers_matches_single(group: Any, single: Any) ->
     )
 
 
+def test_load_state_delete_and_disk_samplers_reach_every_rank(group: Any, tmp_path: Path) -> None:
+    data = [example(seq(n, 500 + n)) for n in (25, 11, 6)]
+    group.create_adapter(adapter_spec("ld-src", rank=4, seed=2))
+    ok(group.forward_backward([work("ld-src", data)])[0])
+    group.optim_step("ld-src", adam(1e-2))
+    group.save_state("ld-src", tmp_path / "saved", optimizer=True)
+    group.create_adapter(adapter_spec("ld-dst", rank=4, seed=5))
+    group.load_state("ld-dst", tmp_path / "saved", optimizer=True)
+    for adapter in ("ld-src", "ld-dst"):  # the loaded one continues exactly like its source
+        ok(group.forward_backward([work(adapter, data)])[0])
+        group.optim_step(adapter, adam(1e-2))
+    assert_near(
+        _weights(group, "ld-src", tmp_path / "a"), _weights(group, "ld-dst", tmp_path / "b"), 0.0
+    )
+    group.create_sampler("ld-disk", TINY, weights_dir=tmp_path / "a")
+    group.create_sampler("ld-live", TINY, adapter_id="ld-src")
+    assert [[s.tokens for s in r.sequences] for r in _samples(group, "ld-disk")] == [
+        [s.tokens for s in r.sequences] for r in _samples(group, "ld-live")
+    ]
+    group.delete_adapter("ld-dst")
+    [gone] = group.forward_backward([work("ld-dst", data)])
+    assert isinstance(gone, EngineError)
+    assert gone.category == "user"
+    with pytest.raises(EngineError, match="no adapter"):
+        group.load_state("ld-dst", tmp_path / "saved", optimizer=True)
+
+
 def _wait_for(predicate: Any, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -167,6 +194,9 @@ def test_worker_killed_between_calls_and_during_one(
     for be, prefix in ((group, "k-"), (single, "ks-")):
         be.create_adapter(adapter_spec(prefix + "x", rank=4, seed=7))
         be.create_sampler(prefix + "base", TINY)
+        ok(be.forward_backward([work(prefix + "x", [example(seq(30, 1))])])[0])
+        be.optim_step(prefix + "x", adam(1e-1))
+        be.create_sampler(prefix + "snap", TINY, adapter_id=prefix + "x")  # restored from host
     data = [example(seq(n, 300 + n)) for n in (40, 9, 17)]
     for be, prefix in ((group, "k-"), (single, "ks-")):
         ok(be.forward_backward([work(prefix + "x", data)])[0])
@@ -211,6 +241,9 @@ def test_worker_killed_between_calls_and_during_one(
         WEIGHT_TOL,
         "weights",
     )
+    assert [[s.tokens for s in r.sequences] for r in _samples(group, "k-snap")] == [
+        [s.tokens for s in r.sequences] for r in _samples(single, "ks-snap")
+    ]
     [sampled] = group.sample([SampleWork("k-base", seq(5, 1), 1, 3, 1.0, -1, 1.0, 0, (), ())])
     assert len(ok(sampled).sequences[0].tokens) == 3
     status = (group._state_dir / "workers.json").read_text()

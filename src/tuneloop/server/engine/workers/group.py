@@ -86,8 +86,9 @@ class WorkerGroupBackend:
         return self._placement.size
 
     def worker_pids(self) -> list[int]:
-        with self._lock:
-            return self._placement.pids() if self._placement is not None else []
+        """The current workers' pids (no lock: callable while a call runs)."""
+        placement = self._placement
+        return placement.pids() if placement is not None else []
 
     # ---- life cycle and recovery ----------------------------------------------------------
 

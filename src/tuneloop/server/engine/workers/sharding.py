@@ -111,7 +111,9 @@ def merge_results(
             merged.append(errors[wi])
         else:
             ordered = [logprobs[wi][ei] for ei in range(len(work.examples))]
-            merged.append(ForwardBackwardResult(ordered, _merge_metrics(metrics[wi])))
+            # a request with no examples ran nowhere: a zero loss, as in one process
+            merged_metrics = _merge_metrics(metrics[wi]) if metrics[wi] else {"loss:sum": 0.0}
+            merged.append(ForwardBackwardResult(ordered, merged_metrics))
     partial = {wi for wi in errors if wi in succeeded and not batch[wi].forward_only}
     return merged, partial
 
