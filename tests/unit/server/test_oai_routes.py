@@ -3,6 +3,7 @@ responses, parameters, streaming framing, checkpoints as models, metering, the s
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -237,12 +238,14 @@ async def test_samplers_are_cached_per_model_bounded_and_freed(world: OaiWorld) 
     for done in paths:
         await world.client.completions.create(model=done["path"], prompt=PROMPT, max_tokens=2)
     assert len(cache) == 2  # the least recently used went
+    await asyncio.gather(*cache._deleting)  # freed on the engine thread, nobody waits for it
     held = cache.sampler_ids()
     assert all(s in backend._samplers for s in held)
     assert sum(s.startswith("oai:") for s in backend._samplers) == 2
     # The same model for another tenant is another sampler: nothing is shared across tenants.
     await world.bob.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
     assert len(set(cache.sampler_ids())) == 2
+    assert cache.sampler_ids()[-1] not in held
     await cache.close()
     assert not any(s.startswith("oai:") for s in backend._samplers)
 

@@ -132,6 +132,7 @@ class SamplerCache:
         self.limit = limit
         self._entries: collections.OrderedDict[tuple[str, str], _Entry] = collections.OrderedDict()
         self._creating = asyncio.Lock()
+        self._deleting: set[asyncio.Future[None]] = set()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -144,27 +145,31 @@ class SamplerCache:
         if target.sampler_id is not None:  # the caller's own sampling session
             return target.sampler_id
         key = (tenant, target.key)
-        async with self._creating:  # one creation at a time: two requests never make two
-            entry = self._entries.get(key)
-            if entry is None:
-                digest = hashlib.sha256(f"{tenant}\0{target.key}".encode()).hexdigest()[:20]
-                sampler_id = f"{SESSION}:{digest}"
-                backend = self.engine.backend
-                try:
-                    await self.engine.call(
-                        backend.create_sampler,
-                        sampler_id,
-                        target.spec.name,
-                        weights_dir=target.weights_dir,
-                    )
-                except EngineError as exc:
-                    status = 400 if exc.category == "user" else 500
-                    raise ApiError(status, f"model: {exc}", "model") from None
-                entry = self._entries[key] = _Entry(sampler_id)
-            entry.users += 1
-            self._entries.move_to_end(key)
-            await self._evict()
+        entry = self._entries.get(key)
+        if entry is None:
+            # One creation at a time, so two requests never make two samplers for one model.
+            # Requests for models already here never wait on it: creating runs on the engine
+            # thread, which may be busy with a decode batch for a while.
+            async with self._creating:
+                entry = self._entries.get(key) or await self._create(key, target)
+        entry.users += 1
+        self._entries.move_to_end(key)
+        self._evict()
         return entry.sampler_id
+
+    async def _create(self, key: tuple[str, str], target: Target) -> _Entry:
+        digest = hashlib.sha256("\0".join(key).encode()).hexdigest()[:20]
+        sampler_id = f"{SESSION}:{digest}"
+        backend = self.engine.backend
+        try:
+            await self.engine.call(
+                backend.create_sampler, sampler_id, target.spec.name, weights_dir=target.weights_dir
+            )
+        except EngineError as exc:
+            status = 400 if exc.category == "user" else 500
+            raise ApiError(status, f"model: {exc}", "model") from None
+        entry = self._entries[key] = _Entry(sampler_id)
+        return entry
 
     def release(self, sampler_id: str) -> None:
         for entry in self._entries.values():
@@ -172,14 +177,21 @@ class SamplerCache:
                 entry.users = max(0, entry.users - 1)
                 return
 
-    async def _evict(self) -> None:
-        """Free the least recently used samplers nobody holds, down to the limit."""
+    def _evict(self) -> None:
+        """Free the least recently used samplers nobody holds, down to the limit. The deletion
+        runs on the engine thread after what is queued there (a later creation of the same
+        sampler included, which comes after it), and nobody waits for it."""
         idle = [k for k, e in self._entries.items() if e.users == 0]
         for key in idle[: max(0, len(self._entries) - self.limit)]:
             entry = self._entries.pop(key)
-            await self.engine.call(self.engine.backend.delete_sampler, entry.sampler_id)
+            task = asyncio.ensure_future(
+                self.engine.call(self.engine.backend.delete_sampler, entry.sampler_id)
+            )
+            self._deleting.add(task)
+            task.add_done_callback(self._deleting.discard)
 
     async def close(self) -> None:
+        await asyncio.gather(*self._deleting, return_exceptions=True)
         entries, self._entries = list(self._entries.values()), collections.OrderedDict()
         for entry in entries:
             await self.engine.call(self.engine.backend.delete_sampler, entry.sampler_id)
