@@ -97,7 +97,7 @@ class WorkerGroupBackend:
         try:
             hellos = placement.start()
         except BaseException:
-            placement.stop()
+            placement.stop(graceful=False)
             raise
         self._placement = placement
         self.generation += 1
@@ -126,9 +126,9 @@ class WorkerGroupBackend:
         tmp.write_text(json.dumps(status))
         os.replace(tmp, self._state_dir / "workers.json")
 
-    def _stop_placement(self) -> None:
+    def _stop_placement(self, graceful: bool = False) -> None:
         if self._placement is not None:
-            self._placement.stop()
+            self._placement.stop(graceful)
             self._placement = None
 
     def _recover(self, reason: str) -> None:
@@ -209,7 +209,7 @@ class WorkerGroupBackend:
         self._closing.set()
         self._watchdog.join(timeout=5.0)
         with self._lock:
-            self._stop_placement()
+            self._stop_placement(graceful=True)
 
     # ---- calls to the workers ---------------------------------------------------------------
 

@@ -37,17 +37,15 @@ class Placement(Protocol):
         """Send each rank its call and wait for every reply (raises WorkerDiedError)."""
         ...
 
-    def sentinels(self) -> list[Any]:
-        """Objects `multiprocessing.connection.wait` sees ready when a worker ends ([]: none)."""
-        ...
-
     def dead(self) -> list[int]:
         """Ranks whose worker has ended."""
         ...
 
     def pids(self) -> list[int]: ...
 
-    def stop(self) -> None: ...
+    def stop(self, graceful: bool = True) -> None:
+        """End every worker (graceful: let each finish its call and exit; else kill now)."""
+        ...
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -120,23 +118,21 @@ class LocalPlacement:
                 # A worker this call does not wait on ended: the group's watchdog restarts it.
         return replies
 
-    def sentinels(self) -> list[Any]:
-        return [proc.sentinel for proc in self._procs]
-
     def dead(self) -> list[int]:
         return [rank for rank, proc in enumerate(self._procs) if not proc.is_alive()]
 
     def pids(self) -> list[int]:
         return list(self._pids)
 
-    def stop(self) -> None:
+    def stop(self, graceful: bool = True) -> None:
         """Ask politely, then SIGKILL whoever is left (a survivor of a dead peer may be stuck
-        in a collective)."""
-        for conn in self._conns:
-            with contextlib.suppress(OSError, ValueError):
-                send(conn, None)
-        for proc in self._procs:
-            proc.join(timeout=5.0)
+        in a collective). Not graceful: SIGKILL at once (a restart discards their state)."""
+        if graceful:
+            for conn in self._conns:
+                with contextlib.suppress(OSError, ValueError):
+                    send(conn, None)
+            for proc in self._procs:
+                proc.join(timeout=5.0)
         for proc in self._procs:
             if proc.is_alive() and proc.pid is not None:
                 with contextlib.suppress(ProcessLookupError):

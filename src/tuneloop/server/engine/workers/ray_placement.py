@@ -127,16 +127,13 @@ class RayPlacement:
             replies[rank] = reply if raw else pickle.loads(reply)
         return replies
 
-    def sentinels(self) -> list[Any]:
-        return []
-
     def dead(self) -> list[int]:
         return []  # seen when a call waits on the actor (Ray reports its death to the caller)
 
     def pids(self) -> list[int]:
         return list(self._pids)
 
-    def stop(self) -> None:
+    def stop(self, graceful: bool = True) -> None:
         if not self._actors:
             return
         ray = import_ray()
