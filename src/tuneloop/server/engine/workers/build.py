@@ -41,6 +41,8 @@ def worker_group(
     import torch
 
     gpus = torch.cuda.device_count() if device in (None, "cuda") else 0
+    if gpus and workers > gpus:  # NCCL refuses two ranks on one device
+        raise ValueError(f"--workers {workers} needs {workers} GPUs; this machine has {gpus}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     settings = WorkerSettings(
         models,
