@@ -82,8 +82,7 @@ class WorkerGroupBackend:
 
     @property
     def size(self) -> int:
-        assert self._placement is not None
-        return self._placement.size
+        return self._size
 
     def worker_pids(self) -> list[int]:
         """The current workers' pids (no lock: callable while a call runs)."""
@@ -100,6 +99,7 @@ class WorkerGroupBackend:
             placement.stop(graceful=False)
             raise
         self._placement = placement
+        self._size = placement.size
         self.generation += 1
         log.warning(
             "worker group %d up: %d workers, pids %s, devices %s",
