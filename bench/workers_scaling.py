@@ -1,15 +1,17 @@
 """Worker groups on the CPU: 2 data-parallel workers vs. 1 process, and recovery after a kill.
 
-Engine level, in one run, side by side (rounds alternate between the two so that machine noise
-hits both): the same fixed global batch (ROWS sequences of TOKENS tokens, one LoRA adapter) as
+Engine level, in one run, side by side (rounds alternate between the settings so that machine
+noise hits all): the same fixed global batch (ROWS sequences of TOKENS tokens, one LoRA adapter) as
 forward_backward + optim_step through
-  1. the single-process `TorchBackend` with torch using every core, and
+  1. the single-process `TorchBackend` with torch using every core,
+  1b. the same process with one torch thread (on a shared machine, idle-spinning OpenMP threads
+      of a process using every core can be far slower than one thread: the control), and
   2. a `WorkerGroupBackend` of 2 local worker processes (gloo), each with cores // 2 threads,
      the batch sharded by tokens and the LoRA gradients all-reduced.
-Reported: training tokens/s of each and their ratio. Then recovery: a worker SIGKILLed while a
-forward_backward call is running; timed from the kill to the death being seen (detect), to the
-group being whole again with the adapter restored and its gradients replayed (restored), and to
-the interrupted call's answer (answered).
+Reported: training tokens/s of each and the ratio of the group to the faster single setting.
+Then recovery: a worker SIGKILLed while a forward_backward call is running; timed from the kill
+to the death being seen (detect), to the group being whole again with the adapter restored and
+its gradients replayed (restored), and to the interrupted call's answer (answered).
 
     python bench/workers_scaling.py [--model NAME] [--rows 8] [--tokens 256] [--rounds 3]
 """
@@ -92,10 +94,13 @@ def main() -> None:
         for backend in (single, group):
             backend.create_adapter(spec)
             step(backend, batch(args.rows, args.tokens, vocab, 0))  # warm-up
-        times: dict[str, list[float]] = {"single": [], "group": []}
+        times: dict[str, list[float]] = {"single": [], "single_1_thread": [], "group": []}
         for round_ in range(args.rounds):
             work = batch(args.rows, args.tokens, vocab, round_ + 1)
+            torch.set_num_threads(cores)
             times["single"].append(step(single, work))
+            torch.set_num_threads(1)
+            times["single_1_thread"].append(step(single, work))
             times["group"].append(step(group, work))
         single.close()
         tokens = args.rows * args.tokens
@@ -138,7 +143,9 @@ def main() -> None:
         "group_start_s": round(group_start_s, 1),
         "step_s": {k: [round(x, 3) for x in v] for k, v in times.items()},
         "tokens_per_s": {k: round(v, 1) for k, v in rates.items()},
-        "ratio_2_workers_vs_1": round(rates["group"] / rates["single"], 3),
+        "ratio_2_workers_vs_1": round(
+            rates["group"] / max(rates["single"], rates["single_1_thread"]), 3
+        ),
         "recovery": {k: round(v, 2) for k, v in recovery.items()},
         "killed_during_a_call": in_flight,
     }
