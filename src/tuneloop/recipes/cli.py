@@ -6,6 +6,7 @@ import typer
 
 from tuneloop.recipes.chat_sft import ChatSFTConfig, run_chat_sft
 from tuneloop.recipes.code_rl import CodeRLConfig, run_code_rl
+from tuneloop.recipes.distill import DistillConfig, run_distill
 from tuneloop.recipes.kto import KTOConfig, run_kto
 from tuneloop.recipes.math_rl import MathRLConfig, run_math_rl
 from tuneloop.recipes.run import command
@@ -28,5 +29,12 @@ def recipe_app() -> typer.Typer:
     )
     app.command("kto")(
         command(KTOConfig, run_kto, "KTO from the model's own answers labelled by a verifier.")
+    )
+    app.command("distill")(
+        command(
+            DistillConfig,
+            run_distill,
+            "On-policy distillation from a teacher (reverse-KL per-token advantages).",
+        )
     )
     return app
