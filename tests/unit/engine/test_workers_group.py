@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -40,6 +41,7 @@ from tests.unit.engine.conftest import (  # noqa: E402
 )
 from tuneloop.server.engine.checkpoints import read_factors  # noqa: E402
 from tuneloop.server.engine.types import EngineError, SampleWork  # noqa: E402
+from tuneloop.server.engine.workers.sharding import shard_batch  # noqa: E402
 
 TOL = 1e-5
 WEIGHT_TOL = 1e-4
@@ -177,6 +179,48 @@ def test_load_state_delete_and_disk_samplers_reach_every_rank(group: Any, tmp_pa
     assert gone.category == "user"
     with pytest.raises(EngineError, match="no adapter"):
         group.load_state("ld-dst", tmp_path / "saved", optimizer=True)
+
+
+def test_a_request_failing_on_one_rank_leaves_no_gradient_on_the_other(
+    group: Any, single: Any, tmp_path: Path
+) -> None:
+    """A request whose datums land on both ranks and whose loss is not finite on one of them
+    fails as in one process, and its share of gradients on the other rank is taken back."""
+    good = [example(seq(n, 700 + n)) for n in (29, 6)]
+    bad = [
+        example(seq(30, 800)),
+        example(seq(28, 801), weights=np.full(27, np.inf, np.float32)),
+    ]
+    # the bad request's two datums land on different ranks: only one of them fails
+    shards = shard_batch([work("x", good), work("x", bad)], 2)
+    assert [[p.examples for p in parts if p.work_index == 1] for parts in shards] == [
+        [(0,)],
+        [(1,)],
+    ]
+    for be, prefix in ((group, "f-"), (single, "fs-")):
+        be.create_adapter(adapter_spec(prefix + "x", rank=4, seed=9))
+        ok(be.forward_backward([work(prefix + "x", [example(seq(20, 2))])])[0])
+        be.optim_step(prefix + "x", adam(1e-1))  # B != 0: every factor gets a gradient
+    results = {}
+    for be, prefix in ((group, "f-"), (single, "fs-")):
+        results[prefix] = be.forward_backward([work(prefix + "x", good), work(prefix + "x", bad)])
+        be.optim_step(prefix + "x", adam(1e-2))
+    for prefix in ("f-", "fs-"):
+        assert isinstance(results[prefix][1], EngineError)
+        assert "not finite" in str(results[prefix][1])
+    assert_near(
+        ok(results["f-"][0]).metrics["loss:sum"],
+        ok(results["fs-"][0]).metrics["loss:sum"],
+        TOL,
+        "loss",
+        relative=True,
+    )
+    assert_near(
+        _weights(group, "f-x", tmp_path / "g"),
+        _weights(single, "fs-x", tmp_path / "s"),
+        WEIGHT_TOL,
+        "weights",
+    )
 
 
 def _wait_for(predicate: Any, timeout: float = 60.0) -> None:
