@@ -227,6 +227,10 @@ def test_temperature_zero_and_top_k_one_are_greedy(trained) -> None:
     top1 = sample(trained, [sw("sA", p, max_tokens=10, top_k=1, seed=5)])[0]
     tokens = greedy.sequences[0].tokens
     assert top1.sequences[0].tokens == tokens
+    # Dividing fp32 logits by a temperature this small overflows: greedy too, not NaN draws.
+    for tiny in (1e-300, 1e-40, 1e-6):
+        cold = sample(trained, [sw("sA", p, max_tokens=10, temperature=tiny, top_p=0.9, seed=5)])
+        assert cold[0].sequences[0].tokens == tokens
     dist = full_logprobs(trained, "A", [*map(int, p), *tokens][:-1])[len(p) - 1 :]
     for t, token in enumerate(tokens):
         assert dist[t][token] >= dist[t].max() - 1e-5, (t, token, int(dist[t].argmax()))

@@ -66,6 +66,9 @@ def _filtered(probs: torch.Tensor, work: SampleWork) -> torch.Tensor:
     return probs
 
 
+GREEDY_BELOW = 1e-5
+
+
 def _choose(logits: torch.Tensor, rows: list[_Row], temperature: torch.Tensor) -> list[int]:
     """Next token of every row at once: inverse-CDF draws with one uniform per row.
 
@@ -73,8 +76,10 @@ def _choose(logits: torch.Tensor, rows: list[_Row], temperature: torch.Tensor) -
     its logits only, never on what else shares the batch.
     """
     greedy = torch.argmax(logits, dim=-1)
-    # Greedy rows (temperature 0) divide by 1: their draw is replaced by the argmax below.
-    divisor = torch.where(temperature == 0, torch.ones_like(temperature), temperature)
+    # Temperatures this close to 0 are greedy: dividing fp32 logits by them overflows to inf
+    # (NaN probabilities). Greedy rows divide by 1: their draw is replaced by the argmax below.
+    is_greedy = temperature < GREEDY_BELOW
+    divisor = torch.where(is_greedy, torch.ones_like(temperature), temperature)
     probs = torch.softmax(logits / divisor[:, None], dim=-1)
     for i, row in enumerate(rows):
         if row.work.top_k > 0 or row.work.top_p < 1.0:
@@ -84,7 +89,7 @@ def _choose(logits: torch.Tensor, rows: list[_Row], temperature: torch.Tensor) -
     cdf = probs.cumsum(dim=-1)
     drawn = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[:, -1])[:, None]).squeeze(1)
     drawn = drawn.clamp(max=logits.shape[-1] - 1)
-    chosen = torch.where(temperature == 0, greedy, drawn)
+    chosen = torch.where(is_greedy, greedy, drawn)
     return [int(t) for t in chosen.tolist()]
 
 
