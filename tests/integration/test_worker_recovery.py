@@ -4,7 +4,8 @@ worker SIGKILLed in the middle of a 10-step training loop.
 What must hold: the loop completes without the user's code seeing anything (the server restores
 the group and runs the requests in flight again); the losses and the saved adapter equal those
 of an undisturbed run of the same data on the same server (same sharding, so equal to float32
-rounding: 1e-6); the group was restarted (workers.json in the data dir names the new pids).
+rounding: 1e-6); the group was restarted (workers.json in the data dir names the new pids);
+after 10 steps each adapter's snapshot is on disk too.
 """
 
 from __future__ import annotations
@@ -98,6 +99,14 @@ def test_worker_killed_mid_training_loop(tmp_path: Path) -> None:
         assert want.keys() == got.keys()
         for name in want:
             np.testing.assert_allclose(got[name], want[name], atol=1e-6, err_msg=name)
+        # every 10 optim steps each adapter's state is also on disk, in the checkpoint layout
+        snapshots = sorted((data_dir / "workers" / "snapshots").iterdir())
+        assert len(snapshots) == 2
+        for folder in snapshots:
+            on_disk = load_file(str(folder / "adapter_model.safetensors"))
+            for name in want:
+                np.testing.assert_allclose(on_disk[name], want[name], atol=1e-6, err_msg=name)
+            assert (folder / "optimizer.pt").is_file()
         # the adapters did train: equal untrained weights would prove nothing
         assert max(float(np.abs(v).max()) for k, v in want.items() if "lora_B" in k) > 1e-3
     finally:
