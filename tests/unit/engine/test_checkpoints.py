@@ -282,7 +282,8 @@ def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_merged_smollm2_unties_the_unembedding(smollm2_cache: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    be = TorchBackend([DEFAULT_MODEL], cache_dir=smollm2_cache, device="cpu")
+    # fp32 as the merged export is: on a CPU with bf16 units the default would be bf16.
+    be = TorchBackend([DEFAULT_MODEL], cache_dir=smollm2_cache, device="cpu", dtype=torch.float32)
     base_model = be._runtimes[DEFAULT_MODEL].model
     vocab = int(base_model.get_output_embeddings().weight.shape[0])
     assert base_model.config.tie_word_embeddings
