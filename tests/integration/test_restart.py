@@ -3,16 +3,19 @@ training and started again on the same data dir, database and port, on SQLite an
 
 What must hold: sessions, runs, checkpoints and usage are intact; requests in flight at the kill
 fail with a clear error (410, reason server_restarted) on the next poll, within a bounded time;
-the client loads its last state into a new training run and carries on where it left off.
+the client loads its last state into a new training run and carries on where it left off. The
+same with a worker group (`--workers 2`), whose worker processes exit with their server.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from signal import SIGKILL
 from urllib.parse import urlsplit
 
 import httpx
@@ -71,6 +74,24 @@ def _train(client: tuneloop.TrainingClient, steps: int) -> list[float]:
     return losses
 
 
+def _worker_pids(data_dir: Path) -> list[int]:
+    """The pids of a worker group's processes (none for a single-process engine)."""
+    status = data_dir / "workers" / "workers.json"
+    return [int(p) for p in json.loads(status.read_text())["pids"]] if status.exists() else []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead too: its parent (the killed server) is gone, so init reaps it soon.
+    with contextlib.suppress(OSError):
+        if Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z"):
+            return False
+    return True
+
+
 @pytest.fixture
 def servers() -> Iterator[list[LiveServer]]:
     """Every server a test starts; each is stopped (by pid) when the test ends."""
@@ -80,13 +101,17 @@ def servers() -> Iterator[list[LiveServer]]:
         stop(server.process)
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
 def test_sigkill_mid_training_then_restart(
-    tmp_path: Path, db_url: str, cache_dir: Path, servers: list[LiveServer]
+    tmp_path: Path, db_url: str, cache_dir: Path, servers: list[LiveServer], workers: str
 ) -> None:
+    if workers != "1" and db_url.startswith("postgresql"):
+        pytest.skip("a worker group is run against one database: the registry is the same code")
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     key = create_key(data_dir, "alice")
-    servers.append(_serve(data_dir, key, db_url, cache_dir))
+    group = ("--workers", workers)
+    servers.append(_serve(data_dir, key, db_url, cache_dir, *group))
     first = servers[0]
     service = tuneloop.ServiceClient(base_url=first.url, api_key=key)
     try:
@@ -111,10 +136,16 @@ def test_sigkill_mid_training_then_restart(
         time.sleep(1.0)  # the SDK's heavy submission has gone out and is running
         assert not running.done()
 
-        os.kill(first.process.pid, signal.SIGKILL)
+        old_workers = _worker_pids(data_dir)
+        os.kill(first.process.pid, SIGKILL)
         first.process.wait(30)
+        # A group's workers notice that their server is gone and exit by themselves.
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in old_workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(pid) for pid in old_workers)
         port = str(urlsplit(first.url).port)
-        servers.append(_serve(data_dir, key, db_url, cache_dir, "--port", port))
+        servers.append(_serve(data_dir, key, db_url, cache_dir, "--port", port, *group))
         second = servers[1]
         assert second.url == first.url
 
