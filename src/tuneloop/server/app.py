@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from tuneloop.server.api import client, downloads, futures, oai, rest, sampling, sessions, training
-from tuneloop.server.api.errors import error_response, install
+from tuneloop.server.api.errors import error_response_for, install
 from tuneloop.server.api.metering import Meter, record_completed
 from tuneloop.server.api.packages import run_package_gc
 from tuneloop.server.api.quotas import Quotas
@@ -129,7 +129,8 @@ class BodyLimit:
             await self._reject(scope, receive, send)
 
     async def _reject(self, scope: Any, receive: Any, send: Any) -> None:
-        response = error_response(413, f"request body exceeds {self.max_bytes} bytes", "body")
+        detail = f"request body exceeds {self.max_bytes} bytes"
+        response = error_response_for(scope["path"], 413, detail, "body")
         await response(scope, receive, send)
 
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.unit.server.harness import sampler
-from tests.unit.server.oai_client import MODEL, OaiWorld, oai_world
+from tests.unit.server.oai_client import BASE, MODEL, OaiWorld, oai_world
 from tuneloop.server.scheduler.futures import Outcome
 
 HI = [{"role": "user", "content": "hi"}]
@@ -212,3 +212,16 @@ async def test_the_in_flight_quota_applies(tmp_path: Path) -> None:
         futures.resolve(held, Outcome(b"{}", "application/json"))
         ok = await world.post("completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
         assert ok.status_code == 200, ok.text
+
+
+async def test_oversize_body_is_a_413_in_openais_shape(tmp_path: Path) -> None:
+    async with oai_world(tmp_path, max_request_bytes=2048) as world:
+        big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 4000}]}
+        response = await world.api.http.post(
+            f"{BASE}/chat/completions",
+            json=big,
+            headers={"authorization": f"Bearer {world.api.key}"},
+        )
+        _error(response, 413, "body")
+        reply = await world.client.chat.completions.create(model=MODEL, messages=HI, max_tokens=3)
+        assert reply.choices

@@ -94,6 +94,21 @@ def openai_error_body(
     }
 
 
+def error_response_for(
+    path: str,
+    status: int,
+    detail: str,
+    field: str | None = None,
+    headers: dict[str, str] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> JSONResponse:
+    """The error in the shape the route at `path` speaks (OpenAI's under /oai/)."""
+    if not path.startswith(OPENAI_PREFIX):
+        return error_response(status, detail, field, headers, extra)
+    body = openai_error_body(status, detail, field, extra)
+    return JSONResponse(body, status_code=status, headers=_headers(status, headers))
+
+
 def _respond(
     request: Request,
     status: int,
@@ -102,10 +117,7 @@ def _respond(
     headers: dict[str, str] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> JSONResponse:
-    if not request.url.path.startswith(OPENAI_PREFIX):
-        return error_response(status, detail, field, headers, extra)
-    body = openai_error_body(status, detail, field, extra)
-    return JSONResponse(body, status_code=status, headers=_headers(status, headers))
+    return error_response_for(request.url.path, status, detail, field, headers, extra)
 
 
 def _location(loc: tuple[int | str, ...]) -> str:
