@@ -174,4 +174,14 @@ async def test_cancelled_samplers_stop_in_a_gathered_batch_and_in_the_running_on
     failed = await outcome(futures, request_id)
     assert failed["category"] == "user"
     assert "cancelled" in failed["error"]
+
+    class KeyedWork:  # one request of a shared sampler, cancelled by its own key
+        sampler_id = "shared"
+        cancel_key = "k3"
+
+    keyed = Operation("k3-op", "sample", KeyedWork(), lambda r: None)  # type: ignore[arg-type,return-value]
+    request_id = _arrive(loop, queue, futures, keyed)
+    loop.cancel_samplers(["k3"])
+    assert await loop.step()
+    assert "cancelled" in (await outcome(futures, request_id))["error"]
     await loop.stop()

@@ -101,9 +101,17 @@ class HeldBackend(TorchBackend):
         super().sample_continuous(batch, admit, held, cancelled)
 
 
-async def _asgi_stream(app: Any, key: str, body: dict[str, Any], on_event: Any) -> None:
+async def _asgi_stream(
+    app: Any,
+    key: str,
+    body: dict[str, Any],
+    on_event: Any,
+    gone: asyncio.Event | None = None,
+    path: str = "/oai/api/v1/chat/completions",
+) -> None:
     """POST a streamed request straight to the ASGI app, calling `on_event` with each server-sent
-    event as the app sends it (httpx's ASGITransport would hand over the body only at the end)."""
+    event as the app sends it (httpx's ASGITransport would hand over the body only at the end).
+    Setting `gone` disconnects the client."""
     raw = json.dumps(body).encode()
     scope = {
         "type": "http",
@@ -111,8 +119,8 @@ async def _asgi_stream(app: Any, key: str, body: dict[str, Any], on_event: Any) 
         "http_version": "1.1",
         "method": "POST",
         "scheme": "http",
-        "path": "/oai/api/v1/chat/completions",
-        "raw_path": b"/oai/api/v1/chat/completions",
+        "path": path,
+        "raw_path": path.encode(),
         "query_string": b"",
         "root_path": "",
         "headers": [
@@ -125,7 +133,7 @@ async def _asgi_stream(app: Any, key: str, body: dict[str, Any], on_event: Any) 
         "server": ("tuneloop", 80),
     }
     sent = False
-    done = asyncio.Event()
+    done = gone or asyncio.Event()
 
     async def receive() -> dict[str, Any]:
         nonlocal sent
@@ -180,3 +188,58 @@ async def test_a_streamed_reply_reaches_the_client_while_the_request_runs(tmp_pa
         )
         whole = (await world.post("chat/completions", body)).json()
         assert text == whole["choices"][0]["message"]["content"]
+
+
+class RecordingBackend(TorchBackend):
+    """Records every sampling request's answer as the engine delivers it."""
+
+    answers: list[tuple[SampleWork, Any]]
+
+    def sample_continuous(
+        self,
+        batch: Sequence[SampleWork],
+        admit: Callable[[], Sequence[SampleWork]],
+        deliver: Callable[[SampleWork, Any], None],
+        cancelled: Callable[[], Collection[str]] = frozenset,
+    ) -> None:
+        def recorded(work: SampleWork, result: Any) -> None:
+            self.answers.append((work, result))
+            deliver(work, result)
+
+        super().sample_continuous(batch, admit, recorded, cancelled)
+
+
+async def test_a_client_that_goes_away_mid_stream_stops_its_request(tmp_path: Path) -> None:
+    backend = RecordingBackend((TINY,), cache_dir=tmp_path / "cache", device="cpu")
+    backend.answers = []
+    max_tokens = 400  # the greedy reply runs to the limit: only cancelling ends it early
+    body = {"model": TINY, "prompt": [5, 17, 33], "max_tokens": max_tokens, "temperature": 0}
+    gone = asyncio.Event()
+    events: list[Any] = []
+
+    def on_event(event: dict[str, Any]) -> None:
+        events.append(event)
+        if len(events) >= 3:
+            gone.set()  # the client hangs up after three chunks
+
+    async with oai_world(tmp_path, backend=backend) as world:
+        await _asgi_stream(
+            world.app,
+            world.api.key,
+            {**body, "stream": True},
+            on_event,
+            gone,
+            "/oai/api/v1/completions",
+        )
+        for _ in range(600):  # the engine answers the request at its next decode step
+            if backend.answers:
+                break
+            await asyncio.sleep(0.05)
+        [(work, answer)] = backend.answers
+        assert work.cancel_key is not None
+        assert not isinstance(answer, SampleResult), answer
+        assert "cancelled" in str(answer)
+        # The server carries on; the same request run to its end does go to the limit.
+        whole = (await world.post("completions", body)).json()
+        assert whole["usage"]["completion_tokens"] == max_tokens
+        assert whole["choices"][0]["finish_reason"] == "length"

@@ -36,6 +36,7 @@ from tuneloop.server.engine.models import LoadedModel, default_dtype, load_model
 from tuneloop.server.engine.optim import AdapterOptimizer
 from tuneloop.server.engine.packing import enable_packing, packed_positions, packed_segments
 from tuneloop.server.engine.types import (
+    CANCELLED,
     AdamStep,
     AdapterSpec,
     EngineError,
@@ -494,7 +495,7 @@ class TorchBackend:
 
 
 def _cancelled() -> EngineError:
-    return EngineError("cancelled: the sampler's session ended", "user")
+    return EngineError(CANCELLED, "user")
 
 
 def _width(work: SampleWork) -> int:
@@ -579,7 +580,7 @@ class _DecodeRun:
         used = sum(b.kv_bound() for b in self.buckets)
         gone = self.cancelled()
         for work in works:
-            if work.sampler_id in gone:
+            if work.cancelled_by(gone):
                 self.deliver(work, _cancelled())
                 continue
             owner = self.backend._samplers.get(work.sampler_id)
@@ -650,10 +651,10 @@ class _DecodeRun:
         if not gone:
             return
         for bucket in self.buckets:
-            for request in bucket.batch.drop(lambda work: work.sampler_id in gone):
+            for request in bucket.batch.drop(lambda work: work.cancelled_by(gone)):
                 self.running.pop(id(request.work), None)
                 self.deliver(request.work, _cancelled())
         for work in self.later:
-            if work.sampler_id in gone:
+            if work.cancelled_by(gone):
                 self.deliver(work, _cancelled())
-        self.later = [w for w in self.later if w.sampler_id not in gone]
+        self.later = [w for w in self.later if not w.cancelled_by(gone)]

@@ -5,7 +5,7 @@ The API converts wire types to these once; the engine trusts them (already valid
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -84,6 +84,10 @@ TopkRow = list[tuple[int, float]] | None
 TokenHook = Callable[[int, int, float, TopkRow], None]
 
 
+# The error of a sampling request cancelled mid-way: its session ended or its caller went away.
+CANCELLED = "cancelled: the request's session ended or its caller went away"
+
+
 @dataclass(frozen=True)
 class SampleWork:
     sampler_id: str
@@ -102,6 +106,13 @@ class SampleWork:
     # Streaming: backends that decode step by step call it per token; others never do (the
     # result still arrives whole), so a caller must not depend on it.
     on_token: TokenHook | None = field(default=None, compare=False, repr=False)
+    # Cancelling this key drops this request as cancelling its sampler drops all of the
+    # sampler's (a caller that went away; several requests may share one sampler).
+    cancel_key: str | None = None
+
+    def cancelled_by(self, gone: Collection[str]) -> bool:
+        """Whether the ids in `gone` (cancelled samplers and cancel keys) name this request."""
+        return self.sampler_id in gone or (self.cancel_key is not None and self.cancel_key in gone)
 
     def __getstate__(self) -> dict[str, object]:
         # The hook stays in this process: work sent to a worker process goes without it (it

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from tuneloop.server.engine.backend import Backend, ContinuousSampling
-from tuneloop.server.engine.types import EngineError
+from tuneloop.server.engine.types import CANCELLED, EngineError
 from tuneloop.server.scheduler.futures import FutureTable, Outcome
 from tuneloop.server.scheduler.queue import Batch, Operation, OperationQueue
 
@@ -97,11 +97,12 @@ class EngineLoop:
             self._arrivals[kind] += 1
         self._wake.set()
 
-    def cancel_samplers(self, sampler_ids: Iterable[str]) -> None:
-        """Stop the samplers' requests wherever they are past the queue: a gathering batch
-        fails them before it runs, a running decode batch drops their rows at its next step."""
+    def cancel_samplers(self, ids: Iterable[str]) -> None:
+        """Stop the requests of these samplers (or with these `SampleWork.cancel_key`s) wherever
+        they are past the queue: a gathering batch fails them before it runs, a running decode
+        batch drops their rows at its next step."""
         now = time.monotonic()
-        self._cancelled_at.update((sampler_id, now) for sampler_id in sampler_ids)
+        self._cancelled_at.update((i, now) for i in ids)
         self._cancelled_at = {
             k: t for k, t in self._cancelled_at.items() if now - t < CANCEL_MEMORY_S
         }
@@ -112,8 +113,9 @@ class EngineLoop:
             return
         kept = []
         for op in batch.ops:
-            if getattr(op.work, "sampler_id", None) in self._cancelled:
-                self._publish(op, EngineError("cancelled: the sampler's session ended", "user"))
+            ids = (getattr(op.work, "sampler_id", None), getattr(op.work, "cancel_key", None))
+            if any(i is not None and i in self._cancelled for i in ids):
+                self._publish(op, EngineError(CANCELLED, "user"))
             else:
                 kept.append(op)
         batch.ops[:] = kept

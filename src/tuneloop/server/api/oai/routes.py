@@ -147,10 +147,11 @@ async def chat_completions(request: Request, state: State, tenant: Tenant) -> An
     )
     reply = _Reply("chatcmpl", "chat.completion", body.model, generation, chat=True)
     if plan.stream:
-        return _streaming(reply.stream(), release)
+        return _streaming(reply.stream(), generation, release)
     try:
         return await reply.whole()
-    finally:
+    finally:  # a failed prompt or a cancelled handler: the other prompts need not run on
+        generation.cancel()
         release()
 
 
@@ -170,19 +171,23 @@ async def completions(request: Request, state: State, tenant: Tenant) -> Any:
     )
     reply = _Reply("cmpl", "text_completion", body.model, generation, chat=False)
     if plan.stream:
-        return _streaming(reply.stream(), release)
+        return _streaming(reply.stream(), generation, release)
     try:
         return await reply.whole()
-    finally:
+    finally:  # a failed prompt or a cancelled handler: the other prompts need not run on
+        generation.cancel()
         release()
 
 
-def _streaming(events: AsyncIterator[bytes], release: Callable[[], None]) -> StreamingResponse:
+def _streaming(
+    events: AsyncIterator[bytes], generation: Generation, release: Callable[[], None]
+) -> StreamingResponse:
     async def body() -> AsyncIterator[bytes]:
         try:
             async for event in events:
                 yield event
-        finally:  # also when the client goes away mid-stream
+        finally:  # also when the client goes away mid-stream: then its requests stop too
+            generation.cancel()
             release()
 
     headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}

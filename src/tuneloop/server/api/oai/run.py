@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,8 @@ class Generation:
         ]
         self.results: list[SampleResult | None] = [None] * len(prompts)
         self.request_ids: list[str] = []
+        # One key cancels every prompt's request when the caller goes away (see `cancel`).
+        self.cancel_key = f"oai-{secrets.token_hex(12)}"
         self.changed: set[int] = set()  # choices that got tokens since last looked at
         self._wake = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -93,6 +96,7 @@ class Generation:
                     stop_strings=plan.stop,
                     topk_sample_logprobs=plan.logprobs or 0,
                     on_token=hook if plan.stream else None,
+                    cancel_key=self.cancel_key,
                 )
             )
 
@@ -104,6 +108,16 @@ class Generation:
             self.request_ids.append(request_id)
             state.queue.submit_sample(Operation(request_id, "sample", work, self._finisher(p)))
         state.engine.notify("sample")
+
+    @property
+    def finished(self) -> bool:
+        return all(result is not None for result in self.results)
+
+    def cancel(self) -> None:
+        """The caller went away: its requests still queued or decoding stop at the next step
+        instead of running to max_tokens (nobody would read them)."""
+        if self.request_ids and not self.finished:
+            self.state.engine.cancel_samplers([self.cancel_key])
 
     def _finisher(self, p: int) -> Any:
         def finish(result: SampleResult) -> Outcome:
