@@ -109,17 +109,6 @@ def error_response_for(
     return JSONResponse(body, status_code=status, headers=_headers(status, headers))
 
 
-def _respond(
-    request: Request,
-    status: int,
-    detail: str,
-    field: str | None = None,
-    headers: dict[str, str] | None = None,
-    extra: dict[str, Any] | None = None,
-) -> JSONResponse:
-    return error_response_for(request.url.path, status, detail, field, headers, extra)
-
-
 def _location(loc: tuple[int | str, ...]) -> str:
     parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
     out = ""
@@ -131,14 +120,18 @@ def _location(loc: tuple[int | str, ...]) -> str:
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return _respond(request, exc.status, exc.detail, exc.field, exc.headers, exc.extra)
+        return error_response_for(
+            request.url.path, exc.status, exc.detail, exc.field, exc.headers, exc.extra
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
         field = _location(tuple(first.get("loc", ())))
-        return _respond(request, 400, f"{field}: {first.get('msg', 'invalid')}", field)
+        return error_response_for(
+            request.url.path, 400, f"{field}: {first.get('msg', 'invalid')}", field
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _respond(request, exc.status_code, str(exc.detail))
+        return error_response_for(request.url.path, exc.status_code, str(exc.detail))

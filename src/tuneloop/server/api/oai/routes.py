@@ -146,13 +146,7 @@ async def chat_completions(request: Request, state: State, tenant: Tenant) -> An
         request, state, tenant, target, text, [prompt], plan, text.turn_ids, "messages"
     )
     reply = _Reply("chatcmpl", "chat.completion", body.model, generation, chat=True)
-    if plan.stream:
-        return _streaming(reply.stream(), generation, release)
-    try:
-        return await reply.whole()
-    finally:  # a failed prompt or a cancelled handler: the other prompts need not run on
-        generation.cancel()
-        release()
+    return await _answer(reply, release)
 
 
 @router.post("/completions", openapi_extra=json_body(CompletionRequest))
@@ -170,7 +164,13 @@ async def completions(request: Request, state: State, tenant: Tenant) -> Any:
         request, state, tenant, target, text, prompts, plan, text.eos_ids, "prompt"
     )
     reply = _Reply("cmpl", "text_completion", body.model, generation, chat=False)
-    if plan.stream:
+    return await _answer(reply, release)
+
+
+async def _answer(reply: _Reply, release: Callable[[], None]) -> Any:
+    """The whole response, or a stream of chunks; either way the sampler is released after."""
+    generation = reply.generation
+    if generation.plan.stream:
         return _streaming(reply.stream(), generation, release)
     try:
         return await reply.whole()
