@@ -69,6 +69,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 0 (0: no limit), got {getattr(self, name)}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if (self.workers > 1 or self.ray_address is not None) and self.backend != "torch":
+            raise ValueError("--workers > 1 and --ray-address need the torch backend")
         if self.expiry_check_s <= 0:
             raise ValueError(f"expiry_check_s must be > 0, got {self.expiry_check_s}")
 

@@ -453,3 +453,10 @@ def test_serve_then_usage_of_what_a_client_did(tmp_path: Path) -> None:
         assert stop(live.process) == 0
     report = run("usage", "--session", session_id, *data(tmp_path), "--json")
     assert json.loads(report.stdout)[0]["totals"] == usage.totals.model_dump()
+
+
+def test_serve_refuses_a_worker_group_without_the_torch_engine(tmp_path: Path) -> None:
+    for flags in (("--workers", "2"), ("--ray-address", "auto")):
+        result = run("serve", "--backend", "fake", *data(tmp_path), *flags)
+        assert result.exit_code == 2
+        assert "need the torch backend" in result.output

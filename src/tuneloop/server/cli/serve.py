@@ -13,9 +13,11 @@ from typing import Annotated, Any
 import typer
 
 from tuneloop.server.cli.common import (
+    EXIT_USAGE,
     DataDirOption,
     DbUrlOption,
     KeysFileOption,
+    fail,
     need_server_extra,
 )
 from tuneloop.server.config import ServerConfig
@@ -169,27 +171,30 @@ def serve(
     except ImportError as exc:
         need_server_extra(exc)
 
-    config = ServerConfig.from_env(
-        host=host,
-        port=port,
-        data_dir=data_dir,
-        db_url=db_url,
-        keys_file=keys_file,
-        backend=backend.value,
-        models=tuple(models or ()) or None,
-        device=device,
-        dtype=dtype.value if dtype is not None else None,
-        cache_dir=cache_dir,
-        long_poll_s=long_poll_s,
-        max_sessions=max_sessions,
-        max_inflight=max_inflight,
-        session_ttl_s=session_ttl_s,
-        expiry_check_s=expiry_check_s,
-        workers=workers,
-        ray_address=ray_address,
-        ray_cpus_per_worker=ray_cpus_per_worker,
-        ray_gpus_per_worker=ray_gpus_per_worker,
-    )
+    try:
+        config = ServerConfig.from_env(
+            host=host,
+            port=port,
+            data_dir=data_dir,
+            db_url=db_url,
+            keys_file=keys_file,
+            backend=backend.value,
+            models=tuple(models or ()) or None,
+            device=device,
+            dtype=dtype.value if dtype is not None else None,
+            cache_dir=cache_dir,
+            long_poll_s=long_poll_s,
+            max_sessions=max_sessions,
+            max_inflight=max_inflight,
+            session_ttl_s=session_ttl_s,
+            expiry_check_s=expiry_check_s,
+            workers=workers,
+            ray_address=ray_address,
+            ray_cpus_per_worker=ray_cpus_per_worker,
+            ray_gpus_per_worker=ray_gpus_per_worker,
+        )
+    except ValueError as exc:  # settings that do not go together: a usage error, not a traceback
+        fail(str(exc), EXIT_USAGE)
     run_server(create_app(config), config, parent_pid=parent_pid)
 
 
