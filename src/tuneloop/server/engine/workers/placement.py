@@ -70,6 +70,16 @@ def worker_context() -> Any:  # a ForkServerContext or SpawnContext (POSIX-only 
     return multiprocessing.get_context("spawn")
 
 
+def accept_hellos(hellos: Mapping[int, Any], size: int) -> tuple[list[int], list[Any]]:
+    """The workers' start-up answers in rank order and their pids; a worker that could not
+    start fails the group's start."""
+    failed = [h for h in hellos.values() if isinstance(h, Failure)]
+    if failed:
+        raise WorkerDiedError(0, failed[0].error.message)
+    ordered = [hellos[rank] for rank in range(size)]
+    return [int(hello["pid"]) for hello in ordered], ordered
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -103,11 +113,8 @@ class LocalPlacement:
             self._procs.append(proc)
             self._conns.append(parent)
         hellos = self._wait(dict.fromkeys(range(self.size)), START_TIMEOUT_S)
-        failed = [h for h in hellos.values() if isinstance(h, Failure)]
-        if failed:
-            raise WorkerDiedError(0, failed[0].error.message)
-        self._pids = [int(hellos[rank]["pid"]) for rank in range(self.size)]
-        return [hellos[rank] for rank in range(self.size)]
+        self._pids, ordered = accept_hellos(hellos, self.size)
+        return ordered
 
     def call(self, calls: Mapping[int, Call]) -> dict[int, Any]:
         for rank, call in calls.items():

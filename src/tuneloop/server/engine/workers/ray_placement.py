@@ -12,8 +12,8 @@ import pickle
 from collections.abc import Mapping
 from typing import Any
 
-from tuneloop.server.engine.workers.placement import START_TIMEOUT_S, free_port
-from tuneloop.server.engine.workers.protocol import Call, Failure, WorkerDiedError
+from tuneloop.server.engine.workers.placement import START_TIMEOUT_S, accept_hellos, free_port
+from tuneloop.server.engine.workers.protocol import Call, WorkerDiedError
 from tuneloop.server.engine.workers.worker import WorkerRuntime, WorkerSettings
 
 
@@ -91,11 +91,8 @@ class RayPlacement:
             },
             START_TIMEOUT_S,
         )
-        failed = [h for h in hellos.values() if isinstance(h, Failure)]
-        if failed:
-            raise WorkerDiedError(0, failed[0].error.message)
-        self._pids = [int(hellos[rank]["pid"]) for rank in range(self.size)]
-        return [hellos[rank] for rank in range(self.size)]
+        self._pids, ordered = accept_hellos(hellos, self.size)
+        return ordered
 
     def call(self, calls: Mapping[int, Call]) -> dict[int, Any]:
         return self._get(
