@@ -45,6 +45,13 @@ KeysFileOption = Annotated[
         show_default=False,
     ),
 ]
+# What every command that serves takes (`serve`, `deploy`).
+HostOption = Annotated[str, typer.Option(help="Interface to listen on.")]
+PortOption = Annotated[int, typer.Option(help="Port to listen on; 0 lets the OS pick one.")]
+DeviceOption = Annotated[
+    str | None,
+    typer.Option(help="Torch device (default: cuda if present, else cpu).", show_default=False),
+]
 JsonOption = Annotated[
     bool, typer.Option("--json", help="Print JSON to stdout (for scripts) instead of rows.")
 ]

@@ -16,7 +16,10 @@ from tuneloop.server.cli.common import (
     EXIT_USAGE,
     DataDirOption,
     DbUrlOption,
+    DeviceOption,
+    HostOption,
     KeysFileOption,
+    PortOption,
     fail,
     need_server_extra,
 )
@@ -34,8 +37,8 @@ class DtypeName(StrEnum):
 
 
 def serve(
-    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on; 0 lets the OS pick one.")] = 8000,
+    host: HostOption = "127.0.0.1",
+    port: PortOption = 8000,
     data_dir: DataDirOption = None,
     db_url: DbUrlOption = None,
     keys_file: KeysFileOption = None,
@@ -54,10 +57,7 @@ def serve(
             show_default=False,
         ),
     ] = None,
-    device: Annotated[
-        str | None,
-        typer.Option(help="Torch device (default: cuda if present, else cpu).", show_default=False),
-    ] = None,
+    device: DeviceOption = None,
     dtype: Annotated[
         DtypeName | None,
         typer.Option(
