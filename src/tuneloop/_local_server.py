@@ -64,8 +64,18 @@ def start_server(
     args += ["--long-poll-s", "5", "--backend", backend, "--parent-pid", str(os.getpid())]
     for model in models:
         args += ["--model", model]
+    process, url, _printed = launch([*args, *extra], ready_timeout_s)
+    return LiveServer(url, key, data_dir, process)
+
+
+def launch(
+    args: list[str], ready_timeout_s: float = READY_TIMEOUT_S
+) -> tuple[subprocess.Popen[str], str, str]:
+    """Run `tuneloop ARGS`, a command that prints `tuneloop serving at URL` once it accepts
+    requests (`serve`, `deploy`), and wait for that: (process, URL, what it printed until then).
+    A command that exits or is not ready in time is stopped and raises RuntimeError."""
     process = subprocess.Popen(
-        _tuneloop(*args, *extra),
+        _tuneloop(*args),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -75,11 +85,11 @@ def start_server(
     # Keep reading the server's output for its whole life: a full pipe would block it.
     threading.Thread(target=_drain, args=(process.stdout, lines), daemon=True).start()
     try:
-        url = _wait_ready(lines, ready_timeout_s)
+        url, printed = _wait_ready(lines, ready_timeout_s)
     except BaseException:
         stop(process)
         raise
-    return LiveServer(url, key, data_dir, process)
+    return process, url, printed
 
 
 @contextmanager
@@ -96,7 +106,7 @@ def live_server(
         stop(server.process)
 
 
-def _wait_ready(lines: queue.Queue[str | None], timeout: float) -> str:
+def _wait_ready(lines: queue.Queue[str | None], timeout: float) -> tuple[str, str]:
     deadline = time.monotonic() + timeout
     seen: list[str] = []
     while time.monotonic() < deadline:
@@ -108,7 +118,7 @@ def _wait_ready(lines: queue.Queue[str | None], timeout: float) -> str:
             break
         seen.append(line)
         if line.startswith("tuneloop serving at "):
-            return line.split(" at ", 1)[1].strip()
+            return line.split(" at ", 1)[1].strip(), "".join(seen)
     raise RuntimeError("server did not become ready:\n" + "".join(seen[-40:]))
 
 

@@ -7,11 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import subprocess
-import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +19,7 @@ from typer.testing import CliRunner
 
 import tuneloop
 from tuneloop import AdamParams, Datum, ModelInput
-from tuneloop._local_server import _drain, live_server, stop
+from tuneloop._local_server import launch, live_server, stop
 from tuneloop.cli import build_app
 from tuneloop.server.cli.deploy import _merged_checkpoint
 from tuneloop.server.config import ServerConfig
@@ -46,29 +42,7 @@ def _deploy(source: str, data_dir: Path, *extra: str) -> tuple[subprocess.Popen[
     args = ["deploy", source, "--port", "0", "--data-dir", str(data_dir), "--device", "cpu"]
     # fp32 as the training server ran the tiny model (a folder would get bf16 on AMX CPUs).
     args += ["--dtype", "float32"]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tuneloop", *args, "--parent-pid", str(os.getpid()), *extra],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    lines: queue.Queue[str | None] = queue.Queue(maxsize=1000)
-    threading.Thread(target=_drain, args=(process.stdout, lines), daemon=True).start()
-    seen: list[str] = []
-    deadline = time.monotonic() + READY_S
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=0.5)
-        except queue.Empty:
-            continue
-        if line is None:
-            break
-        seen.append(line)
-        if line.startswith("tuneloop serving at "):
-            return process, line.split(" at ", 1)[1].strip(), "".join(seen)
-    stop(process)
-    raise AssertionError("deploy did not become ready:\n" + "".join(seen))
+    return launch([*args, "--parent-pid", str(os.getpid()), *extra], READY_S)
 
 
 def _packages(data_dir: Path) -> list[dict[str, object]]:
