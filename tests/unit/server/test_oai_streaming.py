@@ -81,11 +81,16 @@ def test_the_token_hook_sees_every_token_before_the_result(tmp_path: Path) -> No
     assert pickle.loads(pickle.dumps(work)).on_token is None
 
 
-class HeldBackend(TorchBackend):
-    """Holds each finished result until `release` is set, so a test can see what the client got
-    while the request was still running."""
+class WatchedBackend(TorchBackend):
+    """Records every sampling request's answer as the engine delivers it and, while `release`
+    is given and not set, holds it back, so a test can see what the client got while the
+    request was still running."""
 
-    release: threading.Event
+    release: threading.Event | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.answers: list[tuple[SampleWork, Any]] = []
 
     def sample_continuous(
         self,
@@ -94,11 +99,13 @@ class HeldBackend(TorchBackend):
         deliver: Callable[[SampleWork, Any], None],
         cancelled: Callable[[], Collection[str]] = frozenset,
     ) -> None:
-        def held(work: SampleWork, result: Any) -> None:
-            self.release.wait(timeout=30)
+        def watched(work: SampleWork, result: Any) -> None:
+            if self.release is not None:
+                self.release.wait(timeout=30)
+            self.answers.append((work, result))
             deliver(work, result)
 
-        super().sample_continuous(batch, admit, held, cancelled)
+        super().sample_continuous(batch, admit, watched, cancelled)
 
 
 async def _asgi_stream(
@@ -157,8 +164,8 @@ async def _asgi_stream(
 
 
 async def test_a_streamed_reply_reaches_the_client_while_the_request_runs(tmp_path: Path) -> None:
-    backend = HeldBackend((TINY,), cache_dir=tmp_path / "cache", device="cpu")
-    backend.release = threading.Event()
+    backend = WatchedBackend((TINY,), cache_dir=tmp_path / "cache", device="cpu")
+    release = backend.release = threading.Event()
     body = {
         "model": TINY,
         "messages": [{"role": "user", "content": "hi"}],
@@ -170,15 +177,15 @@ async def test_a_streamed_reply_reaches_the_client_while_the_request_runs(tmp_pa
     after: list[Any] = []
 
     def on_event(event: dict[str, Any]) -> None:
-        (after if backend.release.is_set() else before).append(event)
+        (after if release.is_set() else before).append(event)
         if sum(1 for e in before if e["choices"] and e["choices"][0]["logprobs"]) >= 3:
-            backend.release.set()  # three tokens' chunks arrived while the result was held
+            release.set()  # three tokens' chunks arrived while the result was held
 
     async with oai_world(tmp_path, backend=backend) as world:
         try:
             await _asgi_stream(world.app, world.api.key, {**body, "stream": True}, on_event)
         finally:
-            backend.release.set()
+            release.set()
         streamed = [e for e in before if e["choices"] and e["choices"][0]["logprobs"]]
         assert len(streamed) >= 3
         assert all(e["choices"][0]["finish_reason"] is None for e in before if e["choices"])
@@ -190,28 +197,8 @@ async def test_a_streamed_reply_reaches_the_client_while_the_request_runs(tmp_pa
         assert text == whole["choices"][0]["message"]["content"]
 
 
-class RecordingBackend(TorchBackend):
-    """Records every sampling request's answer as the engine delivers it."""
-
-    answers: list[tuple[SampleWork, Any]]
-
-    def sample_continuous(
-        self,
-        batch: Sequence[SampleWork],
-        admit: Callable[[], Sequence[SampleWork]],
-        deliver: Callable[[SampleWork, Any], None],
-        cancelled: Callable[[], Collection[str]] = frozenset,
-    ) -> None:
-        def recorded(work: SampleWork, result: Any) -> None:
-            self.answers.append((work, result))
-            deliver(work, result)
-
-        super().sample_continuous(batch, admit, recorded, cancelled)
-
-
 async def test_a_client_that_goes_away_mid_stream_stops_its_request(tmp_path: Path) -> None:
-    backend = RecordingBackend((TINY,), cache_dir=tmp_path / "cache", device="cpu")
-    backend.answers = []
+    backend = WatchedBackend((TINY,), cache_dir=tmp_path / "cache", device="cpu")
     max_tokens = 400  # the greedy reply runs to the limit: only cancelling ends it early
     body = {"model": TINY, "prompt": [5, 17, 33], "max_tokens": max_tokens, "temperature": 0}
     gone = asyncio.Event()
