@@ -1,0 +1,176 @@
+"""LoRA on fused mixture-of-experts weights (transformers 5 `*Experts` modules).
+
+transformers 5 stores an MoE layer's experts as two 3-D parameters, `gate_up_proj` and
+`down_proj`: [E, out, in] (Qwen3-MoE, DeepSeek-V3, GLM-4-MoE) or, with `is_transposed`,
+[E, in, out] (GPT-OSS, which adds biases and an interleaved clamped SwiGLU). `LoRAExperts`
+wraps such a module and gives each of the two parameters per-expert factors
+(A [E, r, in], B [E, out, r] per slot, one `ExpertFactors` child each). With no adapter routed
+the wrapped module runs as it is (whatever experts kernel transformers picked); with one, each
+hit expert's tokens are gathered once and go through the expert's frozen weights plus its own
+low-rank delta, so a token's delta comes only from the experts its (frozen) router chose, and a
+token's adapter comes from the routing, like every other layer. The loop is over experts (and,
+within one, over the adapters present), never over tokens.
+
+On disk the factors take PEFT's `target_parameters` layout (`ParamWrapper`): lora_A.weight
+[E*r, in] with expert e's rows at e*r..(e+1)*r, lora_B.weight [out, r*E] with column j*E+e
+holding expert e's column j (`to_peft` / `from_peft`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from tuneloop.server.engine.lora.routing import RoutingContext
+from tuneloop.server.engine.lora.slots import Slotted
+
+__all__ = ["EXPERT_PARAMETERS", "ExpertFactors", "LoRAExperts", "is_fused_experts"]
+
+# In declaration order, which is also the order PEFT nests its ParamWrappers in.
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    return all(
+        isinstance(getattr(module, name, None), nn.Parameter)
+        and getattr(module, name).dim() == 3
+        for name in EXPERT_PARAMETERS
+    )
+
+
+def unsupported_experts_reason(module: nn.Module) -> str | None:
+    """Why `LoRAExperts` cannot reproduce this experts module's forward, or None."""
+    if not callable(getattr(module, "_apply_gate", None)):
+        return "it has no _apply_gate (not a transformers 5 experts module)"
+    if not getattr(module, "has_gate", True):
+        return "it has no gate projection"
+    if getattr(module, "has_post_expert_norm", False):
+        return "it applies a norm after each expert"
+    return None
+
+
+class ExpertFactors(Slotted):
+    """Per-slot, per-expert factors of one 3-D expert parameter."""
+
+    def __init__(
+        self, param: nn.Parameter, transposed: bool, slot_of: Mapping[str, str], ctx: RoutingContext
+    ) -> None:
+        super().__init__(slot_of, ctx)
+        experts, first, second = param.shape
+        self._param = [param]  # a plain list: the frozen weight is not this module's parameter
+        self.num_experts = experts
+        self.in_features, self.out_features = (first, second) if transposed else (second, first)
+
+    def _base_parameters(self) -> Iterator[torch.Tensor]:
+        yield self._param[0]
+
+    def factor_shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (self.num_experts, rank, self.in_features), (self.num_experts, self.out_features, rank)
+
+    def to_peft(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        experts, rank, _ = a.shape
+        return a.reshape(experts * rank, -1), b.permute(1, 2, 0).reshape(-1, rank * experts)
+
+    def from_peft(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        experts = self.num_experts
+        rank = a.shape[0] // experts
+        return (
+            a.reshape(experts, rank, a.shape[-1]),
+            b.reshape(b.shape[0], rank, experts).permute(2, 0, 1).contiguous(),
+        )
+
+    def delta(
+        self,
+        x: torch.Tensor,
+        expert: int,
+        present: Sequence[tuple[torch.Tensor, torch.Tensor, float] | None],
+        token_keys: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """The delta for `x` (tokens routed to `expert`), each token with its adapter."""
+        if token_keys is None:  # one adapter for every token
+            item = present[0]
+            return None if item is None else _expert_delta(x, item, expert)
+        out: torch.Tensor | None = None
+        for index, item in enumerate(present):
+            if item is None:
+                continue
+            rows = (token_keys == index).nonzero().squeeze(1)
+            if rows.numel() == 0:
+                continue
+            piece = _expert_delta(x.index_select(0, rows), item, expert)
+            if out is None:
+                out = x.new_zeros(x.shape[0], self.out_features, dtype=piece.dtype)
+            out = out.index_add(0, rows, piece)
+        return out
+
+
+def _expert_delta(
+    x: torch.Tensor, item: tuple[torch.Tensor, torch.Tensor, float], expert: int
+) -> torch.Tensor:
+    a, b, scale = item
+    return ((x.to(a.dtype) @ a[expert].t()) * scale) @ b[expert].t()
+
+
+class LoRAExperts(nn.Module):
+    """A frozen fused-experts module plus per-expert LoRA on gate_up_proj and down_proj."""
+
+    def __init__(self, base: nn.Module, slot_of: Mapping[str, str], context: RoutingContext) -> None:
+        super().__init__()
+        self.base = base
+        self._context = context
+        self.transposed = bool(getattr(base, "is_transposed", False))
+        self.has_bias = bool(getattr(base, "has_bias", False))
+        self.adapters = nn.ModuleDict(
+            {
+                name: ExpertFactors(getattr(base, name), self.transposed, slot_of, context)
+                for name in EXPERT_PARAMETERS
+            }
+        )
+
+    def _project(self, x: torch.Tensor, name: str, expert: int) -> torch.Tensor:
+        weight = getattr(self.base, name)[expert]
+        out = x @ weight if self.transposed else nn.functional.linear(x, weight)
+        if self.has_bias:
+            out = out + getattr(self.base, f"{name}_bias")[expert]
+        return out
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        routing = self._context.routing
+        keys = routing.keys if routing is not None and routing.runs else []
+        factors = {
+            name: [module.lookup(key) for key in keys]  # type: ignore[attr-defined]
+            for name, module in self.adapters.items()
+        }
+        if routing is None or all(f is None for per in factors.values() for f in per):
+            return self.base(hidden_states, top_k_index, top_k_weights)  # type: ignore[no-any-return]
+        token_keys = (
+            routing.token_keys(hidden_states.shape[0], hidden_states.device) if len(keys) > 1 else None
+        )
+        gate_up, down = self.adapters["gate_up_proj"], self.adapters["down_proj"]
+        assert isinstance(gate_up, ExpertFactors) and isinstance(down, ExpertFactors)
+        final = torch.zeros_like(hidden_states)
+        experts = gate_up.num_experts
+        with torch.no_grad():
+            # [E, K, tokens]; ids out of range (some models mark dropped slots with E) are ignored
+            mask = nn.functional.one_hot(top_k_index, num_classes=experts + 1).permute(2, 1, 0)
+            hit = (mask[:experts].sum(dim=(-1, -2)) > 0).nonzero().flatten().tolist()
+        for expert in hit:
+            top_k_pos, tokens = torch.where(mask[expert])
+            keys_here = token_keys.index_select(0, tokens) if token_keys is not None else None
+            x = hidden_states.index_select(0, tokens)
+            h = self._project(x, "gate_up_proj", expert)
+            delta = gate_up.delta(x, expert, factors["gate_up_proj"], keys_here)
+            if delta is not None:
+                h = h + delta.to(h.dtype)
+            h = self.base._apply_gate(h)  # type: ignore[operator]
+            out = self._project(h, "down_proj", expert)
+            delta = down.delta(h, expert, factors["down_proj"], keys_here)
+            if delta is not None:
+                out = out + delta.to(out.dtype)
+            out = out * top_k_weights[tokens, top_k_pos, None]
+            final.index_add_(0, tokens, out.to(final.dtype))
+        return final
