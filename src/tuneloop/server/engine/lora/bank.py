@@ -57,6 +57,14 @@ def peft_targets(keys: Collection[str]) -> tuple[list[str], list[str]]:
             parameters.add(".".join([*name.split(".")[-2:], param]))
         else:
             modules.add(last)
+    if parameters:
+        # On models with fused experts, peft (0.21, under transformers 5) rewrites the
+        # target_modules gate_proj / up_proj / down_proj as the v4 names of expert weights and
+        # drops them as modules, losing the dense MLP and shared-expert factors. Named as
+        # target_parameters (their 2-D weights: the same factor layout and keys) they load.
+        for dense in {"gate_proj", "up_proj", "down_proj"} & modules:
+            modules.discard(dense)
+            parameters.add(f"{dense}.weight")
     return sorted(modules), sorted(parameters)
 
 
