@@ -78,7 +78,10 @@ def test_zoo_model_trains_samples_resumes_and_exports(
         for key in ("A", "B"):
             ok(be.forward_backward([work(key, data)])[0])
             be.optim_step(key, adam(2e-2))
-        assert all(torch.equal(a, b) for a, b in zip(params(be, "A").values(), params(be, "B").values(), strict=True))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(params(be, "A").values(), params(be, "B").values(), strict=True)
+        )
 
         served = forward(be, "A", data[:1])[0]
         weights = tmp_path / "weights"
@@ -91,7 +94,9 @@ def test_zoo_model_trains_samples_resumes_and_exports(
     tokens = np.concatenate([data[0].tokens, data[0].inputs["target_tokens"][-1:]])
     base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     with warnings.catch_warnings():  # peft 0.21 reads an attribute transformers 5 deprecated
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message=".*is_gradient_checkpointing", category=FutureWarning
+        )
         peft_model = PeftModel.from_pretrained(base, str(weights))
     np.testing.assert_allclose(_logprobs(peft_model, tokens), served, atol=ATOL, err_msg=arch)
 

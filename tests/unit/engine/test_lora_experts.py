@@ -16,7 +16,9 @@ from tuneloop.server.engine.lora.experts import ExpertFactors  # noqa: E402
 CPU = torch.device("cpu")
 
 
-def _experts_layer(arch: str, dtype: torch.dtype = torch.float64) -> tuple[AdapterBank, LoRAExperts]:
+def _experts_layer(
+    arch: str, dtype: torch.dtype = torch.float64
+) -> tuple[AdapterBank, LoRAExperts]:
     model = build(arch).requires_grad_(False).to(dtype)
     bank = AdapterBank(inject(model))
     for i, key in enumerate(("a", "b")):
@@ -84,7 +86,8 @@ def test_expert_lora_matches_the_per_token_dense_reference(arch: str) -> None:
     upstream = torch.randn(got.shape, generator=generator, dtype=torch.float64)
     # This layer's per-expert factors, [E, r, in] and [E, out, r], of both adapters.
     expert_params = [p for p in layer.parameters() if p.requires_grad]
-    assert len(expert_params) == 8 and all(p.dim() == 3 for p in expert_params)
+    assert len(expert_params) == 8
+    assert all(p.dim() == 3 for p in expert_params)
     ours = torch.autograd.grad((got * upstream).sum(), [x, *expert_params])
     theirs = torch.autograd.grad((want * upstream).sum(), [x, *expert_params])
     for g, w in zip(ours, theirs, strict=True):

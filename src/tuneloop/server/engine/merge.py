@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine import checkpoints
-from tuneloop.server.engine.lora.experts import EXPERT_PARAMETERS, is_fused_experts
 from tuneloop.server.engine.files import TOKENIZER_FILES, atomic_directory
+from tuneloop.server.engine.lora.experts import EXPERT_PARAMETERS, is_fused_experts
 from tuneloop.server.engine.models import load_model
 from tuneloop.server.engine.types import AdapterSpec, EngineError
 

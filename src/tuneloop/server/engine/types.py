@@ -22,6 +22,20 @@ class EngineError(Exception):
 
 
 @dataclass(frozen=True)
+class LoraCoverage:
+    """What LoRA reaches on one model: reported by get_info and capabilities, logged at load."""
+
+    parameters: int  # the base model's parameter count
+    groups: tuple[str, ...]  # target groups with layers on this model (attention, mlp, ...)
+    share: float  # of the body's weights (all matrices but the embeddings), every group on
+    per_rank: tuple[tuple[str, int], ...]  # group -> trainable parameters per unit of rank
+
+    def trainable(self, rank: int, groups: tuple[str, ...] | None = None) -> int:
+        """Trainable parameters of a rank-`rank` adapter on these groups (None: all)."""
+        return rank * sum(n for g, n in self.per_rank if groups is None or g in groups)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     arch: str
@@ -29,6 +43,7 @@ class ModelSpec:
     max_context_length: int
     eos_token_id: int
     tokenizer_dir: Path
+    lora: LoraCoverage | None = None  # None: a backend without real layers (the fake one)
 
 
 @dataclass(frozen=True)

@@ -191,7 +191,13 @@ class AdapterBank:
         for name, a, b in read:
             module = self.modules[name]
             device = module.lora_device()
-            module.put(slot, a.to(device).float(), b.to(device).float(), spec.alpha / spec.rank, train=False)
+            module.put(
+                slot,
+                a.to(device).float(),
+                b.to(device).float(),
+                spec.alpha / spec.rank,
+                train=False,
+            )
         self.specs[key] = spec
 
     def delete(self, key: str) -> None:

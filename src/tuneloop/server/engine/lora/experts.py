@@ -34,8 +34,7 @@ EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 
 def is_fused_experts(module: nn.Module) -> bool:
     return all(
-        isinstance(getattr(module, name, None), nn.Parameter)
-        and getattr(module, name).dim() == 3
+        isinstance(getattr(module, name, None), nn.Parameter) and getattr(module, name).dim() == 3
         for name in EXPERT_PARAMETERS
     )
 
@@ -67,7 +66,11 @@ class ExpertFactors(Slotted):
         yield self._param[0]
 
     def factor_shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        return (self.num_experts, rank, self.in_features), (self.num_experts, self.out_features, rank)
+        return (self.num_experts, rank, self.in_features), (
+            self.num_experts,
+            self.out_features,
+            rank,
+        )
 
     def to_peft(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         experts, rank, _ = a.shape
@@ -116,18 +119,19 @@ def _expert_delta(
 class LoRAExperts(nn.Module):
     """A frozen fused-experts module plus per-expert LoRA on gate_up_proj and down_proj."""
 
-    def __init__(self, base: nn.Module, slot_of: Mapping[str, str], context: RoutingContext) -> None:
+    def __init__(
+        self, base: nn.Module, slot_of: Mapping[str, str], context: RoutingContext
+    ) -> None:
         super().__init__()
         self.base = base
         self._context = context
         self.transposed = bool(getattr(base, "is_transposed", False))
         self.has_bias = bool(getattr(base, "has_bias", False))
-        self.adapters = nn.ModuleDict(
-            {
-                name: ExpertFactors(getattr(base, name), self.transposed, slot_of, context)
-                for name in EXPERT_PARAMETERS
-            }
-        )
+        self.factors_of = {
+            name: ExpertFactors(getattr(base, name), self.transposed, slot_of, context)
+            for name in EXPERT_PARAMETERS
+        }
+        self.adapters = nn.ModuleDict(self.factors_of)  # registers them in the module tree
 
     def _project(self, x: torch.Tensor, name: str, expert: int) -> torch.Tensor:
         weight = getattr(self.base, name)[expert]
@@ -142,16 +146,16 @@ class LoRAExperts(nn.Module):
         routing = self._context.routing
         keys = routing.keys if routing is not None and routing.runs else []
         factors = {
-            name: [module.lookup(key) for key in keys]  # type: ignore[attr-defined]
-            for name, module in self.adapters.items()
+            name: [module.lookup(key) for key in keys] for name, module in self.factors_of.items()
         }
         if routing is None or all(f is None for per in factors.values() for f in per):
-            return self.base(hidden_states, top_k_index, top_k_weights)  # type: ignore[no-any-return]
+            return self.base(hidden_states, top_k_index, top_k_weights)
         token_keys = (
-            routing.token_keys(hidden_states.shape[0], hidden_states.device) if len(keys) > 1 else None
+            routing.token_keys(hidden_states.shape[0], hidden_states.device)
+            if len(keys) > 1
+            else None
         )
-        gate_up, down = self.adapters["gate_up_proj"], self.adapters["down_proj"]
-        assert isinstance(gate_up, ExpertFactors) and isinstance(down, ExpertFactors)
+        gate_up, down = self.factors_of["gate_up_proj"], self.factors_of["down_proj"]
         final = torch.zeros_like(hidden_states)
         experts = gate_up.num_experts
         with torch.no_grad():

@@ -17,7 +17,9 @@ __all__ = ["LoRALinear"]
 class LoRALinear(Slotted):
     """A frozen Linear plus per-slot factors A [r, in], B [out, r]."""
 
-    def __init__(self, base: nn.Linear, slot_of: Mapping[str, str], context: RoutingContext) -> None:
+    def __init__(
+        self, base: nn.Linear, slot_of: Mapping[str, str], context: RoutingContext
+    ) -> None:
         super().__init__(slot_of, context)
         self.base = base
 

@@ -26,12 +26,14 @@ Kernel = Callable[
 ]
 
 _kernel: Kernel | None = None
+_kernel_devices: frozenset[str] = frozenset()
 
 
-def register_kernel(kernel: Kernel | None) -> None:
-    """Use `kernel` for inputs on an accelerator (None: back to plain torch everywhere)."""
-    global _kernel
+def register_kernel(kernel: Kernel | None, devices: Sequence[str] = ("cuda",)) -> None:
+    """Use `kernel` for inputs on these device types (None: back to plain torch everywhere)."""
+    global _kernel, _kernel_devices
     _kernel = kernel
+    _kernel_devices = frozenset(devices) if kernel is not None else frozenset()
 
 
 def registered_kernel() -> Kernel | None:
@@ -47,7 +49,7 @@ def add_lora(
 ) -> torch.Tensor:
     """out [N, out] + each segment's LoRA delta of x [N, in]; segment i has sizes[i] rows and
     factors[i] (None: no delta). `cache` keeps stacked factors across calls of one routing."""
-    if _kernel is not None and x.device.type != "cpu":
+    if _kernel is not None and x.device.type in _kernel_devices:
         return _kernel(out, x, sizes, factors, cache)
     return add_lora_torch(out, x, sizes, factors, cache)
 
@@ -75,7 +77,9 @@ def add_lora_torch(
     # copied the whole output each time; slicing instead of split makes the backward pass
     # zero-fill a full-size gradient per segment.)
     pieces = []
-    for item, x_seg, out_seg in zip(factors, x.split(list(sizes)), out.split(list(sizes)), strict=True):
+    for item, x_seg, out_seg in zip(
+        factors, x.split(list(sizes)), out.split(list(sizes)), strict=True
+    ):
         pieces.append(out_seg if item is None else out_seg + _delta(x_seg, item, out.dtype))
     return torch.cat(pieces, dim=0)
 

@@ -49,7 +49,9 @@ class Slotted(nn.Module):
     def _base_parameters(self) -> Iterator[torch.Tensor]:
         raise NotImplementedError
 
-    def put(self, slot: str, a: torch.Tensor, b: torch.Tensor, scale: float, *, train: bool) -> None:
+    def put(
+        self, slot: str, a: torch.Tensor, b: torch.Tensor, scale: float, *, train: bool
+    ) -> None:
         self.lora_A[slot] = nn.Parameter(a, requires_grad=train)
         self.lora_B[slot] = nn.Parameter(b, requires_grad=train)
         self.scales[slot] = scale

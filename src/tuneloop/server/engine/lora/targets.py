@@ -13,6 +13,7 @@ type, instead of training a silently partial adapter.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -20,7 +21,6 @@ from torch import nn
 
 from tuneloop.server.engine.lora.experts import (
     EXPERT_PARAMETERS,
-    ExpertFactors,
     LoRAExperts,
     is_fused_experts,
     unsupported_experts_reason,
@@ -28,7 +28,7 @@ from tuneloop.server.engine.lora.experts import (
 from tuneloop.server.engine.lora.linear import LoRALinear
 from tuneloop.server.engine.lora.routing import RoutingContext
 from tuneloop.server.engine.lora.slots import Slotted
-from tuneloop.server.engine.types import AdapterSpec, EngineError
+from tuneloop.server.engine.types import AdapterSpec, EngineError, LoraCoverage
 
 __all__ = [
     "ATTENTION_TARGETS",
@@ -57,9 +57,9 @@ MLP_TARGETS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 UNEMBED_TARGETS = ("lm_head",)
 GROUPS = ("attention", "mlp", "experts", "unembed")
 _LINEAR_GROUPS = {
-    **{name: "attention" for name in ATTENTION_TARGETS},
-    **{name: "mlp" for name in MLP_TARGETS},
-    **{name: "unembed" for name in UNEMBED_TARGETS},
+    **dict.fromkeys(ATTENTION_TARGETS, "attention"),
+    **dict.fromkeys(MLP_TARGETS, "mlp"),
+    **dict.fromkeys(UNEMBED_TARGETS, "unembed"),
 }
 
 
@@ -108,6 +108,19 @@ class Injected:
     slot_of: dict[str, str]
     context: RoutingContext
 
+    def describe(self, model: nn.Module) -> LoraCoverage:
+        per_rank = dict.fromkeys(GROUPS, 0)
+        for name, layer in self.layers.items():
+            a_shape, b_shape = layer.factor_shapes(1)
+            per_rank[self.group[name]] += math.prod(a_shape) + math.prod(b_shape)
+        present = tuple(g for g in GROUPS if per_rank[g])
+        return LoraCoverage(
+            parameters=sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n),
+            groups=present,
+            share=round(self.coverage.share(), 4),
+            per_rank=tuple((g, per_rank[g]) for g in present),
+        )
+
 
 def inject(model: nn.Module, *, refuse_uncovered: bool = True) -> Injected:
     """Wrap every adaptable layer of `model` in place, or refuse the model (EngineError).
@@ -144,9 +157,7 @@ def inject(model: nn.Module, *, refuse_uncovered: bool = True) -> Injected:
             experts = LoRAExperts(module, slot_of, context)
             _replace(model, name, experts)
             for param in EXPERT_PARAMETERS:
-                factors = experts.adapters[param]
-                assert isinstance(factors, ExpertFactors)
-                layers[f"{name}.{param}"] = factors
+                layers[f"{name}.{param}"] = experts.factors_of[param]
                 group[f"{name}.{param}"] = "experts"
                 covered["experts"] += getattr(module, param).numel()
                 accounted.add(id(getattr(module, param)))
