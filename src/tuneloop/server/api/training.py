@@ -30,6 +30,7 @@ from tuneloop.server.engine.types import (
     AdapterSpec,
     EngineError,
     ForwardBackwardResult,
+    lora_info,
 )
 from tuneloop.server.scheduler.futures import Outcome
 from tuneloop.server.storage.layout import TinkerPath, valid_name
@@ -143,7 +144,10 @@ async def get_info(request: Request, state: State, tenant: Tenant) -> dict[str, 
         # tokenizer_id is a local folder: the official SDK loads it with no hub on this host;
         # our SDK fetches the same files over GET /api/v1/tokenizer.
         model_data=ModelData(
-            arch=spec.arch, model_name=run.base_model, tokenizer_id=str(spec.tokenizer_dir)
+            arch=spec.arch,
+            model_name=run.base_model,
+            tokenizer_id=str(spec.tokenizer_dir),
+            **lora_info(spec, run.lora_rank, run.train_attn, run.train_mlp, run.train_unembed),
         ),
         optimizer_config={"type": "adamw"},
         is_lora=True,

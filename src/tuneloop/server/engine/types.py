@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -34,6 +34,15 @@ class LoraCoverage:
         """Trainable parameters of a rank-`rank` adapter on these groups (None: all)."""
         return rank * sum(n for g, n in self.per_rank if groups is None or g in groups)
 
+    def summary(self) -> dict[str, Any]:
+        """The capabilities fields (every target group on)."""
+        return {
+            "num_parameters": self.parameters,
+            "lora_groups": list(self.groups),
+            "lora_coverage": self.share,
+            "lora_parameters_per_rank": self.trainable(1),
+        }
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -56,6 +65,36 @@ class AdapterSpec:
     train_attn: bool = True
     train_unembed: bool = True
     alpha: float = 32.0
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """The target groups trained: `train_mlp` covers dense MLPs and MoE experts alike."""
+        return target_groups(self.train_attn, self.train_mlp, self.train_unembed)
+
+
+def target_groups(train_attn: bool, train_mlp: bool, train_unembed: bool) -> tuple[str, ...]:
+    return (
+        (("attention",) if train_attn else ())
+        + (("mlp", "experts") if train_mlp else ())
+        + (("unembed",) if train_unembed else ())
+    )
+
+
+def lora_info(
+    spec: ModelSpec, rank: int, train_attn: bool, train_mlp: bool, train_unembed: bool
+) -> dict[str, Any]:
+    """get_info's account of one adapter: the model's size, the groups it covers there, and
+    how many parameters it trains (empty where the backend does not say)."""
+    if spec.lora is None:
+        return {}
+    groups = tuple(
+        g for g in target_groups(train_attn, train_mlp, train_unembed) if g in spec.lora.groups
+    )
+    return {
+        "num_parameters": spec.lora.parameters,
+        "lora_groups": list(groups),
+        "lora_trainable_parameters": spec.lora.trainable(rank, groups),
+    }
 
 
 @dataclass(frozen=True)

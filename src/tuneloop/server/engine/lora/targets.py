@@ -65,11 +65,7 @@ _LINEAR_GROUPS = {
 
 def groups_of(spec: AdapterSpec) -> tuple[str, ...]:
     """The target groups an adapter trains: `train_mlp` covers dense MLPs and experts alike."""
-    return (
-        (("attention",) if spec.train_attn else ())
-        + (("mlp", "experts") if spec.train_mlp else ())
-        + (("unembed",) if spec.train_unembed else ())
-    )
+    return spec.groups
 
 
 def targets_of(spec: AdapterSpec) -> tuple[str, ...]:

@@ -1,0 +1,77 @@
+"""Zoo models served from their folders (`--model DIR`) by a real server, driven by the official
+SDK: a dense model and the MoE architectures whose experts carry LoRA. Run with
+`pytest tests/zoo -m slow` (about a minute each on one core)."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.compat.runner import run_official
+from tests.zoo.conftest import model_folder
+from tuneloop._local_server import live_server
+
+pytest.importorskip("tinker")
+pytestmark = [pytest.mark.compat, pytest.mark.integration, pytest.mark.slow]
+
+
+def _capabilities(url: str, key: str) -> dict[str, object]:
+    request = urllib.request.Request(
+        f"{url}/api/v1/get_server_capabilities", headers={"X-API-Key": key}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        [model] = json.loads(response.read())["supported_models"]
+    assert isinstance(model, dict)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss", "deepseek_v3"])
+def test_official_sdk_trains_samples_resumes_and_exports_a_zoo_model(
+    arch: str, zoo_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    folder = str(model_folder(zoo_dir, arch))
+    out = tmp_path / "export"
+    with live_server(tmp_path / "data", backend="torch", models=(folder,)) as live:
+        capabilities = _capabilities(live.url, live.key)
+        done = run_official(
+            "official_zoo", live.url, live.key, folder, str(out), timeout=400, package="tests.zoo"
+        )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "official SDK zoo flow: OK" in done.stdout
+    assert capabilities["arch"] == arch
+    groups = capabilities["lora_groups"]
+    assert isinstance(groups, list)
+    assert ("experts" in groups) == (arch != "llama")
+    assert float(capabilities["lora_coverage"]) >= 0.95  # type: ignore[arg-type]
+
+    # The server picks its dtype by measurement (bf16 where the CPU multiplies it natively), so
+    # the downloaded adapter is checked to bf16 tolerance here, and against the base: the fp32
+    # equality for every architecture is test_zoo_engine's.
+    served = json.loads((out / "served.json").read_text())
+    tokens = torch.tensor([served["tokens"]])
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    untrained = _logprobs(base, tokens)
+    with warnings.catch_warnings():  # peft 0.21 reads an attribute transformers 5 deprecated
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing")
+        adapted = PeftModel.from_pretrained(base, str(out))
+    got, want = _logprobs(adapted, tokens), np.asarray(served["logprobs"])
+    assert np.abs(got - want).max() < min(3e-2, 0.2 * np.abs(untrained - want).max())
+
+
+def _logprobs(model: object, tokens: object) -> np.ndarray:
+    import torch
+
+    assert isinstance(tokens, torch.Tensor)
+    with torch.no_grad():
+        logits = model(input_ids=tokens[:, :-1]).logits.float()  # type: ignore[operator]
+    return torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[0, :, 0].numpy()
