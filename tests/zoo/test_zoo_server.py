@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import tuneloop
 from tests.compat.runner import run_official
 from tests.zoo.conftest import model_folder
 from tuneloop._local_server import live_server
@@ -43,6 +44,11 @@ def test_official_sdk_trains_samples_resumes_and_exports_a_zoo_model(
     out = tmp_path / "export"
     with live_server(tmp_path / "data", backend="torch", models=(folder,)) as live:
         capabilities = _capabilities(live.url, live.key)
+        service = tuneloop.ServiceClient(base_url=live.url, api_key=live.key)
+        try:  # get_info: the groups this adapter covers and what it trains at its rank
+            info = service.create_lora_training_client(folder, rank=4, seed=0).get_info()
+        finally:
+            service.close()
         done = run_official(
             "official_zoo", live.url, live.key, folder, str(out), timeout=400, package="tests.zoo"
         )
@@ -53,6 +59,11 @@ def test_official_sdk_trains_samples_resumes_and_exports_a_zoo_model(
     assert isinstance(groups, list)
     assert ("experts" in groups) == (arch != "llama")
     assert float(capabilities["lora_coverage"]) >= 0.95  # type: ignore[arg-type]
+    assert info.model_data.lora_groups == groups
+    per_rank = capabilities["lora_parameters_per_rank"]
+    assert isinstance(per_rank, int)
+    assert info.model_data.lora_trainable_parameters == 4 * per_rank
+    assert info.model_data.num_parameters == capabilities["num_parameters"]
 
     # The server picks its dtype by measurement (bf16 where the CPU multiplies it natively), so
     # the downloaded adapter is checked to bf16 tolerance here, and against the base: the fp32

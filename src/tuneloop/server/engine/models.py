@@ -91,16 +91,7 @@ def with_adapters(loaded: LoadedModel) -> tuple[LoadedModel, AdapterBank]:
     injected = inject(loaded.model)
     coverage = injected.describe(loaded.model)
     spec = replace(loaded.spec, lora=coverage)
-    log.info(
-        "model %s (%s, %.1fM parameters): LoRA covers %s, %.1f%% of the body's weights; "
-        "a rank-32 adapter on all of them trains %.2fM parameters",
-        spec.name,
-        spec.arch,
-        coverage.parameters / 1e6,
-        ", ".join(coverage.groups),
-        100 * coverage.share,
-        coverage.trainable(32) / 1e6,
-    )
+    log.info("%s", coverage.describe(spec.name, spec.arch))
     return LoadedModel(spec=spec, model=loaded.model), AdapterBank(injected)
 
 

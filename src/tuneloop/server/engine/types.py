@@ -34,6 +34,14 @@ class LoraCoverage:
         """Trainable parameters of a rank-`rank` adapter on these groups (None: all)."""
         return rank * sum(n for g, n in self.per_rank if groups is None or g in groups)
 
+    def describe(self, name: str, arch: str) -> str:
+        """One line for the load log and `tuneloop serve`'s start-up output."""
+        return (
+            f"model {name} ({arch}, {self.parameters / 1e6:.1f}M parameters): LoRA covers "
+            f"{', '.join(self.groups)}, {100 * self.share:.1f}% of the body's weights; a rank-32 "
+            f"adapter on all of them trains {self.trainable(32) / 1e6:.2f}M parameters"
+        )
+
     def summary(self) -> dict[str, Any]:
         """The capabilities fields (every target group on)."""
         return {
