@@ -14,9 +14,9 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.unit.engine.conftest import TINY, seq  # noqa: E402
-from tuneloop.server.engine.backend import KVCacheUse, ReportsKVCache  # noqa: E402
-from tuneloop.server.engine.types import SampleWork  # noqa: E402
+from tests.unit.engine.conftest import TINY, seq
+from tuneloop.server.engine.backend import KVCacheUse, ReportsKVCache
+from tuneloop.server.engine.types import SampleWork
 
 
 def test_kv_use_while_decoding_and_after(backend: Any) -> None:

@@ -49,9 +49,10 @@ async def test_counters_move_with_traffic(tmp_path: Path) -> None:
 
     tokens_total = "tuneloop_tokens_total"
     assert moved(tokens_total, token_class="trained", tenant="alice", operation="forward_backward")
-    assert moved(
-        tokens_total, token_class="trained", tenant="alice", operation="forward_backward"
-    ) == len(tokens) - 1
+    assert (
+        moved(tokens_total, token_class="trained", tenant="alice", operation="forward_backward")
+        == len(tokens) - 1
+    )
     assert moved(tokens_total, token_class="prefill", tenant="alice", operation="sample") == 3
     assert moved(tokens_total, token_class="sampled", tenant="alice", operation="sample") == (
         generated

@@ -4,8 +4,8 @@ request, behind `tuneloop serve --log-format json`.
 An access line holds the request id (also sent back as `x-request-id`), the method, the route
 template, the path (no query string: download URLs carry their signature there), the status,
 the seconds taken and the tenant. It never holds a header, a cookie or a body, so never an API
-key; and every line, access or not, goes through `RedactKeys`, which masks anything shaped like
-a tuneloop API key (`tml-...`) should a message ever quote one.
+key; and every line, access or not, is masked by `RedactKeys`, which masks anything shaped like
+a tuneloop API key (`tml-...`) should a message or a traceback ever quote one.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import re
 import sys
-from typing import Any
 
 from pythonjsonlogger.json import JsonFormatter
 
@@ -29,35 +28,32 @@ _MASK = "tml-<redacted>"
 access = logging.getLogger(ACCESS_LOGGER)
 
 
-def _mask(value: Any) -> Any:
-    return _KEY.sub(_MASK, value) if isinstance(value, str) else value
+class RedactKeys(logging.Formatter):
+    """Wraps a formatter: masks API keys in the whole formatted line (message, fields,
+    traceback), whatever put them there."""
 
+    def __init__(self, inner: logging.Formatter) -> None:
+        super().__init__()
+        self.inner = inner
 
-class RedactKeys(logging.Filter):
-    """Mask API keys in a record's message, arguments and string fields."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.args:
-            record.msg = record.getMessage()
-            record.args = None
-        record.msg = _mask(record.msg)
-        for name, value in list(vars(record).items()):
-            if isinstance(value, str) and name != "msg":
-                setattr(record, name, _mask(value))
-        if record.exc_info and not record.exc_text:
-            record.exc_text = _mask(logging.Formatter().formatException(record.exc_info))
-        elif record.exc_text:
-            record.exc_text = _mask(record.exc_text)
-        return True
+    def format(self, record: logging.LogRecord) -> str:
+        return _KEY.sub(_MASK, self.inner.format(record))
 
 
 def json_formatter() -> logging.Formatter:
-    """One JSON object per line: time, level, logger, message, and any `extra` fields."""
-    return JsonFormatter(
-        ["asctime", "levelname", "name", "message"],
-        rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
-        datefmt="%Y-%m-%dT%H:%M:%S%z",
+    """One JSON object per line: time, level, logger, message, and any `extra` fields; keys
+    masked."""
+    return RedactKeys(
+        JsonFormatter(
+            ["asctime", "levelname", "name", "message"],
+            rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
+            datefmt="%Y-%m-%dT%H:%M:%S%z",
+        )
     )
+
+
+def text_formatter() -> logging.Formatter:
+    return RedactKeys(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
 
 
 def configure_logging(log_format: str, level: int = logging.INFO) -> logging.Handler:
@@ -65,11 +61,7 @@ def configure_logging(log_format: str, level: int = logging.INFO) -> logging.Han
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
     handler = logging.StreamHandler(sys.stderr)
-    handler.addFilter(RedactKeys())
-    if log_format == "json":
-        handler.setFormatter(json_formatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(json_formatter() if log_format == "json" else text_formatter())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
