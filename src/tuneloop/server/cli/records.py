@@ -189,7 +189,9 @@ def checkpoints_gc(
 @checkpoints_app.command("delete")
 def checkpoints_delete(
     ctx: typer.Context,
-    tinker_path: Annotated[str, typer.Argument(help="tinker://<run>/<segment>/<name>")],
+    tinker_path: Annotated[
+        str, typer.Argument(help="The checkpoint's path: tinker://<run>/<segment>/<name>.")
+    ],
     tenant: Annotated[str, typer.Option("--tenant", help="The checkpoint's owner (a safeguard).")],
     data_dir: DataDirOption = None,
     db_url: DbUrlOption = None,
@@ -228,7 +230,9 @@ def _copy_adapter(source: Path, out: Path) -> list[str]:
 @checkpoints_app.command("export")
 def checkpoints_export(
     ctx: typer.Context,
-    tinker_path: Annotated[str, typer.Argument(help="tinker://<run>/<segment>/<name>")],
+    tinker_path: Annotated[
+        str, typer.Argument(help="The checkpoint's path: tinker://<run>/<segment>/<name>.")
+    ],
     out: Annotated[
         Path,
         typer.Option("--out", help="Folder to create (must not exist, or be empty)."),

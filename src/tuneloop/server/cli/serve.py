@@ -81,7 +81,7 @@ def serve(
     long_poll_s: Annotated[
         float | None,
         typer.Option(
-            help="How long retrieve_future holds a poll before answering try-again (default 30).",
+            help="Seconds retrieve_future holds a poll before answering try-again (default 30).",
             show_default=False,
         ),
     ] = None,
@@ -113,8 +113,9 @@ def serve(
         typer.Option(
             min=0,
             help=(
-                "A session with no heartbeat or request for this long expires: its models and"
-                " samplers are freed, its pending work fails, its checkpoints stay. 0: never."
+                "Seconds without a heartbeat or request after which a session expires: its"
+                " models and samplers are freed, its pending work fails, its checkpoints stay."
+                " 0: never."
                 " [default: $TUNELOOP_SESSION_TTL_S, else 300]"
             ),
             show_default=False,
@@ -124,7 +125,7 @@ def serve(
         float | None,
         typer.Option(
             min=0.01,
-            help="How often to look for expired sessions. [default: 10]",
+            help="Seconds between looks for expired sessions. [default: 10]",
             show_default=False,
         ),
     ] = None,
