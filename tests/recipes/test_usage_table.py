@@ -20,9 +20,7 @@ def rows(usage: dict[str, object], source: str = "metered by the server") -> lis
     assert "…" not in text  # nothing cut short at 100 columns
     lines = text.splitlines()
     header = [[c.strip() for c in line.split("┃")[1:-1]] for line in lines if "┃" in line]
-    assert header == [
-        ["operation", "prefill tokens", "sampled tokens", "trained tokens", "requests"]
-    ]
+    assert header == [["operation", "prefill", "sampled", "trained", "requests"]]
     return [[c.strip() for c in line.split("│")[1:-1]] for line in lines if "│" in line]
 
 

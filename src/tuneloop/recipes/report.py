@@ -69,9 +69,9 @@ def before_after_table(
 
 # Columns of the usage table: header, key of a usage report's counts (tuneloop.UsageCounts).
 USAGE_COLUMNS = (
-    ("prefill tokens", "prefill_tokens"),
-    ("sampled tokens", "sampled_tokens"),
-    ("trained tokens", "trained_tokens"),
+    ("prefill", "prefill_tokens"),
+    ("sampled", "sampled_tokens"),
+    ("trained", "trained_tokens"),
     ("requests", "requests"),
 )
 
@@ -83,10 +83,10 @@ def usage_table(usage: Mapping[str, Any], source: str) -> Table:
     `usage` is a usage report as JSON (`by_operation`: operation -> counts; `totals`, summed
     from the rows when absent); a count that is None (not known) shows as "-".
     """
-    table = Table(title=f"usage ({source})")
-    table.add_column("operation")
+    table = Table(title=f"usage: tokens by class, and requests ({source})")
+    table.add_column("operation", no_wrap=True)
     for header, _key in USAGE_COLUMNS:
-        table.add_column(header, justify="right")
+        table.add_column(header, justify="right", no_wrap=True)
     by_operation: Mapping[str, Mapping[str, Any]] = usage.get("by_operation") or {}
     for operation, counts in by_operation.items():
         if any(counts.get(key) for _header, key in USAGE_COLUMNS):
