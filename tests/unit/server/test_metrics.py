@@ -166,3 +166,50 @@ def test_statement_kinds_are_bounded() -> None:
     assert statement_kind("INSERT INTO usage VALUES (?)") == "insert"
     assert statement_kind("PRAGMA journal_mode=WAL") == "other"
     assert statement_kind("") == "other"
+
+
+async def test_the_torch_engine_reports_its_kv_cache_and_queues_per_model(tmp_path: Path) -> None:
+    """The real engine (two tiny models): the KV budget is exported, and the cache is empty
+    again once sampling is done; sampled tokens are counted; a waiting training request is
+    counted under its own base model."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import torch
+
+    from tuneloop.server.engine.torch_backend import DEFAULT_SAMPLE_TOKEN_BUDGET
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a shared 2-core machine: no spinning OpenMP workers
+    tiny, llama = "tuneloop/tiny-qwen3", "tuneloop/tiny-llama"
+    try:
+        async with serve(
+            tmp_path,
+            backend="torch",
+            models=(tiny, llama),
+            device="cpu",
+            dtype="float32",  # no dtype probe (a child process) for a tiny model
+            cache_dir=tmp_path / "cache",
+        ) as api:
+            session = await api.session()
+            sampler_id = await sampler(api, session, base_model=tiny)
+            result = await sample(api, sampler_id, [30, 31, 32], num_samples=2, max_tokens=5)
+            scraped = await scrape(api)
+            create = {"session_id": session, "model_seq_id": 0, "base_model": llama}
+            create["lora_config"] = {"rank": 4, "seed": 0}
+            model = (await api.result(await api.post("create_model", create))).json()["model_id"]
+            early = await api.forward_backward(model, 2, [datum([1, 2, 3])])  # waits for seq 1
+            waiting = await scrape(api)
+            await api.result(await api.forward_backward(model, 1, [datum([1, 2, 3])]))
+            await api.result(early)
+    finally:
+        torch.set_num_threads(threads)
+    assert value(scraped, "tuneloop_kv_cache_token_budget") == DEFAULT_SAMPLE_TOKEN_BUDGET
+    assert value(scraped, "tuneloop_kv_cache_tokens") == 0
+    assert value(scraped, "tuneloop_kv_cache_bytes") == 0
+    sampled = sum(len(s.tokens) for s in result.sequences)
+    labels = {"token_class": "sampled", "tenant": "alice", "operation": "sample"}
+    assert value(scraped, "tuneloop_tokens_total", **labels) == sampled
+    assert value(scraped, "tuneloop_queue_depth", base_model=tiny, kind="sample") == 0
+    training = {"kind": "forward_backward"}
+    assert value(waiting, "tuneloop_queue_depth", base_model=llama, **training) == 1
+    assert value(waiting, "tuneloop_queue_depth", base_model=tiny, **training) == 0
