@@ -99,6 +99,9 @@ class Metrics:
             buckets=DB_BUCKETS,
             registry=self.registry,
         )
+        # (method, route template, status) -> its counter and histogram children (bounded: the
+        # label values are).
+        self._request_children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
         self._state_collector = _StateCollector()
         self.registry.register(self._state_collector)
 
@@ -130,8 +133,14 @@ class Metrics:
                 started.pop()
 
     def count_request(self, method: str, route: str, status: int, seconds: float) -> None:
-        self.requests.labels(method, route, str(status)).inc()
-        self.latency.labels(method, route, str(status)).observe(seconds)
+        key = (method, route, status)
+        children = self._request_children.get(key)
+        if children is None:  # labels() takes a lock and builds the key: once per label set
+            labels = (method, route, str(status))
+            children = (self.requests.labels(*labels), self.latency.labels(*labels))
+            self._request_children[key] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
     def count_completed(self, tenant: str | None, usage: Completed | None) -> None:
         """Count a completed operation's tokens (the engine loop's success hook)."""
