@@ -233,9 +233,9 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
     for module in routers:
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
-    # Outermost: requests refused by the body limit are counted and logged too.
     app.state.metrics = metrics
     app.include_router(metrics_router)
+    # Outermost: requests refused by the body limit are counted and logged too.
     access_log = config.log_format == "json"
     app.add_middleware(RequestObserver, metrics=metrics, routes=app, access_log=access_log)
     return app

@@ -213,3 +213,29 @@ async def test_the_torch_engine_reports_its_kv_cache_and_queues_per_model(tmp_pa
     training = {"kind": "forward_backward"}
     assert value(waiting, "tuneloop_queue_depth", base_model=llama, **training) == 1
     assert value(waiting, "tuneloop_queue_depth", base_model=tiny, **training) == 0
+
+
+async def test_engine_busy_seconds_count_the_work_still_running() -> None:
+    """A decode run may last minutes: its time counts while it runs, not only once it ends."""
+    import asyncio
+    import threading
+
+    from tuneloop.server.engine.fake import FakeBackend
+    from tuneloop.server.scheduler.futures import FutureTable
+    from tuneloop.server.scheduler.loop import EngineLoop
+    from tuneloop.server.scheduler.queue import OperationQueue
+
+    engine = EngineLoop(FakeBackend(), OperationQueue(), FutureTable())
+    release = threading.Event()
+    running = asyncio.get_running_loop().create_task(engine.call(release.wait, 10.0))
+    await asyncio.sleep(0.05)
+    first = engine.busy_seconds()
+    await asyncio.sleep(0.05)
+    second = engine.busy_seconds()
+    assert 0 < first < second  # counted while still running
+    release.set()
+    await running
+    done = engine.busy_seconds()
+    await asyncio.sleep(0.02)
+    assert engine.busy_seconds() == done >= second  # idle: no more time counted
+    await engine.stop()
