@@ -244,7 +244,7 @@ def started(config: RecipeConfig) -> Iterator[Started]:
 COMMON_HELP: dict[str, str] = {
     "log_dir": "Run folder: config.json, metrics.jsonl, checkpoints.jsonl (a run there resumes).",
     "base_url": "URL of a running server (key from --api-key or $TUNELOOP_API_KEY); "
-    "default: start a local one for the run.",
+    "default: $TUNELOOP_BASE_URL, else a local server started for the run.",
     "api_key": "API key for --base-url (default: $TUNELOOP_API_KEY).",
     "model": "Base model to train a LoRA on (a name the server serves).",
     "lora_rank": "LoRA rank r of the adapter (its A and B matrices have r columns / rows).",
