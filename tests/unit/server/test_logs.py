@@ -113,3 +113,21 @@ def test_a_key_quoted_in_any_message_is_masked(captured: io.StringIO) -> None:
 def test_configure_logging_rejects_an_unknown_format() -> None:
     with pytest.raises(ValueError, match="text, json"):
         configure_logging("xml")
+
+
+def test_the_log_format_and_scrape_token_come_from_flags_then_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tuneloop.server.config import ServerConfig
+
+    assert ServerConfig.from_env(data_dir=tmp_path).log_format == "text"
+    assert ServerConfig.from_env(data_dir=tmp_path).metrics_token is None
+    monkeypatch.setenv("TUNELOOP_LOG_FORMAT", "json")
+    monkeypatch.setenv("TUNELOOP_METRICS_TOKEN", "from-env")
+    config = ServerConfig.from_env(data_dir=tmp_path)
+    assert (config.log_format, config.metrics_token) == ("json", "from-env")
+    flags = ServerConfig.from_env(data_dir=tmp_path, log_format="text", metrics_token="flag")
+    assert (flags.log_format, flags.metrics_token) == ("text", "flag")
+    monkeypatch.setenv("TUNELOOP_LOG_FORMAT", "xml")
+    with pytest.raises(ValueError, match="log_format must be text or json"):
+        ServerConfig.from_env(data_dir=tmp_path)
