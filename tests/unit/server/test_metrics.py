@@ -159,6 +159,17 @@ async def test_each_app_counts_only_its_own_requests(tmp_path: Path) -> None:
     assert value(counted, "tuneloop_http_requests_total", **route) == 0
 
 
+def test_a_served_folder_is_labelled_by_its_name() -> None:
+    from tuneloop.server.api.metrics import model_label
+
+    assert model_label("tuneloop/tiny-qwen3") == "tuneloop/tiny-qwen3"
+    assert (
+        model_label("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
+    folder = "/data/checkpoints/alice/5f0c8a3e-1d2b:train:0/external_weights/w1-merged"
+    assert model_label(folder) == "w1-merged"
+
+
 def test_statement_kinds_are_bounded() -> None:
     from tuneloop.server.api.metrics import statement_kind
 

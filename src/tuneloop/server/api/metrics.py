@@ -18,6 +18,7 @@ from __future__ import annotations
 import hmac
 import time
 from collections.abc import Iterator
+from pathlib import PurePath
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from fastapi import APIRouter, Request, Response
@@ -157,6 +158,12 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+def model_label(name: str) -> str:
+    """A base model's label: its name, or a served folder's own name (`tuneloop deploy` serves
+    a path, which under the data dir holds a tenant and a run id)."""
+    return PurePath(name).name if PurePath(name).is_absolute() else name
+
+
 def statement_kind(sql: str) -> str:
     """The statement's first word, lower case, if a common one (bounded label values)."""
     word = sql.lstrip().split(None, 1)[0].lower() if sql.strip() else ""
@@ -228,7 +235,7 @@ class _StateCollector(Collector):
             model = self._base_model(state, key, op.request_id)
             counts[(model, op.kind)] = counts.get((model, op.kind), 0) + 1
         for (model, kind), n in sorted(counts.items()):
-            depth.add_metric([model, kind], n)
+            depth.add_metric([model_label(model), kind], n)
         return depth
 
     def _base_model(self, state: ServerState, run_or_sampler: str, request_id: str) -> str:
