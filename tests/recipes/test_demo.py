@@ -70,6 +70,10 @@ def test_demo_runs_and_leaves_every_output(embedded_tiny: Path) -> None:
 
     text = screen.getvalue()
     assert "step  1/2" in text
+    # The usage table: operations by token class, not flattened report keys.
+    assert "by_operation" not in text
+    assert "tokens by class" in text
+    assert result.usage["by_operation"]["forward_backward"]["trained_tokens"] > 0
     for word in ("before", "after", "accuracy"):
         assert word in text
     assert str(result.plot_path) in text

@@ -126,14 +126,19 @@ def _server_usage(service: tuneloop.ServiceClient, console: Console) -> dict[str
     return dict(usage) if isinstance(usage, dict) else {"usage": usage}
 
 
-def _flat(usage: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in usage.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        elif value is not None and not isinstance(value, list):  # no empty filters or buckets
-            flat[f"{prefix}{key}"] = value
-    return flat
+def _client_usage(counts: _Counts) -> dict[str, Any]:
+    """This loop's own counts in the shape of a server usage report (requests not counted)."""
+    zero = {"prefill_tokens": 0, "sampled_tokens": 0, "trained_tokens": 0, "requests": None}
+    return {
+        "by_operation": {
+            "forward_backward": {**zero, "trained_tokens": counts.tokens_trained},
+            "sample": {
+                **zero,
+                "prefill_tokens": counts.prompt_tokens_sampled,
+                "sampled_tokens": counts.tokens_sampled,
+            },
+        }
+    }
 
 
 def _check_dependencies() -> None:
@@ -273,7 +278,7 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> DemoResult:
             service.close()
 
     usage_source = "server" if server_usage is not None else "client"
-    usage = _flat(server_usage) if server_usage is not None else asdict(counts)
+    usage = server_usage if server_usage is not None else _client_usage(counts)
     plot_path = plot(
         records,
         before.accuracy,

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from tuneloop.server.engine import loss_math
+from tuneloop.server.engine.backend import KVCacheUse
 from tuneloop.server.engine.files import atomic_directory, directory_size
 from tuneloop.server.engine.loss_specs import LOSS_SPECS
 from tuneloop.server.engine.types import (
@@ -326,6 +327,10 @@ class FakeBackend:
                 return SampledTokens(tokens, logprobs, "stop", topk or None)
             last = token
         return SampledTokens(tokens, logprobs, "length", topk or None)
+
+    def kv_cache_use(self) -> KVCacheUse:
+        # No KV cache: each sample is generated token by token from the bigram table.
+        return KVCacheUse(tokens=0, token_budget=0, bytes=0)
 
     def close(self) -> None:
         self._adapters.clear()

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine import checkpoints, sampler
+from tuneloop.server.engine.backend import KVCacheUse
 from tuneloop.server.engine.logprobs import (
     pack_rows,
     pack_targets,
@@ -31,7 +32,7 @@ from tuneloop.server.engine.logprobs import (
 )
 from tuneloop.server.engine.lora import AdapterBank, inject
 from tuneloop.server.engine.losses import compute_loss
-from tuneloop.server.engine.memory import training_token_budget
+from tuneloop.server.engine.memory import kv_bytes_per_token, training_token_budget
 from tuneloop.server.engine.models import LoadedModel, default_dtype, load_model
 from tuneloop.server.engine.optim import AdapterOptimizer
 from tuneloop.server.engine.packing import enable_packing, packed_positions, packed_segments
@@ -155,6 +156,9 @@ class TorchBackend:
                 self.token_budget = min(self.token_budget or budget, budget)
         self._adapters: dict[str, _Adapter] = {}
         self._samplers: dict[str, _Runtime] = {}
+        # (tokens, bytes) the running decode run's KV cache holds: replaced whole once per decode
+        # step on the engine thread, so a reader on another thread sees a consistent pair.
+        self._kv_held = (0, 0)
 
     # ---- models and adapters ----------------------------------------------------------------
 
@@ -488,6 +492,10 @@ class TorchBackend:
             run = _DecodeRun(self, deliver, cancelled)
             waiting = run.run(waiting, admit)
 
+    def kv_cache_use(self) -> KVCacheUse:
+        tokens, held_bytes = self._kv_held
+        return KVCacheUse(tokens=tokens, token_budget=self.sample_token_budget, bytes=held_bytes)
+
     def close(self) -> None:
         self._adapters.clear()
         self._samplers.clear()
@@ -553,6 +561,7 @@ class _DecodeRun:
         self.buckets: list[_Bucket] = []
         self.running: dict[int, SampleWork] = {}  # by id: SampleWork holds arrays, no __eq__
         self.later: list[SampleWork] = []  # for the next decode run
+        self._kv_per_token: int | None = None  # KV-cache bytes per token of this run's model
 
     def _place(self, work: SampleWork, used: int) -> tuple[_Bucket | None, int] | None:
         """The bucket a request joins (None: a new one) and the KV tokens it adds; None if it
@@ -636,6 +645,7 @@ class _DecodeRun:
                     bucket.batch.close()
                     self.buckets.remove(bucket)
                 self.join(admit())
+                self._account_kv()
         except torch.OutOfMemoryError:
             for work in self.running.values():
                 self.deliver(
@@ -644,7 +654,16 @@ class _DecodeRun:
         finally:
             for bucket in self.buckets:
                 bucket.batch.close()
+            self.backend._kv_held = (0, 0)
         return self.later
+
+    def _account_kv(self) -> None:
+        """Publish the KV tokens held now, for `TorchBackend.kv_cache_use`."""
+        tokens = sum(b.batch.kv_tokens() for b in self.buckets)
+        if self._kv_per_token is None and self.runtime is not None:
+            model = self.runtime.loaded.model
+            self._kv_per_token = kv_bytes_per_token(model.config, next(model.parameters()).dtype)
+        self.backend._kv_held = (tokens, tokens * (self._kv_per_token or 0))
 
     def _drop_cancelled(self) -> None:
         gone = self.cancelled()

@@ -204,5 +204,10 @@ class OperationQueue:
         self._take(more)
         batch.ops.extend(more)
 
+    def queued(self) -> list[Operation]:
+        """Every operation waiting: each model's training ones, then the samples (metrics)."""
+        training = [op for stream in self._streams.values() for op in stream.pending.values()]
+        return training + list(self._samples)
+
     def has_work(self) -> bool:
         return bool(self._samples) or bool(self._ready_runs())
