@@ -11,7 +11,17 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from tuneloop.server.api import client, downloads, futures, oai, rest, sampling, sessions, training
+from tuneloop.server.api import (
+    client,
+    console,
+    downloads,
+    futures,
+    oai,
+    rest,
+    sampling,
+    sessions,
+    training,
+)
 from tuneloop.server.api.errors import error_response_for, install
 from tuneloop.server.api.metering import Meter, record_completed
 from tuneloop.server.api.packages import run_package_gc
@@ -21,11 +31,12 @@ from tuneloop.server.config import ServerConfig
 from tuneloop.server.engine.backend import Backend
 from tuneloop.server.scheduler.futures import FutureTable
 from tuneloop.server.scheduler.loop import EngineLoop
-from tuneloop.server.scheduler.queue import OperationQueue
+from tuneloop.server.scheduler.queue import Operation, OperationQueue
 from tuneloop.server.storage.keys import KeyStore
 from tuneloop.server.storage.layout import Layout
 from tuneloop.server.storage.limits import LimitStore
 from tuneloop.server.storage.registry import Registry
+from tuneloop.server.storage.run_metrics import RunMetricsStore
 
 log = logging.getLogger(__name__)
 
@@ -154,16 +165,23 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
     registry = Registry(config.db_url or layout.database_url)
     queue = OperationQueue(max_sample_batch=config.max_sample_batch)
     future_table = FutureTable(grace_s=config.result_grace_s)
+    # Per-step training curves and recent throughput, for the console (api/console/curves.py).
+    curves = console.RunCurves(RunMetricsStore(registry.engine), registry, future_table)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         meter = Meter()
+
+        def completed(op: Operation, result: Any) -> None:
+            record_completed(meter, future_table, op, result)
+            curves.record(op, result)
+
         engine = EngineLoop(
             backend,
             queue,
             future_table,
             config.batch_gather_s,
-            on_success=lambda op, result: record_completed(meter, future_table, op, result),
+            on_success=completed,
         )
         app.state.tuneloop = ServerState(
             config=config,
@@ -214,12 +232,13 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
             registry.close()
 
     app = FastAPI(title="tuneloop", lifespan=lifespan)
+    app.state.run_curves = curves
     install(app)
     routers: tuple[ModuleType, ...]
     if config.openai_only:  # a deployment: the OpenAI-compatible routes (and their readiness)
-        routers = (oai,)
+        routers = (oai, console)
     else:
-        routers = (client, sessions, training, sampling, futures, rest, downloads, oai)
+        routers = (client, sessions, training, sampling, futures, rest, downloads, oai, console)
     for module in routers:
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
