@@ -95,12 +95,16 @@ def _sign_in_redirect() -> Response:
 
 
 async def _form(request: Request) -> dict[str, str]:
+    """The fields of a form post (the stdlib's parser: no multipart is ever needed here)."""
+    body = await request.body()
+    if not body:
+        return {}
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type != "application/x-www-form-urlencoded":
         raise ApiError(
             415, "Content-Type must be application/x-www-form-urlencoded", "content-type"
         )
-    fields = urllib.parse.parse_qs((await request.body()).decode("utf-8", "replace"))
+    fields = urllib.parse.parse_qs(body.decode("utf-8", "replace"))
     return {name: values[0] for name, values in fields.items()}
 
 
