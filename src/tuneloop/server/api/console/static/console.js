@@ -42,13 +42,14 @@ function startCurves(root) {
     let p;
     const names = new Set();
     for (p of points) for (const k of Object.keys(p.metrics)) names.add(k);
-    const ordered = ["loss:sum", ...[...names].filter((n) => n !== "loss:sum").sort()];
+    const others = [...names].filter((n) => n !== "loss:sum").sort();
     for (p of points) {
-      for (const name of ordered) if (names.has(name)) push(name, name, p.metrics[name]);
       if (names.has("loss:sum")) {
+        push("loss:sum", "loss:sum", p.metrics["loss:sum"]);
         push("loss-per-token", "loss:sum / trained tokens",
           p.trained_tokens ? p.metrics["loss:sum"] / p.trained_tokens : null);
       }
+      for (const name of others) push(name, name, p.metrics[name]);
       push("trained_tokens", "trained tokens per step", p.trained_tokens);
       push("step_s", "step time (s)", p.step_s);
     }
@@ -109,19 +110,43 @@ async function startUsage(el) {
   const response = await fetch(el.dataset.usageUrl, { credentials: "same-origin" });
   if (!response.ok) return;
   const report = await response.json();
-  const xs = report.buckets.map((b) => Date.parse(b.start) / 1000);
+  // Every hour of the period, zero where nothing ran: gaps read as idle hours, not as lines.
+  const HOUR = 3600;
+  const now = Math.floor(Date.now() / 1000 / HOUR) * HOUR;
+  const since = report.since ? Math.floor(Date.parse(report.since) / 1000 / HOUR) * HOUR : now;
+  const byHour = new Map(report.buckets.map((b) => [Date.parse(b.start) / 1000, b]));
+  const xs = [];
+  for (let t = since; t <= now; t += HOUR) xs.push(t);
   const classes = [["prefill_tokens", "prefill"], ["sampled_tokens", "sampled"], ["trained_tokens", "trained"]];
-  const data = [xs, ...classes.map(([k]) => report.buckets.map((b) => b.totals[k]))];
-  const opts = {
-    width: chartWidth(el),
-    height: 260,
+  const perClass = classes.map(([k]) => xs.map((t) => byHour.get(t)?.totals[k] ?? 0));
+  const tokens = (c) => c.prefill_tokens + c.sampled_tokens + c.trained_tokens;
+  const operations = Object.keys(report.by_operation).filter((op) => tokens(report.by_operation[op]) > 0).sort();
+  const perOp = operations.map((op) => xs.map((t) => {
+    const c = byHour.get(t)?.by_operation[op];
+    return c ? tokens(c) : 0;
+  }));
+  // A step holds its hour's value until the next x: one x past the last hour closes it.
+  xs.push(now + HOUR);
+  for (const ys of [...perClass, ...perOp]) ys.push(ys[ys.length - 1]);
+  const chart = (box, title, labels, series) => new uPlot({
+    title,
+    width: chartWidth(box),
+    height: 240,
     axes: [{ label: "hour (local time)" }, { label: "tokens" }],
-    series: [{}, ...classes.map(([, label], i) => ({
-      label, stroke: COLORS[i], fill: COLORS[i] + "33", width: 2,
-      paths: uPlot.paths.bars({ size: [0.25, 40] }),
+    series: [{}, ...labels.map((label, i) => ({
+      label, stroke: COLORS[i % COLORS.length], width: 2, paths: uPlot.paths.stepped({ align: 1 }),
     }))],
-  };
-  new uPlot(opts, data, el);
+  }, [xs, ...series], box);
+  const byClass = document.createElement("figure");
+  byClass.className = "chart";
+  el.appendChild(byClass);
+  chart(byClass, "Tokens per hour, by class", classes.map(([, l]) => l), perClass);
+  if (operations.length) {
+    const byOp = document.createElement("figure");
+    byOp.className = "chart";
+    el.appendChild(byOp);
+    chart(byOp, "Tokens per hour, by operation", operations, perOp);
+  }
 }
 
 // ---- playground -----------------------------------------------------------------------------
