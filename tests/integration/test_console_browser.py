@@ -197,9 +197,9 @@ def test_the_console_shows_a_live_run_and_downloads_its_adapter(
 
 
 def _admin_key(server: LiveServer) -> str:
+    command = [sys.executable, "-m", "tuneloop", "keys", "--data-dir", str(server.data_dir)]
     out = subprocess.run(
-        [sys.executable, "-m", "tuneloop", "keys", "--data-dir", str(server.data_dir), "create"]
-        + ["--tenant", "ops", "--admin"],
+        [*command, "create", "--tenant", "ops", "--admin"],
         check=True,
         capture_output=True,
         text=True,
