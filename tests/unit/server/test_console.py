@@ -459,3 +459,33 @@ async def test_tenant_b_sees_nothing_of_tenant_a(
     assert forged.status_code == 403
     assert exported in (await alice.http.get("/console/checkpoints")).text
     assert (await points(alice, model_id))["points"]
+
+
+async def test_a_deployment_serves_the_playground_and_not_the_training_pages(
+    tmp_path: Path,
+) -> None:
+    from tests.unit.server.harness import serve
+
+    async with serve(tmp_path, openai_only=True) as api:
+        token = await sign_in_to(api, "/console/playground")
+        home = await api.http.get("/console", follow_redirects=False)
+        assert (home.status_code, home.headers["location"]) == (303, "/console/playground")
+        for page in ("/console/checkpoints", "/console/fragments/overview", "/console/runs/x"):
+            response = await api.http.get(page)
+            assert response.status_code == 404, page
+        playground = await api.http.get("/console/playground")
+        assert 'href="/console/checkpoints"' not in playground.text
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        reply = await api.http.post(
+            "/console/data/chat", json=body, headers={"x-csrf-token": token}
+        )
+        assert reply.status_code == 200, reply.text
+
+
+async def sign_in_to(api: Api, landing: str) -> str:
+    response = await api.http.post(
+        "/console/sign-in", data={"api_key": api.key}, follow_redirects=True
+    )
+    assert response.status_code == 200, response.text  # followed to `landing`
+    assert str(response.url).endswith(landing)
+    return csrf_of(response)

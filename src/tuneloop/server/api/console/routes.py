@@ -75,9 +75,26 @@ def curves_of(request: Request) -> RunCurves:
     return curves
 
 
+def _deployment(request: Request) -> bool:
+    """A `tuneloop deploy` server: OpenAI routes only, so no runs or checkpoints to show."""
+    return bool(get_state(request).config.openai_only)
+
+
+def _not_in_deployment(request: Request) -> None:
+    if _deployment(request):
+        raise not_found("this page on a deployment (it serves the OpenAI routes only)", "path")
+
+
 def _page(request: Request, template: str, viewer: Viewer | None, **context: Any) -> Response:
     response = templates.TemplateResponse(
-        request, template, {"viewer": viewer, "csrf_field": CSRF_FIELD, **context}
+        request,
+        template,
+        {
+            "viewer": viewer,
+            "csrf_field": CSRF_FIELD,
+            "deployment": _deployment(request),
+            **context,
+        },
     )
     response.headers.update(SECURITY_HEADERS)
     return response
@@ -146,11 +163,14 @@ async def home(request: Request) -> Response:
     viewer = viewer_of(request)
     if viewer is None:
         return _sign_in_redirect()
+    if _deployment(request):
+        return RedirectResponse("/console/playground", status_code=303)
     return _page(request, "overview.html", viewer, **overview(get_state(request), viewer.tenant))
 
 
 @router.get("/fragments/overview")
 async def overview_fragment(request: Request) -> Response:
+    _not_in_deployment(request)
     viewer = _signed_in(request)
     return _page(
         request, "_overview_tables.html", viewer, **overview(get_state(request), viewer.tenant)
@@ -166,6 +186,7 @@ def _run_or_404(state: ServerState, run_id: str, tenant: str) -> Any:
 
 @router.get("/runs/{run_id}")
 async def run_page(run_id: str, request: Request) -> Response:
+    _not_in_deployment(request)
     viewer = viewer_of(request)
     if viewer is None:
         return _sign_in_redirect()
@@ -184,6 +205,7 @@ async def run_page(run_id: str, request: Request) -> Response:
 @router.get("/data/runs/{run_id}/points")
 async def run_points(run_id: str, request: Request, after: int = Query(0, ge=0)) -> Any:
     """The run's per-step points added after row id `after` (0: all kept), and its step."""
+    _not_in_deployment(request)
     viewer = _signed_in(request)
     state = get_state(request)
     run = _run_or_404(state, run_id, viewer.tenant)
@@ -199,6 +221,7 @@ async def run_points(run_id: str, request: Request, after: int = Query(0, ge=0))
 
 @router.get("/checkpoints")
 async def checkpoints_page(request: Request) -> Response:
+    _not_in_deployment(request)
     viewer = viewer_of(request)
     if viewer is None:
         return _sign_in_redirect()
@@ -223,6 +246,7 @@ def _checkpoint(request: Request, viewer: Viewer, path: str) -> Any:
 def download_page(request: Request, path: str) -> Response:
     """Signed links to each file of an adapter export (the same URLs the SDKs get). A plain
     `def`: FastAPI runs it in a worker thread, so walking the folder blocks no one."""
+    _not_in_deployment(request)
     viewer = _signed_in(request)
     parsed, row = _checkpoint(request, viewer, path)
     if parsed.segment not in ("external_weights",):
@@ -255,6 +279,7 @@ def download_page(request: Request, path: str) -> Response:
 
 @router.get("/checkpoints/delete")
 async def delete_confirm_page(request: Request, path: str) -> Response:
+    _not_in_deployment(request)
     viewer = viewer_of(request)
     if viewer is None:
         return _sign_in_redirect()
@@ -264,6 +289,7 @@ async def delete_confirm_page(request: Request, path: str) -> Response:
 
 @router.post("/checkpoints/delete")
 async def delete_checkpoint(request: Request) -> Response:
+    _not_in_deployment(request)
     viewer = _signed_in(request)
     form = await _form(request)
     check_csrf(viewer, form.get(CSRF_FIELD))
@@ -314,7 +340,11 @@ async def playground_page(request: Request) -> Response:
         return _sign_in_redirect()
     state = get_state(request)
     rows = console_views.checkpoints(state.registry.engine, viewer.tenant)
-    choices = [checkpoint_view(r) for r in rows if r.kind in PLAYGROUND_KINDS]
+    choices = [
+        checkpoint_view(r)
+        for r in rows
+        if r.kind in PLAYGROUND_KINDS and r.base_model in state.models
+    ]
     return _page(
         request, "playground.html", viewer, base_models=sorted(state.models), checkpoints=choices
     )
