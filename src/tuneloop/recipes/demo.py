@@ -66,11 +66,15 @@ def console_hint(base_url: str, started_locally: bool) -> str:
     return f"watch it live at {base_url}/console (sign in with {key})"
 
 
+def _wait_for_ctrl_c() -> None:
+    while True:
+        time.sleep(3600)
+
+
 def _serve_until_interrupted(base_url: str, console: Console) -> None:
     console.print(f"the server stays up at {base_url}/console; Ctrl-C stops it")
     try:
-        while True:
-            time.sleep(3600)
+        _wait_for_ctrl_c()
     except KeyboardInterrupt:
         console.print("stopping the server")
 
