@@ -22,6 +22,7 @@ install: $(STAMP) browser
 # download is needed. Skipped when it is already there.
 browser:
 	@if [ ! -x /usr/bin/chromium ]; then \
+	  command -v apt-get >/dev/null || { echo "install Chromium at /usr/bin/chromium" >&2; exit 1; }; \
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; fi
 
 lint: $(STAMP)
@@ -30,7 +31,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-test: lint
+test: lint browser
 	TINKER_TELEMETRY=0 HF_HUB_OFFLINE=1 $(BIN)/pytest -q
 
 serve: $(STAMP)
