@@ -352,11 +352,17 @@ async def test_the_playground_chats_through_the_openai_route_with_logprobs(api: 
         "/console/data/chat", json={**body, "model": "nope"}, headers={"x-csrf-token": token}
     )
     assert unknown.status_code == 404
+    streamed = await api.http.post(
+        "/console/data/chat", json={**body, "stream": True}, headers={"x-csrf-token": token}
+    )
+    assert streamed.status_code == 400
+    assert streamed.json()["field"] == "stream"
 
 
 async def test_the_operator_view_needs_an_admin_key(api: Api, other_tenant: Api) -> None:
     session_id = await other_tenant.session()
     await other_tenant.model(session_id)
+    await train_steps(api, await api.model(await api.session()), 1)
     await sign_in(api)
     assert (await api.http.get("/console/operator")).status_code == 403
     assert (await api.http.get("/console/data/engine")).status_code == 403
@@ -369,6 +375,12 @@ async def test_the_operator_view_needs_an_admin_key(api: Api, other_tenant: Api)
     assert page.status_code == 200
     for shown in ("alice", "bob", "ops", "FakeBackend", "Tokens/s"):
         assert shown in page.text
+    alice_row = re.search(r'<th scope="row">alice</th>(.*?)</tr>', page.text, re.DOTALL)
+    assert alice_row is not None
+    cells = re.findall(r'<td class="num">([^<]*)</td>', alice_row.group(1))
+    # sessions (live), runs, checkpoints, in flight / max, max sessions, prefill, sampled, trained
+    assert cells[:3] == ["1 (1)", "1", "0 (0 B)"]
+    assert cells[5:8] == ["0", "0", str(len(TOKENS) - 1)]
     engine = (await api.http.get("/console/data/engine")).json()
     assert engine["models"] == [MODEL]
     assert engine["samples_waiting"] == 0

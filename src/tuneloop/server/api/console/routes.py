@@ -5,6 +5,7 @@ the operator page and its data route need an admin key.
 
 from __future__ import annotations
 
+import json
 import urllib.parse
 from datetime import timedelta
 from pathlib import Path
@@ -357,6 +358,12 @@ async def playground_chat(request: Request) -> Response:
     viewer = _signed_in(request)
     check_csrf(viewer, request.headers.get(CSRF_HEADER))
     body = await request.body()
+    try:
+        streamed = json.loads(body).get("stream") if body else None
+    except (ValueError, AttributeError):
+        streamed = None  # the OpenAI route answers malformed JSON with its own 400
+    if streamed:
+        raise bad_request("stream: the playground asks for whole answers", "stream")
     key = request.cookies[COOKIE]
     transport = httpx.ASGITransport(app=request.app)
     async with httpx.AsyncClient(transport=transport, base_url=str(request.base_url)) as client:
@@ -386,7 +393,17 @@ def _operator(request: Request) -> dict[str, Any]:
     state = get_state(request)
     counts = {c.tenant: c for c in console_views.tenant_counts(state.registry.engine)}
     tenants = sorted(set(counts) | {r.tenant for r in state.keys.list()})
-    usage = {t: _usage(request, t, "24h")["totals"] for t in tenants}
+    since_hour, _ = hour_range(utcnow() - timedelta(hours=24), None)
+    usage: dict[str, dict[str, int]] = {
+        t: {"prefill_tokens": 0, "sampled_tokens": 0, "trained_tokens": 0} for t in tenants
+    }
+    for row in state.registry.usage_sums(UsageFilter(since_hour=since_hour)):  # every tenant
+        totals = usage.setdefault(
+            row.tenant, {"prefill_tokens": 0, "sampled_tokens": 0, "trained_tokens": 0}
+        )
+        totals["prefill_tokens"] += row.prefill_tokens
+        totals["sampled_tokens"] += row.sampled_tokens
+        totals["trained_tokens"] += row.trained_tokens
     curves = curves_of(request)
     rows = [
         {
