@@ -5,7 +5,13 @@ Server-rendered Jinja2 pages with htmx polling and uPlot charts, both vendored u
 (see static/README.md), so the console works with no network.
 """
 
+from fastapi import APIRouter
+
+from tuneloop.server.api.console import checkpoints, operator, playground, routes, usage
 from tuneloop.server.api.console.curves import RunCurves
-from tuneloop.server.api.console.routes import router
 
 __all__ = ["RunCurves", "router"]
+
+router = APIRouter()
+for _module in (routes, checkpoints, usage, playground, operator):
+    router.include_router(_module.router)
