@@ -5,7 +5,10 @@ while a decode batch runs."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -100,3 +103,33 @@ def test_kv_tokens_in_use_while_a_decode_batch_runs(tmp_path: Path) -> None:
         assert backend.kv_tokens_in_use() == 0  # none after the decode run
     finally:
         backend.close()
+
+
+@pytest.mark.slow
+def test_worker_group_health_and_restarts(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from tuneloop.server.api.console.engine_state import worker_group_state
+    from tuneloop.server.engine.workers.build import worker_group
+
+    group = worker_group(
+        ("tuneloop/tiny-qwen3",), workers=1, cache_dir=tmp_path / "cache", device="cpu"
+    )
+    try:
+        first = worker_group_state(group)
+        assert first is not None
+        assert (first.workers, first.alive, first.restarts, first.generation) == (1, 1, 0, 1)
+        os.kill(first.pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        state = first
+        while time.monotonic() < deadline:  # the watchdog restarts the group between calls
+            state = worker_group_state(group)
+            if state is not None and state.restarts == 1:
+                break
+            time.sleep(0.2)
+        assert state is not None
+        assert (state.restarts, state.generation, state.alive) == (1, 2, 1)
+        assert state.pids != first.pids
+        assert state.last_recovery_s is not None
+    finally:
+        group.close()
+    assert worker_group_state(object()) is None  # a backend without workers

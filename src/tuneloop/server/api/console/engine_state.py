@@ -14,7 +14,7 @@ from typing import Any
 from tuneloop.server.api.console.curves import RunCurves
 from tuneloop.server.api.state import ServerState
 
-__all__ = ["EngineState", "WorkerGroupState", "engine_state"]
+__all__ = ["EngineState", "WorkerGroupState", "engine_state", "worker_group_state"]
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _workers(backend: Any) -> WorkerGroupState | None:
+def worker_group_state(backend: Any) -> WorkerGroupState | None:
+    """The worker group's workers, pids alive, generation and restarts; None for a backend
+    that runs in this process."""
     pids_of = getattr(backend, "worker_pids", None)
     if pids_of is None:
         return None
@@ -98,5 +100,5 @@ def engine_state(state: ServerState, curves: RunCurves) -> EngineState:
         kv_token_budget=int(budget) if isinstance(budget, int) else None,
         tokens_per_s=curves.tokens_per_s(),
         futures_in_table=len(state.futures),
-        workers=_workers(backend),
+        workers=worker_group_state(backend),
     )
