@@ -106,6 +106,16 @@ def test_the_console_shows_a_live_run_and_downloads_its_adapter(
                     viewport={"width": 1360, "height": 900}, accept_downloads=True
                 )
                 page.set_default_timeout(WAIT_MS)
+                # Script errors and blocked resources (a CSP violation, a missing vendored file)
+                # show up here; the sign-in page's expected 401 is a response, not an error.
+                errors: list[str] = []
+                page.on("pageerror", lambda exc: errors.append(f"page error: {exc}"))
+                page.on(
+                    "console",
+                    lambda msg: (
+                        errors.append(f"console: {msg.text}") if msg.type == "error" else None
+                    ),
+                )
                 page.goto(f"{server.url}/console")
                 assert page.url.endswith("/console/sign-in")
                 page.screenshot(path=str(artifacts / "01-sign-in.png"))
@@ -190,6 +200,7 @@ def test_the_console_shows_a_live_run_and_downloads_its_adapter(
                 assert page.get_by_role("row", name="alice").count() == 1
                 assert MODEL in page.locator("main").inner_text()
                 page.screenshot(path=str(artifacts / "09-operator.png"), full_page=True)
+                assert errors == []
             finally:
                 browser.close()
     finally:
