@@ -17,8 +17,10 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.routing import APIRoute, iter_route_contexts
+from typer.testing import CliRunner
 
 from tests.unit.server.harness import MODEL, Api, datum, sampler
+from tuneloop.cli import build_app
 from tuneloop.server.api.console.auth import COOKIE
 from tuneloop.server.storage.keys import KeyStore
 from tuneloop.server.storage.run_metrics import RunMetricsStore
@@ -392,7 +394,14 @@ async def test_the_operator_view_needs_an_admin_key(api: Api, other_tenant: Api)
 def test_an_admin_flag_is_stored_with_the_key(tmp_path: Path) -> None:
     keys = KeyStore(tmp_path / "keys.json")
     plain, _ = keys.create("alice")
-    admin, _ = keys.create("ops", admin=True)
+    made = CliRunner().invoke(
+        build_app(with_demo=False),
+        ["keys", "--data-dir", str(tmp_path), "create", "--tenant", "ops", "--admin"],
+        catch_exceptions=False,
+    )
+    assert made.exit_code == 0, made.output
+    admin = made.stdout.strip()
+    assert "for tenant ops (admin)" in made.stderr
     assert keys.record_of(plain).admin is False  # type: ignore[union-attr]
     assert keys.record_of(admin).admin is True  # type: ignore[union-attr]
     assert keys.tenant_of(admin) == "ops"
