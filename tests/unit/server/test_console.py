@@ -123,6 +123,19 @@ async def test_a_wrong_key_is_refused_and_a_key_in_the_url_signs_nothing_in(api:
     assert data.json()["field"] == COOKIE
     not_form = await api.http.post("/console/sign-in", json={"api_key": api.key})
     assert not_form.status_code == 415
+    # Another site's page posting the form (a forged sign-in) is refused; the console's own is not.
+    forged = await api.http.post(
+        "/console/sign-in",
+        data={"api_key": api.key},
+        headers={"origin": "https://evil.example"},
+    )
+    assert forged.status_code == 403
+    assert forged.json()["field"] == "origin"
+    assert "set-cookie" not in forged.headers
+    own = await api.http.post(
+        "/console/sign-in", data={"api_key": api.key}, headers={"origin": "http://tuneloop"}
+    )
+    assert own.status_code == 303
 
 
 async def test_a_revoked_key_is_signed_out_at_once(api: Api) -> None:
@@ -345,6 +358,12 @@ async def test_the_playground_chats_through_the_openai_route_with_logprobs(api: 
     }
     refused = await api.http.post("/console/data/chat", json=body)
     assert refused.status_code == 403
+    cross_site = await api.http.post(
+        "/console/data/chat",
+        json=body,
+        headers={"x-csrf-token": token, "origin": "https://evil.example"},
+    )
+    assert cross_site.status_code == 403
     reply = await api.http.post("/console/data/chat", json=body, headers={"x-csrf-token": token})
     assert reply.status_code == 200, reply.text
     content = reply.json()["choices"][0]["logprobs"]["content"]

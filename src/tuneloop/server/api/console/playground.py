@@ -12,7 +12,7 @@ from fastapi.responses import Response
 
 from tuneloop.server.api.console.auth import COOKIE, CSRF_HEADER, check_csrf, viewer_of
 from tuneloop.server.api.console.pages import checkpoint_view
-from tuneloop.server.api.console.render import page, sign_in_redirect, signed_in
+from tuneloop.server.api.console.render import page, same_origin, sign_in_redirect, signed_in
 from tuneloop.server.api.errors import bad_request
 from tuneloop.server.api.state import get_state
 from tuneloop.server.storage import console_views
@@ -47,6 +47,7 @@ async def playground_chat(request: Request) -> Response:
     """One chat completion through the server's own /oai route, as the signed-in key (which
     the page's script cannot read: the cookie is HttpOnly)."""
     viewer = signed_in(request)
+    same_origin(request)
     check_csrf(viewer, request.headers.get(CSRF_HEADER))
     body = await request.body()
     try:

@@ -25,6 +25,7 @@ __all__ = [
     "not_in_deployment",
     "page",
     "read_form",
+    "same_origin",
     "sign_in_redirect",
     "signed_in",
     "templates",
@@ -98,8 +99,19 @@ def sign_in_redirect() -> Response:
     return RedirectResponse("/console/sign-in", status_code=303)
 
 
+def same_origin(request: Request) -> None:
+    """403 for a post another site's page made (the browser names that page's origin). Besides
+    the CSRF token, this stops a forged sign-in, which has no token to check: another site
+    signing the browser in with the attacker's key."""
+    origin = request.headers.get("origin")
+    own = f"{request.url.scheme}://{request.url.netloc}"
+    if origin is not None and origin != own:
+        raise ApiError(403, f"origin: a console form posted from {origin!r}", "origin")
+
+
 async def read_form(request: Request) -> dict[str, str]:
-    """The fields of a form post (the stdlib's parser: no multipart is ever needed here)."""
+    """The fields of a same-origin form post (the stdlib's parser: no multipart is needed)."""
+    same_origin(request)
     body = await request.body()
     if not body:
         return {}
