@@ -29,10 +29,13 @@ from tuneloop.server.scheduler.queue import Operation
 from tuneloop.server.storage.registry import Registry
 from tuneloop.server.storage.run_metrics import RunMetricsStore
 
-__all__ = ["THROUGHPUT_WINDOW_S", "RunCurves"]
+__all__ = ["MAX_TRACKED_RUNS", "THROUGHPUT_WINDOW_S", "RunCurves"]
 
 log = logging.getLogger(__name__)
 THROUGHPUT_WINDOW_S = 60.0
+# Runs whose step state is held in memory; past this the least recently stepped are forgotten
+# (their next step then has no step time), so a server that saw many runs holds no more.
+MAX_TRACKED_RUNS = 10_000
 OPTIM_STEP = "OptimStep"  # the request type api/training.py gives optim_step futures
 
 
@@ -90,6 +93,8 @@ class RunCurves:
                 return
             self._count(now, tenant, "trained", tokens)
             self._pending.setdefault(work.adapter_id, _Pending()).add(tokens, result.metrics)
+            if len(self._pending) > MAX_TRACKED_RUNS:  # runs that never step: oldest first
+                self._pending.pop(next(iter(self._pending)))
         elif isinstance(work, SampleWork) and isinstance(result, SampleResult):
             self._count(now, tenant, "prefill", int(work.prompt.size))
             self._count(now, tenant, "sampled", sum(len(s.tokens) for s in result.sequences))
@@ -102,8 +107,10 @@ class RunCurves:
 
     def _close_step(self, run_id: str, tenant: str, now: float, optim: dict[str, Any]) -> None:
         pending = self._pending.pop(run_id, _Pending())
-        previous = self._last_step_at.get(run_id)
-        self._last_step_at[run_id] = now
+        previous = self._last_step_at.pop(run_id, None)
+        self._last_step_at[run_id] = now  # re-inserted: the dict is ordered by last step
+        while len(self._last_step_at) > MAX_TRACKED_RUNS:
+            self.forget(next(iter(self._last_step_at)))
         run = self.registry.training_run(run_id, tenant)
         if run is None:
             return
