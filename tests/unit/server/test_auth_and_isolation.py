@@ -589,7 +589,9 @@ def alice_secrets(a: AliceWorld) -> list[str]:
 
 async def test_every_route_is_classified(server: tuple[Any, KeyStore]) -> None:
     # A new route fails here until it is added to one of the tables (and so tested below).
-    routes = app_routes(server[0])
+    # The console's routes (cookie-signed, under /console) are walked by tenant B in
+    # tests/unit/server/test_console.py, whose own check keeps that walk complete.
+    routes = {r for r in app_routes(server[0]) if not r[1].startswith("/console")}
     classified = set(RESOURCE_ROUTES) | set(NO_RESOURCE_ROUTES) | set(SIGNED_ROUTES)
     classified |= OPERATOR_ROUTES
     assert routes == classified, routes ^ classified

@@ -233,6 +233,7 @@ def run_server(app: Any, config: ServerConfig, *, parent_pid: int | None = None)
         if server.started:  # with --port 0 the OS picks the port: print the bound one
             bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else config.port
             print(f"tuneloop serving at http://{config.host}:{bound}", flush=True)
+            print(f"web console at http://{config.host}:{bound}/console", flush=True)
 
     setattr(server, "startup", startup)  # noqa: B010 - announce readiness with the real port
     if parent_pid is not None:

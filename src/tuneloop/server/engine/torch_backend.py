@@ -466,6 +466,8 @@ class TorchBackend:
         if runtime is not None:
             runtime.bank.delete(sampler_id)
 
+    _decoding: _DecodeRun | None = None  # the decode run under way, for kv_tokens_in_use
+
     def sample(self, batch: Sequence[SampleWork]) -> list[SampleResult | EngineError]:
         """Every request of `batch`, in decode batches under the KV-token budget."""
         results: dict[int, SampleResult | EngineError] = {}
@@ -488,9 +490,18 @@ class TorchBackend:
         error.
         """
         waiting = list(batch)
-        while waiting:
-            run = _DecodeRun(self, deliver, cancelled)
-            waiting = run.run(waiting, admit)
+        try:
+            while waiting:
+                self._decoding = run = _DecodeRun(self, deliver, cancelled)
+                waiting = run.run(waiting, admit)
+        finally:
+            self._decoding = None
+
+    def kv_tokens_in_use(self) -> int:
+        """KV-cache tokens the running decode batches hold (0 when none runs). For monitoring,
+        from another thread: a step under way may change it as it is read."""
+        run = self._decoding
+        return sum(b.batch.kv_tokens() for b in list(run.buckets)) if run is not None else 0
 
     def kv_cache_use(self) -> KVCacheUse:
         tokens, held_bytes = self._kv_held

@@ -94,6 +94,8 @@ class EngineLoop:
         # replacement is atomic.
         self._cancelled_at: dict[str, float] = {}
         self._cancelled: frozenset[str] = frozenset()
+        # The batch on the engine now, as (kind, operations), or None: for monitoring only.
+        self.running: tuple[str, int] | None = None
 
     def notify(self, kind: str | None = None) -> None:
         """New work was queued; `kind` ("sample", "forward_backward", ...) feeds the gather rule."""
@@ -163,13 +165,17 @@ class EngineLoop:
         self._drop_cancelled(batch)
         if not batch.ops:
             return True
-        if batch.kind == "sample" and isinstance(self.backend, ContinuousSampling):
-            await self._sample_continuously(batch)
-            return True
-        loop = asyncio.get_running_loop()
-        results = await loop.run_in_executor(
-            self._executor, self._timed, _execute, self.backend, batch
-        )
+        self.running = (batch.kind, len(batch.ops))
+        try:
+            if batch.kind == "sample" and isinstance(self.backend, ContinuousSampling):
+                await self._sample_continuously(batch)
+                return True
+            loop = asyncio.get_running_loop()
+            results = await loop.run_in_executor(
+                self._executor, self._timed, _execute, self.backend, batch
+            )
+        finally:
+            self.running = None
         if self._arrivals.get(batch.kind, 0) > 0:
             # Requests of this kind arrived while the batch ran: clients work concurrently.
             self._overlap_seen_at[batch.kind] = time.monotonic()

@@ -113,6 +113,10 @@ class OperationQueue:
         """How many sampling operations wait (a plain read: safe from the engine thread)."""
         return len(self._samples)
 
+    def waiting_by_model(self) -> dict[str, int]:
+        """Training operations accepted and not yet run, per model id (the console's view)."""
+        return {m: len(s.pending) for m, s in self._streams.items() if s.pending}
+
     def training_ready(self) -> bool:
         """Whether some model has a training-side operation ready to run now."""
         return bool(self._ready_runs())
