@@ -1,8 +1,8 @@
 """A local sandbox for model-written Python: run it against unit tests, contained.
 
-`run_python(code, tests)` runs the solution, then the tests in the same module namespace, in a
-separate process (`sandbox_child.py`, started with the base interpreter in isolated mode) and
-returns a `SandboxResult`. What contains the run, as root (how the project's CI runs it):
+`run_python(code, tests)` runs the solution, then the tests against it, in a separate process
+tree (`sandbox_child.py`, started with the base interpreter in isolated mode) and returns a
+`SandboxResult`. What contains the run, as root (how the project's CI runs it):
 
 - its own temporary work dir (its cwd, HOME and TMPDIR; removed afterwards), the only writable
   place: every mount is read-only in a private mount namespace, and /tmp, /var/tmp, /dev/shm,
@@ -27,9 +27,25 @@ Degraded modes, each written into `SandboxResult.details` and `.isolation`:
 - namespaces unavailable (or `namespaces=False`): only the limits, the session and (as root)
   the uid; no network, filesystem or pid isolation.
 
-The tests prove a pass: the worker writes a per-run nonce after the last test, so a solution
-that exits early (`sys.exit(0)`, `os._exit(0)`) fails. It does not defend against code that digs
-the nonce out of the interpreter's memory; the sandbox contains code, it does not grade intent.
+The verdict is the tests' own, made where the solution cannot reach (`sandbox_harness.py`): the
+tests run in a harness process of their own (its own uid as root; non-dumpable, so no ptrace or
+/proc/PID/mem,fd access by a process of the same uid otherwise), which calls the solution's
+functions in the solution's process over a socket pair and gets their results back as plain
+data (None, bool, int, float, complex, str, bytes and lists, tuples, sets, frozensets and dicts
+of them), compared there. The solution's process never holds the tests' source (a nameless file
+only the harness gets), the expected values or the pipe the verdict goes out on; only the
+supervisor and the harness do. So whatever the solution does to its own process (walk its
+frames, search `gc` or its memory, patch builtins, return an object whose `__eq__` is always
+True, exit with 0 before, during or after the tests, forge lines on any descriptor it has, fork
+a child that outlives it) it changes only the values it answers with, and any exit or protocol
+breach before the tests end fails the run. What it does not defend against: a solution that
+computes the expected answers (e.g. from memorised public tests, or from the arguments of
+calls it sees, or tests that trust solution-side helpers such as HumanEval/38's
+`encode_cyclic`); a host that runs it without namespaces and not as root (then the solution
+runs as the caller, unconfined, and can rewrite the interpreter the harness uses).
+Limits of the boundary: a solution's module-level values are copied when it has loaded;
+arguments are copies (an in-place change is not seen by the tests); classes and other objects
+reach the tests only through functions that return plain data.
 """
 
 from __future__ import annotations
@@ -80,13 +96,17 @@ _DRAIN_S = 1.0
 class SandboxResult:
     """The outcome of one sandboxed run.
 
-    status: "passed" (the program ran to its end: all tests passed), "failed" (a test failed:
-    AssertionError, a non-zero exit, or an exit before the tests completed), "timeout" (wall-time
-    or CPU-time limit), "memory" (the memory limit), "error" (another exception, e.g. a
-    SyntaxError, or the sandbox could not start), "killed" (a signal or the output limit).
-    exit_code: the solution process's exit code, None when a signal or the sandbox ended it.
-    stdout/stderr: the last `tail_bytes` of each. details: why, plus any degraded isolation.
-    isolation: what confinement applied ("netns", "mountns", "pidns", "uid:N", ...).
+    status: "passed" (all tests passed, as the harness saw it; with no tests, the program exited
+    0), "failed" (a test failed: AssertionError, a non-zero exit, or the solution ended or broke
+    the call protocol before the tests completed), "timeout" (wall-time or CPU-time limit),
+    "memory" (the memory limit), "error" (another exception, e.g. a SyntaxError, a result that is
+    not plain data, or the sandbox could not start), "killed" (a signal or the output limit).
+    exit_code: with tests, the tests' (0, 1 for a failed check or an exception, N for their own
+    `sys.exit(N)`), or the solution's own when it ended first; without, the program's; None when
+    a signal or the sandbox ended it.
+    stdout/stderr: the last `tail_bytes` of each, the solution's output then the tests'.
+    details: why, plus any degraded isolation. isolation: what confinement applied ("netns",
+    "mountns", "pidns", "uid:N", "harness-uid:N", ...).
     """
 
     passed: bool
@@ -140,7 +160,8 @@ def run_python(
     namespaces: bool = True,
     work_root: str | None = None,
 ) -> SandboxResult:
-    """Run `code` then `tests` (Python source run after it in the same namespace) contained.
+    """Run `code`, then `tests` against it (Python source that uses the solution's module-level
+    names: its functions, its plain values, the stdlib modules it imported), contained.
 
     Passed means the tests ran to their end (or, with no tests, the program exited 0).
     `stdin` is fed to the program; `max_output_bytes` bounds stdout+stderr (the run is killed
@@ -446,7 +467,9 @@ def _joined(first: _Tail, second: _Tail, keep: int) -> str:
     return bytes(first.data + second.data)[-keep:].decode("utf-8", errors="replace")
 
 
-def _classify(outcome: _Outcome, timeout_s: float, duration_s: float, tail_bytes: int) -> SandboxResult:
+def _classify(
+    outcome: _Outcome, timeout_s: float, duration_s: float, tail_bytes: int
+) -> SandboxResult:
     # Trusted: the result pipe (supervisor, harness). The report pipe is the solution's own word:
     # it may say why the solution failed, it never makes a pass.
     records, reports = outcome.records, outcome.reports
@@ -507,7 +530,7 @@ def _classify(outcome: _Outcome, timeout_s: float, duration_s: float, tail_bytes
     elif outcome.has_tests and verdict is None:
         status, why = "error", "the tests' process ended without a verdict"
     else:
-        status, why = "failed", f"exited before its tests completed{f' ({gone})' if gone else ''}"
+        status, why = "failed", gone or "exited before its tests completed"
     isolation = tuple(_strings(setup.get("setup"))) if setup else ()
     notes = _strings(setup.get("notes")) if setup else []
     if setup and "mountns" not in isolation and not _readable_by_others(sys.base_prefix):

@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import json
 import os
 import resource
 import signal
-import sys
-import importlib.util
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from types import ModuleType
@@ -89,7 +89,8 @@ def _sibling(name: str) -> ModuleType:
     # Loaded now, before the mounts may hide the package's directory.
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
     spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -292,21 +293,27 @@ def supervise(cfg: dict[str, Any], setup: Setup) -> None:
             continue  # an orphan of the solution's, reaped
         if role == main_role:
             main_status = status
-        record: dict[str, int] = (
-            {"exit": os.WEXITSTATUS(status)}
-            if os.WIFEXITED(status)
-            else {"signal": os.WTERMSIG(status)}
-        )
+        record = _status(status)
         if pid in stopped:
             record["stopped"] = 1
         _report(result_fd, {role: record})
         if role == "harness":
-            # The verdict is in: the solution's worker has nothing left to do.
-            for other in roles:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
+            # The verdict is in: the worker has nothing left to do. Unless it has ended already
+            # (then its own status is the one reported), it is killed.
+            for other in list(roles):
+                done, status = os.waitpid(other, os.WNOHANG)
+                if done:
+                    _report(result_fd, {roles.pop(other): _status(status)})
+                else:
                     os.kill(other, signal.SIGKILL)
                     stopped.add(other)
     os._exit(_exit_code(main_status))
+
+
+def _status(status: int) -> dict[str, int]:
+    if os.WIFEXITED(status):
+        return {"exit": os.WEXITSTATUS(status)}
+    return {"signal": os.WTERMSIG(status)}
 
 
 def _set_limits(cfg: dict[str, Any]) -> None:
@@ -360,9 +367,9 @@ def run_harness(cfg: dict[str, Any], channel_fd: int) -> None:
     _keep_only(fds["result"], fds["tests"], fds["harness_out"], fds["harness_err"], channel_fd)
     empty_r, empty_w = os.pipe()
     os.close(empty_w)
-    for source, target in ((empty_r, 0), (fds["harness_out"], 1), (fds["harness_err"], 2)):
-        os.dup2(source, target)
-        os.close(source)
+    for fd, target in ((empty_r, 0), (fds["harness_out"], 1), (fds["harness_err"], 2)):
+        os.dup2(fd, target)
+        os.close(fd)
     with os.fdopen(fds["tests"], "rb") as f:
         f.seek(0)
         source = f.read().decode("utf-8", errors="replace")

@@ -22,6 +22,7 @@ int, float, complex, str, bytes, and lists, tuples, sets, frozensets and dicts o
 from __future__ import annotations
 
 import builtins
+import contextlib
 import json
 import linecache
 import socket
@@ -31,7 +32,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Channel", "RemoteFunction", "SolutionGone", "Unencodable", "decode", "encode"]
+__all__ = ["Channel", "RemoteFunction", "SolutionGone", "UnencodableError", "decode", "encode"]
 
 MAX_MESSAGE = 16 << 20  # bytes in one message, either way
 MAX_VALUE = 1 << 20  # bytes of one module-level value sent with the solution's names
@@ -40,7 +41,7 @@ _SCALARS = (bool, int, float, str)
 _TAGS: dict[type, str] = {list: "l", tuple: "t", set: "s", frozenset: "f"}
 
 
-class Unencodable(TypeError):
+class UnencodableError(TypeError):
     """A value that is not plain data."""
 
 
@@ -59,16 +60,18 @@ def encode(value: Any, ref: Callable[[Any], str | None] | None = None, depth: in
     if ref is not None and (name := ref(value)) is not None:
         return {"r": name}
     if depth >= MAX_DEPTH:
-        raise Unencodable(f"nested deeper than {MAX_DEPTH}")
+        raise UnencodableError(f"nested deeper than {MAX_DEPTH}")
     if kind in _TAGS:
         return {_TAGS[kind]: [encode(item, ref, depth + 1) for item in value]}
     if kind is dict:
-        return {"d": [[encode(k, ref, depth + 1), encode(v, ref, depth + 1)] for k, v in value.items()]}
+        return {
+            "d": [[encode(k, ref, depth + 1), encode(v, ref, depth + 1)] for k, v in value.items()]
+        }
     if kind is bytes:
         return {"b": value.hex()}
     if kind is complex:
         return {"c": [value.real, value.imag]}
-    raise Unencodable(kind.__name__)
+    raise UnencodableError(kind.__name__)
 
 
 def decode(data: Any, ref: Callable[[str], Any] | None = None, depth: int = 0) -> Any:
@@ -82,7 +85,12 @@ def decode(data: Any, ref: Callable[[str], Any] | None = None, depth: int = 0) -
     items = body if type(body) is list else None
     if tag in ("l", "t", "s", "f") and items is not None:
         values = [decode(item, ref, depth + 1) for item in items]
-        make: dict[str, Callable[[list[Any]], Any]] = {"l": list, "t": tuple, "s": set, "f": frozenset}
+        make: dict[str, Callable[[list[Any]], Any]] = {
+            "l": list,
+            "t": tuple,
+            "s": set,
+            "f": frozenset,
+        }
         try:
             return make[tag](values)
         except TypeError as exc:  # an unhashable member of a set
@@ -97,9 +105,9 @@ def decode(data: Any, ref: Callable[[str], Any] | None = None, depth: int = 0) -
             raise ValueError(str(exc)) from None
     if tag == "b" and type(body) is str:
         return bytes.fromhex(body)
-    if tag == "c" and items is not None and len(items) == 2:
-        if all(type(part) in (int, float) for part in items):
-            return complex(items[0], items[1])
+    numbers = items is not None and all(type(part) in (int, float) for part in items)
+    if tag == "c" and items is not None and len(items) == 2 and numbers:
+        return complex(items[0], items[1])
     if tag == "r" and type(body) is str and ref is not None:
         return ref(body)
     raise ValueError(f"not an encoded value (tag {tag!r})")
@@ -141,9 +149,9 @@ def _describe(namespace: dict[str, Any]) -> dict[str, Any]:
             try:
                 encoded = encode(value)
                 if len(json.dumps(encoded)) > MAX_VALUE:
-                    raise Unencodable(f"larger than {MAX_VALUE} bytes")
+                    raise UnencodableError(f"larger than {MAX_VALUE} bytes")
                 names[name] = {"value": encoded}
-            except (Unencodable, ValueError, RecursionError):
+            except (UnencodableError, ValueError, RecursionError):
                 names[name] = {"other": type(value).__name__}
     return names
 
@@ -174,13 +182,15 @@ def serve(sock: socket.socket, namespace: dict[str, Any], flush: Callable[[], No
             result = function(*args, **kwargs)
         except Exception as exc:
             # from the solution's frames down: this file's frame is noise to the reader
-            traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next if exc.__traceback__ else None)
+            traceback.print_exception(
+                type(exc), exc, exc.__traceback__.tb_next if exc.__traceback__ else None
+            )
             reply |= {"raised": type(exc).__name__, "builtin": _first_builtin(type(exc))}
             reply["message"] = str(exc)[:2000]
         else:
             try:
                 reply["value"] = encode(result)
-            except (Unencodable, RecursionError) as exc:
+            except (UnencodableError, RecursionError) as exc:
                 reply["unencodable"] = type(result).__name__ + (f" ({exc})" if str(exc) else "")
         flush()
         try:
@@ -241,7 +251,7 @@ class Channel:
 
         try:
             message = {"call": name, "args": encode(list(args), ref), "kwargs": encode(kwargs, ref)}
-        except Unencodable as exc:
+        except UnencodableError as exc:
             raise TypeError(f"an argument of type {exc} cannot be passed to the solution") from None
         reply = self.request(message)
         if "value" in reply:
@@ -251,9 +261,11 @@ class Channel:
                 raise self.fail(f"the solution process broke the protocol: {exc}") from None
         if "unencodable" in reply:
             raise _remote(
-                TypeError(f"{name}() returned a {str(reply['unencodable'])[:200]}, which is not "
-                "plain data: only None, bool, int, float, complex, str, bytes and lists, tuples, "
-                "sets, frozensets and dicts of them leave the sandbox"),
+                TypeError(
+                    f"{name}() returned a {str(reply['unencodable'])[:200]}, which is not "
+                    "plain data: only None, bool, int, float, complex, str, bytes and lists, "
+                    "tuples, sets, frozensets and dicts of them leave the sandbox"
+                ),
                 "TypeError",
             )
         if "raised" in reply:
@@ -300,7 +312,10 @@ class _Unavailable:
     """A module-level object of the solution that is not plain data: any use says so."""
 
     def __init__(self, name: str, kind: str) -> None:
-        self._why = f"the solution's {name!r} is a {kind}: only its functions, modules and plain values reach the tests"
+        self._why = (
+            f"the solution's {name!r} is a {kind}: only its functions, modules and plain values"
+            " reach the tests"
+        )
 
     def __getattr__(self, attribute: str) -> Any:
         raise TypeError(self._why)
@@ -379,16 +394,17 @@ def run_tests(channel: Channel, source: str, flush: Callable[[], None]) -> dict[
         pass
     except BaseException as exc:
         # from the tests' frames down: this file's frame is noise to the reader
-        traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next if exc.__traceback__ else None)
+        traceback.print_exception(
+            type(exc), exc, exc.__traceback__.tb_next if exc.__traceback__ else None
+        )
         remote = getattr(exc, "sandbox_remote", None)
         verdict |= {"exception": str(remote or type(exc).__name__)[:100]}
         verdict["phase"] = "solution" if remote else "tests"
     flush()
     if not channel.gone:
-        try:  # still there at the end: an exit after its last answer fails too
+        # still there at the end: an exit after its last answer fails too
+        with contextlib.suppress(SolutionGone):
             channel.request({"ping": True})
-        except SolutionGone:
-            pass
     if channel.gone:
         print(f"sandbox: {channel.gone}", file=sys.stderr)
         return verdict | {"passed": False, "phase": "solution", "gone": channel.gone}
