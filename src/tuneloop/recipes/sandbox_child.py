@@ -238,11 +238,14 @@ def _report(fd: int, record: dict[str, Any]) -> None:
 def _keep_only(*fds: int) -> None:
     """Close every descriptor above stderr but `fds`: what a process does not hold, it cannot
     write to (nor reopen through /proc/self/fd)."""
-    low = 3
-    for fd in sorted(fd for fd in fds if fd >= 3):
-        os.closerange(low, fd)
-        low = fd + 1
-    os.closerange(low, os.sysconf("SC_OPEN_MAX"))
+    try:
+        open_fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc: every number the limit allows
+        open_fds = list(range(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
+    for fd in open_fds:
+        if fd > 2 and fd not in fds:
+            with contextlib.suppress(OSError):  # the listing's own descriptor, gone already
+                os.close(fd)
 
 
 def _fork(run: Callable[[], None], report_fd: int) -> int:
