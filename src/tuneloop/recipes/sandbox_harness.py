@@ -44,7 +44,7 @@ MAX_MESSAGE = 16 << 20  # bytes in one message, either way
 MAX_VALUE = 1 << 20  # bytes of one module-level value sent with the solution's names
 MAX_DEPTH = 100  # nesting of one value
 _SCALARS = (bool, int, float, str)
-_TAGS: dict[type, str] = {list: "l", tuple: "t", set: "s", frozenset: "f"}
+_TAGS: dict[type[Any], str] = {list: "l", tuple: "t", set: "s", frozenset: "f"}
 
 
 class UnencodableError(TypeError):
@@ -77,7 +77,8 @@ def encode(value: Any, ref: Callable[[Any], str | None] | None = None, depth: in
         return str.__str__(value)
     for kind, tag in _TAGS.items():
         if isinstance(value, kind):
-            return {tag: [encode(item, ref, inner) for item in kind.__iter__(value)]}
+            items: Any = kind.__iter__(value)  # the base type's own iterator
+            return {tag: [encode(item, ref, inner) for item in items]}
     if isinstance(value, dict):
         return {"d": [[encode(k, ref, inner), encode(v, ref, inner)] for k, v in dict.items(value)]}
     if isinstance(value, bytes | bytearray):
