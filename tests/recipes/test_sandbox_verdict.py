@@ -507,6 +507,23 @@ def test_exceptions_cross_as_their_builtin_types() -> None:
     assert "only its functions, modules and plain values" in unusable.stderr
 
 
+def test_unittest_style_tests_keep_their_verdict() -> None:
+    tests = textwrap.dedent(
+        """
+        import unittest
+        class TestAdd(unittest.TestCase):
+            def test_small(self):
+                self.assertEqual(add(2, 3), 5)
+        if __name__ == "__main__":
+            unittest.main()
+        """
+    )
+    assert run_python("def add(a, b):\n    return a + b\n", tests).passed
+    wrong = run_python("def add(a, b):\n    return a - b\n", tests)
+    assert (wrong.passed, wrong.status, wrong.exit_code) == (False, "failed", 1), wrong
+    assert "FAILED (failures=1)" in wrong.stderr
+
+
 HUMANEVAL_TASKS = ["HumanEval/0", "HumanEval/2", "HumanEval/32", "HumanEval/38", "HumanEval/53"]
 
 

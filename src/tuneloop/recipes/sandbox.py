@@ -476,6 +476,7 @@ def _classify(
     setup = next((r for r in records if "setup" in r), None)
     worker, harness, verdict = (_last(records, k) for k in ("worker", "harness", "verdict"))
     setup_error = next((r["setup_error"] for r in records + reports if "setup_error" in r), None)
+    setup_error = str(setup_error)[:500] if setup_error is not None else None
     solution_failure = next((r for r in reports if "exception" in r), None)
     if outcome.has_tests:
         passed = verdict is not None and verdict.get("passed") is True

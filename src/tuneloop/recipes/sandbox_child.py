@@ -405,7 +405,7 @@ def run_worker(cfg: dict[str, Any], channel_fd: int) -> None:
     sys.argv = ["solution.py"]
     sys.path.insert(0, workdir)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
+    namespace = sandbox_harness.main_module("solution.py")
     try:
         with open("solution.py", encoding="utf-8") as f:
             exec(compile(f.read(), "solution.py", "exec"), namespace)

@@ -178,8 +178,14 @@ def _first_builtin(kind: type) -> str:
 
 
 def serve(sock: socket.socket, namespace: dict[str, Any], flush: Callable[[], None]) -> None:
-    """Send the module's names, then answer calls until the harness hangs up. An exit of the
-    solution (SystemExit) propagates: the process ends, and the harness sees it end."""
+    """Send the module's names, then answer calls until the harness hangs up (or the socket
+    fails: the harness has its verdict then). An exit of the solution (SystemExit) propagates:
+    the process ends, and the harness sees it end."""
+    with contextlib.suppress(OSError):
+        _serve(sock, namespace, flush)
+
+
+def _serve(sock: socket.socket, namespace: dict[str, Any], flush: Callable[[], None]) -> None:
     reader = sock.makefile("rb")
     flush()  # before each message: once the tests end, this process is killed
     _send(sock, {"ready": _describe(namespace)})
@@ -386,6 +392,16 @@ def _bind(channel: Channel, names: dict[str, Any], wanted: set[str]) -> dict[str
     return bound
 
 
+def main_module(filename: str) -> dict[str, Any]:
+    """A fresh `__main__` module's namespace, registered as such: what `unittest.main()`,
+    pickle and dataclasses look up through `sys.modules`."""
+    module = types.ModuleType("__main__")
+    module.__file__ = filename
+    module.__builtins__ = builtins  # type: ignore[attr-defined]
+    sys.modules["__main__"] = module
+    return module.__dict__
+
+
 def run_tests(channel: Channel, source: str, flush: Callable[[], None]) -> dict[str, Any]:
     """Run the tests against the solution behind `channel`; the verdict, as the harness saw it:
     {"passed": bool, "exit": code, "phase": "tests" | "solution", "exception": name | None,
@@ -400,14 +416,15 @@ def run_tests(channel: Channel, source: str, flush: Callable[[], None]) -> dict[
     names = channel.hello()
     if names is None:
         return verdict | {"phase": "solution", "gone": channel.gone}
-    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+    namespace = main_module("tests.py")
     namespace |= _bind(channel, names, _referenced(code))
     try:
         exec(code, namespace)
         verdict["exit"] = 0
     except SystemExit as exc:
         # a test runner's own exit: 0 (or None) after its checks is a pass
-        verdict["exit"] = exc.code if type(exc.code) is int else (0 if exc.code is None else 1)
+        status = exc.code  # unittest.main() exits with False for success
+        verdict["exit"] = int(status) if isinstance(status, int) else (0 if status is None else 1)
     except SolutionGone:
         pass
     except BaseException as exc:
