@@ -246,7 +246,18 @@ def test_the_expected_values_never_reach_the_solution() -> None:
     _not_passed(result)
 
 
-def test_other_processes_of_the_run_cannot_be_reached() -> None:
+@pytest.mark.parametrize(
+    "namespaces",
+    [
+        True,
+        # without a pid namespace every process of the host is in sight; only as root, where
+        # the solution's uid owns nothing (as the caller, `kill -1` would kill the caller's own)
+        pytest.param(
+            False, marks=pytest.mark.skipif(not ROOT, reason="as the caller it is unconfined")
+        ),
+    ],
+)
+def test_other_processes_of_the_run_cannot_be_reached(namespaces: bool) -> None:
     """Signals, ptrace and /proc/PID/{mem,fd} against every process the solution can see (the
     harness and the supervisor among them): each attempt refused, or the run fails anyway."""
     code = FORGED + textwrap.dedent(
@@ -282,7 +293,7 @@ def test_other_processes_of_the_run_cannot_be_reached() -> None:
             return 1
         """
     )
-    result = run_python(code, "assert attack() == 2\n", timeout_s=5)
+    result = run_python(code, "assert attack() == 2\n", timeout_s=10, namespaces=namespaces)
     assert not result.passed, result
     assert "reached: []" in result.stdout, result.stdout
     if ROOT:  # a uid of its own: the harness is out of the solution's reach even for signals
