@@ -11,7 +11,17 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from tuneloop.server.api import client, downloads, futures, oai, rest, sampling, sessions, training
+from tuneloop.server.api import (
+    client,
+    custom_losses,
+    downloads,
+    futures,
+    oai,
+    rest,
+    sampling,
+    sessions,
+    training,
+)
 from tuneloop.server.api.errors import error_response_for, install
 from tuneloop.server.api.metering import Meter, record_completed
 from tuneloop.server.api.packages import run_package_gc
@@ -220,6 +230,7 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
         routers = (oai,)
     else:
         routers = (client, sessions, training, sampling, futures, rest, downloads, oai)
+        routers += (custom_losses,)
     for module in routers:
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
