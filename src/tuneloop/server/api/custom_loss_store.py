@@ -11,7 +11,7 @@ import threading
 from collections import OrderedDict
 
 from tuneloop.server.api.errors import ApiError
-from tuneloop.server.engine.custom_loss import CustomLoss
+from tuneloop.server.engine.custom_loss_graph import CustomLoss
 
 __all__ = ["MAX_LOSSES", "MAX_PER_SESSION", "CustomLossStore"]
 

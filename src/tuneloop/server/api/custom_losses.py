@@ -2,8 +2,8 @@
 forward_backward with `loss_fn="custom"` runs it per datum in one pass (no client-side forward,
 backward and second forward_backward, as the SDK does otherwise).
 
-The graph is checked here, at upload (engine/custom_loss.py holds the allow-list): a graph that
-calls anything but allowed tensor operations, reads attributes other than shapes, captures a
+The graph is checked here, at upload (engine/custom_loss_graph.py holds the allow-list): a graph
+that calls anything but allowed tensor operations, reads attributes other than shapes, captures a
 tensor, calls a module or is too large is refused with a 400 naming the node. Losses belong to
 one session of one tenant (custom_loss_store.py).
 """
@@ -21,7 +21,7 @@ from tuneloop.server.api.deps import State, Tenant, json_body, read_json
 from tuneloop.server.api.errors import bad_request, not_found
 from tuneloop.server.api.state import fingerprint
 from tuneloop.server.api.validation import MAX_DATUMS_PER_REQUEST, tokens_of
-from tuneloop.server.engine.custom_loss import MAX_ELEMENTS, GraphError, compile_loss
+from tuneloop.server.engine.custom_loss_graph import MAX_ELEMENTS, GraphError, compile_loss
 from tuneloop.server.engine.types import Example, ForwardBackwardWork, ModelSpec
 from tuneloop.server.scheduler.futures import Outcome
 from tuneloop.types import CreateCustomLossRequest, ForwardBackwardRequest

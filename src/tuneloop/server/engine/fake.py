@@ -168,7 +168,7 @@ class FakeBackend:
             if not work.forward_only:
                 self._accumulate(adapter, example.tokens, logprobs_all, targets, grad_lp)
         if metric_sums:
-            from tuneloop.server.engine.custom_loss import reduce_metrics
+            from tuneloop.server.engine.custom_loss_graph import reduce_metrics
 
             return ForwardBackwardResult(
                 outputs, {"loss:sum": total, **reduce_metrics(metric_sums, len(work.examples))}

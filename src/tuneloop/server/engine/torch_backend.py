@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine import checkpoints, sampler
-from tuneloop.server.engine.custom_loss import reduce_metrics
+from tuneloop.server.engine.custom_loss_graph import reduce_metrics
 from tuneloop.server.engine.logprobs import (
     pack_rows,
     pack_targets,

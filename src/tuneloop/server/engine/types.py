@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-if TYPE_CHECKING:  # torch stays out of the engine types' import
-    from tuneloop.server.engine.custom_loss import CustomLoss
+if TYPE_CHECKING:
+    from tuneloop.server.engine.custom_loss_graph import CustomLoss
 
 
 class EngineError(Exception):
