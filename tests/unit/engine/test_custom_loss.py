@@ -229,3 +229,104 @@ def test_a_runtime_failure_names_the_node() -> None:
     vector = compile_loss("vec", [("logprobs", 1)], nodes_of(call("v", "operator.mul", LP, 2.0)))
     with pytest.raises(EngineError, match="scalar loss"):
         run_custom_loss(vector, torch.ones(3), {})
+
+
+# ---- in the engines: one pass equals the SDK's two-pass client-side protocol ---------------
+
+
+def dpo_examples(n_datums: int = 3) -> list[Any]:
+    from tests.unit.engine.conftest import example, seq
+
+    out = []
+    for i in range(n_datums):
+        tokens = seq(10 + 3 * i, 40 + i)
+        _, inputs = dpo_inputs(i, len(tokens) - 1)
+        out.append(
+            example(tokens, inputs["weights"], **{k: inputs[k] for k in ("ref_logprobs", "sign")})
+        )
+    return out
+
+
+def client_side_weights(
+    examples: list[Any], logprobs: list[np.ndarray]
+) -> tuple[float, list[np.ndarray]]:
+    """The official SDK's protocol (spec 3.9): run the handle client-side on the forward
+    logprobs, backward, and send w = -dC/dlp as cross-entropy weights."""
+    from tinker.lib.public_interfaces.custom_loss import run_loss_handle
+
+    handle = trace_loss(dpo_style, DPO_RANKS, "session")
+    datums = [
+        tinker.types.Datum(
+            model_input=tinker.types.ModelInput.from_ints(ex.tokens.tolist()),
+            loss_fn_inputs={
+                k: tinker.types.TensorData.from_numpy(np.asarray(v)) for k, v in ex.inputs.items()
+            },
+        )
+        for ex in examples
+    ]
+    lps = [torch.tensor(lp, requires_grad=True) for lp in logprobs]
+    total, _ = run_loss_handle(handle, datums, lps)
+    total.backward()
+    return float(total.detach()), [-lp.grad.numpy() for lp in lps]
+
+
+@pytest.mark.parametrize("engine", ["torch", "fake"])
+def test_one_server_pass_equals_the_client_side_protocol(engine: str, tmp_path: Any) -> None:
+    from tests.unit.engine.conftest import TINY, adapter_spec, example, grads, ok, work
+    from tuneloop.server.engine.types import ForwardBackwardWork
+
+    if engine == "torch":
+        pytest.importorskip("transformers")
+        from tuneloop.server.engine.torch_backend import TorchBackend
+
+        backend: Any = TorchBackend([TINY], cache_dir=tmp_path / "cache", device="cpu")
+        spec_a, spec_b = adapter_spec("A", seed=5), adapter_spec("B", seed=5)
+    else:
+        from tuneloop.server.engine.fake import FakeBackend
+        from tuneloop.server.engine.types import AdapterSpec
+
+        backend = FakeBackend()
+        model = backend.models()[0].name
+        spec_a, spec_b = AdapterSpec("A", model, 4, 5), AdapterSpec("B", model, 4, 5)
+    backend.create_adapter(spec_a)
+    backend.create_adapter(spec_b)
+    examples = dpo_examples()
+    loss = dpo_loss()
+    [server] = backend.forward_backward(
+        [ForwardBackwardWork("A", tuple(examples), "custom", {}, False, custom_loss=loss)]
+    )
+    server = ok(server)
+
+    [forward] = backend.forward_backward([work("B", examples, forward_only=True)])
+    value, weights = client_side_weights(examples, ok(forward).logprobs)
+    surrogate = [
+        example(np.concatenate([ex.tokens, ex.inputs["target_tokens"][-1:]]), w)
+        for ex, w in zip(examples, weights, strict=True)
+    ]
+    ok(backend.forward_backward([work("B", surrogate)])[0])
+
+    assert server.metrics["loss:sum"] == pytest.approx(value, rel=1e-5, abs=1e-6)
+    assert set(server.metrics) == {
+        "loss:sum",
+        "custom/reward:mean",
+        "custom/tokens:sum",
+        "custom/length:mean",
+    }
+    assert server.metrics["custom/tokens:sum"] == pytest.approx(
+        sum(float(ex.inputs["weights"].sum()) for ex in examples)
+    )
+    assert server.metrics["custom/length:mean"] == pytest.approx(
+        np.mean([len(ex.tokens) for ex in examples])
+    )
+    if engine == "torch":
+        got, want = grads(backend, "A"), grads(backend, "B")
+        scale = max(float(w.abs().max()) for w in want)
+        assert scale > 0
+        for g, w in zip(got, want, strict=True):
+            assert float((g - w).abs().max()) <= 1e-5 * max(1.0, scale)
+    else:
+        a, b = backend._adapter("A"), backend._adapter("B")
+        assert np.abs(b.grad_b).max() > 0
+        np.testing.assert_allclose(a.grad_a, b.grad_a, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(a.grad_b, b.grad_b, rtol=1e-5, atol=1e-7)
+    backend.close()
