@@ -186,7 +186,8 @@ def input_tensors(
     for name in loss.input_names:
         array = inputs[name]
         dtype = torch.float32 if array.dtype.kind == "f" else torch.int64
-        out[name] = torch.as_tensor(array, dtype=dtype, device=device)
+        # a copy: wire arrays are read-only views of the request body
+        out[name] = torch.tensor(array, dtype=dtype, device=device)
     return out
 
 
