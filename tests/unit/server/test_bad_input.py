@@ -190,6 +190,13 @@ FORWARD_BACKWARD_CASES: list[tuple[str, list[Datum], str, dict[str, Any], str]] 
         "data[0].model_input_spans[0].sequence_id",
     ),
     (
+        "stable_reinforce with the server's own inputs",
+        [datum(TOKENS, **rl_inputs(recorded_logprobs=np.zeros(N, dtype=F32)))],
+        "stable_reinforce",
+        {},
+        "data[0].loss_fn_inputs.recorded_logprobs",
+    ),
+    (
         "stable_reinforce config key of another loss",
         [datum(TOKENS, **rl_inputs())],
         "stable_reinforce",

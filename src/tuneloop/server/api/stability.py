@@ -84,7 +84,8 @@ class StabilityRecords:
         prompt = np.asarray(prompt, dtype=np.int64)
         with self._lock:
             now = self._clock()
-            for sequence_id, seq in zip(sequence_ids, sequences, strict=True):
+            # (one sequence per id; never raise here: this runs as the sample's answer is built)
+            for sequence_id, seq in zip(sequence_ids, sequences, strict=False):
                 rec = StabilityRecord(
                     tenant,
                     prompt,
