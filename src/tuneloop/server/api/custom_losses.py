@@ -11,6 +11,7 @@ one session of one tenant (custom_loss_store.py).
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import numpy as np
@@ -135,7 +136,7 @@ def custom_loss_work(
                 raise bad_request(f"{where}: required by custom loss {loss.name!r}", where)
             tensor = datum.loss_fn_inputs[name]
             declared = tensor.shape if tensor.shape is not None else [tensor.values.size]
-            if int(np.prod(declared)) > MAX_ELEMENTS:
+            if math.prod(declared) > MAX_ELEMENTS:  # Python ints: no int64 overflow
                 raise bad_request(f"{where}: more than {MAX_ELEMENTS} elements", where)
             inputs[name] = _input(tensor.to_numpy(), rank, where)
         examples.append(Example(tokens, inputs))

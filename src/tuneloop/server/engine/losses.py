@@ -220,12 +220,16 @@ def datum_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of one datum of `work` and its metrics (a custom loss's ``custom/...``).
 
-    Built-in losses see every input but ``target_tokens`` as float32; a custom loss sees the
-    inputs it declared, each in its own dtype (as the SDK's client-side run does).
+    Built-in losses see every input but ``target_tokens`` as float32 on `device`; a custom loss
+    sees the inputs it declared, each in its own dtype (as the SDK's client-side run does).
     """
     if work.custom_loss is not None:
-        tensors = input_tensors(work.custom_loss, inputs, device)
-        return run_custom_loss(work.custom_loss, _f32(logprobs), tensors)
+        # On the CPU whatever the device: a user's indexing out of range is an exception there,
+        # where on a GPU it would be a device-side assert that ends the process's CUDA context
+        # (every tenant's work). The vectors are small; autograd carries the gradient back.
+        tensors = input_tensors(work.custom_loss, inputs)
+        loss, metrics = run_custom_loss(work.custom_loss, _f32(logprobs).cpu(), tensors)
+        return loss.to(logprobs.device), metrics
     floats = {
         k: torch.as_tensor(v, dtype=torch.float32, device=device)
         for k, v in inputs.items()
