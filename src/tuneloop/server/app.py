@@ -11,17 +11,8 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from tuneloop.server.api import (
-    client,
-    custom_losses,
-    downloads,
-    futures,
-    oai,
-    rest,
-    sampling,
-    sessions,
-    training,
-)
+import tuneloop.server.api.custom_losses as custom_losses
+from tuneloop.server.api import client, downloads, futures, oai, rest, sampling, sessions, training
 from tuneloop.server.api.errors import error_response_for, install
 from tuneloop.server.api.metering import Meter, record_completed
 from tuneloop.server.api.packages import run_package_gc
