@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from tuneloop.server.api import (
     client,
     console,
+    custom_losses,
     downloads,
     futures,
     oai,
@@ -245,6 +246,7 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
         routers = (oai, console)
     else:
         routers = (client, sessions, training, sampling, futures, rest, downloads, oai, console)
+        routers += (custom_losses,)
     for module in routers:
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)

@@ -415,6 +415,23 @@ RESOURCE_ROUTES: dict[tuple[str, str], list[tuple[Call, str | None]]] = {
             "model_id",
         ),
     ],
+    ("POST", "/api/v1/create_custom_loss"): [
+        (
+            lambda b, a, _s: b.post(
+                "create_custom_loss",
+                {
+                    "session_id": a.session_id,
+                    "custom_loss_seq_id": 0,
+                    "name": "neg",
+                    "inputs": [{"name": "logprobs", "rank": 1}],
+                    "graph": {
+                        "nodes": [{"op": "placeholder", "name": "logprobs", "target": "logprobs"}]
+                    },
+                },
+            ),
+            "session_id",
+        )
+    ],
     ("POST", "/api/v1/create_sampling_session"): [
         (
             lambda b, a, _s: b.post(

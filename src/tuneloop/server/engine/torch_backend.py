@@ -23,6 +23,7 @@ from torch import nn
 
 from tuneloop.server.engine import checkpoints, sampler
 from tuneloop.server.engine.backend import KVCacheUse
+from tuneloop.server.engine.custom_loss_graph import reduce_metrics
 from tuneloop.server.engine.logprobs import (
     pack_rows,
     pack_targets,
@@ -31,7 +32,7 @@ from tuneloop.server.engine.logprobs import (
     target_logprobs,
 )
 from tuneloop.server.engine.lora import AdapterBank, inject
-from tuneloop.server.engine.losses import compute_loss
+from tuneloop.server.engine.losses import datum_loss
 from tuneloop.server.engine.memory import kv_bytes_per_token, training_token_budget
 from tuneloop.server.engine.models import LoadedModel, default_dtype, load_model
 from tuneloop.server.engine.optim import AdapterOptimizer
@@ -261,6 +262,7 @@ class TorchBackend:
             for ex in work.examples
         ]
         losses = [0.0] * len(works)
+        metric_sums: list[dict[str, float]] = [{} for _ in works]
         logprobs: list[list[np.ndarray]] = [[] for _ in works]
         failed: dict[int, EngineError] = {}
         # Gradients of the adapter of a request split over several micro-batches, as they were
@@ -279,7 +281,7 @@ class TorchBackend:
                 params = runtime.bank.parameters(works[alone].adapter_id)
                 saved = (alone, [None if p.grad is None else p.grad.clone() for p in params])
             try:
-                self._run_micro_batch(runtime, works, micro, losses, logprobs, failed)
+                self._run_micro_batch(runtime, works, micro, losses, logprobs, failed, metric_sums)
             except torch.OutOfMemoryError:
                 for row in micro:
                     failed.setdefault(
@@ -290,7 +292,11 @@ class TorchBackend:
                         ),
                     )
         return [
-            failed.get(i) or ForwardBackwardResult(logprobs[i], {"loss:sum": losses[i]})
+            failed.get(i)
+            or ForwardBackwardResult(
+                logprobs[i],
+                {"loss:sum": losses[i], **reduce_metrics(metric_sums[i], len(works[i].examples))},
+            )
             for i in range(len(works))
         ]
 
@@ -302,6 +308,7 @@ class TorchBackend:
         losses: list[float],
         logprobs: list[list[np.ndarray]],
         failed: dict[int, EngineError],
+        metric_sums: list[dict[str, float]],
     ) -> None:
         device = runtime.device
         needs_grad = any(not works[r.work_index].forward_only for r in micro)
@@ -337,13 +344,8 @@ class TorchBackend:
                 ]
                 lp = lp[:, 0] if target.ndim == 1 else lp
                 work = works[row.work_index]
-                tensors = {
-                    k: torch.as_tensor(v, dtype=torch.float32, device=device)
-                    for k, v in row.inputs.items()
-                    if k != "target_tokens"
-                }
                 try:
-                    loss = compute_loss(work.loss_fn, lp, tensors, work.loss_config)
+                    loss, extra = datum_loss(work, lp, row.inputs, device)
                 except EngineError as exc:  # e.g. an unknown loss: fails this request only
                     failed.setdefault(row.work_index, exc)
                     continue
@@ -357,6 +359,9 @@ class TorchBackend:
                     )
                     continue
                 losses[row.work_index] += value
+                sums = metric_sums[row.work_index]
+                for key, metric in extra.items():
+                    sums[key] = sums.get(key, 0.0) + metric
                 logprobs[row.work_index].append(lp.detach().float().cpu().numpy())
                 if not work.forward_only:
                     row_losses.append((row.work_index, loss))
