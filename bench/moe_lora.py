@@ -61,8 +61,8 @@ def moe_config() -> Any:
 
 
 def save_model(folder: Path) -> None:
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(SEED)
     AutoModelForCausalLM.from_config(moe_config()).save_pretrained(folder)
@@ -200,7 +200,8 @@ def big_configs() -> dict[str, Any]:
         "qwen3-30b-a3b": Qwen3MoeConfig(
             vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
             num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-            num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, tie_word_embeddings=False,
+            num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,
+            tie_word_embeddings=False,
         ),
     }  # fmt: skip
 

@@ -274,6 +274,11 @@ class ServiceClient:
 
     # ---- shutdown ------------------------------------------------------------------------------
 
+    @property
+    def base_url(self) -> str:
+        """The server this client talks to (the local one's address, when it started one)."""
+        return self._holder.base_url
+
     def close(
         self,
         reason: Literal["success", "errored", "interrupted"] = "success",

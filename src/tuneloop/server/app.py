@@ -11,9 +11,23 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from tuneloop.server.api import client, downloads, futures, oai, rest, sampling, sessions, training
+from tuneloop.server.api import (
+    client,
+    console,
+    custom_losses,
+    downloads,
+    futures,
+    oai,
+    rest,
+    sampling,
+    sessions,
+    training,
+)
 from tuneloop.server.api.errors import error_response_for, install
-from tuneloop.server.api.metering import Meter, record_completed
+from tuneloop.server.api.metering import Meter, record_completed, usage_of
+from tuneloop.server.api.metrics import Metrics
+from tuneloop.server.api.metrics import router as metrics_router
+from tuneloop.server.api.observe import RequestObserver
 from tuneloop.server.api.packages import run_package_gc
 from tuneloop.server.api.quotas import Quotas
 from tuneloop.server.api.state import ServerState
@@ -26,6 +40,7 @@ from tuneloop.server.storage.keys import KeyStore
 from tuneloop.server.storage.layout import Layout
 from tuneloop.server.storage.limits import LimitStore
 from tuneloop.server.storage.registry import Registry
+from tuneloop.server.storage.run_metrics import RunMetricsStore
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +169,15 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
     registry = Registry(config.db_url or layout.database_url)
     queue = OperationQueue(max_sample_batch=config.max_sample_batch)
     future_table = FutureTable(grace_s=config.result_grace_s)
+    metrics = Metrics()  # per app: tests build many apps in one process
+    metrics.watch_database(registry.engine)
+    # Per-step training curves and recent throughput, for the console (api/console/curves.py).
+    curves = console.RunCurves(RunMetricsStore(registry.engine), registry, future_table)
+
+    def completed(meter: Meter, op: Any, result: Any) -> None:
+        record_completed(meter, future_table, op, result)
+        metrics.count_completed(future_table.tenant(op.request_id), usage_of(op, result))
+        curves.record(op, result)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -163,7 +187,7 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
             queue,
             future_table,
             config.batch_gather_s,
-            on_success=lambda op, result: record_completed(meter, future_table, op, result),
+            on_success=lambda op, result: completed(meter, op, result),
         )
         app.state.tuneloop = ServerState(
             config=config,
@@ -179,6 +203,7 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
         )
         engine.start()
         state: ServerState = app.state.tuneloop
+        metrics.attach(state)
 
         async def sweep() -> None:
             while True:
@@ -214,13 +239,20 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
             registry.close()
 
     app = FastAPI(title="tuneloop", lifespan=lifespan)
+    app.state.run_curves = curves
     install(app)
     routers: tuple[ModuleType, ...]
     if config.openai_only:  # a deployment: the OpenAI-compatible routes (and their readiness)
-        routers = (oai,)
+        routers = (oai, console)
     else:
-        routers = (client, sessions, training, sampling, futures, rest, downloads, oai)
+        routers = (client, sessions, training, sampling, futures, rest, downloads, oai, console)
+        routers += (custom_losses,)
     for module in routers:
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+    app.state.metrics = metrics
+    app.include_router(metrics_router)
+    # Outermost: requests refused by the body limit are counted and logged too.
+    access_log = config.log_format == "json"
+    app.add_middleware(RequestObserver, metrics=metrics, routes=app, access_log=access_log)
     return app

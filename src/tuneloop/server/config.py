@@ -62,6 +62,12 @@ class ServerConfig:
     ray_gpus_per_worker: float = 0.0
     # A deployment (`tuneloop deploy`): only the OpenAI-compatible routes, no training routes.
     openai_only: bool = False
+    # GET /metrics answers only `Authorization: Bearer <metrics_token>` when set; unset, the
+    # metrics are open to whoever reaches the server's host and port.
+    metrics_token: str | None = None
+    # "text": the logs as before (warnings and errors); "json": JSON lines on stderr, one
+    # access line per request included (api/access_log.py).
+    log_format: str = "text"
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_inflight", "session_ttl_s"):
@@ -71,6 +77,8 @@ class ServerConfig:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if (self.workers > 1 or self.ray_address is not None) and self.backend != "torch":
             raise ValueError("--workers > 1 and --ray-address need the torch backend")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
         if self.expiry_check_s <= 0:
             raise ValueError(f"expiry_check_s must be > 0, got {self.expiry_check_s}")
 
@@ -97,6 +105,10 @@ class ServerConfig:
         for name, key, parse in _NUMBERS:
             if name in os.environ:
                 env[key] = parse(os.environ[name])
+        if os.environ.get("TUNELOOP_METRICS_TOKEN"):
+            env["metrics_token"] = os.environ["TUNELOOP_METRICS_TOKEN"]
+        if "TUNELOOP_LOG_FORMAT" in os.environ:
+            env["log_format"] = os.environ["TUNELOOP_LOG_FORMAT"]
         if "TUNELOOP_LIMITS_FILE" in os.environ:
             env["limits_file"] = Path(os.environ["TUNELOOP_LIMITS_FILE"])
         values = {**env, **{k: v for k, v in overrides.items() if v is not None}}

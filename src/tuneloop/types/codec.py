@@ -15,6 +15,7 @@ from google.protobuf.message import DecodeError
 from tuneloop.types import proto
 from tuneloop.types.datum import Datum
 from tuneloop.types.model_input import EncodedTextChunk, ImageChunk, ModelInput
+from tuneloop.types.provenance import PromptProvenanceSpan, ProvenanceSpan, SampledProvenanceSpan
 from tuneloop.types.sampling import TOPK_SENTINEL, SampledSequence, SampleResponse, TopkRow
 from tuneloop.types.tensor import TensorData, TensorDtype
 from tuneloop.types.training import ForwardBackwardOutput
@@ -123,7 +124,34 @@ def encode_forward_backward_request(request: ForwardBackwardRequest) -> bytes:
                     chunk_msg.image.expected_tokens = chunk.expected_tokens
         for key, tensor in datum.loss_fn_inputs.items():
             _tensor_to_proto(tensor, out.loss_fn_inputs[key])
+        _spans_to_proto(datum.model_input_spans, out.model_input_spans)
+        _spans_to_proto(datum.loss_fn_input_spans, out.loss_fn_input_spans)
     return bytes(msg.SerializeToString())
+
+
+def _spans_to_proto(spans: tuple[ProvenanceSpan, ...] | None, out: Any) -> None:
+    for span in spans or ():
+        kind = "prompt_tokens" if isinstance(span, PromptProvenanceSpan) else "sampled_tokens"
+        target = getattr(out.add(), kind)
+        target.sequence_id = span.sequence_id
+        target.offset = span.offset
+        target.length = span.length
+
+
+def _spans_from_proto(spans: Any, where: str) -> tuple[ProvenanceSpan, ...]:
+    decoded: list[ProvenanceSpan] = []
+    for k, span in enumerate(spans):
+        kind = span.WhichOneof("span")
+        if kind is None:
+            raise WireFormatError(f"{where}[{k}]: a span of no kind", f"{where}[{k}]")
+        inner = getattr(span, kind)
+        if inner.offset < 0 or inner.length < 0:
+            raise WireFormatError(f"{where}[{k}]: offset and length must be >= 0", f"{where}[{k}]")
+        cls = PromptProvenanceSpan if kind == "prompt_tokens" else SampledProvenanceSpan
+        decoded.append(
+            cls(sequence_id=inner.sequence_id, offset=int(inner.offset), length=int(inner.length))
+        )
+    return tuple(decoded)
 
 
 def decode_forward_backward_request(body: bytes) -> ForwardBackwardRequest:
@@ -158,7 +186,24 @@ def decode_forward_backward_request(body: bytes) -> ForwardBackwardRequest:
             key: tensor_from_proto(tensor, f"data[{i}].loss_fn_inputs[{key!r}]")
             for key, tensor in datum.loss_fn_inputs.items()
         }
-        data.append(Datum(model_input=ModelInput(chunks=chunks), loss_fn_inputs=inputs))
+        # proto3 cannot tell an empty span list from none: no spans at all means no provenance.
+        has_spans = bool(datum.model_input_spans) or bool(datum.loss_fn_input_spans)
+        data.append(
+            Datum(
+                model_input=ModelInput(chunks=chunks),
+                loss_fn_inputs=inputs,
+                model_input_spans=(
+                    _spans_from_proto(datum.model_input_spans, f"data[{i}].model_input_spans")
+                    if has_spans
+                    else None
+                ),
+                loss_fn_input_spans=(
+                    _spans_from_proto(datum.loss_fn_input_spans, f"data[{i}].loss_fn_input_spans")
+                    if has_spans
+                    else None
+                ),
+            )
+        )
     # The v2 map carries strings too and wins where both are present (spec 3, common conventions).
     config: dict[str, float | str] = dict(msg.loss_fn_config)
     for key, value in msg.loss_fn_config_v2.items():

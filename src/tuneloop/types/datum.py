@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from tuneloop.types.model_input import ModelInput
+from tuneloop.types.provenance import ProvenanceSpan
 from tuneloop.types.tensor import TensorData, TensorDtype
 
 # Plain lists get their dtype from the key; other keys must arrive as arrays or TensorData.
@@ -49,6 +50,9 @@ def to_tensor_data(key: str, value: Any) -> TensorData:
 class Datum:
     model_input: ModelInput
     loss_fn_inputs: Mapping[str, TensorData] = field(default_factory=dict)
+    # Provenance (stable_reinforce): both set or neither; see tuneloop.types.provenance.
+    model_input_spans: tuple[ProvenanceSpan, ...] | None = None
+    loss_fn_input_spans: tuple[ProvenanceSpan, ...] | None = None
 
     def __post_init__(self) -> None:
         converted = {k: to_tensor_data(k, v) for k, v in self.loss_fn_inputs.items()}

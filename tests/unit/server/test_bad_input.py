@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from tests.unit.server.harness import (
     sampler,
     serve,
 )
-from tuneloop.types import Datum, EncodedTextChunk, ImageChunk, ModelInput
+from tuneloop.types import Datum, EncodedTextChunk, ImageChunk, ModelInput, SampledProvenanceSpan
 from tuneloop.types.codec import ForwardBackwardRequest, encode_forward_backward_request
 
 TOKENS = [5, 17, 33, 90, 120, 7]
@@ -169,13 +170,47 @@ FORWARD_BACKWARD_CASES: list[tuple[str, list[Datum], str, dict[str, Any], str]] 
     ),
     ("unknown loss", [datum(TOKENS)], "focal", {}, "loss_fn"),
     (
-        "stable_reinforce unsupported",
+        "stable_reinforce without provenance",
         [datum(TOKENS, **rl_inputs())],
         "stable_reinforce",
         {},
-        "loss_fn",
+        "data[0].loss_fn_input_spans",
     ),
-    ("custom unsupported", [datum(TOKENS)], "custom", {}, "loss_fn"),
+    (
+        "stable_reinforce naming an unrecorded sequence",
+        [
+            replace(
+                datum(TOKENS, **rl_inputs()),
+                model_input_spans=(SampledProvenanceSpan(sequence_id="nope", length=N),),
+                loss_fn_input_spans=(SampledProvenanceSpan(sequence_id="nope", length=N),),
+            )
+        ],
+        "stable_reinforce",
+        {"kl_coeff": 0.1},
+        "data[0].model_input_spans[0].sequence_id",
+    ),
+    (
+        "stable_reinforce with the server's own inputs",
+        [datum(TOKENS, **rl_inputs(recorded_logprobs=np.zeros(N, dtype=F32)))],
+        "stable_reinforce",
+        {},
+        "data[0].loss_fn_inputs.recorded_logprobs",
+    ),
+    (
+        "stable_reinforce config key of another loss",
+        [datum(TOKENS, **rl_inputs())],
+        "stable_reinforce",
+        {"beta": 0.1},
+        "loss_fn_config.beta",
+    ),
+    ("custom without loss_id", [datum(TOKENS)], "custom", {}, "loss_fn_config.loss_id"),
+    (
+        "custom loss_id a number",
+        [datum(TOKENS)],
+        "custom",
+        {"loss_id": 3.0},
+        "loss_fn_config.loss_id",
+    ),
     (
         "unknown config key",
         [datum(TOKENS, **rl_inputs())],

@@ -145,7 +145,7 @@ async def test_client_config_flags(api: Api) -> None:
     flags = response.json()
     assert flags["pjwt_auth_enabled"] is False
     assert flags["sample_use_retrieve_futures"] is False
-    assert flags["custom_loss_server_side"] is False
+    assert flags["custom_loss_server_side"] is True
     assert flags["proto_compress_fwdbwd"] is False
     assert flags["fwdbwd_max_chunk_len"] > 0
 

@@ -24,7 +24,9 @@ router = APIRouter(prefix="/api/v1")
 @router.post("/client/config", openapi_extra=json_body(ClientConfigRequest))
 async def client_config(request: Request, _tenant: Tenant) -> dict[str, Any]:
     await read_json(request, ClientConfigRequest)
-    return ClientConfigResponse().model_dump()
+    return ClientConfigResponse(
+        custom_loss_server_side=True,  # create_custom_loss graphs run inside forward_backward
+    ).model_dump()
 
 
 @router.post("/client/dynamic_config")

@@ -31,6 +31,7 @@ async def authenticate(request: Request) -> str:
     tenant = get_state(request).keys.tenant_of(key)
     if tenant is None:
         raise ApiError(401, "invalid or revoked API key", "X-API-Key")
+    request.state.tenant = tenant  # for the access log and the request metrics (observe.py)
     return tenant
 
 

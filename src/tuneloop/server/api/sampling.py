@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from fastapi import APIRouter, Request
 
 from tuneloop.server.api.deps import State, Tenant, json_body, read_json
 from tuneloop.server.api.errors import ApiError, bad_request, not_found
 from tuneloop.server.api.restarts import require_held
+from tuneloop.server.api.stability import StabilityRecords
 from tuneloop.server.api.state import fingerprint
 from tuneloop.server.api.validation import sample_work
 from tuneloop.server.engine.types import SampleResult
@@ -103,6 +106,19 @@ def _sample_outcome(result: SampleResult) -> Outcome:
     return Outcome(encode_sample_response(response), "application/x-protobuf")
 
 
+def _recording_outcome(
+    records: StabilityRecords, tenant: str, sequence_ids: list[str], prompt: np.ndarray
+) -> Callable[[SampleResult], Outcome]:
+    """The outcome of a record_stability_info request: what the sampler drew, kept per
+    sequence id for stable_reinforce (api/stability.py), then the usual answer."""
+
+    def finish(result: SampleResult) -> Outcome:
+        records.record(tenant, sequence_ids, prompt, result.sequences)
+        return _sample_outcome(result)
+
+    return finish
+
+
 @router.post("/asample", openapi_extra=json_body(SampleRequest))
 async def asample(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, raw = await read_json(request, SampleRequest)
@@ -131,6 +147,9 @@ async def asample(request: Request, state: State, tenant: Tenant) -> dict[str, A
     sequence_ids = [f"{request_id}:{i}" for i in range(body.num_samples)]
     if key is not None:
         state.sample_submissions[key] = (digest, request_id, sequence_ids)
-    state.queue.submit_sample(Operation(request_id, "sample", work, _sample_outcome))
+    outcome: Callable[[SampleResult], Outcome] = _sample_outcome
+    if body.record_stability_info:
+        outcome = _recording_outcome(state.stability, tenant, sequence_ids, work.prompt)
+    state.queue.submit_sample(Operation(request_id, "sample", work, outcome))
     state.engine.notify("sample")
     return {"request_id": request_id, "sample_sequence_ids": sequence_ids}

@@ -12,10 +12,12 @@ from typing import Any
 
 from fastapi import Request
 
+from tuneloop.server.api.custom_loss_store import CustomLossStore
 from tuneloop.server.api.errors import ApiError, not_found
 from tuneloop.server.api.metering import Meter
 from tuneloop.server.api.quotas import Quotas
 from tuneloop.server.api.restarts import LOAD, require_held
+from tuneloop.server.api.stability import StabilityRecords
 from tuneloop.server.config import ServerConfig
 from tuneloop.server.engine.types import ModelSpec
 from tuneloop.server.scheduler.futures import FutureTable, Outcome
@@ -58,6 +60,9 @@ class ServerState:
     sample_submissions: dict[tuple[str, int], tuple[str, str, list[str]]] = field(
         default_factory=dict
     )
+    # stable_reinforce: what sampling recorded per sequence_id (record_stability_info).
+    stability: StabilityRecords = field(default_factory=StabilityRecords)
+    custom_losses: CustomLossStore = field(default_factory=CustomLossStore)
     # Releases of sessions found expired by a request (held so they are not garbage collected).
     releases: set[asyncio.Task[None]] = field(default_factory=set)
 

@@ -11,6 +11,7 @@ from typing import Any
 import zstandard
 from fastapi import APIRouter, Request
 
+from tuneloop.server.api.custom_losses import custom_loss_work
 from tuneloop.server.api.deps import (
     State,
     Tenant,
@@ -22,6 +23,7 @@ from tuneloop.server.api.deps import (
 from tuneloop.server.api.errors import ApiError, bad_request, not_found
 from tuneloop.server.api.packages import check_ttl
 from tuneloop.server.api.seq_guard import consumes_seq
+from tuneloop.server.api.stability import attach_stability
 from tuneloop.server.api.state import ServerState
 from tuneloop.server.api.validation import forward_backward_work
 from tuneloop.server.engine.backend import Backend
@@ -292,7 +294,13 @@ async def forward_backward(request: Request, state: State, tenant: Tenant) -> di
     except WireFormatError as exc:
         raise bad_request(str(exc), exc.field) from None
     run = state.live_training_run(body.model_id, tenant)
-    work = forward_backward_work(body, state.model_spec(run.base_model), run.id)
+    spec = state.model_spec(run.base_model)
+    if body.loss_fn == "custom":
+        work = custom_loss_work(body, spec, run.id, run.session_id, state.custom_losses, tenant)
+    else:
+        work = forward_backward_work(body, spec, run.id)
+    if body.loss_fn == "stable_reinforce":
+        work = attach_stability(work, body.data, state.stability, tenant)
     return state.submit_training(
         tenant,
         run.id,

@@ -19,6 +19,8 @@ from tuneloop.server.cli.common import (
     DeviceOption,
     HostOption,
     KeysFileOption,
+    LogFormatOption,
+    MetricsTokenOption,
     PortOption,
     fail,
     need_server_extra,
@@ -79,7 +81,7 @@ def serve(
     long_poll_s: Annotated[
         float | None,
         typer.Option(
-            help="How long retrieve_future holds a poll before answering try-again (default 30).",
+            help="Seconds retrieve_future holds a poll before answering try-again (default 30).",
             show_default=False,
         ),
     ] = None,
@@ -111,8 +113,9 @@ def serve(
         typer.Option(
             min=0,
             help=(
-                "A session with no heartbeat or request for this long expires: its models and"
-                " samplers are freed, its pending work fails, its checkpoints stay. 0: never."
+                "Seconds without a heartbeat or request after which a session expires: its"
+                " models and samplers are freed, its pending work fails, its checkpoints stay."
+                " 0: never."
                 " [default: $TUNELOOP_SESSION_TTL_S, else 300]"
             ),
             show_default=False,
@@ -122,7 +125,7 @@ def serve(
         float | None,
         typer.Option(
             min=0.01,
-            help="How often to look for expired sessions. [default: 10]",
+            help="Seconds between looks for expired sessions. [default: 10]",
             show_default=False,
         ),
     ] = None,
@@ -155,6 +158,8 @@ def serve(
     ray_gpus_per_worker: Annotated[
         float, typer.Option(min=0, help="GPUs each worker's Ray actor reserves (1 on GPUs).")
     ] = 0.0,
+    metrics_token: MetricsTokenOption = None,
+    log_format: LogFormatOption = None,
     parent_pid: Annotated[
         int | None,
         typer.Option(
@@ -192,6 +197,8 @@ def serve(
             ray_address=ray_address,
             ray_cpus_per_worker=ray_cpus_per_worker,
             ray_gpus_per_worker=ray_gpus_per_worker,
+            metrics_token=metrics_token,
+            log_format=log_format.value if log_format is not None else None,
         )
     except ValueError as exc:  # settings that do not go together: a usage error, not a traceback
         fail(str(exc), EXIT_USAGE)
@@ -203,12 +210,19 @@ def run_server(app: Any, config: ServerConfig, *, parent_pid: int | None = None)
     requests (the bound port, for --port 0); SIGTERM shuts it down gracefully and exits 0."""
     import uvicorn
 
+    log_config: Any = uvicorn.config.LOGGING_CONFIG
+    if config.log_format == "json":
+        from tuneloop.server.api.access_log import configure_logging
+
+        configure_logging("json")
+        log_config = None  # uvicorn's own config would print its lines as text
     server = uvicorn.Server(
         uvicorn.Config(
             app,
             host=config.host,
             port=config.port,
             log_level="warning",
+            log_config=log_config,
             timeout_graceful_shutdown=5,
         )
     )
@@ -223,6 +237,7 @@ def run_server(app: Any, config: ServerConfig, *, parent_pid: int | None = None)
                 if spec.lora is not None:  # what the adapters cover on each served model
                     print(spec.lora.describe(spec.name, spec.arch), flush=True)
             print(f"tuneloop serving at http://{config.host}:{bound}", flush=True)
+            print(f"web console at http://{config.host}:{bound}/console", flush=True)
 
     setattr(server, "startup", startup)  # noqa: B010 - announce readiness with the real port
     if parent_pid is not None:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from tuneloop.server.engine import loss_math
+from tuneloop.server.engine.backend import KVCacheUse
 from tuneloop.server.engine.files import atomic_directory, directory_size
 from tuneloop.server.engine.loss_specs import LOSS_SPECS
 from tuneloop.server.engine.types import (
@@ -140,20 +141,39 @@ class FakeBackend:
 
     def _forward_backward_one(self, work: ForwardBackwardWork) -> ForwardBackwardResult:
         adapter = self._adapter(work.adapter_id)
-        loss_fn = loss_math.LOSS_FUNCTIONS[work.loss_fn]
-        config = {**LOSS_SPECS[work.loss_fn].config_defaults, **work.loss_config}
         total = 0.0
+        metric_sums: dict[str, float] = {}
         outputs: list[np.ndarray] = []
         for example in work.examples:
             lp, logprobs_all, targets = self._target_logprobs(adapter, example)
-            inputs = {
-                k: v.astype(np.float64) for k, v in example.inputs.items() if k != "target_tokens"
-            }
-            loss, grad_lp = loss_fn(lp, inputs, config)
+            if work.custom_loss is not None:
+                # torch only for this: the graph is torch ops (autograd gives d loss / d lp)
+                from tuneloop.server.engine import custom_loss
+
+                loss, grad_lp, metrics = custom_loss.value_and_grad(
+                    work.custom_loss, lp.astype(np.float32), example.inputs
+                )
+                for key, value in metrics.items():
+                    metric_sums[key] = metric_sums.get(key, 0.0) + value
+            else:
+                loss_fn = loss_math.LOSS_FUNCTIONS[work.loss_fn]
+                config = {**LOSS_SPECS[work.loss_fn].config_defaults, **work.loss_config}
+                inputs = {
+                    k: v.astype(np.float64)
+                    for k, v in example.inputs.items()
+                    if k != "target_tokens"
+                }
+                loss, grad_lp = loss_fn(lp, inputs, config)
             total += loss
             outputs.append(lp.astype(np.float32))
             if not work.forward_only:
                 self._accumulate(adapter, example.tokens, logprobs_all, targets, grad_lp)
+        if metric_sums:
+            from tuneloop.server.engine.custom_loss_graph import reduce_metrics
+
+            return ForwardBackwardResult(
+                outputs, {"loss:sum": total, **reduce_metrics(metric_sums, len(work.examples))}
+            )
         return ForwardBackwardResult(outputs, {"loss:sum": total})
 
     def _target_logprobs(
@@ -326,6 +346,10 @@ class FakeBackend:
                 return SampledTokens(tokens, logprobs, "stop", topk or None)
             last = token
         return SampledTokens(tokens, logprobs, "length", topk or None)
+
+    def kv_cache_use(self) -> KVCacheUse:
+        # No KV cache: each sample is generated token by token from the bigram table.
+        return KVCacheUse(tokens=0, token_budget=0, bytes=0)
 
     def close(self) -> None:
         self._adapters.clear()

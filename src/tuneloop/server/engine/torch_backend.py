@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine import checkpoints, sampler
+from tuneloop.server.engine.backend import KVCacheUse
+from tuneloop.server.engine.custom_loss_graph import reduce_metrics
 from tuneloop.server.engine.logprobs import (
     pack_rows,
     pack_targets,
@@ -30,8 +32,8 @@ from tuneloop.server.engine.logprobs import (
     target_logprobs,
 )
 from tuneloop.server.engine.lora import AdapterBank
-from tuneloop.server.engine.losses import compute_loss
-from tuneloop.server.engine.memory import training_token_budget
+from tuneloop.server.engine.losses import datum_loss
+from tuneloop.server.engine.memory import kv_bytes_per_token, training_token_budget
 from tuneloop.server.engine.models import LoadedModel, default_dtype, load_model, with_adapters
 from tuneloop.server.engine.optim import AdapterOptimizer
 from tuneloop.server.engine.packing import enable_packing, packed_positions, packed_segments
@@ -155,6 +157,9 @@ class TorchBackend:
                 self.token_budget = min(self.token_budget or budget, budget)
         self._adapters: dict[str, _Adapter] = {}
         self._samplers: dict[str, _Runtime] = {}
+        # (tokens, bytes) the running decode run's KV cache holds: replaced whole once per decode
+        # step on the engine thread, so a reader on another thread sees a consistent pair.
+        self._kv_held = (0, 0)
 
     # ---- models and adapters ----------------------------------------------------------------
 
@@ -257,6 +262,7 @@ class TorchBackend:
             for ex in work.examples
         ]
         losses = [0.0] * len(works)
+        metric_sums: list[dict[str, float]] = [{} for _ in works]
         logprobs: list[list[np.ndarray]] = [[] for _ in works]
         failed: dict[int, EngineError] = {}
         # Gradients of the adapter of a request split over several micro-batches, as they were
@@ -275,7 +281,7 @@ class TorchBackend:
                 params = runtime.bank.parameters(works[alone].adapter_id)
                 saved = (alone, [None if p.grad is None else p.grad.clone() for p in params])
             try:
-                self._run_micro_batch(runtime, works, micro, losses, logprobs, failed)
+                self._run_micro_batch(runtime, works, micro, losses, logprobs, failed, metric_sums)
             except torch.OutOfMemoryError:
                 for row in micro:
                     failed.setdefault(
@@ -286,7 +292,11 @@ class TorchBackend:
                         ),
                     )
         return [
-            failed.get(i) or ForwardBackwardResult(logprobs[i], {"loss:sum": losses[i]})
+            failed.get(i)
+            or ForwardBackwardResult(
+                logprobs[i],
+                {"loss:sum": losses[i], **reduce_metrics(metric_sums[i], len(works[i].examples))},
+            )
             for i in range(len(works))
         ]
 
@@ -298,6 +308,7 @@ class TorchBackend:
         losses: list[float],
         logprobs: list[list[np.ndarray]],
         failed: dict[int, EngineError],
+        metric_sums: list[dict[str, float]],
     ) -> None:
         device = runtime.device
         needs_grad = any(not works[r.work_index].forward_only for r in micro)
@@ -333,13 +344,8 @@ class TorchBackend:
                 ]
                 lp = lp[:, 0] if target.ndim == 1 else lp
                 work = works[row.work_index]
-                tensors = {
-                    k: torch.as_tensor(v, dtype=torch.float32, device=device)
-                    for k, v in row.inputs.items()
-                    if k != "target_tokens"
-                }
                 try:
-                    loss = compute_loss(work.loss_fn, lp, tensors, work.loss_config)
+                    loss, extra = datum_loss(work, lp, row.inputs, device)
                 except EngineError as exc:  # e.g. an unknown loss: fails this request only
                     failed.setdefault(row.work_index, exc)
                     continue
@@ -353,6 +359,9 @@ class TorchBackend:
                     )
                     continue
                 losses[row.work_index] += value
+                sums = metric_sums[row.work_index]
+                for key, metric in extra.items():
+                    sums[key] = sums.get(key, 0.0) + metric
                 logprobs[row.work_index].append(lp.detach().float().cpu().numpy())
                 if not work.forward_only:
                     row_losses.append((row.work_index, loss))
@@ -462,6 +471,8 @@ class TorchBackend:
         if runtime is not None:
             runtime.bank.delete(sampler_id)
 
+    _decoding: _DecodeRun | None = None  # the decode run under way, for kv_tokens_in_use
+
     def sample(self, batch: Sequence[SampleWork]) -> list[SampleResult | EngineError]:
         """Every request of `batch`, in decode batches under the KV-token budget."""
         results: dict[int, SampleResult | EngineError] = {}
@@ -484,9 +495,22 @@ class TorchBackend:
         error.
         """
         waiting = list(batch)
-        while waiting:
-            run = _DecodeRun(self, deliver, cancelled)
-            waiting = run.run(waiting, admit)
+        try:
+            while waiting:
+                self._decoding = run = _DecodeRun(self, deliver, cancelled)
+                waiting = run.run(waiting, admit)
+        finally:
+            self._decoding = None
+
+    def kv_tokens_in_use(self) -> int:
+        """KV-cache tokens the running decode batches hold (0 when none runs). For monitoring,
+        from another thread: a step under way may change it as it is read."""
+        run = self._decoding
+        return sum(b.batch.kv_tokens() for b in list(run.buckets)) if run is not None else 0
+
+    def kv_cache_use(self) -> KVCacheUse:
+        tokens, held_bytes = self._kv_held
+        return KVCacheUse(tokens=tokens, token_budget=self.sample_token_budget, bytes=held_bytes)
 
     def close(self) -> None:
         self._adapters.clear()
@@ -553,6 +577,7 @@ class _DecodeRun:
         self.buckets: list[_Bucket] = []
         self.running: dict[int, SampleWork] = {}  # by id: SampleWork holds arrays, no __eq__
         self.later: list[SampleWork] = []  # for the next decode run
+        self._kv_per_token: int | None = None  # KV-cache bytes per token of this run's model
 
     def _place(self, work: SampleWork, used: int) -> tuple[_Bucket | None, int] | None:
         """The bucket a request joins (None: a new one) and the KV tokens it adds; None if it
@@ -636,6 +661,7 @@ class _DecodeRun:
                     bucket.batch.close()
                     self.buckets.remove(bucket)
                 self.join(admit())
+                self._account_kv()
         except torch.OutOfMemoryError:
             for work in self.running.values():
                 self.deliver(
@@ -644,7 +670,16 @@ class _DecodeRun:
         finally:
             for bucket in self.buckets:
                 bucket.batch.close()
+            self.backend._kv_held = (0, 0)
         return self.later
+
+    def _account_kv(self) -> None:
+        """Publish the KV tokens held now, for `TorchBackend.kv_cache_use`."""
+        tokens = sum(b.batch.kv_tokens() for b in self.buckets)
+        if self._kv_per_token is None and self.runtime is not None:
+            model = self.runtime.loaded.model
+            self._kv_per_token = kv_bytes_per_token(model.config, next(model.parameters()).dtype)
+        self.backend._kv_held = (tokens, tokens * (self._kv_per_token or 0))
 
     def _drop_cancelled(self) -> None:
         gone = self.cancelled()

@@ -8,9 +8,12 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from tuneloop.server.engine.custom_loss_graph import CustomLoss
 
 
 class EngineError(Exception):
@@ -122,6 +125,8 @@ class ForwardBackwardWork:
     loss_fn: str
     loss_config: Mapping[str, float]
     forward_only: bool
+    # loss_fn "custom": the checked graph to run per datum (create_custom_loss).
+    custom_loss: CustomLoss | None = None
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,10 @@ class FutureTable:
         """How many of the tenant's futures have no result yet."""
         return self._pending.get(tenant, 0)
 
+    def in_flight(self) -> dict[str, int]:
+        """Per tenant seen since start, how many futures have no result yet (for metrics)."""
+        return dict(self._pending)
+
     def typical_latency_s(self, tenant: str) -> float | None:
         """Recent seconds from submission to result of the tenant's requests; None before any."""
         return self._latency_s.get(tenant)

@@ -80,6 +80,10 @@ class EngineLoop:
         self.futures = futures
         # One engine thread: the backend is never called concurrently, so it needs no locks.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        # (seconds of backend work finished, perf_counter() when the running work began or
+        # None): written on the engine thread only, replaced whole so a reader on another
+        # thread sees a consistent pair. See busy_seconds().
+        self._busy: tuple[float, float | None] = (0.0, None)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         # Set by stop(): a running decode batch then takes in no more requests, since the loop
@@ -90,6 +94,8 @@ class EngineLoop:
         # replacement is atomic.
         self._cancelled_at: dict[str, float] = {}
         self._cancelled: frozenset[str] = frozenset()
+        # The batch on the engine now, as (kind, operations), or None: for monitoring only.
+        self.running: tuple[str, int] | None = None
 
     def notify(self, kind: str | None = None) -> None:
         """New work was queued; `kind` ("sample", "forward_backward", ...) feeds the gather rule."""
@@ -120,10 +126,26 @@ class EngineLoop:
                 kept.append(op)
         batch.ops[:] = kept
 
+    def _timed(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn` on the engine thread, counting its duration as busy time."""
+        done, _ = self._busy
+        started = time.perf_counter()
+        self._busy = (done, started)
+        try:
+            return fn(*args)
+        finally:
+            self._busy = (done + time.perf_counter() - started, None)
+
+    def busy_seconds(self) -> float:
+        """Seconds the engine thread has spent on backend work since start, the work running
+        now included (a decode run may last minutes): its rate is the busy fraction."""
+        done, since = self._busy
+        return done + (time.perf_counter() - since if since is not None else 0.0)
+
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a direct backend call on the engine thread, between batches."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+        return await loop.run_in_executor(self._executor, self._timed, lambda: fn(*args, **kwargs))
 
     async def step(self) -> bool:
         batch = self.queue.next_batch()
@@ -143,11 +165,17 @@ class EngineLoop:
         self._drop_cancelled(batch)
         if not batch.ops:
             return True
-        if batch.kind == "sample" and isinstance(self.backend, ContinuousSampling):
-            await self._sample_continuously(batch)
-            return True
-        loop = asyncio.get_running_loop()
-        results = await loop.run_in_executor(self._executor, _execute, self.backend, batch)
+        self.running = (batch.kind, len(batch.ops))
+        try:
+            if batch.kind == "sample" and isinstance(self.backend, ContinuousSampling):
+                await self._sample_continuously(batch)
+                return True
+            loop = asyncio.get_running_loop()
+            results = await loop.run_in_executor(
+                self._executor, self._timed, _execute, self.backend, batch
+            )
+        finally:
+            self.running = None
         if self._arrivals.get(batch.kind, 0) > 0:
             # Requests of this kind arrived while the batch ran: clients work concurrently.
             self._overlap_seen_at[batch.kind] = time.monotonic()
@@ -207,7 +235,7 @@ class EngineLoop:
 
         error: EngineError = EngineError("the sampling batch ended without this request")
         try:
-            await loop.run_in_executor(self._executor, run)
+            await loop.run_in_executor(self._executor, self._timed, run)
         except Exception as exc:  # a backend bug fails what it had not answered, never the loop
             log.exception("backend failed a continuous sampling batch")
             error = EngineError(f"{type(exc).__name__}: {exc}")

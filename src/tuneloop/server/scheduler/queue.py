@@ -113,6 +113,10 @@ class OperationQueue:
         """How many sampling operations wait (a plain read: safe from the engine thread)."""
         return len(self._samples)
 
+    def waiting_by_model(self) -> dict[str, int]:
+        """Training operations accepted and not yet run, per model id (the console's view)."""
+        return {m: len(s.pending) for m, s in self._streams.items() if s.pending}
+
     def training_ready(self) -> bool:
         """Whether some model has a training-side operation ready to run now."""
         return bool(self._ready_runs())
@@ -203,6 +207,11 @@ class OperationQueue:
         more = self._leading_forward_backward({op.model_id for op in batch.ops if op.model_id})
         self._take(more)
         batch.ops.extend(more)
+
+    def queued(self) -> list[Operation]:
+        """Every operation waiting: each model's training ones, then the samples (metrics)."""
+        training = [op for stream in self._streams.values() for op in stream.pending.values()]
+        return training + list(self._samples)
 
     def has_work(self) -> bool:
         return bool(self._samples) or bool(self._ready_runs())

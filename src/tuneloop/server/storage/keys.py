@@ -26,6 +26,8 @@ class KeyRecord:
     key_sha256: str
     created_at: str
     revoked: bool = False
+    # An operator's key: its console also shows every tenant and the engine (read-only).
+    admin: bool = False
 
 
 class KeyStore:
@@ -50,7 +52,7 @@ class KeyStore:
         os.chmod(tmp, 0o600)
         os.replace(tmp, self.path)
 
-    def create(self, tenant: str) -> tuple[str, KeyRecord]:
+    def create(self, tenant: str, *, admin: bool = False) -> tuple[str, KeyRecord]:
         if not tenant or not tenant.replace("-", "").replace("_", "").isalnum():
             raise ValueError("tenant must be letters, digits, '-' or '_'")
         key = KEY_PREFIX + secrets.token_urlsafe(32)
@@ -59,6 +61,7 @@ class KeyStore:
             tenant=tenant,
             key_sha256=_hash(key),
             created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+            admin=admin,
         )
         with self._lock:
             self._save([*self._load(), record])
@@ -81,6 +84,11 @@ class KeyStore:
 
     def tenant_of(self, key: str) -> str | None:
         """The tenant a valid, unrevoked key belongs to; None otherwise."""
+        record = self.record_of(key)
+        return record.tenant if record is not None else None
+
+    def record_of(self, key: str) -> KeyRecord | None:
+        """The record of a valid, unrevoked key; None otherwise."""
         try:
             mtime = self.path.stat().st_mtime_ns
         except FileNotFoundError:
@@ -90,4 +98,4 @@ class KeyStore:
                 self._by_hash = {r.key_sha256: r for r in self._load()}
                 self._mtime = mtime
             record = self._by_hash.get(_hash(key))
-        return record.tenant if record is not None and not record.revoked else None
+        return record if record is not None and not record.revoked else None
