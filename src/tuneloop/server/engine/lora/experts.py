@@ -5,11 +5,12 @@ transformers 5 stores an MoE layer's experts as two 3-D parameters, `gate_up_pro
 [E, in, out] (GPT-OSS, which adds biases and an interleaved clamped SwiGLU). `LoRAExperts`
 wraps such a module and gives each of the two parameters per-expert factors
 (A [E, r, in], B [E, out, r] per slot, one `ExpertFactors` child each). With no adapter routed
-the wrapped module runs as it is (whatever experts kernel transformers picked); with one, each
-hit expert's tokens are gathered once and go through the expert's frozen weights plus its own
-low-rank delta, so a token's delta comes only from the experts its (frozen) router chose, and a
-token's adapter comes from the routing, like every other layer. The loop is over experts (and,
-within one, over the adapters present), never over tokens.
+the wrapped module runs as it is (whatever experts kernel transformers picked); with one, the
+(token, top-k) assignments are sorted by expert once, and each hit expert's contiguous slice of
+tokens goes through the expert's frozen weights plus its own low-rank delta, so a token's delta
+comes only from the experts its (frozen) router chose, and a token's adapter comes from the
+routing, like every other layer. The loop is over experts (and, within one, over the adapters
+present), never over tokens.
 
 On disk the factors take PEFT's `target_parameters` layout (`ParamWrapper`): lora_A.weight
 [E*r, in] with expert e's rows at e*r..(e+1)*r, lora_B.weight [out, r*E] with column j*E+e
@@ -156,16 +157,27 @@ class LoRAExperts(nn.Module):
             else None
         )
         gate_up, down = self.factors_of["gate_up_proj"], self.factors_of["down_proj"]
-        final = torch.zeros_like(hidden_states)
         experts = gate_up.num_experts
         with torch.no_grad():
-            # [E, K, tokens]; ids out of range (some models mark dropped slots with E) are ignored
-            mask = nn.functional.one_hot(top_k_index, num_classes=experts + 1).permute(2, 1, 0)
-            hit = (mask[:experts].sum(dim=(-1, -2)) > 0).nonzero().flatten().tolist()
-        for expert in hit:
-            top_k_pos, tokens = torch.where(mask[expert])
-            keys_here = token_keys.index_select(0, tokens) if token_keys is not None else None
-            x = hidden_states.index_select(0, tokens)
+            # Every (token, top-k slot) assignment, sorted by expert: each expert's tokens are
+            # then one contiguous slice (ids out of range, which some models use to mark a
+            # dropped slot, sort last and are cut off).
+            flat = top_k_index.reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            counts = torch.bincount(flat.clamp(max=experts), minlength=experts + 1)[:experts]
+            sizes = counts.tolist()
+            order = order[: sum(sizes)]
+            tokens = order // top_k_index.shape[1]
+        x_all = hidden_states.index_select(0, tokens)
+        keys_all = token_keys.index_select(0, tokens) if token_keys is not None else None
+        pieces = []
+        start = 0
+        for expert, size in enumerate(sizes):
+            if size == 0:
+                continue
+            x = x_all[start : start + size]
+            keys_here = keys_all[start : start + size] if keys_all is not None else None
+            start += size
             h = self._project(x, "gate_up_proj", expert)
             delta = gate_up.delta(x, expert, factors["gate_up_proj"], keys_here)
             if delta is not None:
@@ -175,6 +187,7 @@ class LoRAExperts(nn.Module):
             delta = down.delta(h, expert, factors["down_proj"], keys_here)
             if delta is not None:
                 out = out + delta.to(out.dtype)
-            out = out * top_k_weights[tokens, top_k_pos, None]
-            final.index_add_(0, tokens, out.to(final.dtype))
-        return final
+            pieces.append(out)
+        weights = top_k_weights.reshape(-1).index_select(0, order)[:, None]
+        weighted = (torch.cat(pieces) * weights).to(hidden_states.dtype)
+        return torch.zeros_like(hidden_states).index_add(0, tokens, weighted)
