@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ARCHS", "DENSE", "MOE", "build", "save"]
+__all__ = ["ARCHS", "DENSE", "MOE", "VOCAB", "build", "copy_tokenizer", "save"]
 
 VOCAB = 259
 _TOKENIZER = Path(str(resources.files("tuneloop") / "assets" / "tokenizers" / "byte-level"))
@@ -109,6 +109,11 @@ def save(arch: str, folder: Path, seed: int = 0) -> Path:
     """`build(arch)` saved with the byte-level tokenizer as a plain HF folder."""
     model = build(arch, seed)
     model.save_pretrained(folder)  # type: ignore[operator]
+    copy_tokenizer(folder)
+    return folder
+
+
+def copy_tokenizer(folder: Path) -> None:
+    """The byte-level tokenizer (vocabulary `VOCAB`) into a model folder."""
     for item in _TOKENIZER.iterdir():
         shutil.copy2(item, folder / item.name)
-    return folder

@@ -103,3 +103,22 @@ def test_zoo_model_trains_samples_resumes_and_exports(
     merged_dir = merge.export_merged(weights, tmp_path / "merged", cache_dir=tmp_path / "cache")
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
     np.testing.assert_allclose(_logprobs(merged, tokens), served, atol=ATOL, err_msg=arch)
+
+
+def test_a_model_with_layers_lora_cannot_adapt_is_refused_at_load(tmp_path: Path) -> None:
+    """GPT-2's attention and MLP are `Conv1D` layers (c_attn, c_proj, c_fc): no target group
+    has them, so serving it would train the LM head alone; the load is refused instead."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tests.zoo.archs import VOCAB, copy_tokenizer
+    from tuneloop.server.engine.types import EngineError
+
+    folder = tmp_path / "gpt2"
+    config = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=4, n_positions=128)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    copy_tokenizer(folder)
+    with pytest.raises(
+        EngineError, match=r"cannot adapt: Conv1D \(e\.g\. transformer\.h\.0\."
+    ) as info:
+        TorchBackend([str(folder)], cache_dir=tmp_path / "cache", device="cpu")
+    assert info.value.category == "user"

@@ -27,7 +27,13 @@ from torch import nn
 from tuneloop.server.engine.lora.routing import RoutingContext
 from tuneloop.server.engine.lora.slots import Slotted
 
-__all__ = ["EXPERT_PARAMETERS", "ExpertFactors", "LoRAExperts", "is_fused_experts"]
+__all__ = [
+    "EXPERT_PARAMETERS",
+    "ExpertFactors",
+    "LoRAExperts",
+    "is_fused_experts",
+    "unsupported_experts_reason",
+]
 
 # In declaration order, which is also the order PEFT nests its ParamWrappers in.
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
