@@ -198,9 +198,11 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
         flusher = asyncio.get_running_loop().create_task(meter.run_flusher(registry))
         package_gc = asyncio.get_running_loop().create_task(run_package_gc(registry))
         expirer = asyncio.get_running_loop().create_task(expire())
+        revoker = asyncio.get_running_loop().create_task(state.revocations.run())
         try:
             yield
         finally:
+            revoker.cancel()
             sweeper.cancel()
             flusher.cancel()
             package_gc.cancel()

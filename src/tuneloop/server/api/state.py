@@ -7,7 +7,7 @@ import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from fastapi import Request
@@ -16,6 +16,7 @@ from tuneloop.server.api.errors import ApiError, not_found
 from tuneloop.server.api.metering import Meter
 from tuneloop.server.api.quotas import Quotas
 from tuneloop.server.api.restarts import LOAD, require_held
+from tuneloop.server.api.revocation import Revocations
 from tuneloop.server.config import ServerConfig
 from tuneloop.server.engine.types import ModelSpec
 from tuneloop.server.scheduler.futures import FutureTable, Outcome
@@ -60,6 +61,13 @@ class ServerState:
     )
     # Releases of sessions found expired by a request (held so they are not garbage collected).
     releases: set[asyncio.Task[None]] = field(default_factory=set)
+    # Sampler ids being created (by create_sampling_session or a queued snapshot): a second
+    # create of one is refused (409) instead of replacing the first's sampler.
+    pending_samplers: set[str] = field(default_factory=set)
+    revocations: Revocations = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.revocations = Revocations(self.keys, self.futures, self.queue, self.engine)
 
     def model_spec(self, name: str, field_name: str = "base_model") -> ModelSpec:
         spec = self.models.get(name)
@@ -181,6 +189,21 @@ class ServerState:
         except Exception:  # the periodic flush retries; finishing must not fail for this
             log.exception("writing usage counts failed")
 
+    def is_retry(self, model_id: str, seq_id: int, body: bytes) -> bool:
+        """Whether this is a repeat of an accepted request (the queue answers it again)."""
+        try:
+            return self.queue.existing(model_id, seq_id, fingerprint(body)) is not None
+        except SeqConflictError:
+            return False
+
+    def refuse_existing(
+        self, created_at: datetime, what: str, field_name: str, remedy: str
+    ) -> None:
+        """A create naming an id already taken: 410 if what had it was lost in a restart, else
+        409. Either way nothing is created or changed (registry rows are never overwritten)."""
+        require_held(created_at, self.futures.started_at, what, field_name, remedy)
+        raise ApiError(409, f"{what} already exists; {remedy}", field_name)
+
     def skip_rejected(self, tenant: str, model_id: str, seq_id: int, body: bytes) -> None:
         """A rejected training request still consumes its seq_id (the SDKs never reuse one)."""
         if seq_id >= 1 and self.registry.training_run(model_id, tenant) is not None:
@@ -212,6 +235,7 @@ class ServerState:
         if not self.queue.unblocks_waiting(model_id, seq_id):
             self.quotas.check_inflight(tenant)
         request_id = self.futures.create(tenant, request_type)
+        self.revocations.track(request_id)
         self.queue.submit_training(
             Operation(request_id, kind, work, finish, model_id, seq_id, digest)
         )

@@ -32,10 +32,12 @@ from tuneloop.server.engine.types import (
     ForwardBackwardResult,
 )
 from tuneloop.server.scheduler.futures import Outcome
+from tuneloop.server.scheduler.loop import failure
 from tuneloop.server.storage.layout import TinkerPath, valid_name
 from tuneloop.server.storage.registry import (
     PACKAGE_KINDS,
     CheckpointRow,
+    RowExistsError,
     SamplerRow,
     TrainingRunRow,
     lora_targets,
@@ -77,6 +79,22 @@ def _register_run(
     session_id: str,
     user_metadata: dict[str, Any] | None,
     origin: CheckpointRow | None = None,
+) -> Outcome | None:
+    """Insert the run's row; a failure outcome (the caller's) if its id was taken meanwhile."""
+    try:
+        _insert_run(state, tenant, adapter, session_id, user_metadata, origin)
+    except RowExistsError:
+        return failure(f"model {adapter.adapter_id!r} already exists", "user")
+    return None
+
+
+def _insert_run(
+    state: ServerState,
+    tenant: str,
+    adapter: AdapterSpec,
+    session_id: str,
+    user_metadata: dict[str, Any] | None,
+    origin: CheckpointRow | None,
 ) -> None:
     state.registry.add(
         TrainingRunRow(
@@ -115,9 +133,11 @@ async def create_model(request: Request, state: State, tenant: Tenant) -> dict[s
         train_unembed=lora.train_unembed,
     )
 
+    _refuse_taken_model(state, tenant, adapter.adapter_id, raw)
+
     def finish(_result: None) -> Outcome:
-        _register_run(state, tenant, adapter, body.session_id, body.user_metadata)
-        return json_outcome({"model_id": adapter.adapter_id, "type": "create_model"})
+        taken = _register_run(state, tenant, adapter, body.session_id, body.user_metadata)
+        return taken or json_outcome({"model_id": adapter.adapter_id, "type": "create_model"})
 
     return state.submit_training(
         tenant,
@@ -129,6 +149,19 @@ async def create_model(request: Request, state: State, tenant: Tenant) -> dict[s
         raw,
         "CreateModel",
     )
+
+
+def _refuse_taken_model(state: ServerState, tenant: str, model_id: str, raw: bytes) -> None:
+    """409 (410 after a restart) for a create of a model id whose run exists, unless it is a
+    retry of the request that created it."""
+    existing = state.registry.training_run(model_id, tenant)
+    if existing is not None and not state.is_retry(model_id, 0, raw):
+        state.refuse_existing(
+            existing.created_at,
+            f"model {model_id!r}",
+            "model_seq_id",
+            "create the model with a new model_seq_id",
+        )
 
 
 @router.post("/get_info", openapi_extra=json_body(GetInfoRequest))
@@ -201,12 +234,16 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[s
                 backend.delete_adapter(adapter.adapter_id)
                 raise
 
+        _refuse_taken_model(state, tenant, adapter.adapter_id, raw)
+
         def finish_create(_r: None) -> Outcome:
             metadata = (
                 body.user_metadata if body.user_metadata is not None else source.user_metadata
             )
-            _register_run(state, tenant, adapter, body.session_id or "", metadata, origin=ckpt)
-            return json_outcome({**result, "model_id": adapter.adapter_id})
+            taken = _register_run(
+                state, tenant, adapter, body.session_id or "", metadata, origin=ckpt
+            )
+            return taken or json_outcome({**result, "model_id": adapter.adapter_id})
 
         return state.submit_training(
             tenant,
@@ -333,6 +370,20 @@ async def optim_step(request: Request, state: State, tenant: Tenant) -> dict[str
     )
 
 
+def _refuse_taken_sampler(state: ServerState, tenant: str, sampler_id: str) -> None:
+    """409 (410 after a restart) for a sampler id in use or being created: a sampler once
+    made is never replaced (its clients would silently sample other weights)."""
+    what = f"sampling_session_seq_id {sampler_id.rsplit(':', 1)[-1]}: sampler {sampler_id!r}"
+    remedy = "use a new sampling_session_seq_id"
+    if sampler_id in state.pending_samplers:
+        raise ApiError(
+            409, f"{what} is being created by another request; {remedy}", "sampling_session_seq_id"
+        )
+    existing = state.registry.sampler(sampler_id, tenant)
+    if existing is not None:
+        state.refuse_existing(existing.created_at, what, "sampling_session_seq_id", remedy)
+
+
 def _checkpoint_target(
     state: ServerState, tenant: str, model_id: str, segment: str, name: str | None
 ) -> tuple[TinkerPath, Path]:
@@ -427,27 +478,43 @@ async def save_weights_for_sampler(
         # Ephemeral: a frozen snapshot of the adapter as of this point in the model's order.
         sampler_id = f"{run.session_id}:sample:{body.sampling_session_seq_id}"
         base_model = run.base_model
+        retry = state.is_retry(model_id, seq_id, raw)
+        if not retry:
+            _refuse_taken_sampler(state, tenant, sampler_id)
+
+        def snapshot(backend: Backend) -> None:
+            try:
+                backend.create_sampler(sampler_id, base_model, adapter_id=model_id)
+            except BaseException:
+                state.pending_samplers.discard(sampler_id)
+                raise
 
         def finish_snapshot(_r: None) -> Outcome:
-            state.registry.add(
-                SamplerRow(
-                    id=sampler_id, tenant=tenant, session_id=run.session_id, base_model=base_model
-                )
+            state.pending_samplers.discard(sampler_id)
+            row = SamplerRow(
+                id=sampler_id, tenant=tenant, session_id=run.session_id, base_model=base_model
             )
+            try:
+                state.registry.add(row)
+            except RowExistsError:
+                return failure(f"sampler {sampler_id!r} already exists", "user")
             return json_outcome(
                 {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
             )
 
-        return state.submit_training(
+        accepted = state.submit_training(
             tenant,
             model_id,
             seq_id,
             "single",
-            lambda b: b.create_sampler(sampler_id, base_model, adapter_id=model_id),
+            snapshot,
             finish_snapshot,
             raw,
             "SaveWeightsForSampler",
         )
+        if not retry:
+            state.pending_samplers.add(sampler_id)
+        return accepted
     target, directory = _checkpoint_target(state, tenant, run.id, "sampler_weights", body.path)
 
     def work(backend: Backend) -> int:

@@ -24,6 +24,7 @@ from sqlalchemy import (
     select,
     update,
 )
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
 from tuneloop.server.storage.base import Base, UTCDateTime, utcnow
@@ -40,6 +41,7 @@ __all__ = [
     "CheckpointRow",
     "PackageNameRow",
     "Registry",
+    "RowExistsError",
     "SamplerRow",
     "SessionRow",
     "TrainingRunRow",
@@ -51,6 +53,10 @@ __all__ = [
     "merged_package",
     "utcnow",
 ]
+
+
+class RowExistsError(Exception):
+    """An insert of a row whose key is taken (an id re-used)."""
 
 
 class SessionRow(Base):
@@ -211,8 +217,15 @@ class Registry(UsageStore):
     # ---- generic ----------------------------------------------------------------------------
 
     def add(self, row: Base) -> None:
-        with self._db() as db, db.begin():
-            db.merge(row)
+        """Insert a new row. A row with its key already there is never overwritten: that is
+        RowExistsError, and nothing changes (changes to a row are the explicit updates below)."""
+        try:
+            with self._db() as db, db.begin():
+                db.add(row)
+        except IntegrityError as exc:
+            key = getattr(row, "id", None) or getattr(row, "tinker_path", None)
+            table = getattr(row, "__tablename__", type(row).__name__)
+            raise RowExistsError(f"{table} row {key!r} already exists") from exc
 
     def _get(self, model: type[Any], key: str, tenant: str) -> Any:
         with self._db() as db:

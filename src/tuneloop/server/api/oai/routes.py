@@ -121,16 +121,35 @@ async def _start(
         _max_tokens(plan, context, p, field if len(prompts) == 1 else f"{field}[{i}]")
         for i, p in enumerate(prompts)
     ]
-    state.quotas.check_inflight(tenant)  # before anything is made for the request
+    # Every prompt x choice counts against max_inflight, before anything is made for the
+    # request. The engine request of a prompt is one future; its other n - 1 choices are held
+    # as slots until the request ends.
+    state.quotas.check_inflight(tenant, len(prompts) * plan.n)
+    # Held at once, so that requests arriving while this one waits for its sampler see them.
+    until_submitted = state.quotas.hold(tenant, len(prompts))
+    unhold = state.quotas.hold(tenant, len(prompts) * (plan.n - 1))
     cache = _samplers(request)
-    sampler_id = await cache.acquire(tenant, target)
+    try:
+        sampler_id = await cache.acquire(tenant, target)
+    except BaseException:
+        until_submitted()
+        unhold()
+        raise
     try:
         generation = Generation(state, tenant, sampler_id, text, prompts, plan, limits, stop_ids)
         generation.submit()
     except BaseException:
+        unhold()
         cache.release(sampler_id)
         raise
-    return generation, lambda: cache.release(sampler_id)
+    finally:
+        until_submitted()  # the prompts' futures count for themselves now
+
+    def release() -> None:
+        unhold()
+        cache.release(sampler_id)
+
+    return generation, release
 
 
 @router.post("/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
