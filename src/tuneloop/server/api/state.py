@@ -204,10 +204,12 @@ class ServerState:
         require_held(created_at, self.futures.started_at, what, field_name, remedy)
         raise ApiError(409, f"{what} already exists; {remedy}", field_name)
 
-    def skip_rejected(self, tenant: str, model_id: str, seq_id: int, body: bytes) -> None:
-        """A rejected training request still consumes its seq_id (the SDKs never reuse one)."""
+    def skip_rejected(self, tenant: str, model_id: str, seq_id: int, digest: str) -> None:
+        """A rejected training request still consumes its seq_id (the SDKs never reuse one).
+
+        `digest`: the rejected body's fingerprint."""
         if seq_id >= 1 and self.registry.training_run(model_id, tenant) is not None:
-            self.queue.skip(model_id, seq_id, fingerprint(body))
+            self.queue.skip(model_id, seq_id, digest)
             self.engine.notify()
 
     def submit_training(
@@ -220,9 +222,12 @@ class ServerState:
         finish: Callable[[Any], Outcome],
         body: bytes,
         request_type: str,
+        digest: str | None = None,
     ) -> dict[str, Any]:
-        """Queue one operation of a model's ordered stream; retries map to the first request."""
-        digest = fingerprint(body)
+        """Queue one operation of a model's ordered stream; retries map to the first request.
+
+        `digest`: the body's fingerprint, if the caller computed it (off the event loop)."""
+        digest = digest if digest is not None else fingerprint(body)
         try:
             existing = self.queue.existing(model_id, seq_id, digest)
         except SeqConflictError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 from datetime import timedelta
@@ -15,6 +16,7 @@ from tuneloop.server.api.deps import (
     State,
     Tenant,
     json_body,
+    off_loop,
     protobuf_body,
     read_json,
     require_content_type,
@@ -22,8 +24,8 @@ from tuneloop.server.api.deps import (
 from tuneloop.server.api.errors import ApiError, bad_request, not_found
 from tuneloop.server.api.packages import check_ttl
 from tuneloop.server.api.seq_guard import consumes_seq
-from tuneloop.server.api.state import ServerState
-from tuneloop.server.api.validation import forward_backward_work
+from tuneloop.server.api.state import ServerState, fingerprint
+from tuneloop.server.api.validation import decode_limits, forward_backward_work
 from tuneloop.server.engine.backend import Backend
 from tuneloop.server.engine.types import (
     AdamStep,
@@ -58,7 +60,11 @@ from tuneloop.types import (
     TensorData,
     WireFormatError,
 )
-from tuneloop.types.codec import decode_forward_backward_request, encode_forward_backward_output
+from tuneloop.types.codec import (
+    encode_forward_backward_output,
+    forward_backward_request_from_proto,
+    parse_forward_backward_request,
+)
 
 router = APIRouter(prefix="/api/v1")
 
@@ -289,8 +295,13 @@ async def _protobuf_body(request: Request, state: ServerState) -> bytes:
     encoding = request.headers.get("content-encoding", "").lower()
     if encoding == "zstd":
         try:
-            raw = zstandard.ZstdDecompressor().decompress(
-                raw, max_output_size=state.config.max_request_bytes
+            raw = await off_loop(
+                len(raw),
+                functools.partial(
+                    zstandard.ZstdDecompressor().decompress,
+                    max_output_size=state.config.max_request_bytes,
+                ),
+                raw,
             )
         except zstandard.ZstdError as exc:
             raise bad_request(f"body: bad zstd data: {exc}", "content-encoding") from None
@@ -320,12 +331,19 @@ def _fwdbwd_outcome(result: ForwardBackwardResult) -> Outcome:
 @consumes_seq
 async def forward_backward(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     raw = await _protobuf_body(request, state)
+    # Decoding, checking and hashing a large body take a worker thread, not the event loop,
+    # which meanwhile answers other requests (measured in bench/bench_event_loop.py).
+    size = len(raw)
     try:
-        body = decode_forward_backward_request(raw)
+        msg = await off_loop(size, parse_forward_backward_request, raw)
+        run = state.live_training_run(msg.model_id, tenant)
+        spec = state.model_spec(run.base_model)
+        limits = decode_limits(spec, state.config.max_request_bytes)
+        body = await off_loop(size, forward_backward_request_from_proto, msg, limits)
     except WireFormatError as exc:
         raise bad_request(str(exc), exc.field) from None
-    run = state.live_training_run(body.model_id, tenant)
-    work = forward_backward_work(body, state.model_spec(run.base_model), run.id)
+    work = await off_loop(size, forward_backward_work, body, spec, run.id)
+    digest = await off_loop(size, fingerprint, raw)
     return state.submit_training(
         tenant,
         run.id,
@@ -335,6 +353,7 @@ async def forward_backward(request: Request, state: State, tenant: Tenant) -> di
         _fwdbwd_outcome,
         raw,
         "Forward" if body.forward_only else "ForwardBackward",
+        digest=digest,
     )
 
 
