@@ -149,7 +149,7 @@ def _replay(body: bytes, receive: Any) -> Any:
 
 def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
     layout = Layout(config.data_dir)
-    config.data_dir.mkdir(parents=True, exist_ok=True)
+    layout.prepare()
     backend = backend if backend is not None else build_backend(config)
     registry = Registry(config.db_url or layout.database_url)
     queue = OperationQueue(max_sample_batch=config.max_sample_batch)

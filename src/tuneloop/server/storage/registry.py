@@ -28,7 +28,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
 from tuneloop.server.storage.base import Base, UTCDateTime, utcnow
-from tuneloop.server.storage.layout import TinkerPath
+from tuneloop.server.storage.layout import PRIVATE_FILE_MODE, TinkerPath
 from tuneloop.server.storage.migrations import upgrade
 from tuneloop.server.storage.upsert import insert_missing
 from tuneloop.server.storage.usage_store import UsageCount, UsageFilter, UsageStore, UsageSum
@@ -189,6 +189,18 @@ def engine_url(url: str) -> str:
     return url
 
 
+def _private_sqlite_files(database: Path) -> None:
+    """The database file and its WAL companions readable by the server's user only (SQLite
+    gives the companions the database file's mode when it creates them)."""
+    for path in (
+        database,
+        database.with_name(database.name + "-wal"),
+        database.with_name(database.name + "-shm"),
+    ):
+        if path.exists():
+            path.chmod(PRIVATE_FILE_MODE)
+
+
 class Registry(UsageStore):
     def __init__(self, url: str) -> None:
         url = engine_url(url)
@@ -206,6 +218,8 @@ class Registry(UsageStore):
 
         Base.metadata.create_all(self.engine)
         upgrade(self.engine, Base.metadata)
+        if url.startswith("sqlite") and self.engine.url.database not in (None, "", ":memory:"):
+            _private_sqlite_files(Path(str(self.engine.url.database)))
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     def close(self) -> None:
