@@ -499,7 +499,11 @@ async def save_weights_for_sampler(
         base_model = run.base_model
         retry = state.is_retry(model_id, seq_id, raw)
         if not retry:
-            _refuse_taken_sampler(state, tenant, sampler_id)
+            try:
+                _refuse_taken_sampler(state, tenant, sampler_id)
+            except ApiError:  # refused, its seq_id is still consumed (see seq_guard)
+                state.skip_rejected(tenant, model_id, seq_id, fingerprint(raw))
+                raise
 
         def snapshot(backend: Backend) -> None:
             try:
