@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from tuneloop.server.api import client, downloads, futures, oai, rest, sampling, sessions, training
+from tuneloop.server.api.deps import off_loop
 from tuneloop.server.api.errors import error_response_for, install
 from tuneloop.server.api.metering import Meter, record_completed
 from tuneloop.server.api.packages import run_package_gc
@@ -121,7 +122,9 @@ class BodyLimit:
                 too_large = True
                 break
         if not too_large:
-            await self.app(scope, _replay(b"".join(chunks), receive), send)
+            # Joining a large body copies it: on a worker thread (bytes.join drops the GIL).
+            body = await off_loop(size, b"".join, chunks)
+            await self.app(scope, _replay(body, receive), send)
         elif deferred:
             scope.setdefault("state", {})["body_too_large"] = True
             await self.app(scope, _replay(b"".join(chunks)[:_PREFIX_BYTES], receive), send)
