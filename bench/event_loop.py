@@ -44,9 +44,15 @@ VOCAB = 259
 DATUMS = 1900
 TOKENS = 2047
 # Runs `tuneloop serve` with the off-loop threshold raised past any body (everything inline).
-INLINE = (
-    "import sys, runpy; import tuneloop.server.api.deps as deps; deps.OFF_LOOP_BYTES = 2**62; "
-    "sys.argv = ['tuneloop', *sys.argv[1:]]; runpy.run_module('tuneloop', run_name='__main__')"
+# Each variant is `tuneloop serve` with a line of Python run first: as shipped, and with the
+# off-loop threshold raised past any body (everything on the event loop, as before).
+VARIANTS = {
+    "shipped": "",
+    "inline": "import tuneloop.server.api.deps as deps; deps.OFF_LOOP_BYTES = 2**62",
+}
+LAUNCH = (
+    "import sys, runpy; {prelude}; sys.argv = ['tuneloop', *sys.argv[1:]]; "
+    "runpy.run_module('tuneloop', run_name='__main__')"
 )
 
 
@@ -59,14 +65,10 @@ def cpu_model() -> str:
 
 
 @contextlib.contextmanager
-def serve(data_dir: Path, inline: bool) -> Iterator[str]:
+def serve(data_dir: Path, variant: str) -> Iterator[str]:
     args = ["serve", "--host", "127.0.0.1", "--port", "0", "--data-dir", str(data_dir)]
     args += ["--backend", "fake", "--long-poll-s", "1", "--parent-pid", str(os.getpid())]
-    command = (
-        [sys.executable, "-c", INLINE, *args]
-        if inline
-        else [sys.executable, "-m", "tuneloop", *args]
-    )
+    command = [sys.executable, "-c", LAUNCH.format(prelude=VARIANTS[variant] or "pass"), *args]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert process.stdout is not None
@@ -143,8 +145,8 @@ def probe(url: str, key: str, done_id: str, until: float, out: Any) -> None:
     out.send(samples)
 
 
-def measure(inline: bool, bodies: int) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp, serve(Path(tmp), inline) as url:
+def measure(variant: str, bodies: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp, serve(Path(tmp), variant) as url:
         key_a, key_b = create_key(Path(tmp), "a"), create_key(Path(tmp), "b")
         with httpx.Client(base_url=url, timeout=120) as a, httpx.Client(base_url=url) as b:
             model_id, _ = setup(a, key_a)
@@ -183,12 +185,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--bodies", type=int, default=3)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     args = parser.parse_args()
     results = {
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
-        "off_loop": measure(False, args.bodies),
-        "inline": measure(True, args.bodies),
+        **{variant: measure(variant, args.bodies) for variant in args.variants},
     }
     print(json.dumps(results, indent=1))
     if args.json:
