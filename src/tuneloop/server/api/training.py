@@ -235,7 +235,7 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[s
         def create_and_load(backend: Backend) -> None:
             backend.create_adapter(adapter)
             try:
-                backend.load_state(adapter.adapter_id, directory, optimizer=body.optimizer)
+                _load(backend, adapter.adapter_id, directory, body.optimizer, body.path)
             except Exception:
                 backend.delete_adapter(adapter.adapter_id)
                 raise
@@ -282,11 +282,23 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[s
         model_id,
         body.seq_id,
         "single",
-        lambda b: b.load_state(model_id, directory, optimizer=body.optimizer),
+        lambda b: _load(b, model_id, directory, body.optimizer, body.path),
         finish_load,
         raw,
         "LoadWeights",
     )
+
+
+def _load(backend: Backend, model_id: str, directory: Path, optimizer: bool, path: str) -> None:
+    """Load a checkpoint's files; files deleted since the request was accepted (a DELETE racing
+    it, an expiry) are the caller's error, said as such, not a server failure."""
+    try:
+        backend.load_state(model_id, directory, optimizer=optimizer)
+    except OSError as exc:
+        raise EngineError(
+            f"checkpoint {path!r} was deleted, or its files are gone, before it loaded: {exc}",
+            "user",
+        ) from None
 
 
 async def _protobuf_body(request: Request, state: ServerState) -> bytes:

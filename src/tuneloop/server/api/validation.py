@@ -29,6 +29,11 @@ def tokens_of(model_input: ModelInput, spec: ModelSpec, field: str) -> np.ndarra
                 f"{field}.chunks[{j}]",
             )
         tokens.extend(chunk.tokens)
+        if len(tokens) > spec.max_context_length:  # before the array is built
+            raise bad_request(
+                f"{field}: more than {spec.max_context_length} tokens exceed the context length",
+                field,
+            )
     if not tokens:
         raise bad_request(f"{field}: must hold at least one token", field)
     array = np.asarray(tokens, dtype=np.int64)
