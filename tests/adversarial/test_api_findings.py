@@ -353,7 +353,9 @@ def _revocation(server: LiveServer, alice: Tenant, doomed: Tenant) -> None:
     revoked_at = time.monotonic()
     poller.join(WAIT_S)
     assert polled["status"] == 401, polled
-    assert polled["at"] - revoked_at < 1.0 + 0.5  # within a second (plus the CLI's exit)
+    # Within a second of the keys file changing (before the CLI even exits), plus slack for a
+    # loaded machine.
+    assert polled["at"] - revoked_at < 2.0
     assert doomed.post("create_session", {}).status_code == 401
     # The stream goes on without the dropped request: seq 1 and 3 (another key) run.
     assert alice.result(alice.forward_backward(model_id, 1, [_datum([1, 2, 3])])).status_code == 200

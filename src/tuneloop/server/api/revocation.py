@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from contextvars import ContextVar
 
 from tuneloop.server.scheduler.futures import FutureTable
@@ -24,6 +25,9 @@ log = logging.getLogger(__name__)
 # How often the keys file is looked at (one stat; re-read only when it changed). A revoked
 # key's work stops within this plus one decode step.
 CHECK_S = 0.25
+# How often requests whose results are gone are forgotten: the tracking holds what the future
+# table holds (results stay there minutes after delivery), walked this rarely.
+PRUNE_S = 30.0
 # The failure category of work whose key was revoked; answered 401 wherever it surfaces.
 REVOKED = "unauthorized"
 REVOKED_MESSAGE = "the API key of this request was revoked"
@@ -55,19 +59,24 @@ class Revocations:
         return digest is None or self.keys.tenant_of_hash(digest) is not None
 
     def check(self) -> int:
-        """End the work of every tracked key no longer valid; how many requests ended."""
+        """End the work of every tracked key no longer valid; how many requests ended.
+
+        One look-up per key (the keys file is re-read only when it changed); the requests of a
+        key are walked only when it was revoked, and by `prune`.
+        """
         ended = 0
+        for digest in [d for d in self._by_key if not self.key_still_valid(d)]:
+            ended += self._end(self._by_key.pop(digest))
+        return ended
+
+    def prune(self) -> None:
+        """Forget requests whose results left the future table (they need no ending)."""
         for digest in list(self._by_key):
             requests = self._by_key[digest]
-            # Results already swept from the table need no tracking any more.
             for request_id in [r for r in requests if self.futures.tenant(r) is None]:
                 del requests[request_id]
             if not requests:
                 del self._by_key[digest]
-            elif not self.key_still_valid(digest):
-                del self._by_key[digest]
-                ended += self._end(requests)
-        return ended
 
     def _end(self, requests: dict[str, str | None]) -> int:
         revoked = failure(REVOKED_MESSAGE, REVOKED)
@@ -82,9 +91,13 @@ class Revocations:
         return len(requests)
 
     async def run(self) -> None:
+        last_prune = time.monotonic()
         while True:
             try:
                 self.check()
+                if time.monotonic() - last_prune > PRUNE_S:
+                    self.prune()
+                    last_prune = time.monotonic()
             except Exception:  # a bad keys file must not end revocation for good
                 log.exception("checking for revoked keys failed")
             await asyncio.sleep(CHECK_S)
