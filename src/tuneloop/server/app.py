@@ -127,7 +127,12 @@ class BodyLimit:
             await self.app(scope, _replay(body, receive), send)
         elif deferred:
             scope.setdefault("state", {})["body_too_large"] = True
-            await self.app(scope, _replay(b"".join(chunks)[:_PREFIX_BYTES], receive), send)
+            head = b""  # only the first bytes: not a copy of up to the whole limit
+            for chunk in chunks:
+                head += chunk[: _PREFIX_BYTES - len(head)]
+                if len(head) >= _PREFIX_BYTES:
+                    break
+            await self.app(scope, _replay(head, receive), send)
         else:
             await self._reject(scope, receive, send)
 
