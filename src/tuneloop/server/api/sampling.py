@@ -12,6 +12,7 @@ from tuneloop.server.api.deps import State, Tenant, json_body, read_json
 from tuneloop.server.api.errors import ApiError, bad_request, not_found
 from tuneloop.server.api.restarts import require_held
 from tuneloop.server.api.state import ServerState, fingerprint
+from tuneloop.server.api.taken_ids import insert_new
 from tuneloop.server.api.validation import sample_work
 from tuneloop.server.engine.types import EngineError, SampleResult
 from tuneloop.server.scheduler.futures import Outcome
@@ -82,15 +83,15 @@ async def create_sampling_session(request: Request, state: State, tenant: Tenant
     state.pending_samplers.add(sampler_id)
     try:
         await _create_sampler(state, tenant, sampler_id, base_model, body.model_path, weights_dir)
-        state.registry.add(
-            SamplerRow(
-                id=sampler_id,
-                tenant=tenant,
-                session_id=body.session_id,
-                base_model=base_model,
-                model_path=body.model_path,
-            )
+        row = SamplerRow(
+            id=sampler_id,
+            tenant=tenant,
+            session_id=body.session_id,
+            base_model=base_model,
+            model_path=body.model_path,
         )
+        if insert_new(state, row) is not None:  # taken meanwhile (the checks above saw none)
+            raise ApiError(409, f"sampler {sampler_id!r} already exists", field)
     finally:
         state.pending_samplers.discard(sampler_id)
     return {"sampling_session_id": sampler_id}

@@ -7,7 +7,7 @@ import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from fastapi import Request
@@ -188,21 +188,6 @@ class ServerState:
             await self.meter.flush_async(self.registry)
         except Exception:  # the periodic flush retries; finishing must not fail for this
             log.exception("writing usage counts failed")
-
-    def is_retry(self, model_id: str, seq_id: int, body: bytes) -> bool:
-        """Whether this is a repeat of an accepted request (the queue answers it again)."""
-        try:
-            return self.queue.existing(model_id, seq_id, fingerprint(body)) is not None
-        except SeqConflictError:
-            return False
-
-    def refuse_existing(
-        self, created_at: datetime, what: str, field_name: str, remedy: str
-    ) -> None:
-        """A create naming an id already taken: 410 if what had it was lost in a restart, else
-        409. Either way nothing is created or changed (registry rows are never overwritten)."""
-        require_held(created_at, self.futures.started_at, what, field_name, remedy)
-        raise ApiError(409, f"{what} already exists; {remedy}", field_name)
 
     def skip_rejected(self, tenant: str, model_id: str, seq_id: int, digest: str) -> None:
         """A rejected training request still consumes its seq_id (the SDKs never reuse one).

@@ -25,6 +25,12 @@ from tuneloop.server.api.errors import ApiError, bad_request, not_found
 from tuneloop.server.api.packages import check_ttl
 from tuneloop.server.api.seq_guard import consumes_seq
 from tuneloop.server.api.state import ServerState, fingerprint
+from tuneloop.server.api.taken_ids import (
+    insert_new,
+    is_retry,
+    refuse_taken_model,
+    refuse_taken_sampler,
+)
 from tuneloop.server.api.validation import decode_limits, forward_backward_work
 from tuneloop.server.engine.backend import Backend
 from tuneloop.server.engine.types import (
@@ -34,12 +40,10 @@ from tuneloop.server.engine.types import (
     ForwardBackwardResult,
 )
 from tuneloop.server.scheduler.futures import Outcome
-from tuneloop.server.scheduler.loop import failure
 from tuneloop.server.storage.layout import TinkerPath, valid_name
 from tuneloop.server.storage.registry import (
     PACKAGE_KINDS,
     CheckpointRow,
-    RowExistsError,
     SamplerRow,
     TrainingRunRow,
     lora_targets,
@@ -86,39 +90,31 @@ def _register_run(
     user_metadata: dict[str, Any] | None,
     origin: CheckpointRow | None = None,
 ) -> Outcome | None:
-    """Insert the run's row; a failure outcome (the caller's) if its id was taken meanwhile."""
-    try:
-        _insert_run(state, tenant, adapter, session_id, user_metadata, origin)
-    except RowExistsError:
-        return failure(f"model {adapter.adapter_id!r} already exists", "user")
-    return None
+    return insert_new(state, _run_row(tenant, adapter, session_id, user_metadata, origin))
 
 
-def _insert_run(
-    state: ServerState,
+def _run_row(
     tenant: str,
     adapter: AdapterSpec,
     session_id: str,
     user_metadata: dict[str, Any] | None,
     origin: CheckpointRow | None,
-) -> None:
-    state.registry.add(
-        TrainingRunRow(
-            id=adapter.adapter_id,
-            tenant=tenant,
-            session_id=session_id,
-            base_model=adapter.base_model,
-            lora_rank=adapter.rank,
-            lora_seed=adapter.seed,
-            train_mlp=adapter.train_mlp,
-            train_attn=adapter.train_attn,
-            train_unembed=adapter.train_unembed,
-            user_metadata=user_metadata,
-            # A run made from a package continues its step count, and the package is the
-            # parent of what the run saves.
-            training_step=(origin.training_step or 0) if origin is not None else 0,
-            parent_path=origin.tinker_path if origin is not None else None,
-        )
+) -> TrainingRunRow:
+    return TrainingRunRow(
+        id=adapter.adapter_id,
+        tenant=tenant,
+        session_id=session_id,
+        base_model=adapter.base_model,
+        lora_rank=adapter.rank,
+        lora_seed=adapter.seed,
+        train_mlp=adapter.train_mlp,
+        train_attn=adapter.train_attn,
+        train_unembed=adapter.train_unembed,
+        user_metadata=user_metadata,
+        # A run made from a package continues its step count, and the package is the
+        # parent of what the run saves.
+        training_step=(origin.training_step or 0) if origin is not None else 0,
+        parent_path=origin.tinker_path if origin is not None else None,
     )
 
 
@@ -139,7 +135,7 @@ async def create_model(request: Request, state: State, tenant: Tenant) -> dict[s
         train_unembed=lora.train_unembed,
     )
 
-    _refuse_taken_model(state, tenant, adapter.adapter_id, raw)
+    refuse_taken_model(state, tenant, adapter.adapter_id, raw)
 
     def finish(_result: None) -> Outcome:
         taken = _register_run(state, tenant, adapter, body.session_id, body.user_metadata)
@@ -155,19 +151,6 @@ async def create_model(request: Request, state: State, tenant: Tenant) -> dict[s
         raw,
         "CreateModel",
     )
-
-
-def _refuse_taken_model(state: ServerState, tenant: str, model_id: str, raw: bytes) -> None:
-    """409 (410 after a restart) for a create of a model id whose run exists, unless it is a
-    retry of the request that created it."""
-    existing = state.registry.training_run(model_id, tenant)
-    if existing is not None and not state.is_retry(model_id, 0, raw):
-        state.refuse_existing(
-            existing.created_at,
-            f"model {model_id!r}",
-            "model_seq_id",
-            "create the model with a new model_seq_id",
-        )
 
 
 @router.post("/get_info", openapi_extra=json_body(GetInfoRequest))
@@ -240,7 +223,7 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[s
                 backend.delete_adapter(adapter.adapter_id)
                 raise
 
-        _refuse_taken_model(state, tenant, adapter.adapter_id, raw)
+        refuse_taken_model(state, tenant, adapter.adapter_id, raw)
 
         def finish_create(_r: None) -> Outcome:
             metadata = (
@@ -401,20 +384,6 @@ async def optim_step(request: Request, state: State, tenant: Tenant) -> dict[str
     )
 
 
-def _refuse_taken_sampler(state: ServerState, tenant: str, sampler_id: str) -> None:
-    """409 (410 after a restart) for a sampler id in use or being created: a sampler once
-    made is never replaced (its clients would silently sample other weights)."""
-    what = f"sampling_session_seq_id {sampler_id.rsplit(':', 1)[-1]}: sampler {sampler_id!r}"
-    remedy = "use a new sampling_session_seq_id"
-    if sampler_id in state.pending_samplers:
-        raise ApiError(
-            409, f"{what} is being created by another request; {remedy}", "sampling_session_seq_id"
-        )
-    existing = state.registry.sampler(sampler_id, tenant)
-    if existing is not None:
-        state.refuse_existing(existing.created_at, what, "sampling_session_seq_id", remedy)
-
-
 def _checkpoint_target(
     state: ServerState, tenant: str, model_id: str, segment: str, name: str | None
 ) -> tuple[TinkerPath, Path]:
@@ -509,10 +478,10 @@ async def save_weights_for_sampler(
         # Ephemeral: a frozen snapshot of the adapter as of this point in the model's order.
         sampler_id = f"{run.session_id}:sample:{body.sampling_session_seq_id}"
         base_model = run.base_model
-        retry = state.is_retry(model_id, seq_id, raw)
+        retry = is_retry(state, model_id, seq_id, raw)
         if not retry:
             try:
-                _refuse_taken_sampler(state, tenant, sampler_id)
+                refuse_taken_sampler(state, tenant, sampler_id)
             except ApiError:  # refused, its seq_id is still consumed (see seq_guard)
                 state.skip_rejected(tenant, model_id, seq_id, fingerprint(raw))
                 raise
@@ -529,11 +498,7 @@ async def save_weights_for_sampler(
             row = SamplerRow(
                 id=sampler_id, tenant=tenant, session_id=run.session_id, base_model=base_model
             )
-            try:
-                state.registry.add(row)
-            except RowExistsError:
-                return failure(f"sampler {sampler_id!r} already exists", "user")
-            return json_outcome(
+            return insert_new(state, row) or json_outcome(
                 {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
             )
 
