@@ -23,6 +23,7 @@ from tuneloop.server.api import (
     sessions,
     training,
 )
+from tuneloop.server.api.deps import off_loop
 from tuneloop.server.api.errors import error_response_for, install
 from tuneloop.server.api.metering import Meter, record_completed, usage_of
 from tuneloop.server.api.metrics import Metrics
@@ -136,10 +137,17 @@ class BodyLimit:
                 too_large = True
                 break
         if not too_large:
-            await self.app(scope, _replay(b"".join(chunks), receive), send)
+            # Joining a large body copies it: on a worker thread (bytes.join drops the GIL).
+            body = await off_loop(size, b"".join, chunks)
+            await self.app(scope, _replay(body, receive), send)
         elif deferred:
             scope.setdefault("state", {})["body_too_large"] = True
-            await self.app(scope, _replay(b"".join(chunks)[:_PREFIX_BYTES], receive), send)
+            head = b""  # only the first bytes: not a copy of up to the whole limit
+            for chunk in chunks:
+                head += chunk[: _PREFIX_BYTES - len(head)]
+                if len(head) >= _PREFIX_BYTES:
+                    break
+            await self.app(scope, _replay(head, receive), send)
         else:
             await self._reject(scope, receive, send)
 
@@ -164,7 +172,7 @@ def _replay(body: bytes, receive: Any) -> Any:
 
 def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
     layout = Layout(config.data_dir)
-    config.data_dir.mkdir(parents=True, exist_ok=True)
+    layout.prepare()
     backend = backend if backend is not None else build_backend(config)
     registry = Registry(config.db_url or layout.database_url)
     queue = OperationQueue(max_sample_batch=config.max_sample_batch)
@@ -223,9 +231,11 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
         flusher = asyncio.get_running_loop().create_task(meter.run_flusher(registry))
         package_gc = asyncio.get_running_loop().create_task(run_package_gc(registry))
         expirer = asyncio.get_running_loop().create_task(expire())
+        revoker = asyncio.get_running_loop().create_task(state.revocations.run())
         try:
             yield
         finally:
+            revoker.cancel()
             sweeper.cancel()
             flusher.cancel()
             package_gc.cancel()

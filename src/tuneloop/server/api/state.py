@@ -17,6 +17,7 @@ from tuneloop.server.api.errors import ApiError, not_found
 from tuneloop.server.api.metering import Meter
 from tuneloop.server.api.quotas import Quotas
 from tuneloop.server.api.restarts import LOAD, require_held
+from tuneloop.server.api.revocation import Revocations
 from tuneloop.server.api.stability import StabilityRecords
 from tuneloop.server.config import ServerConfig
 from tuneloop.server.engine.types import ModelSpec
@@ -65,6 +66,13 @@ class ServerState:
     custom_losses: CustomLossStore = field(default_factory=CustomLossStore)
     # Releases of sessions found expired by a request (held so they are not garbage collected).
     releases: set[asyncio.Task[None]] = field(default_factory=set)
+    # Sampler ids being created (by create_sampling_session or a queued snapshot): a second
+    # create of one is refused (409) instead of replacing the first's sampler.
+    pending_samplers: set[str] = field(default_factory=set)
+    revocations: Revocations = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.revocations = Revocations(self.keys, self.futures, self.queue, self.engine)
 
     def model_spec(self, name: str, field_name: str = "base_model") -> ModelSpec:
         spec = self.models.get(name)
@@ -186,10 +194,12 @@ class ServerState:
         except Exception:  # the periodic flush retries; finishing must not fail for this
             log.exception("writing usage counts failed")
 
-    def skip_rejected(self, tenant: str, model_id: str, seq_id: int, body: bytes) -> None:
-        """A rejected training request still consumes its seq_id (the SDKs never reuse one)."""
+    def skip_rejected(self, tenant: str, model_id: str, seq_id: int, digest: str) -> None:
+        """A rejected training request still consumes its seq_id (the SDKs never reuse one).
+
+        `digest`: the rejected body's fingerprint."""
         if seq_id >= 1 and self.registry.training_run(model_id, tenant) is not None:
-            self.queue.skip(model_id, seq_id, fingerprint(body))
+            self.queue.skip(model_id, seq_id, digest)
             self.engine.notify()
 
     def submit_training(
@@ -202,9 +212,12 @@ class ServerState:
         finish: Callable[[Any], Outcome],
         body: bytes,
         request_type: str,
+        digest: str | None = None,
     ) -> dict[str, Any]:
-        """Queue one operation of a model's ordered stream; retries map to the first request."""
-        digest = fingerprint(body)
+        """Queue one operation of a model's ordered stream; retries map to the first request.
+
+        `digest`: the body's fingerprint, if the caller computed it (off the event loop)."""
+        digest = digest if digest is not None else fingerprint(body)
         try:
             existing = self.queue.existing(model_id, seq_id, digest)
         except SeqConflictError as exc:
@@ -217,6 +230,7 @@ class ServerState:
         if not self.queue.unblocks_waiting(model_id, seq_id):
             self.quotas.check_inflight(tenant)
         request_id = self.futures.create(tenant, request_type)
+        self.revocations.track(request_id)
         self.queue.submit_training(
             Operation(request_id, kind, work, finish, model_id, seq_id, digest)
         )

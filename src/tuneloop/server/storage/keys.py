@@ -45,7 +45,7 @@ class KeyStore:
         return [KeyRecord(**row) for row in json.loads(self.path.read_text())["keys"]]
 
     def _save(self, records: list[KeyRecord]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".keys.")
         with os.fdopen(fd, "w") as f:
             json.dump({"keys": [asdict(r) for r in records]}, f, indent=1)
@@ -84,11 +84,19 @@ class KeyStore:
 
     def tenant_of(self, key: str) -> str | None:
         """The tenant a valid, unrevoked key belongs to; None otherwise."""
-        record = self.record_of(key)
+        return self.tenant_of_hash(key_hash(key))
+
+    def tenant_of_hash(self, digest: str) -> str | None:
+        """As `tenant_of`, for a key known by its `key_hash`."""
+        record = self.record_of_hash(digest)
         return record.tenant if record is not None else None
 
     def record_of(self, key: str) -> KeyRecord | None:
         """The record of a valid, unrevoked key; None otherwise."""
+        return self.record_of_hash(key_hash(key))
+
+    def record_of_hash(self, digest: str) -> KeyRecord | None:
+        """As `record_of`, for a key known by its `key_hash`."""
         try:
             mtime = self.path.stat().st_mtime_ns
         except FileNotFoundError:
@@ -97,5 +105,10 @@ class KeyStore:
             if mtime != self._mtime:
                 self._by_hash = {r.key_sha256: r for r in self._load()}
                 self._mtime = mtime
-            record = self._by_hash.get(_hash(key))
+            record = self._by_hash.get(digest)
         return record if record is not None and not record.revoked else None
+
+
+def key_hash(key: str) -> str:
+    """How a key is stored and told apart: its SHA-256 (the key itself is kept nowhere)."""
+    return _hash(key)
