@@ -11,7 +11,20 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from tuneloop.server.api import client, downloads, futures, oai, rest, sampling, sessions, training
+from tuneloop.server.api import (
+    admin,
+    client,
+    downloads,
+    futures,
+    oai,
+    projects,
+    publish,
+    rest,
+    sampling,
+    session_search,
+    sessions,
+    training,
+)
 from tuneloop.server.api.errors import error_response_for, install
 from tuneloop.server.api.metering import Meter, record_completed
 from tuneloop.server.api.packages import run_package_gc
@@ -220,7 +233,11 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
         routers = (oai,)
     else:
         routers = (client, sessions, training, sampling, futures, rest, downloads, oai)
+        # publish before rest: rest's DELETE .../checkpoints/{id:path} also matches .../publish.
+        routers = (publish, *routers, projects, session_search, admin)
     for module in routers:
         app.include_router(module.router)
+    if config.jwt and not config.openai_only:
+        app.include_router(client.token_router)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     return app

@@ -62,6 +62,11 @@ class ServerConfig:
     ray_gpus_per_worker: float = 0.0
     # A deployment (`tuneloop deploy`): only the OpenAI-compatible routes, no training routes.
     openai_only: bool = False
+    # JWT exchange (`serve --jwt`): POST /api/v1/auth/token trades an API key for a signed token
+    # this long-lived, which the official SDK sends instead of the key and renews at half its
+    # life (its own rule: renew when under 60 s left, so keep this well above 60).
+    jwt: bool = False
+    jwt_ttl_s: int = 900
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_inflight", "session_ttl_s"):
@@ -71,6 +76,8 @@ class ServerConfig:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if (self.workers > 1 or self.ray_address is not None) and self.backend != "torch":
             raise ValueError("--workers > 1 and --ray-address need the torch backend")
+        if self.jwt_ttl_s < 120:
+            raise ValueError(f"jwt_ttl_s must be >= 120, got {self.jwt_ttl_s}")
         if self.expiry_check_s <= 0:
             raise ValueError(f"expiry_check_s must be > 0, got {self.expiry_check_s}")
 

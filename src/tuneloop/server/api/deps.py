@@ -7,6 +7,7 @@ from typing import Annotated, Any, TypeVar
 from fastapi import Depends, Query, Request
 from pydantic import BaseModel, ValidationError
 
+from tuneloop.server.api.auth_tokens import looks_like_jwt
 from tuneloop.server.api.errors import ApiError
 from tuneloop.server.api.state import ServerState, get_state
 
@@ -28,10 +29,24 @@ async def authenticate(request: Request) -> str:
         key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else None
     if not key:
         raise ApiError(401, "missing API key: send it in the X-API-Key header", "X-API-Key")
-    tenant = get_state(request).keys.tenant_of(key)
-    if tenant is None:
-        raise ApiError(401, "invalid or revoked API key", "X-API-Key")
-    return tenant
+    state = get_state(request)
+    if looks_like_jwt(key):
+        if state.token_issuer is None:
+            raise ApiError(
+                401, "tokens are not accepted: this server runs without --jwt", "X-API-Key"
+            )
+        record = state.token_issuer.verify(key, state.keys)
+    else:
+        found = state.keys.record_of(key)
+        if found is None:
+            raise ApiError(401, "invalid or revoked API key", "X-API-Key")
+        record = found
+        request.state.api_key_record = record  # what /auth/token issues a token for
+    # Key use is audited, once an hour per key: not a database write per request.
+    state.audit.record_once(
+        ("key", record.key_id), record.tenant, "key_used", window_s=3600, key_id=record.key_id
+    )
+    return record.tenant
 
 
 Tenant = Annotated[str, Depends(authenticate)]

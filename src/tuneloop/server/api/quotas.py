@@ -9,6 +9,7 @@ SDKs retry it with the same seq_id.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -57,6 +58,12 @@ class Quotas:
         self.store = store
         self.registry = registry
         self.futures = futures
+        # Told of each refusal as (tenant, limit name, limit): the audit log.
+        self.on_refusal: Callable[[str, str, int], None] | None = None
+
+    def _refused(self, tenant: str, name: str, limit: int) -> None:
+        if self.on_refusal is not None:
+            self.on_refusal(tenant, name, limit)
 
     def limits(self, tenant: str) -> Limits:
         """The server defaults, overridden by the tenant's entry in the limits file."""
@@ -90,6 +97,7 @@ class Quotas:
         oldest = self.registry.oldest_live_activity(tenant) if ttl else None
         if oldest is not None:
             wait = min(wait, (oldest + timedelta(seconds=ttl) - now).total_seconds())
+        self._refused(tenant, "max_sessions", limit)
         raise quota_exceeded(
             "max_sessions",
             limit,
@@ -107,6 +115,7 @@ class Quotas:
         # A slot frees when the next of them completes. By Little's law, `pending` requests
         # that each take `typical` seconds complete one every typical / pending seconds.
         typical = self.futures.typical_latency_s(tenant)
+        self._refused(tenant, "max_inflight", limit)
         raise quota_exceeded(
             "max_inflight",
             limit,

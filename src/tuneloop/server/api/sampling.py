@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 
 from tuneloop.server.api.deps import State, Tenant, json_body, read_json
 from tuneloop.server.api.errors import ApiError, bad_request, not_found
+from tuneloop.server.api.futures_feed import CLONE_STRIDE
 from tuneloop.server.api.restarts import require_held
 from tuneloop.server.api.state import fingerprint
 from tuneloop.server.api.validation import sample_work
@@ -36,12 +37,10 @@ async def create_sampling_session(request: Request, state: State, tenant: Tenant
     existing = state.registry.sampler(sampler_id, tenant)
     weights_dir: Path | None = None
     if body.model_path is not None:
-        _path, ckpt = state.checkpoint(tenant, body.model_path, "model_path")
+        # The caller's checkpoint, or one another tenant published.
+        _path, ckpt, run = state.readable_checkpoint(tenant, body.model_path, "model_path")
         if ckpt.checkpoint_type not in ("training", "sampler"):  # a merged export: no adapter
             raise bad_request(f"model_path: a {ckpt.kind} package holds no adapter", "model_path")
-        run = state.registry.training_run(ckpt.training_run_id, tenant)
-        if run is None:
-            raise not_found(f"training run of {body.model_path!r}", "model_path")
         if body.base_model is not None and body.base_model != run.base_model:
             raise bad_request(
                 f"base_model: {body.model_path} was trained on {run.base_model!r}", "base_model"
@@ -131,6 +130,9 @@ async def asample(request: Request, state: State, tenant: Tenant) -> dict[str, A
     sequence_ids = [f"{request_id}:{i}" for i in range(body.num_samples)]
     if key is not None:
         state.sample_submissions[key] = (digest, request_id, sequence_ids)
+    # The official SDK's clones number their seq_ids from CLONE_STRIDE * clone id.
+    state.feeds.watch(request_id, sampler.id, (body.seq_id or 0) // CLONE_STRIDE)
+    state.traces.submitted(request_id, sampler.session_id, "Sample", sampler.id, body.seq_id)
     state.queue.submit_sample(Operation(request_id, "sample", work, _sample_outcome))
     state.engine.notify("sample")
     return {"request_id": request_id, "sample_sequence_ids": sequence_ids}

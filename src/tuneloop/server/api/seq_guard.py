@@ -14,12 +14,12 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import zstandard
 from fastapi import Request
 
 from tuneloop.server.api.deps import State, Tenant
 from tuneloop.server.api.errors import ApiError
 from tuneloop.server.api.state import ServerState
+from tuneloop.server.api.zstd_body import leading_bytes
 
 _JSON_MODEL_ID = re.compile(rb'"model_id"\s*:\s*"([^"]+)"')
 _JSON_SEQ_ID = re.compile(rb'"seq_id"\s*:\s*(\d+)')
@@ -56,7 +56,7 @@ def _locate(raw: bytes, headers: Any) -> tuple[str, int] | None:
     try:
         if headers.get("content-type", "").startswith("application/x-protobuf"):
             if headers.get("content-encoding", "").lower() == "zstd":
-                raw = zstandard.ZstdDecompressor().decompressobj().decompress(raw)
+                raw = leading_bytes(raw, 1024)  # the ids are at the start: never the rest
             return _leading_proto_ids(raw)
         # A cut body (over the size limit) is no JSON: find the two fields by pattern.
         model_id, seq_id = _JSON_MODEL_ID.search(raw), _JSON_SEQ_ID.search(raw)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 from datetime import timedelta
@@ -24,6 +25,7 @@ from tuneloop.server.api.packages import check_ttl
 from tuneloop.server.api.seq_guard import consumes_seq
 from tuneloop.server.api.state import ServerState
 from tuneloop.server.api.validation import forward_backward_work
+from tuneloop.server.api.zstd_body import DecompressedTooLargeError, decompress_bounded
 from tuneloop.server.engine.backend import Backend
 from tuneloop.server.engine.types import (
     AdamStep,
@@ -156,7 +158,8 @@ async def get_info(request: Request, state: State, tenant: Tenant) -> dict[str, 
 @consumes_seq
 async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, raw = await read_json(request, LoadWeightsRequest)
-    path, ckpt = state.checkpoint(tenant, body.path, "path")
+    # The caller's checkpoint, or one another tenant published (read only: loading copies it).
+    path, ckpt, source = state.readable_checkpoint(tenant, body.path, "path")
     # A PEFT export (kind "adapter") holds an adapter too; a merged model does not.
     if (
         ckpt.checkpoint_type not in ("training", "sampler")
@@ -170,9 +173,6 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[s
         raise bad_request(
             "optimizer: only training checkpoints (weights/...) hold optimizer state", "optimizer"
         )
-    source = state.registry.training_run(ckpt.training_run_id, tenant)
-    if source is None:
-        raise not_found(f"training run of {body.path!r}", "path")
     directory = Path(ckpt.directory)
     result = {"path": str(path), "type": "load_weights"}
 
@@ -203,7 +203,9 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[s
 
         def finish_create(_r: None) -> Outcome:
             metadata = (
-                body.user_metadata if body.user_metadata is not None else source.user_metadata
+                body.user_metadata
+                if body.user_metadata is not None or source.tenant != tenant
+                else source.user_metadata
             )
             _register_run(state, tenant, adapter, body.session_id or "", metadata, origin=ckpt)
             return json_outcome({**result, "model_id": adapter.adapter_id})
@@ -251,14 +253,13 @@ async def _protobuf_body(request: Request, state: ServerState) -> bytes:
     require_content_type(request, "application/x-protobuf")
     encoding = request.headers.get("content-encoding", "").lower()
     if encoding == "zstd":
+        limit = state.config.max_request_bytes
         try:
-            raw = zstandard.ZstdDecompressor().decompress(
-                raw, max_output_size=state.config.max_request_bytes
-            )
+            raw = await asyncio.to_thread(decompress_bounded, raw, limit)
         except zstandard.ZstdError as exc:
             raise bad_request(f"body: bad zstd data: {exc}", "content-encoding") from None
-        if len(raw) > state.config.max_request_bytes:
-            raise ApiError(413, "body: decompressed request is too large", "body")
+        except DecompressedTooLargeError:
+            raise ApiError(413, f"body: decompresses to more than {limit} bytes", "body") from None
     elif encoding not in ("", "identity"):
         raise ApiError(415, f"Content-Encoding {encoding!r} is not supported", "content-encoding")
     return raw

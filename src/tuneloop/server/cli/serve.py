@@ -155,6 +155,23 @@ def serve(
     ray_gpus_per_worker: Annotated[
         float, typer.Option(min=0, help="GPUs each worker's Ray actor reserves (1 on GPUs).")
     ] = 0.0,
+    jwt: Annotated[
+        bool,
+        typer.Option(
+            "--jwt",
+            help=(
+                "JWT exchange: clients trade their API key for a short-lived signed token at"
+                " POST /api/v1/auth/token (the official SDK then renews it by itself, and"
+                " RestClient.whoami works); revoking the key stops its tokens."
+            ),
+        ),
+    ] = False,
+    jwt_ttl_s: Annotated[
+        int | None,
+        typer.Option(
+            min=120, help="Lifetime of an issued token. [default: 900]", show_default=False
+        ),
+    ] = None,
     parent_pid: Annotated[
         int | None,
         typer.Option(
@@ -192,6 +209,8 @@ def serve(
             ray_address=ray_address,
             ray_cpus_per_worker=ray_cpus_per_worker,
             ray_gpus_per_worker=ray_gpus_per_worker,
+            jwt=jwt or None,
+            jwt_ttl_s=jwt_ttl_s,
         )
     except ValueError as exc:  # settings that do not go together: a usage error, not a traceback
         fail(str(exc), EXIT_USAGE)

@@ -81,6 +81,11 @@ class KeyStore:
 
     def tenant_of(self, key: str) -> str | None:
         """The tenant a valid, unrevoked key belongs to; None otherwise."""
+        record = self.record_of(key)
+        return record.tenant if record is not None else None
+
+    def _fresh(self) -> dict[str, KeyRecord] | None:
+        """Records by hash, re-read if the file changed; None if there is no file."""
         try:
             mtime = self.path.stat().st_mtime_ns
         except FileNotFoundError:
@@ -89,5 +94,16 @@ class KeyStore:
             if mtime != self._mtime:
                 self._by_hash = {r.key_sha256: r for r in self._load()}
                 self._mtime = mtime
-            record = self._by_hash.get(_hash(key))
-        return record.tenant if record is not None and not record.revoked else None
+            return self._by_hash
+
+    def record_of(self, key: str) -> KeyRecord | None:
+        """The record of a valid, unrevoked key; None otherwise."""
+        records = self._fresh()
+        record = records.get(_hash(key)) if records is not None else None
+        return record if record is not None and not record.revoked else None
+
+    def active(self, key_id: str) -> KeyRecord | None:
+        """The record of key `key_id` unless it was revoked (tokens issued for it stop)."""
+        records = self._fresh() or {}
+        found = next((r for r in records.values() if r.key_id == key_id), None)
+        return found if found is not None and not found.revoked else None
