@@ -4,9 +4,9 @@ objects are 404, never 403, and never listed."""
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime, timedelta
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -516,9 +516,7 @@ RESOURCE_ROUTES: dict[tuple[str, str], list[tuple[Call, str | None]]] = {
     ],
     ("POST", "/api/v1/join_sampling_session"): [
         (
-            lambda b, a, _s: b.post(
-                "join_sampling_session", {"sampling_session_id": a.sampler_id}
-            ),
+            lambda b, a, _s: b.post("join_sampling_session", {"sampling_session_id": a.sampler_id}),
             "sampling_session_id",
         )
     ],
