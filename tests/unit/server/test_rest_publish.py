@@ -116,3 +116,17 @@ async def test_unpublish_and_delete_end_other_tenants_reads(api: Api, other_tena
     )
     events = {e["event"] for e in (await api.get("audit")).json()["entries"]}
     assert {"checkpoint_unpublished", "checkpoint_deleted"} <= events
+
+
+async def test_new_files_at_a_published_path_are_private(api: Api, other_tenant: Api) -> None:
+    model_id, weights, _ = await _alice_checkpoints(api)
+    await _publish(api, weights)
+    assert (await other_tenant.post("weights_info", {"tinker_path": weights})).status_code == 200
+    # Overwritten (new files at the same path): the publication covered the old ones.
+    body = {"model_id": model_id, "path": "w1", "seq_id": 4, "overwrite": True}
+    assert (await api.result(await api.post("save_weights", body))).status_code == 200
+    expect_error(
+        await other_tenant.post("weights_info", {"tinker_path": weights}), 404, "tinker_path"
+    )
+    listed = (await api.get("checkpoints")).json()["checkpoints"]
+    assert next(c for c in listed if c["tinker_path"] == weights)["public"] is False
