@@ -14,6 +14,7 @@ config: same server, same build, only the polling differs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -21,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -61,8 +63,26 @@ def client(url: str, key: str, samples: int, feed: bool) -> dict[str, Any]:
     return {"seconds": seconds, "client_cpu_s": time.process_time() - cpu0}
 
 
+def open_sockets(pid: int) -> int:
+    """Sockets process `pid` holds open now (its listening socket and every connection)."""
+    count = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed while listed
+            count += os.readlink(fd).startswith("socket:")
+    return count
+
+
 def run_mode(url: str, key: str, pid: int, samples: int, feed: bool) -> dict[str, Any]:
     before = cpu_seconds(pid)
+    peak = [0]
+    stop = threading.Event()
+
+    def watch() -> None:  # the server's open connections, every 20 ms
+        while not stop.wait(0.02):
+            peak[0] = max(peak[0], open_sockets(pid))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     done = subprocess.run(
         [sys.executable, __file__, "--child", url, key, str(samples), "on" if feed else "off"],
         cwd=ROOT,
@@ -72,12 +92,15 @@ def run_mode(url: str, key: str, pid: int, samples: int, feed: bool) -> dict[str
         timeout=900,
         check=True,
     )
+    stop.set()
+    watcher.join()
     server_cpu = cpu_seconds(pid) - before  # includes the child's startup requests (small)
     measured = json.loads(done.stdout.strip().splitlines()[-1])
     return {
         **measured,
         "futures_per_s": samples / measured["seconds"],
         "server_cpu_s": server_cpu,
+        "server_peak_sockets": peak[0],
     }
 
 
@@ -97,9 +120,10 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {"feed": [], "per_sample_poll": []}
     # The default 30 s long poll (live_server's is 5 s): a held per-sample poll is re-sent
     # only once it has waited that long, as against a production server.
-    with tempfile.TemporaryDirectory() as tmp, live_server(
-        Path(tmp), "--long-poll-s", "30", backend="fake", models=(MODEL,)
-    ) as live:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        live_server(Path(tmp), "--long-poll-s", "30", backend="fake", models=(MODEL,)) as live,
+    ):
         pid = live.process.pid
         for _ in range(args.rounds):  # alternated, so drift hits both alike
             runs["feed"].append(run_mode(live.url, live.key, pid, args.samples, True))
@@ -107,7 +131,13 @@ def main() -> None:
     summary = {
         mode: {
             k: round(statistics.median(r[k] for r in rs), 3)
-            for k in ("futures_per_s", "server_cpu_s", "client_cpu_s", "seconds")
+            for k in (
+                "futures_per_s",
+                "server_cpu_s",
+                "client_cpu_s",
+                "seconds",
+                "server_peak_sockets",
+            )
         }
         for mode, rs in runs.items()
     }

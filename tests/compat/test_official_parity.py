@@ -49,6 +49,8 @@ def test_every_official_sdk_method_works(tmp_path: Path, monkeypatch: pytest.Mon
     still_gaps = {m for m in EXPECTED_GAPS if by_method.get(m, {}).get("outcome") == "error"}
     assert not missing or all(r["method"] in EXPECTED_GAPS for r in missing), missing
     assert failed == [], json.dumps(failed, indent=1)[:8000]
+    # whoami decodes the token the SDK got from the exchange: it used JWTs throughout.
+    assert "tml:user:alice" in by_method["RestClient.whoami"]["value"]
     assert still_gaps == set(EXPECTED_GAPS), (
         f"now working, remove from EXPECTED_GAPS: {set(EXPECTED_GAPS) - still_gaps}"
     )
