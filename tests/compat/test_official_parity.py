@@ -54,3 +54,10 @@ def test_every_official_sdk_method_works(tmp_path: Path, monkeypatch: pytest.Mon
     assert still_gaps == set(EXPECTED_GAPS), (
         f"now working, remove from EXPECTED_GAPS: {set(EXPECTED_GAPS) - still_gaps}"
     )
+
+
+def test_the_official_sdk_exchanges_renews_and_loses_its_token(tmp_path: Path) -> None:
+    with live_server(tmp_path, "--jwt", backend="fake", models=(MODEL,)) as live:
+        done = run_official("official_jwt", live.url, live.key, MODEL, str(tmp_path), timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "official SDK JWT flow: OK" in done.stdout

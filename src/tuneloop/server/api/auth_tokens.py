@@ -10,7 +10,6 @@ random file in the data dir (0600), like the URL-signing key; deleting it voids 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +32,32 @@ def looks_like_jwt(credential: str) -> bool:
     return credential.startswith("eyJ") and credential.count(".") == 2
 
 
-@dataclass
 class TokenIssuer:
-    secret: bytes
-    ttl_s: int
+    """Issues and checks tokens with the secret in `path`, re-read when the file changes:
+    deleting it (a new one is made on the next issue) voids every token at once, and the
+    official SDK, told so by the 401, exchanges its key for a new one by itself."""
+
+    def __init__(self, path: Path, ttl_s: int) -> None:
+        self.path = path
+        self.ttl_s = ttl_s
+        self._stamp: tuple[int, int] | None = None
+        self._secret = b""
 
     @classmethod
     def for_data_dir(cls, data_dir: Path, ttl_s: int) -> TokenIssuer:
-        return cls(load_or_create_secret(data_dir / SECRET_FILE), ttl_s)
+        return cls(data_dir / SECRET_FILE, ttl_s)
+
+    @property
+    def secret(self) -> bytes:
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            stat = None
+        if stat is None or (stat.st_ino, stat.st_mtime_ns) != self._stamp:
+            self._secret = load_or_create_secret(self.path)
+            stat = self.path.stat()
+            self._stamp = (stat.st_ino, stat.st_mtime_ns)
+        return self._secret
 
     def issue(self, record: KeyRecord) -> str:
         now = int(time.time())
