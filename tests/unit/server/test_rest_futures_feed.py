@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import zstandard
 
 from tests.unit.server.harness import (
@@ -20,7 +21,9 @@ from tests.unit.server.harness import (
     sampler,
     serve,
 )
+from tuneloop.server.api import futures_feed
 from tuneloop.server.api.futures_feed import CLONE_STRIDE
+from tuneloop.server.scheduler.futures import FutureTable, Outcome
 
 PROMPT = [5, 7, 9]
 
@@ -163,3 +166,18 @@ async def test_a_zstd_bomb_is_413_without_inflating(tmp_path: Path) -> None:
         grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
         expect_error(response, 413, "body")
         assert grown_mb < 64, grown_mb  # never the 256 MB the frame declares
+
+
+async def test_a_feed_nobody_polls_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(futures_feed, "MAX_EVENTS", 50)
+    table = FutureTable()
+    feeds = futures_feed.CompletionFeeds(table)
+    for _ in range(500):  # a client that never polls the feed (our SDK does not)
+        request_id = table.create("alice", "Sample")
+        feeds.watch(request_id, "s:sample:0", 0)
+        table.resolve(request_id, Outcome(b"x", "application/x-protobuf"))
+    assert len(feeds) == 50
+    completions, _cursor = await feeds.poll("s:sample:0", 0, 0, 0)
+    assert len(completions) == 50  # the newest ones
+    feeds.forget_samplers({"s:sample:0"})
+    assert len(feeds) == 0

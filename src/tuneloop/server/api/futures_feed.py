@@ -15,23 +15,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from tuneloop.server.scheduler.futures import FutureTable, Outcome
 
-__all__ = ["CLONE_STRIDE", "CompletionFeeds"]
+__all__ = ["CLONE_STRIDE", "MAX_EVENTS", "MAX_EVENT_AGE_S", "CompletionFeeds"]
 
 # The official SDK numbers a clone's sample requests from 1e9 * clone id (spec 1.4).
 CLONE_STRIDE = 1_000_000_000
 # At most this many completions per answer: a bounded response body, the rest on the next poll.
 MAX_COMPLETIONS = 4096
+# Unacknowledged completions are kept this long (the future table keeps an undelivered result
+# an hour too), and at most this many per feed: clients that never poll the feed (our SDK, the
+# official one with the flag off) must not grow it without end.
+MAX_EVENT_AGE_S = 3600.0
+MAX_EVENTS = 100_000
 
 
 @dataclass
 class _Feed:
-    events: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    # (cursor, completion, monotonic time), in cursor order.
+    events: deque[tuple[int, dict[str, Any], float]] = field(default_factory=deque)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -61,7 +69,11 @@ class CompletionFeeds:
         if not outcome.failed:
             # Counts as the metadata step: the SDK reserves this much before fetching.
             completion["response_payload_uncompressed_size"] = len(outcome.body)
-        feed.events.append((self._cursor, completion))
+        now = time.monotonic()
+        events = feed.events
+        while events and (len(events) >= MAX_EVENTS or now - events[0][2] > MAX_EVENT_AGE_S):
+            events.popleft()
+        events.append((self._cursor, completion, now))
         feed.changed.set()
 
     async def poll(
@@ -70,14 +82,15 @@ class CompletionFeeds:
         """Completions after `prev_cursor` (those at or before it are dropped, the client has
         seen them), waiting up to `hold_s` for the first; and the cursor to send next."""
         feed = self._feeds.setdefault((sampler_id, clone), _Feed())
-        feed.events = [e for e in feed.events if e[0] > prev_cursor]
+        while feed.events and feed.events[0][0] <= prev_cursor:
+            feed.events.popleft()
         if not feed.events and hold_s > 0:
             feed.changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(feed.changed.wait(), hold_s)
-        page = feed.events[:MAX_COMPLETIONS]
+        page = list(itertools.islice(feed.events, MAX_COMPLETIONS))
         cursor = page[-1][0] if page else prev_cursor
-        return [completion for _, completion in page], cursor
+        return [completion for _, completion, _ in page], cursor
 
     def forget_samplers(self, sampler_ids: set[str]) -> None:
         """A released session's samplers: their feeds and watches go."""
