@@ -69,6 +69,14 @@ def test_rest_admin_methods_of_our_sdk(server: LiveServer) -> None:
             "checkpoint_unpublished",
             "project_session_assigned",
         } <= events
+        with tuneloop.ServiceClient(
+            base_url=server.url, api_key=server.key, project_id="archive"
+        ) as archive:
+            copy = archive.copy_weights(path).result(timeout=30)
+            archived = rest.list_training_runs(project_id="archive").result(timeout=30)
+            assert copy.removeprefix("tinker://").split("/")[0] in {
+                r.training_run_id for r in archived.training_runs
+            }
         hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
         billing = rest.get_billing_usage(hour, hour + timedelta(hours=1)).result(timeout=30)
         assert {e["event_info"]["type"] for e in billing["data"]} >= {"training", "checkpoint"}
