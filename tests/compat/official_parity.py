@@ -1,6 +1,7 @@
 """Every public method of the official SDK's clients, called against a tuneloop server:
-`python -m tests.compat.official_parity URL KEY MODEL`. Prints one JSON line per method
-(`PARITY {...}`) and a summary; the pytest side (test_official_parity.py) judges them.
+`python -m tests.compat.official_parity URL KEY MODEL OTHER_TENANTS_KEY`. Prints one JSON line
+per method (`PARITY {...}`) and a summary; the pytest side (test_official_parity.py) judges them.
+The other tenant's key reads the first tenant's published checkpoints.
 
 The methods are discovered by introspection, so a method a new SDK release adds has no recipe
 here and is reported as `no_recipe` (and the test fails until one is written). The `_async`
@@ -314,7 +315,48 @@ def pickled_clone(world: World) -> dict[str, Any]:
         return {**report, "outcome": "error", "status": http_status(exc), "error": str(exc)[:300]}
 
 
-def main(url: str, key: str, model: str) -> None:
+def published_reads(world: World, other_key: str) -> list[dict[str, Any]]:
+    """Another tenant samples from and trains from the checkpoints once they are published,
+    and cannot delete them."""
+    reports: list[dict[str, Any]] = []
+    world.rest.publish_checkpoint_from_tinker_path(world.state_path).result(timeout=60)
+    world.rest.publish_checkpoint_from_tinker_path(world.sampler_path).result(timeout=60)
+    other = tinker.ServiceClient(base_url=world.url, api_key=other_key)
+    checks: dict[str, Callable[[], Any]] = {
+        "create_training_client_from_state": lambda: (
+            other.create_training_client_from_state(world.state_path)
+            .result(timeout=180)
+            .forward([world.datum()], "cross_entropy")
+            .result(timeout=180)
+        ),
+        "create_sampling_client": lambda: _sample_checked(
+            other.create_sampling_client(model_path=world.sampler_path)
+            .result(timeout=180)
+            .sample(PROMPT, 2, PARAMS)
+            .result(timeout=180)
+        ),
+    }
+    for name, check in checks.items():
+        report: dict[str, Any] = {"method": f"other tenant: ServiceClient.{name}[published]"}
+        try:
+            check()
+            reports.append({**report, "outcome": "ok"})
+        except BaseException as exc:
+            reports.append(
+                {**report, "outcome": "error", "status": http_status(exc), "error": str(exc)[:300]}
+            )
+    report = {"method": "other tenant: RestClient.delete_checkpoint_from_tinker_path[published]"}
+    try:
+        tinker.RestClient(base_url=world.url, api_key=other_key).delete_checkpoint_from_tinker_path(
+            world.state_path
+        ).result(timeout=60)
+        reports.append({**report, "outcome": "error", "error": "another tenant deleted it"})
+    except tinker.NotFoundError:
+        reports.append({**report, "outcome": "ok"})  # never writable by them
+    return reports
+
+
+def main(url: str, key: str, model: str, other_key: str) -> None:
     world = build_world(url, key, model)
     reports = []
     for cls_name, cls in CLASSES.items():
@@ -322,10 +364,11 @@ def main(url: str, key: str, model: str) -> None:
             reports.append(call(world, cls_name, method))
     reports += loss_reports(world)
     reports.append(pickled_clone(world))
+    reports += published_reads(world, other_key)
     for report in reports:
         print("PARITY " + json.dumps(report), flush=True)
     print(f"official parity: {len(reports)} calls", flush=True)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.compat.runner import run_official
-from tuneloop._local_server import live_server
+from tuneloop._local_server import create_key, live_server
 from tuneloop.hf_cache import install_tokenizer
 
 pytest.importorskip("tinker")
@@ -35,7 +35,8 @@ def test_every_official_sdk_method_works(tmp_path: Path, monkeypatch: pytest.Mon
         monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
         install_tokenizer(MODEL, base_url=live.url, api_key=live.key)
-        done = run_official("official_parity", live.url, live.key, MODEL, timeout=600)
+        other_key = create_key(live.data_dir, "bob")  # reads alice's published checkpoints
+        done = run_official("official_parity", live.url, live.key, MODEL, other_key, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     reports = [
         json.loads(line.removeprefix("PARITY "))
@@ -44,6 +45,7 @@ def test_every_official_sdk_method_works(tmp_path: Path, monkeypatch: pytest.Mon
     ]
     by_method = {r["method"]: r for r in reports}
     assert len(by_method) > 100, sorted(by_method)  # the walk found the SDK's methods
+    assert sum(m.startswith("other tenant:") for m in by_method) == 3
     missing = [r for r in reports if r.get("status") in MISSING_ROUTE]
     failed = [r for r in reports if r["outcome"] != "ok" and r["method"] not in EXPECTED_GAPS]
     still_gaps = {m for m in EXPECTED_GAPS if by_method.get(m, {}).get("outcome") == "error"}
