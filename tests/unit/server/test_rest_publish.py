@@ -39,7 +39,7 @@ async def _publish(api: Api, path: str) -> dict[str, Any]:
 async def test_a_published_checkpoint_is_readable_by_other_tenants(
     api: Api, other_tenant: Api
 ) -> None:
-    _model, weights, sampler_path = await _alice_checkpoints(api)
+    model_id, weights, sampler_path = await _alice_checkpoints(api)
     bob_session = await other_tenant.session()
     # Private: not found for bob, by any read.
     expect_error(
@@ -53,6 +53,9 @@ async def test_a_published_checkpoint_is_readable_by_other_tenants(
     await _publish(api, sampler_path)
     listed = (await api.get("checkpoints")).json()["checkpoints"]
     assert {c["tinker_path"]: c["public"] for c in listed} == {weights: True, sampler_path: True}
+    run = (await api.get(f"training_runs/{model_id}")).json()
+    assert run["last_checkpoint"]["public"] is True
+    assert run["last_sampler_checkpoint"]["public"] is True
 
     info = await other_tenant.post("weights_info", {"tinker_path": weights})
     assert info.status_code == 200

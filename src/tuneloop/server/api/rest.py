@@ -75,10 +75,12 @@ def _checkpoints(state: ServerState, rows: list[CheckpointRow]) -> list[Checkpoi
 
 def _training_run(state: ServerState, row: TrainingRunRow) -> TrainingRun:
     checkpoints, _ = state.registry.list_checkpoints(row.tenant, training_run_id=row.id)
-    last = {
+    latest = {
         kind: next((c for c in checkpoints if c.checkpoint_type == kind), None)
         for kind in ("training", "sampler")
     }
+    shown = _checkpoints(state, [c for c in latest.values() if c is not None])
+    last = {c.checkpoint_type: c for c in shown}
     return TrainingRun(
         training_run_id=row.id,
         base_model=row.base_model,
@@ -87,8 +89,8 @@ def _training_run(state: ServerState, row: TrainingRunRow) -> TrainingRun:
         last_request_time=row.last_request_time,
         lora_rank=row.lora_rank,
         user_metadata=row.user_metadata,
-        last_checkpoint=_checkpoint(last["training"]) if last["training"] else None,
-        last_sampler_checkpoint=_checkpoint(last["sampler"]) if last["sampler"] else None,
+        last_checkpoint=last.get("training"),
+        last_sampler_checkpoint=last.get("sampler"),
     )
 
 
