@@ -28,10 +28,12 @@ EXPECTED_GAPS: dict[str, str] = {
 
 
 def test_every_official_sdk_method_works(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # --jwt: RestClient.whoami reads the claims of the exchanged token.
-    with live_server(tmp_path / "server", "--jwt", backend="fake", models=(MODEL,)) as live:
-        # SamplingClient.get_tokenizer() loads by model name from the HF cache: put the
-        # server's tokenizer there first (docs/rest.md), then the SDK needs no hub.
+    # --jwt: RestClient.whoami reads the claims of the exchanged token. --tokenizer-id name:
+    # set up as for a client on another machine, both get_tokenizer()s load by model name.
+    extra = ("--jwt", "--tokenizer-id", "name")
+    with live_server(tmp_path / "server", *extra, backend="fake", models=(MODEL,)) as live:
+        # get_tokenizer() loads by model name from the HF cache: put the server's tokenizer
+        # there first (docs/rest.md), then the SDK needs no hub.
         monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
         install_tokenizer(MODEL, base_url=live.url, api_key=live.key)

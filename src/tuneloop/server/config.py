@@ -67,6 +67,10 @@ class ServerConfig:
     # life (its own rule: renew when under 60 s left, so keep this well above 60).
     jwt: bool = False
     jwt_ttl_s: int = 900
+    # What get_info names as the tokenizer: "path", the server's local folder (the official SDK
+    # loads it with no hub when it runs on this machine), or "name", the model's name (for
+    # clients elsewhere that installed the served tokenizer in their HF cache: tuneloop.hf_cache).
+    tokenizer_id: str = "path"
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_inflight", "session_ttl_s"):
@@ -76,6 +80,8 @@ class ServerConfig:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if (self.workers > 1 or self.ray_address is not None) and self.backend != "torch":
             raise ValueError("--workers > 1 and --ray-address need the torch backend")
+        if self.tokenizer_id not in ("path", "name"):
+            raise ValueError(f"tokenizer_id must be 'path' or 'name', got {self.tokenizer_id!r}")
         if self.jwt_ttl_s < 120:
             raise ValueError(f"jwt_ttl_s must be >= 120, got {self.jwt_ttl_s}")
         if self.expiry_check_s <= 0:

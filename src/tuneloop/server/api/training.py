@@ -142,10 +142,15 @@ async def get_info(request: Request, state: State, tenant: Tenant) -> dict[str, 
     spec = state.model_spec(run.base_model)
     return GetInfoResponse(
         model_id=run.id,
-        # tokenizer_id is a local folder: the official SDK loads it with no hub on this host;
-        # our SDK fetches the same files over GET /api/v1/tokenizer.
+        # tokenizer_id is a local folder (the official SDK loads it with no hub on this host),
+        # or with `serve --tokenizer-id name` the model's name (for a client whose HF cache holds
+        # it: tuneloop.hf_cache); our SDK fetches the files over GET /api/v1/tokenizer.
         model_data=ModelData(
-            arch=spec.arch, model_name=run.base_model, tokenizer_id=str(spec.tokenizer_dir)
+            arch=spec.arch,
+            model_name=run.base_model,
+            tokenizer_id=(
+                run.base_model if state.config.tokenizer_id == "name" else str(spec.tokenizer_dir)
+            ),
         ),
         optimizer_config={"type": "adamw"},
         is_lora=True,

@@ -31,6 +31,11 @@ class BackendName(StrEnum):
     fake = "fake"
 
 
+class TokenizerIdName(StrEnum):
+    path = "path"
+    name = "name"
+
+
 class DtypeName(StrEnum):
     bfloat16 = "bfloat16"
     float32 = "float32"
@@ -172,6 +177,17 @@ def serve(
             min=120, help="Lifetime of an issued token. [default: 900]", show_default=False
         ),
     ] = None,
+    tokenizer_id: Annotated[
+        TokenizerIdName | None,
+        typer.Option(
+            help=(
+                "What get_info names as the tokenizer: path (the server's folder, for clients on"
+                " this machine) or name (the model's name, for clients that ran"
+                " `python -m tuneloop.hf_cache MODEL`). [default: path]"
+            ),
+            show_default=False,
+        ),
+    ] = None,
     parent_pid: Annotated[
         int | None,
         typer.Option(
@@ -211,6 +227,7 @@ def serve(
             ray_gpus_per_worker=ray_gpus_per_worker,
             jwt=jwt or None,
             jwt_ttl_s=jwt_ttl_s,
+            tokenizer_id=tokenizer_id.value if tokenizer_id is not None else None,
         )
     except ValueError as exc:  # settings that do not go together: a usage error, not a traceback
         fail(str(exc), EXIT_USAGE)
