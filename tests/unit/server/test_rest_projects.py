@@ -209,3 +209,19 @@ async def test_billing_usage_events_come_from_metering(api: Api) -> None:
     expect_error(await api.get("billing/usage/events", params=bad), 400, "starting_on")
     long = {**window, "ending_before": (hour + timedelta(days=15)).isoformat()}
     expect_error(await api.get("billing/usage/events", params=long), 400, "ending_before")
+
+
+async def test_copy_into_a_session_slot_and_refused_tokens(api: Api) -> None:
+    session_id, _run, weights = await _run_with_checkpoint(api, "research")
+    body = {"source_path": weights, "session_id": session_id, "model_seq_id": 5}
+    copied = await api.post("copy_weights", body)
+    assert copied.status_code == 200, copied.text
+    path = copied.json()["tinker_path"]
+    assert path.startswith(f"tinker://{session_id}:train:5/")
+    # The slot is taken now; the copy is in its session's project.
+    expect_error(await api.post("copy_weights", body), 400, "model_seq_id")
+    runs = _runs(await api.get("training_runs", params={"project_id": "research"}))
+    assert f"{session_id}:train:5" in runs
+    expect_error(await api.post("copy_weights", {**body, "model_seq_id": None}), 400, "session_id")
+    token = {"source_path": weights, "destination_project_id": "x", "weights_access_token": "t"}
+    expect_error(await api.post("copy_weights", token), 400, "weights_access_token")
