@@ -63,6 +63,56 @@ def client(url: str, key: str, samples: int, feed: bool) -> dict[str, Any]:
     return {"seconds": seconds, "client_cpu_s": time.process_time() - cpu0}
 
 
+async def raw_client(url: str, key: str, samples: int, feed: bool) -> dict[str, Any]:
+    """The same two ways of learning completions over plain httpx (no SDK): what each costs
+    the server alone. 64 connections; every sample submitted at once."""
+    import asyncio
+
+    import httpx
+
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    headers = {"X-API-Key": key}
+    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=60) as http:
+        session = (await http.post("/api/v1/create_session", json={"tags": []})).json()
+        body = {"session_id": session["session_id"], "sampling_session_seq_id": 0}
+        made = await http.post(
+            "/api/v1/create_sampling_session", json={**body, "base_model": MODEL}
+        )
+        sampler = made.json()["sampling_session_id"]
+        prompt = {"chunks": [{"type": "encoded_text", "tokens": list(range(10, 42))}]}
+        params = {"max_tokens": 16, "seed": 1}
+
+        async def submit(i: int) -> str:
+            sample = {"sampling_session_id": sampler, "seq_id": i, "prompt": prompt}
+            answer = await http.post("/api/v1/asample", json={**sample, "sampling_params": params})
+            return str(answer.json()["request_id"])
+
+        async def fetch(request_id: str) -> None:
+            while True:
+                got = await http.post("/api/v1/retrieve_future", json={"request_id": request_id})
+                if got.status_code == 200:
+                    return
+                assert got.status_code == 408, got.text
+
+        start = time.perf_counter()
+        ids = await asyncio.gather(*(submit(i) for i in range(samples)))
+        if feed:
+            pending, cursor, fetches = set(ids), 0, []
+            while pending:
+                target = {"sampling_session_id": sampler}
+                page = await http.post(
+                    "/api/v1/retrieve_futures", json={"target": target, "prev_cursor": cursor}
+                )
+                cursor = page.json()["cursor"]
+                done = [c["request_id"] for c in page.json()["completions"]]
+                pending -= set(done)
+                fetches += [asyncio.ensure_future(fetch(r)) for r in done]
+            await asyncio.gather(*fetches)
+        else:
+            await asyncio.gather(*(fetch(r) for r in ids))
+        return {"seconds": time.perf_counter() - start, "client_cpu_s": 0.0}
+
+
 def open_sockets(pid: int) -> int:
     """Sockets process `pid` holds open now (its listening socket and every connection)."""
     count = 0
@@ -72,7 +122,9 @@ def open_sockets(pid: int) -> int:
     return count
 
 
-def run_mode(url: str, key: str, pid: int, samples: int, feed: bool) -> dict[str, Any]:
+def run_mode(
+    url: str, key: str, pid: int, samples: int, feed: bool, raw: bool = False
+) -> dict[str, Any]:
     before = cpu_seconds(pid)
     peak = [0]
     stop = threading.Event()
@@ -84,7 +136,15 @@ def run_mode(url: str, key: str, pid: int, samples: int, feed: bool) -> dict[str
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     done = subprocess.run(
-        [sys.executable, __file__, "--child", url, key, str(samples), "on" if feed else "off"],
+        [
+            sys.executable,
+            __file__,
+            "--child-raw" if raw else "--child",
+            url,
+            key,
+            str(samples),
+            "on" if feed else "off",
+        ],
         cwd=ROOT,
         env={**os.environ, "TINKER_TELEMETRY": "0"},
         capture_output=True,
@@ -117,7 +177,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    runs: dict[str, list[dict[str, Any]]] = {"feed": [], "per_sample_poll": []}
+    runs: dict[str, list[dict[str, Any]]] = {
+        "feed": [],
+        "per_sample_poll": [],
+        "raw_feed": [],
+        "raw_per_sample_poll": [],
+    }
     # The default 30 s long poll (live_server's is 5 s): a held per-sample poll is re-sent
     # only once it has waited that long, as against a production server.
     with (
@@ -128,6 +193,8 @@ def main() -> None:
         for _ in range(args.rounds):  # alternated, so drift hits both alike
             runs["feed"].append(run_mode(live.url, live.key, pid, args.samples, True))
             runs["per_sample_poll"].append(run_mode(live.url, live.key, pid, args.samples, False))
+            for name, feed in (("raw_feed", True), ("raw_per_sample_poll", False)):
+                runs[name].append(run_mode(live.url, live.key, pid, args.samples, feed, raw=True))
     summary = {
         mode: {
             k: round(statistics.median(r[k] for r in rs), 3)
@@ -148,12 +215,11 @@ def main() -> None:
         "cores": os.cpu_count(),
         "median": summary,
         "ratios_feed_over_poll": {
-            "futures_per_s": round(
-                summary["feed"]["futures_per_s"] / summary["per_sample_poll"]["futures_per_s"], 2
-            ),
-            "server_cpu_s": round(
-                summary["feed"]["server_cpu_s"] / summary["per_sample_poll"]["server_cpu_s"], 2
-            ),
+            f"{prefix}{k}": round(
+                summary[f"{prefix}feed"][k] / summary[f"{prefix}per_sample_poll"][k], 2
+            )
+            for prefix in ("", "raw_")
+            for k in ("futures_per_s", "server_cpu_s")
         },
         "runs": runs,
     }
@@ -166,5 +232,10 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         url, key, samples, mode = sys.argv[2:6]
         print(json.dumps(client(url, key, int(samples), mode == "on")))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--child-raw":
+        import asyncio
+
+        url, key, samples, mode = sys.argv[2:6]
+        print(json.dumps(asyncio.run(raw_client(url, key, int(samples), mode == "on"))))
     else:
         main()
