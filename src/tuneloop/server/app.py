@@ -12,14 +12,18 @@ from typing import Any
 from fastapi import FastAPI
 
 from tuneloop.server.api import (
+    admin,
     client,
     console,
     custom_losses,
     downloads,
     futures,
     oai,
+    projects,
+    publish,
     rest,
     sampling,
+    session_search,
     sessions,
     training,
 )
@@ -256,9 +260,12 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
         routers = (oai, console)
     else:
         routers = (client, sessions, training, sampling, futures, rest, downloads, oai, console)
-        routers += (custom_losses,)
+        # publish before rest: rest's DELETE .../checkpoints/{id:path} also matches .../publish.
+        routers = (publish, *routers, custom_losses, projects, session_search, admin)
     for module in routers:
         app.include_router(module.router)
+    if config.jwt and not config.openai_only:
+        app.include_router(client.token_router)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     app.state.metrics = metrics
     app.include_router(metrics_router)

@@ -8,10 +8,10 @@ from fastapi import Depends, Query, Request
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from tuneloop.server.api.auth_tokens import looks_like_jwt
 from tuneloop.server.api.errors import ApiError
 from tuneloop.server.api.revocation import CALLER_KEY
 from tuneloop.server.api.state import ServerState, get_state
-from tuneloop.server.storage.keys import key_hash
 from tuneloop.types.fields import parse_json
 
 M = TypeVar("M", bound=BaseModel)
@@ -32,14 +32,29 @@ async def authenticate(request: Request) -> str:
         key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else None
     if not key:
         raise ApiError(401, "missing API key: send it in the X-API-Key header", "X-API-Key")
-    tenant = get_state(request).keys.tenant_of(key)
-    if tenant is None:
-        raise ApiError(401, "invalid or revoked API key", "X-API-Key")
-    request.state.tenant = tenant  # for the access log and the request metrics (observe.py)
-    # What this request submits is tracked under its key, and long requests (long-polls,
-    # OpenAI generations) check the key again while they wait (see revocation.py).
-    CALLER_KEY.set(key_hash(key))
-    return tenant
+    state = get_state(request)
+    if looks_like_jwt(key):
+        if state.token_issuer is None:
+            raise ApiError(
+                401, "tokens are not accepted: this server runs without --jwt", "X-API-Key"
+            )
+        record = state.token_issuer.verify(key, state.keys)
+    else:
+        found = state.keys.record_of(key)
+        if found is None:
+            raise ApiError(401, "invalid or revoked API key", "X-API-Key")
+        record = found
+        request.state.api_key_record = record  # what /auth/token issues a token for
+    # Key use is audited, once an hour per key: not a database write per request.
+    state.audit.record_once(
+        ("key", record.key_id), record.tenant, "key_used", window_s=3600, key_id=record.key_id
+    )
+    request.state.tenant = record.tenant  # for the access log and the request metrics
+    # What this request submits is tracked under its key (a token's under the key it was
+    # issued for), and long requests (long-polls, OpenAI generations) check the key again
+    # while they wait (see revocation.py).
+    CALLER_KEY.set(record.key_sha256)
+    return record.tenant
 
 
 Tenant = Annotated[str, Depends(authenticate)]

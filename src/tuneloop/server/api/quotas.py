@@ -61,6 +61,12 @@ class Quotas:
         # Per tenant: slots held beyond the futures' own count. An OpenAI request has one
         # future per prompt but counts prompts x n (see `hold`).
         self._held: dict[str, int] = {}
+        # Told of each refusal as (tenant, limit name, limit): the audit log.
+        self.on_refusal: Callable[[str, str, int], None] | None = None
+
+    def _refused(self, tenant: str, name: str, limit: int) -> None:
+        if self.on_refusal is not None:
+            self.on_refusal(tenant, name, limit)
 
     def limits(self, tenant: str) -> Limits:
         """The server defaults, overridden by the tenant's entry in the limits file."""
@@ -94,6 +100,7 @@ class Quotas:
         oldest = self.registry.oldest_live_activity(tenant) if ttl else None
         if oldest is not None:
             wait = min(wait, (oldest + timedelta(seconds=ttl) - now).total_seconds())
+        self._refused(tenant, "max_sessions", limit)
         raise quota_exceeded(
             "max_sessions",
             limit,
@@ -147,6 +154,7 @@ class Quotas:
         # request waits for enough of them to make room for its `count`.
         typical = self.futures.typical_latency_s(tenant)
         needed = pending + count - limit
+        self._refused(tenant, "max_inflight", limit)
         raise quota_exceeded(
             "max_inflight",
             limit,

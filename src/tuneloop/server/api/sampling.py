@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 
 from tuneloop.server.api.deps import State, Tenant, json_body, read_json
 from tuneloop.server.api.errors import ApiError, bad_request, not_found
+from tuneloop.server.api.futures_feed import CLONE_STRIDE
 from tuneloop.server.api.restarts import require_held
 from tuneloop.server.api.stability import StabilityRecords
 from tuneloop.server.api.state import ServerState, fingerprint
@@ -41,12 +42,10 @@ async def create_sampling_session(request: Request, state: State, tenant: Tenant
     existing = state.registry.sampler(sampler_id, tenant)
     weights_dir: Path | None = None
     if body.model_path is not None:
-        _path, ckpt = state.checkpoint(tenant, body.model_path, "model_path")
+        # The caller's checkpoint, or one another tenant published.
+        _path, ckpt, run = state.readable_checkpoint(tenant, body.model_path, "model_path")
         if ckpt.checkpoint_type not in ("training", "sampler"):  # a merged export: no adapter
             raise bad_request(f"model_path: a {ckpt.kind} package holds no adapter", "model_path")
-        run = state.registry.training_run(ckpt.training_run_id, tenant)
-        if run is None:
-            raise not_found(f"training run of {body.model_path!r}", "model_path")
         if body.base_model is not None and body.base_model != run.base_model:
             raise bad_request(
                 f"base_model: {body.model_path} was trained on {run.base_model!r}", "base_model"
@@ -126,14 +125,24 @@ async def _create_sampler(
     except (OSError, ValueError, EngineError) as exc:
         if model_path is None:
             raise
-        if state.registry.checkpoint(model_path, tenant) is None:
+        if not _still_readable(state, tenant, model_path):
             raise not_found(f"checkpoint {model_path!r}", "model_path") from None
         # The row remains but its files are gone or cut short (removed by hand, a full disk).
         raise _checkpoint_gone(model_path, f": {exc}") from None
-    if model_path is not None and state.registry.checkpoint(model_path, tenant) is None:
+    if model_path is not None and not _still_readable(state, tenant, model_path):
         # Deleted while its weights were read: do not hand out a sampler of a deleted checkpoint.
         await state.engine.call(state.engine.backend.delete_sampler, sampler_id)
         raise not_found(f"checkpoint {model_path!r}", "model_path")
+
+
+def _still_readable(state: ServerState, tenant: str, model_path: str) -> bool:
+    """Whether the caller may still read `model_path` (its own, or published to it), after a
+    read that may have raced a delete or an unpublish."""
+    try:
+        state.readable_checkpoint(tenant, model_path, "model_path")
+    except ApiError:
+        return False
+    return True
 
 
 @router.get("/samplers/{sampler_id}")
@@ -210,6 +219,9 @@ async def asample(request: Request, state: State, tenant: Tenant) -> dict[str, A
     outcome: Callable[[SampleResult], Outcome] = _sample_outcome
     if body.record_stability_info:
         outcome = _recording_outcome(state.stability, tenant, sequence_ids, work.prompt)
+    # The official SDK's clones number their seq_ids from CLONE_STRIDE * clone id.
+    state.feeds.watch(request_id, sampler.id, (body.seq_id or 0) // CLONE_STRIDE)
+    state.traces.submitted(request_id, sampler.session_id, "Sample", sampler.id, body.seq_id)
     state.queue.submit_sample(Operation(request_id, "sample", work, outcome))
     state.engine.notify("sample")
     return {"request_id": request_id, "sample_sequence_ids": sequence_ids}

@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import io
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import zstandard
 from fastapi import Request
 
 from tuneloop.server.api.deps import State, Tenant, off_loop
 from tuneloop.server.api.errors import ApiError
 from tuneloop.server.api.state import ServerState, fingerprint
+from tuneloop.server.api.zstd_body import leading_bytes
 
 _JSON_MODEL_ID = re.compile(rb'"model_id"\s*:\s*"([^"]+)"')
 _JSON_SEQ_ID = re.compile(rb'"seq_id"\s*:\s*(\d+)')
@@ -61,8 +60,7 @@ def _locate(raw: bytes, headers: Any) -> tuple[str, int] | None:
             if headers.get("content-encoding", "").lower() == "zstd":
                 # Only the start: the ids lead the message, and a small body may expand to
                 # gigabytes.
-                reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw))
-                raw = reader.read(_IDS_PREFIX_BYTES)
+                raw = leading_bytes(raw, _IDS_PREFIX_BYTES)
             return _leading_proto_ids(raw)
         # A cut body (over the size limit) is no JSON: find the two fields by pattern.
         model_id, seq_id = _JSON_MODEL_ID.search(raw), _JSON_SEQ_ID.search(raw)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import secrets
 from datetime import timedelta
@@ -34,6 +33,7 @@ from tuneloop.server.api.taken_ids import (
     refuse_taken_sampler,
 )
 from tuneloop.server.api.validation import decode_limits, forward_backward_work
+from tuneloop.server.api.zstd_body import DecompressedTooLargeError, decompress_bounded
 from tuneloop.server.engine.backend import Backend
 from tuneloop.server.engine.types import (
     AdamStep,
@@ -164,10 +164,15 @@ async def get_info(request: Request, state: State, tenant: Tenant) -> dict[str, 
     spec = state.model_spec(run.base_model)
     return GetInfoResponse(
         model_id=run.id,
-        # tokenizer_id is a local folder: the official SDK loads it with no hub on this host;
-        # our SDK fetches the same files over GET /api/v1/tokenizer.
+        # tokenizer_id is a local folder (the official SDK loads it with no hub on this host),
+        # or with `serve --tokenizer-id name` the model's name (for a client whose HF cache holds
+        # it: tuneloop.hf_cache); our SDK fetches the files over GET /api/v1/tokenizer.
         model_data=ModelData(
-            arch=spec.arch, model_name=run.base_model, tokenizer_id=str(spec.tokenizer_dir)
+            arch=spec.arch,
+            model_name=run.base_model,
+            tokenizer_id=(
+                run.base_model if state.config.tokenizer_id == "name" else str(spec.tokenizer_dir)
+            ),
         ),
         optimizer_config={"type": "adamw"},
         is_lora=True,
@@ -180,7 +185,8 @@ async def get_info(request: Request, state: State, tenant: Tenant) -> dict[str, 
 @consumes_seq
 async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, raw = await read_json(request, LoadWeightsRequest)
-    path, ckpt = state.checkpoint(tenant, body.path, "path")
+    # The caller's checkpoint, or one another tenant published (read only: loading copies it).
+    path, ckpt, source = state.readable_checkpoint(tenant, body.path, "path")
     # A PEFT export (kind "adapter") holds an adapter too; a merged model does not.
     if (
         ckpt.checkpoint_type not in ("training", "sampler")
@@ -194,9 +200,6 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[s
         raise bad_request(
             "optimizer: only training checkpoints (weights/...) hold optimizer state", "optimizer"
         )
-    source = state.registry.training_run(ckpt.training_run_id, tenant)
-    if source is None:
-        raise not_found(f"training run of {body.path!r}", "path")
     directory = Path(ckpt.directory)
     result = {"path": str(path), "type": "load_weights"}
 
@@ -229,7 +232,9 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[s
 
         def finish_create(_r: None) -> Outcome:
             metadata = (
-                body.user_metadata if body.user_metadata is not None else source.user_metadata
+                body.user_metadata
+                if body.user_metadata is not None or source.tenant != tenant
+                else source.user_metadata
             )
             taken = _register_run(
                 state, tenant, adapter, body.session_id or "", metadata, origin=ckpt
@@ -291,19 +296,13 @@ async def _protobuf_body(request: Request, state: ServerState) -> bytes:
     require_content_type(request, "application/x-protobuf")
     encoding = request.headers.get("content-encoding", "").lower()
     if encoding == "zstd":
+        limit = state.config.max_request_bytes
         try:
-            raw = await off_loop(
-                len(raw),
-                functools.partial(
-                    zstandard.ZstdDecompressor().decompress,
-                    max_output_size=state.config.max_request_bytes,
-                ),
-                raw,
-            )
+            raw = await off_loop(len(raw), decompress_bounded, raw, limit)
         except zstandard.ZstdError as exc:
             raise bad_request(f"body: bad zstd data: {exc}", "content-encoding") from None
-        if len(raw) > state.config.max_request_bytes:
-            raise ApiError(413, "body: decompressed request is too large", "body")
+        except DecompressedTooLargeError:
+            raise ApiError(413, f"body: decompresses to more than {limit} bytes", "body") from None
     elif encoding not in ("", "identity"):
         raise ApiError(415, f"Content-Encoding {encoding!r} is not supported", "content-encoding")
     return raw

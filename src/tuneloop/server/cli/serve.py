@@ -38,6 +38,11 @@ class BackendName(StrEnum):
     fake = "fake"
 
 
+class TokenizerIdName(StrEnum):
+    path = "path"
+    name = "name"
+
+
 class DtypeName(StrEnum):
     bfloat16 = "bfloat16"
     float32 = "float32"
@@ -165,6 +170,34 @@ def serve(
     ] = 0.0,
     metrics_token: MetricsTokenOption = None,
     log_format: LogFormatOption = None,
+    jwt: Annotated[
+        bool,
+        typer.Option(
+            "--jwt",
+            help=(
+                "JWT exchange: clients trade their API key for a short-lived signed token at"
+                " POST /api/v1/auth/token (the official SDK then renews it by itself, and"
+                " RestClient.whoami works); revoking the key stops its tokens."
+            ),
+        ),
+    ] = False,
+    jwt_ttl_s: Annotated[
+        int | None,
+        typer.Option(
+            min=120, help="Seconds an issued token lives. [default: 900]", show_default=False
+        ),
+    ] = None,
+    tokenizer_id: Annotated[
+        TokenizerIdName | None,
+        typer.Option(
+            help=(
+                "What get_info names as the tokenizer: path (the server's folder, for clients on"
+                " this machine) or name (the model's name, for clients that ran"
+                " `python -m tuneloop.hf_cache MODEL`). [default: path]"
+            ),
+            show_default=False,
+        ),
+    ] = None,
     parent_pid: Annotated[
         int | None,
         typer.Option(
@@ -221,6 +254,9 @@ def serve(
             ray_gpus_per_worker=ray_gpus_per_worker,
             metrics_token=metrics_token,
             log_format=log_format.value if log_format is not None else None,
+            jwt=jwt or None,
+            jwt_ttl_s=jwt_ttl_s,
+            tokenizer_id=tokenizer_id.value if tokenizer_id is not None else None,
         )
     except ValueError as exc:  # settings that do not go together: a usage error, not a traceback
         fail(str(exc), EXIT_USAGE)

@@ -70,6 +70,7 @@ class SessionRow(Base):
     user_metadata: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     tags: Mapped[list[str]] = mapped_column(JSON, default=list)
     sdk_version: Mapped[str] = mapped_column(String(32), default="")
+    display_name: Mapped[str | None] = mapped_column(String(256), nullable=True)
 
 
 class TrainingRunRow(Base):
