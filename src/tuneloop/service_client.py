@@ -79,6 +79,7 @@ class ServiceClient:
         _heartbeat_interval_s: float | None = None,
     ) -> None:
         self._embedded = False
+        self._project_id = project_id
         if base_url is None and env_base_url() is None and _transport is None:
             # The embedded default: a local server in a child process (see tuneloop._embedded).
             from tuneloop import _embedded
@@ -100,6 +101,14 @@ class ServiceClient:
             raise
         self._holder.start_heartbeat(_heartbeat_interval_s)
         self._closed = False
+
+    def copy_weights(self, path: str, *, ttl_seconds: int | None = None) -> APIFuture[str]:
+        """Copy a checkpoint (yours, or one published) into this client's project; the copy's
+        path. The bytes are shared; the copy is a run that cannot be trained on."""
+        if self._project_id is None:
+            raise ValueError("copy_weights needs the ServiceClient's project_id")
+        rest = RestClient(self._holder)
+        return rest.copy_weights(path, self._project_id, ttl_seconds=ttl_seconds)
 
     async def _start(self, user_metadata: dict[str, Any] | None, project_id: str | None) -> str:
         await self._holder.fetch_config(SDK_VERSION)

@@ -12,17 +12,22 @@ from typing import Any
 from fastapi import FastAPI
 
 from tuneloop.server.api import (
+    admin,
     client,
     console,
     custom_losses,
     downloads,
     futures,
     oai,
+    projects,
+    publish,
     rest,
     sampling,
+    session_search,
     sessions,
     training,
 )
+from tuneloop.server.api.deps import off_loop
 from tuneloop.server.api.errors import error_response_for, install
 from tuneloop.server.api.metering import Meter, record_completed, usage_of
 from tuneloop.server.api.metrics import Metrics
@@ -136,10 +141,17 @@ class BodyLimit:
                 too_large = True
                 break
         if not too_large:
-            await self.app(scope, _replay(b"".join(chunks), receive), send)
+            # Joining a large body copies it: on a worker thread (bytes.join drops the GIL).
+            body = await off_loop(size, b"".join, chunks)
+            await self.app(scope, _replay(body, receive), send)
         elif deferred:
             scope.setdefault("state", {})["body_too_large"] = True
-            await self.app(scope, _replay(b"".join(chunks)[:_PREFIX_BYTES], receive), send)
+            head = b""  # only the first bytes: not a copy of up to the whole limit
+            for chunk in chunks:
+                head += chunk[: _PREFIX_BYTES - len(head)]
+                if len(head) >= _PREFIX_BYTES:
+                    break
+            await self.app(scope, _replay(head, receive), send)
         else:
             await self._reject(scope, receive, send)
 
@@ -164,7 +176,7 @@ def _replay(body: bytes, receive: Any) -> Any:
 
 def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
     layout = Layout(config.data_dir)
-    config.data_dir.mkdir(parents=True, exist_ok=True)
+    layout.prepare()
     backend = backend if backend is not None else build_backend(config)
     registry = Registry(config.db_url or layout.database_url)
     queue = OperationQueue(max_sample_batch=config.max_sample_batch)
@@ -223,9 +235,11 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
         flusher = asyncio.get_running_loop().create_task(meter.run_flusher(registry))
         package_gc = asyncio.get_running_loop().create_task(run_package_gc(registry))
         expirer = asyncio.get_running_loop().create_task(expire())
+        revoker = asyncio.get_running_loop().create_task(state.revocations.run())
         try:
             yield
         finally:
+            revoker.cancel()
             sweeper.cancel()
             flusher.cancel()
             package_gc.cancel()
@@ -246,9 +260,12 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
         routers = (oai, console)
     else:
         routers = (client, sessions, training, sampling, futures, rest, downloads, oai, console)
-        routers += (custom_losses,)
+        # publish before rest: rest's DELETE .../checkpoints/{id:path} also matches .../publish.
+        routers = (publish, *routers, custom_losses, projects, session_search, admin)
     for module in routers:
         app.include_router(module.router)
+    if config.jwt and not config.openai_only:
+        app.include_router(client.token_router)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     app.state.metrics = metrics
     app.include_router(metrics_router)

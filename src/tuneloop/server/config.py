@@ -68,6 +68,15 @@ class ServerConfig:
     # "text": the logs as before (warnings and errors); "json": JSON lines on stderr, one
     # access line per request included (api/access_log.py).
     log_format: str = "text"
+    # JWT exchange (`serve --jwt`): POST /api/v1/auth/token trades an API key for a signed token
+    # this long-lived, which the official SDK sends instead of the key and renews at half its
+    # life (its own rule: renew when under 60 s left, so keep this well above 60).
+    jwt: bool = False
+    jwt_ttl_s: int = 900
+    # What get_info names as the tokenizer: "path", the server's local folder (the official SDK
+    # loads it with no hub when it runs on this machine), or "name", the model's name (for
+    # clients elsewhere that installed the served tokenizer in their HF cache: tuneloop.hf_cache).
+    tokenizer_id: str = "path"
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_inflight", "session_ttl_s"):
@@ -79,6 +88,10 @@ class ServerConfig:
             raise ValueError("--workers > 1 and --ray-address need the torch backend")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
+        if self.tokenizer_id not in ("path", "name"):
+            raise ValueError(f"tokenizer_id must be 'path' or 'name', got {self.tokenizer_id!r}")
+        if self.jwt_ttl_s < 120:
+            raise ValueError(f"jwt_ttl_s must be >= 120, got {self.jwt_ttl_s}")
         if self.expiry_check_s <= 0:
             raise ValueError(f"expiry_check_s must be > 0, got {self.expiry_check_s}")
 

@@ -94,7 +94,8 @@ SIGNATURES = {
     tuneloop.APIFuture.result: "(self, timeout: 'float | None' = None) -> 'T'",
     tuneloop.APIFuture.result_async: "(self, timeout: 'float | None' = None) -> 'T'",
     tuneloop.RestClient.list_training_runs: (
-        "(self, limit: 'int' = 20, offset: 'int' = 0) -> 'APIFuture[TrainingRunsResponse]'"
+        "(self, limit: 'int' = 20, offset: 'int' = 0, project_id: 'str | None' = None)"
+        " -> 'APIFuture[TrainingRunsResponse]'"
     ),
     tuneloop.RequestFailedError.__init__: (
         "(self, message: 'str', request_id: 'str', category: 'str' = 'unknown') -> 'None'"
@@ -129,6 +130,15 @@ REST_METHODS = {
     "list_sessions",
     "get_weights_info_by_tinker_path",
     "get_server_capabilities",
+    "publish_checkpoint_from_tinker_path",
+    "unpublish_checkpoint_from_tinker_path",
+    "assign_session_project",
+    "copy_weights",
+    "search_sessions",
+    "export_session_trace",
+    "get_audit_log",
+    "get_billing_usage",
+    "get_current_checkpoint_storage_usage",
 }
 
 

@@ -144,9 +144,10 @@ async def test_client_config_flags(api: Api) -> None:
     assert response.status_code == 200
     flags = response.json()
     assert flags["pjwt_auth_enabled"] is False
-    assert flags["sample_use_retrieve_futures"] is False
+    assert flags["sample_use_retrieve_futures"] is True
+    assert flags["sample_join_sampling_session"] is True
     assert flags["custom_loss_server_side"] is True
-    assert flags["proto_compress_fwdbwd"] is False
+    assert flags["proto_compress_fwdbwd"] is True
     assert flags["fwdbwd_max_chunk_len"] > 0
 
 

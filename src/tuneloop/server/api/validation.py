@@ -14,7 +14,7 @@ from tuneloop.server.api.errors import ApiError, bad_request
 from tuneloop.server.engine.loss_specs import LOSS_SPECS, UNSUPPORTED_LOSSES
 from tuneloop.server.engine.types import Example, ForwardBackwardWork, ModelSpec, SampleWork
 from tuneloop.types import EncodedTextChunk, ModelInput, SampleRequest
-from tuneloop.types.codec import ForwardBackwardRequest
+from tuneloop.types.codec import DecodeLimits, ForwardBackwardRequest
 from tuneloop.types.tensor import TensorData
 
 MAX_DATUMS_PER_REQUEST = 4096
@@ -29,6 +29,11 @@ def tokens_of(model_input: ModelInput, spec: ModelSpec, field: str) -> np.ndarra
                 f"{field}.chunks[{j}]",
             )
         tokens.extend(chunk.tokens)
+        if len(tokens) > spec.max_context_length:  # before the array is built
+            raise bad_request(
+                f"{field}: more than {spec.max_context_length} tokens exceed the context length",
+                field,
+            )
     if not tokens:
         raise bad_request(f"{field}: must hold at least one token", field)
     array = np.asarray(tokens, dtype=np.int64)
@@ -64,29 +69,31 @@ def _loss_config(request: ForwardBackwardRequest) -> dict[str, float]:
 def _check_input(
     name: str, tensor: TensorData, n: int, two_d_ok: bool, field: str, max_width: int
 ) -> np.ndarray:
-    # The shape first: a sparse tensor's dense form is allocated from it (2**40 columns would
-    # ask for terabytes).
-    shape = tensor.shape if tensor.shape is not None else [tensor.values.size]
+    # The whole shape first: a sparse tensor's dense form is allocated from it (2**40 columns,
+    # or 200,000 rows, would ask for gigabytes before any other check).
+    shape = tensor.dense_shape
     if len(shape) == 2 and two_d_ok and name in ("target_tokens", "weights"):
         if shape[1] > max_width:
             raise bad_request(f"{field}: {shape[1]} columns, at most {max_width}", field)
+        if shape[0] != n:
+            raise bad_request(f"{field}: {shape[0]} rows, but model_input has {n} tokens", field)
     elif len(shape) != 1 or shape[0] != n:
         raise bad_request(
             f"{field}: shape {list(shape)} does not match model_input length {n}", field
         )
     array = tensor.to_numpy()
-    if array.ndim == 2 and two_d_ok and name in ("target_tokens", "weights"):
-        if array.shape[0] != n:
-            raise bad_request(
-                f"{field}: {array.shape[0]} rows, but model_input has {n} tokens", field
-            )
-    elif array.ndim != 1 or array.shape[0] != n:
-        raise bad_request(
-            f"{field}: shape {list(array.shape)} does not match model_input length {n}", field
-        )
     if array.dtype.kind == "f" and not np.isfinite(array).all():
         raise bad_request(f"{field}: contains NaN or infinity", field)
     return array
+
+
+def decode_limits(spec: ModelSpec, max_request_bytes: int) -> DecodeLimits:
+    """What the tensors of a forward_backward body for `spec` may declare (see DecodeLimits)."""
+    return DecodeLimits(
+        max_rows=spec.max_context_length,
+        max_columns=spec.vocab_size,
+        max_dense_cells=max_request_bytes // 4,
+    )
 
 
 def forward_backward_work(
@@ -213,4 +220,4 @@ def sample_work(request: SampleRequest, spec: ModelSpec, sampler_id: str) -> Sam
     )
 
 
-__all__ = ["ApiError", "forward_backward_work", "sample_work", "tokens_of"]
+__all__ = ["ApiError", "decode_limits", "forward_backward_work", "sample_work", "tokens_of"]

@@ -27,10 +27,20 @@ from tuneloop.server.cli.common import (
 )
 from tuneloop.server.config import ServerConfig
 
+# The defaults of api/http_timeouts.py, repeated: importing it here would import uvicorn before
+# the command can say that the server extra is missing.
+HEADER_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 30.0
+
 
 class BackendName(StrEnum):
     torch = "torch"
     fake = "fake"
+
+
+class TokenizerIdName(StrEnum):
+    path = "path"
+    name = "name"
 
 
 class DtypeName(StrEnum):
@@ -160,6 +170,34 @@ def serve(
     ] = 0.0,
     metrics_token: MetricsTokenOption = None,
     log_format: LogFormatOption = None,
+    jwt: Annotated[
+        bool,
+        typer.Option(
+            "--jwt",
+            help=(
+                "JWT exchange: clients trade their API key for a short-lived signed token at"
+                " POST /api/v1/auth/token (the official SDK then renews it by itself, and"
+                " RestClient.whoami works); revoking the key stops its tokens."
+            ),
+        ),
+    ] = False,
+    jwt_ttl_s: Annotated[
+        int | None,
+        typer.Option(
+            min=120, help="Seconds an issued token lives. [default: 900]", show_default=False
+        ),
+    ] = None,
+    tokenizer_id: Annotated[
+        TokenizerIdName | None,
+        typer.Option(
+            help=(
+                "What get_info names as the tokenizer: path (the server's folder, for clients on"
+                " this machine) or name (the model's name, for clients that ran"
+                " `python -m tuneloop.hf_cache MODEL`). [default: path]"
+            ),
+            show_default=False,
+        ),
+    ] = None,
     parent_pid: Annotated[
         int | None,
         typer.Option(
@@ -167,8 +205,25 @@ def serve(
             show_default=False,
         ),
     ] = None,
+    header_timeout_s: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="Seconds a connection may take to send its request headers before it is closed.",
+        ),
+    ] = HEADER_TIMEOUT_S,
+    body_timeout_s: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="Seconds a request body may stall between reads before its connection is closed.",
+        ),
+    ] = BODY_TIMEOUT_S,
 ) -> None:
     """Run the tuneloop server (prints `tuneloop serving at URL` once it accepts requests)."""
+    # Everything the server writes (registry, checkpoints, keys, caches) is the server's alone:
+    # files 0600, folders 0700, whatever the umask of the shell that started it.
+    os.umask(0o077)
     try:
         import uvicorn  # noqa: F401 - checked here: a bare SDK install gets the one-line message
 
@@ -199,15 +254,32 @@ def serve(
             ray_gpus_per_worker=ray_gpus_per_worker,
             metrics_token=metrics_token,
             log_format=log_format.value if log_format is not None else None,
+            jwt=jwt or None,
+            jwt_ttl_s=jwt_ttl_s,
+            tokenizer_id=tokenizer_id.value if tokenizer_id is not None else None,
         )
     except ValueError as exc:  # settings that do not go together: a usage error, not a traceback
         fail(str(exc), EXIT_USAGE)
-    run_server(create_app(config), config, parent_pid=parent_pid)
+    run_server(
+        create_app(config),
+        config,
+        parent_pid=parent_pid,
+        header_timeout_s=header_timeout_s,
+        body_timeout_s=body_timeout_s,
+    )
 
 
-def run_server(app: Any, config: ServerConfig, *, parent_pid: int | None = None) -> None:
+def run_server(
+    app: Any,
+    config: ServerConfig,
+    *,
+    parent_pid: int | None = None,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
+    body_timeout_s: float = BODY_TIMEOUT_S,
+) -> None:
     """Run `app` with uvicorn until stopped: prints `tuneloop serving at URL` once it accepts
-    requests (the bound port, for --port 0); SIGTERM shuts it down gracefully and exits 0."""
+    requests (the bound port, for --port 0); SIGTERM shuts it down gracefully and exits 0.
+    Connections whose request is half sent are closed (see api/http_timeouts.py)."""
     import uvicorn
 
     log_config: Any = uvicorn.config.LOGGING_CONFIG
@@ -216,6 +288,8 @@ def run_server(app: Any, config: ServerConfig, *, parent_pid: int | None = None)
 
         configure_logging("json")
         log_config = None  # uvicorn's own config would print its lines as text
+    from tuneloop.server.api.http_timeouts import timed_protocol
+
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -224,6 +298,7 @@ def run_server(app: Any, config: ServerConfig, *, parent_pid: int | None = None)
             log_level="warning",
             log_config=log_config,
             timeout_graceful_shutdown=5,
+            http=timed_protocol(header_timeout_s, body_timeout_s),
         )
     )
     original_startup = server.startup

@@ -14,6 +14,7 @@ import asyncio
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -59,6 +60,8 @@ class FutureTable:
         # from submission to result (the 429's retry-after estimate).
         self._pending: dict[str, int] = {}
         self._latency_s: dict[str, float] = {}
+        # Called with (request_id, outcome) as each future resolves (completion feeds, traces).
+        self.listeners: list[Callable[[str, Outcome], None]] = []
 
     def create(self, tenant: str, kind: str) -> str:
         request_id = f"req-{self.boot_id}-{secrets.token_hex(12)}"
@@ -77,6 +80,14 @@ class FutureTable:
         previous = self._latency_s.get(entry.tenant)
         # Weight 0.2: about the last five results, so the estimate follows a changing load.
         self._latency_s[entry.tenant] = took if previous is None else 0.8 * previous + 0.2 * took
+        for listener in self.listeners:
+            listener(request_id, outcome)
+
+    def forget(self, request_id: str, tenant: str) -> None:
+        """Drop a delivered result the client acknowledged having (retrieve_futures)."""
+        entry = self._entries.get(request_id)
+        if entry is not None and entry.tenant == tenant and entry.outcome is not None:
+            del self._entries[request_id]
 
     def pending(self, tenant: str) -> int:
         """How many of the tenant's futures have no result yet."""

@@ -8,7 +8,7 @@ operations carry no order and batch freely.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -133,6 +133,19 @@ class OperationQueue:
     def drop_samples(self, keep: Callable[[Operation], bool]) -> list[Operation]:
         dropped = [op for op in self._samples if not keep(op)]
         self._samples = collections.deque(op for op in self._samples if keep(op))
+        return dropped
+
+    def drop_requests(self, request_ids: Collection[str]) -> list[Operation]:
+        """Take these operations out of the queue unrun (their API key was revoked). A dropped
+        training operation's seq_id counts as consumed, so later ones of its model still run."""
+        dropped = self.drop_samples(lambda op: op.request_id not in request_ids)
+        for stream in self._streams.values():
+            for seq_id, op in list(stream.pending.items()):
+                if op.request_id in request_ids:
+                    del stream.pending[seq_id]
+                    stream.skipped.add(seq_id)
+                    dropped.append(op)
+            stream.advance()
         return dropped
 
     # ---- policy -----------------------------------------------------------------------------
