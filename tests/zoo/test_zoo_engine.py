@@ -150,3 +150,43 @@ def test_mixed_tenant_batches_on_moe_give_each_adapter_its_solo_gradient(
             assert_near(grads(be, key), solo[key], 1e-5, f"{arch} {key}", relative=True)
     finally:
         be.close()
+
+
+def test_experts_are_a_target_group_of_their_own(zoo_dir: Path, tmp_path: Path) -> None:
+    """`train_experts` splits the experts from `train_mlp` (None: they follow it), and a saved
+    adapter keeps the choice."""
+    folder = str(model_folder(zoo_dir, "deepseek_v3"))  # dense MLPs, shared and routed experts
+    be = TorchBackend([folder], cache_dir=tmp_path / "cache", device="cpu", dtype=torch.float32)
+    try:
+        [runtime] = be._runtimes.values()
+        bank = runtime.bank
+
+        def groups(**flags: Any) -> set[str]:
+            spec = AdapterSpec("x", folder, rank=2, seed=0, **flags)
+            return {bank.injected.group[name] for name in bank.module_names(spec)}
+
+        everything = {"attention", "mlp", "experts", "unembed"}
+        assert groups() == everything
+        assert groups(train_experts=False) == everything - {"experts"}
+        assert groups(train_mlp=False, train_experts=True) == everything - {"mlp"}
+        assert groups(train_mlp=False) == {"attention", "unembed"}
+
+        spec = AdapterSpec("E", folder, rank=2, seed=0, train_attn=False, train_mlp=False,
+                           train_unembed=False, train_experts=True)  # fmt: skip
+        be.create_adapter(spec)
+        train(be, "E", [example(seq(10, 1))], steps=1)
+        be.save_state("E", tmp_path / "e", optimizer=True)
+        assert checkpoints.read_spec(tmp_path / "e", "E2") == AdapterSpec(
+            "E2", folder, 2, 0, False, False, False, spec.alpha, True
+        )
+        config = json.loads((tmp_path / "e" / checkpoints.CONFIG_FILE).read_text())
+        assert config["target_modules"] == []
+        assert config["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+        be.create_adapter(checkpoints.read_spec(tmp_path / "e", "E2"))
+        be.load_state("E2", tmp_path / "e", optimizer=True)
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(params(be, "E").values(), params(be, "E2").values(), strict=True)
+        )
+    finally:
+        be.close()

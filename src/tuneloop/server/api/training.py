@@ -113,6 +113,7 @@ def _run_row(
         train_mlp=adapter.train_mlp,
         train_attn=adapter.train_attn,
         train_unembed=adapter.train_unembed,
+        train_experts=adapter.train_experts,
         user_metadata=user_metadata,
         # A run made from a package continues its step count, and the package is the
         # parent of what the run saves.
@@ -136,6 +137,7 @@ async def create_model(request: Request, state: State, tenant: Tenant) -> dict[s
         train_mlp=lora.train_mlp,
         train_attn=lora.train_attn,
         train_unembed=lora.train_unembed,
+        train_experts=lora.train_experts,
     )
 
     refuse_taken_model(state, tenant, adapter.adapter_id, raw)
@@ -174,7 +176,14 @@ async def get_info(request: Request, state: State, tenant: Tenant) -> dict[str, 
             tokenizer_id=(
                 run.base_model if state.config.tokenizer_id == "name" else str(spec.tokenizer_dir)
             ),
-            **lora_info(spec, run.lora_rank, run.train_attn, run.train_mlp, run.train_unembed),
+            **lora_info(
+                spec,
+                run.lora_rank,
+                run.train_attn,
+                run.train_mlp,
+                run.train_unembed,
+                run.train_experts,
+            ),
         ),
         optimizer_config={"type": "adamw"},
         is_lora=True,
@@ -220,6 +229,7 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[s
             train_mlp=source.train_mlp,
             train_attn=source.train_attn,
             train_unembed=source.train_unembed,
+            train_experts=source.train_experts,
         )
 
         def create_and_load(backend: Backend) -> None:

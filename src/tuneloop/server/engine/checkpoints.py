@@ -57,6 +57,7 @@ def adapter_meta(spec: AdapterSpec) -> dict[str, Any]:
         "train_mlp": spec.train_mlp,
         "train_attn": spec.train_attn,
         "train_unembed": spec.train_unembed,
+        "train_experts": spec.train_experts,
     }
 
 
@@ -101,6 +102,7 @@ def read_spec(directory: Path, adapter_id: str) -> AdapterSpec:
         train_attn=bool(extra.get("train_attn", True)),
         train_unembed=bool(extra.get("train_unembed", True)),
         alpha=float(config["lora_alpha"]),
+        train_experts=extra.get("train_experts"),
     )
 
 

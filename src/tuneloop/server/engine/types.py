@@ -76,30 +76,45 @@ class AdapterSpec:
     train_attn: bool = True
     train_unembed: bool = True
     alpha: float = 32.0
+    train_experts: bool | None = None  # None: as train_mlp
 
     @property
     def groups(self) -> tuple[str, ...]:
-        """The target groups trained: `train_mlp` covers dense MLPs and MoE experts alike."""
-        return target_groups(self.train_attn, self.train_mlp, self.train_unembed)
+        """The target groups trained: `train_mlp` covers dense MLPs and, unless `train_experts`
+        says otherwise, MoE experts."""
+        return target_groups(
+            self.train_attn, self.train_mlp, self.train_unembed, self.train_experts
+        )
 
 
-def target_groups(train_attn: bool, train_mlp: bool, train_unembed: bool) -> tuple[str, ...]:
+def target_groups(
+    train_attn: bool, train_mlp: bool, train_unembed: bool, train_experts: bool | None = None
+) -> tuple[str, ...]:
+    experts = train_mlp if train_experts is None else train_experts
     return (
         (("attention",) if train_attn else ())
-        + (("mlp", "experts") if train_mlp else ())
+        + (("mlp",) if train_mlp else ())
+        + (("experts",) if experts else ())
         + (("unembed",) if train_unembed else ())
     )
 
 
 def lora_info(
-    spec: ModelSpec, rank: int, train_attn: bool, train_mlp: bool, train_unembed: bool
+    spec: ModelSpec,
+    rank: int,
+    train_attn: bool,
+    train_mlp: bool,
+    train_unembed: bool,
+    train_experts: bool | None = None,
 ) -> dict[str, Any]:
     """get_info's account of one adapter: the model's size, the groups it covers there, and
     how many parameters it trains (empty where the backend does not say)."""
     if spec.lora is None:
         return {}
     groups = tuple(
-        g for g in target_groups(train_attn, train_mlp, train_unembed) if g in spec.lora.groups
+        g
+        for g in target_groups(train_attn, train_mlp, train_unembed, train_experts)
+        if g in spec.lora.groups
     )
     return {
         "num_parameters": spec.lora.parameters,
