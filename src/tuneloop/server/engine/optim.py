@@ -5,21 +5,26 @@ The client sends the learning rate (and betas, eps, weight decay, clip norm) wit
 hyperparameters before stepping ``torch.optim.AdamW`` (decoupled weight decay, "identical to
 torch.optim.AdamW" per the wire spec).
 
-Order of one step: global grad norm -> refuse a non-finite norm -> global-norm clip (when
-``grad_clip_norm`` > 0) -> AdamW -> clear the grads. A parameter whose ``.grad`` is None (no
+Order of one step: global grad norm -> skip on a non-finite norm -> global-norm clip (when
+``grad_clip_norm`` > 0) -> AdamW -> skip (undo) if a weight or moment came out non-finite ->
+clear the grads. A skipped step changes nothing but the gradients (discarded) and says so in
+its metrics (`isolation.skipped_step_metrics`), as mixed-precision trainers skip a step whose
+gradients overflowed: an adapter never becomes non-finite. A parameter whose ``.grad`` is None (no
 ``forward_backward`` reached it since the last step) counts as a zero gradient, so its moments
 still decay, weight decay still applies and every parameter shares one step count.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from tuneloop.server.engine.types import AdamStep, EngineError
+from tuneloop.server.engine.isolation import skipped_step_metrics
+from tuneloop.server.engine.types import AdamStep
 
 _STEPS_KEY = "tuneloop_steps"
 
@@ -47,8 +52,9 @@ class AdapterOptimizer:
         """Clip, apply one AdamW step with ``step``'s hyperparameters, then clear the grads.
 
         Returns ``grad_norm`` (the global L2 norm before clipping) and ``learning_rate``. A
-        non-finite norm raises a user ``EngineError`` before anything changes; the grads are
-        cleared so the adapter can train again.
+        non-finite norm, or a step whose weights or moments would be non-finite, is skipped:
+        the weights and optimizer state stay as they were, the grads are cleared so the adapter
+        can train again, and the metrics say so.
         """
         for p in self._params:
             if p.grad is None:
@@ -58,11 +64,8 @@ class AdapterOptimizer:
         grad_norm = float(total_norm)
         if not math.isfinite(grad_norm):
             self.zero_grad()
-            raise EngineError(
-                f"optim_step refused: non-finite gradient (global norm {grad_norm}); "
-                "the gradients were discarded and the weights are unchanged",
-                "user",
-            )
+            return skipped_step_metrics("gradients", step.learning_rate)
+        before = self._copy()
         if step.grad_clip_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(self._params, step.grad_clip_norm, total_norm)
         for group in self._adamw.param_groups:
@@ -72,8 +75,30 @@ class AdapterOptimizer:
             group["weight_decay"] = step.weight_decay
         self._adamw.step()
         self.zero_grad()
+        if not self._finite():
+            self._restore(before)
+            return skipped_step_metrics("weights", step.learning_rate)
         self._steps += 1
         return {"grad_norm": grad_norm, "learning_rate": step.learning_rate}
+
+    def _copy(self) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """The weights and AdamW state as they are, to take a step back that went non-finite."""
+        weights = [p.detach().clone() for p in self._params]
+        return weights, copy.deepcopy(self._adamw.state_dict())
+
+    def _restore(self, saved: tuple[list[torch.Tensor], dict[str, Any]]) -> None:
+        weights, state = saved
+        with torch.no_grad():
+            for param, weight in zip(self._params, weights, strict=True):
+                param.copy_(weight)
+        self._adamw.load_state_dict(state)
+
+    def _finite(self) -> bool:
+        """Whether every weight and every AdamW moment is finite."""
+        tensors: list[torch.Tensor] = [p.detach() for p in self._params]
+        for state in self._adamw.state.values():
+            tensors += [v for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor)]
+        return all(bool(torch.isfinite(t).all()) for t in tensors)
 
     def state_dict(self) -> dict[str, Any]:
         """The AdamW state (moments and per-parameter step counts) plus the step count."""
