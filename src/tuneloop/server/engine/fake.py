@@ -128,7 +128,8 @@ class FakeBackend:
         logits = self._base[tokens]
         if lora is not None:
             a, b, scale = lora
-            logits = logits + scale * (a[tokens] @ b)
+            with np.errstate(over="ignore", invalid="ignore"):  # checked by the callers
+                logits = logits + scale * (a[tokens] @ b)
         return logits
 
     # ---- training ---------------------------------------------------------------------------
@@ -154,18 +155,20 @@ class FakeBackend:
         # This request's gradients, added to the adapter's only once all are known and finite:
         # a request that fails part-way leaves the adapter as it was.
         grad_a, grad_b = np.zeros_like(adapter.grad_a), np.zeros_like(adapter.grad_b)
+        # Overflows are not warned about: the loss and gradients are checked below.
         for example in work.examples:
             lp, logprobs_all, targets = self._target_logprobs(adapter, example)
             inputs = {
                 k: v.astype(np.float64) for k, v in example.inputs.items() if k != "target_tokens"
             }
-            loss, grad_lp = loss_fn(lp, inputs, config)
-            total += loss
-            outputs.append(lp.astype(np.float32))
-            if not work.forward_only:
-                self._accumulate(
-                    adapter, example.tokens, logprobs_all, targets, grad_lp, (grad_a, grad_b)
-                )
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                loss, grad_lp = loss_fn(lp, inputs, config)
+                total += loss
+                outputs.append(lp.astype(np.float32))
+                if not work.forward_only:
+                    self._accumulate(
+                        adapter, example.tokens, logprobs_all, targets, grad_lp, (grad_a, grad_b)
+                    )
         if not np.isfinite(total):
             raise EngineError(f"the {work.loss_fn} loss is not finite for this request", "user")
         if not all_finite(grad_a, grad_b):
@@ -203,10 +206,9 @@ class FakeBackend:
         dlogits = -grad_2d.sum(axis=1, keepdims=True) * probs
         np.add.at(dlogits, (np.arange(len(tokens))[:, None], targets_2d), grad_2d)
         scale = adapter.scale
-        with np.errstate(over="ignore", invalid="ignore"):  # non-finite: refused by the caller
-            grad_a, grad_b = into
-            np.add.at(grad_a, tokens, scale * dlogits @ adapter.b.T)
-            grad_b += scale * adapter.a[tokens].T @ dlogits
+        grad_a, grad_b = into
+        np.add.at(grad_a, tokens, scale * dlogits @ adapter.b.T)
+        grad_b += scale * adapter.a[tokens].T @ dlogits
 
     def optim_step(self, adapter_id: str, step: AdamStep) -> dict[str, float]:
         """One AdamW step, computed aside and kept only if all of it is finite; otherwise

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import logging
 import math
 import time
@@ -29,8 +28,7 @@ T = TypeVar("T")
 
 
 def failure(message: str, category: str = "server") -> Outcome:
-    body = json.dumps({"error": message, "category": category}).encode()
-    return Outcome(body, "application/json", failed=True)
+    return Outcome.json({"error": message, "category": category}, failed=True)
 
 
 def _execute(backend: Backend, batch: Batch) -> list[Any]:
