@@ -108,7 +108,8 @@ def test_a_poisoned_request_joining_a_running_batch_fails_alone(poisoned: Any) -
 
     poisoned.sample_continuous([long], admit, deliver)
     assert len(got) == 5
-    assert isinstance(got[id(bad)], EngineError) and got[id(bad)].category == "user"
+    assert isinstance(got[id(bad)], EngineError)
+    assert got[id(bad)].category == "user"
     for w in (long, *victims):
         _same(ok(got[id(w)]), alone[id(w)])
 
@@ -131,7 +132,8 @@ def test_an_exception_in_one_requests_stop_check_fails_it_alone(
     culprit = sw("good", prompt(4, 11), seed=5, stop_strings=("never",))
     results = poisoned.sample([victims[0], culprit, *victims[1:]])
     assert isinstance(results[1], EngineError)
-    assert "UnicodeDecodeError" in str(results[1]) and "alone" in str(results[1])
+    assert "UnicodeDecodeError" in str(results[1])
+    assert "alone" in str(results[1])
     for mine, ref in zip([results[0], *results[2:]], alone, strict=True):
         _same(ok(mine), ref)
 
@@ -217,7 +219,8 @@ def test_one_requests_overflowing_gradients_fail_it_alone(backend: Any, packed: 
     alone_grads = grads(backend, "A")
     _two_adapters_again(backend)  # fresh adapters, the same weights
     results = backend.forward_backward([good, work("B", [_huge(seq(10, 33))])])
-    assert isinstance(results[1], EngineError) and results[1].category == "user"
+    assert isinstance(results[1], EngineError)
+    assert results[1].category == "user"
     assert "not finite" in str(results[1])
     mine = ok(results[0])
     assert mine.metrics["loss:sum"] == pytest.approx(ok(alone).metrics["loss:sum"], rel=1e-5)
@@ -253,7 +256,8 @@ def test_an_exception_in_one_requests_loss_fails_it_alone(
     monkeypatch.setattr(tb, "compute_loss", fragile)
     bad = work("B", [example(seq(8, 34))], config={"poison": 1.0})
     results = backend.forward_backward([bad, good])
-    assert isinstance(results[0], EngineError) and "loss exploded" in str(results[0])
+    assert isinstance(results[0], EngineError)
+    assert "loss exploded" in str(results[0])
     assert_near(ok(results[1]).logprobs, ok(alone).logprobs, 1e-5, "logprobs")
     assert_near(grads(backend, "A"), alone_grads, 1e-5, "grads", relative=True)
     assert all(not g.any() for g in grads(backend, "B"))
@@ -268,7 +272,8 @@ def test_optim_step_skips_non_finite_gradients_and_keeps_the_adapter(backend: An
         p.grad[0] = float("inf")
         break
     metrics = backend.optim_step("A", adam())
-    assert metrics[SKIPPED] == 1.0 and metrics[SKIPPED + "_nonfinite_gradients"] == 1.0
+    assert metrics[SKIPPED] == 1.0
+    assert metrics[SKIPPED + "_nonfinite_gradients"] == 1.0
     assert_near(params(backend, "A"), before, 0.0, "unchanged")
     assert all(not g.any() for g in grads(backend, "A"))  # discarded: it trains again
     ok(backend.forward_backward([work("A", TRAIN_DATA)])[0])

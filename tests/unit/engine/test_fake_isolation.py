@@ -35,16 +35,16 @@ def fb(adapter_id: str, *examples: Example, loss_fn: str = "cross_entropy") -> F
 
 
 def sw(sampler_id: str, seed: int, **kw: Any) -> SampleWork:
-    args: dict[str, Any] = dict(
-        num_samples=2,
-        max_tokens=6,
-        temperature=1.0,
-        top_k=-1,
-        top_p=1.0,
-        seed=seed,
-        stop_token_ids=(),
-        stop_strings=(),
-    )
+    args: dict[str, Any] = {
+        "num_samples": 2,
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "top_k": -1,
+        "top_p": 1.0,
+        "seed": seed,
+        "stop_token_ids": (),
+        "stop_strings": (),
+    }
     args.update(kw)
     prompt = np.random.default_rng(seed).integers(0, 256, size=4).astype(np.int64)
     return SampleWork(sampler_id, prompt, **args)
@@ -80,7 +80,8 @@ def test_a_poisoned_sampler_fails_alone_and_the_others_get_what_they_get_alone(
     alone = [be.sample([w])[0] for w in victims]
     results = be.sample([victims[0], sw("huge", 4), victims[1], sw("huge", 5), victims[2]])
     for bad in (results[1], results[3]):
-        assert isinstance(bad, EngineError) and bad.category == "user"
+        assert isinstance(bad, EngineError)
+        assert bad.category == "user"
         assert str(bad) == NON_FINITE_LOGITS
     for mine, ref in zip([results[0], results[2], results[4]], alone, strict=True):
         assert mine == ref  # exactly: the fake is deterministic per request
@@ -117,18 +118,24 @@ def test_one_failing_forward_backward_request_leaves_the_others_and_its_adapter(
             fb("B", datum(5), datum(6, weight=np.inf)),  # loss and gradients not finite
         ]
     )
-    assert isinstance(results[0], EngineError) and "KeyError" in str(results[0])
-    assert isinstance(results[2], EngineError) and results[2].category == "user"
+    assert isinstance(results[0], EngineError)
+    assert "KeyError" in str(results[0])
+    assert isinstance(results[2], EngineError)
+    assert results[2].category == "user"
     assert "not finite" in str(results[2])
     mine = results[1]
-    assert not isinstance(mine, EngineError) and not isinstance(alone, EngineError)
+    assert not isinstance(mine, EngineError)
+    assert not isinstance(alone, EngineError)
     assert mine.metrics == alone.metrics
     for x, y in zip(mine.logprobs, alone.logprobs, strict=True):
         np.testing.assert_array_equal(x, y)
-    for mine, ref in zip((be._adapters["A"].grad_a, be._adapters["A"].grad_b), alone_grads):
+    for mine, ref in zip(
+        (be._adapters["A"].grad_a, be._adapters["A"].grad_b), alone_grads, strict=True
+    ):
         np.testing.assert_array_equal(mine, ref)
     adapter_b = be._adapters["B"]
-    assert not adapter_b.grad_a.any() and not adapter_b.grad_b.any()  # nothing half-applied
+    assert not adapter_b.grad_a.any()
+    assert not adapter_b.grad_b.any()
 
 
 def test_optim_step_skips_what_would_be_non_finite(be: FakeBackend) -> None:
@@ -146,13 +153,15 @@ def test_optim_step_skips_what_would_be_non_finite(be: FakeBackend) -> None:
     adapter.m[1][0, 0] = 1e300
     moments[1][0, 0] = 1e300
     metrics = be.optim_step("A", AdamStep(1.0, 0.9, 0.0, 1e-8, 0.0, 0.0))
-    assert metrics[SKIPPED] == 1.0 and metrics[SKIPPED + "_nonfinite_weights"] == 1.0
+    assert metrics[SKIPPED] == 1.0
+    assert metrics[SKIPPED + "_nonfinite_weights"] == 1.0
     for p, b in zip(adapter.params(), before, strict=True):
         np.testing.assert_array_equal(p, b)
     for m, b in zip(adapter.m + adapter.v, moments, strict=True):
         np.testing.assert_array_equal(m, b)
     assert adapter.step == step_count
-    assert not adapter.grad_a.any() and not adapter.grad_b.any()
+    assert not adapter.grad_a.any()
+    assert not adapter.grad_b.any()
 
 
 def test_bisect_failures_narrows_a_raising_batch_to_its_culprits() -> None:
@@ -168,10 +177,14 @@ def test_bisect_failures_narrows_a_raising_batch_to_its_culprits() -> None:
 
     items = ["a", "bad", "b", "c", "user", "d"]
     results = bisect_failures(call, items, "sample")
-    assert results[0] == "ok a" and results[2:4] == ["ok b", "ok c"] and results[5] == "ok d"
-    assert isinstance(results[1], EngineError) and results[1].category == "server"
+    assert results[0] == "ok a"
+    assert results[2:4] == ["ok b", "ok c"]
+    assert results[5] == "ok d"
+    assert isinstance(results[1], EngineError)
+    assert results[1].category == "server"
     assert "ValueError: bad in batch" in str(results[1])
-    assert isinstance(results[4], EngineError) and results[4].category == "user"
+    assert isinstance(results[4], EngineError)
+    assert results[4].category == "user"
     assert str(results[4]) == "your fault"
     assert calls[0] == items
 
