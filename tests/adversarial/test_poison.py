@@ -11,7 +11,8 @@ tiny built-in model. B's hostile inputs:
 - load_weights of a checkpoint holding NaN (refused as the user's error: no route makes an
   adapter non-finite);
 - bursts of samples from a poisoned sampler (finite weights whose logits overflow), sent while
-  A samples, so that they share A's decode batches.
+  A samples, so that they share A's decode batches, and an OpenAI-route completion on its
+  checkpoint (a 400).
 
 Every answer B gets must be a 4xx or a user error, never a 5xx, and plain JSON; A's losses,
 grad norms, sampled tokens and logprobs must equal those of A's run alone (exactly on the
@@ -139,6 +140,7 @@ class Hostile:
     tenant: Tenant
     model_id: str
     poisoned: str  # a sampler whose logits overflow
+    poison_path: str  # its checkpoint
     nan_path: str  # a checkpoint holding NaN
     rounds: int = 0
     poisoned_answers: list[Answer] = field(default_factory=list)
@@ -155,7 +157,7 @@ def prepare_b(world: World) -> Hostile:
     scale_checkpoint(world.server.data_dir, "poison", OVERFLOW[world.model])
     scale_checkpoint(world.server.data_dir, "nan", math.nan)
     poisoned = b.sampler(session, poison_path, seq=0)
-    return Hostile(b, model_id, poisoned, nan_path)
+    return Hostile(b, model_id, poisoned, poison_path, nan_path)
 
 
 def hostile_round(h: Hostile, burst: threading.Event) -> None:
@@ -174,6 +176,11 @@ def hostile_round(h: Hostile, burst: threading.Event) -> None:
     burst.clear()
     pending = [b.asample(h.poisoned, PROMPTS[i % len(PROMPTS)], seed=i) for i in range(4)]
     h.poisoned_answers += [b.follow("poisoned asample", r) for r in pending]
+    # The OpenAI route on the poisoned checkpoint: the user's error, a 400.
+    body = {"model": h.poison_path, "prompt": PROMPTS[0], "max_tokens": 4}
+    response = b.http.post("/oai/api/v1/completions", json=body)
+    b.answers.append(Answer("oai completions", response.status_code, strict_json(response.text)))
+    assert response.status_code == 400, response.text
     h.rounds += 1
 
 
