@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -239,3 +240,26 @@ def test_a_step_whose_weights_would_overflow_is_skipped_and_taken_back() -> None
     set_grads(model, make_grads(0, model))
     assert SKIPPED not in optimizer.step(STEPS[0])
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_ordinary_steps_are_not_copied_and_a_risky_one_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy that takes a non-finite step back is made only for a step whose closed-form
+    bounds could overflow: ordinary training pays nothing for it, and stays bit-exact."""
+    copies: list[int] = []
+    original = AdapterOptimizer._copy
+
+    def counted(self: AdapterOptimizer) -> Any:
+        copies.append(self.steps)
+        return original(self)
+
+    monkeypatch.setattr(AdapterOptimizer, "_copy", counted)
+    expected, _ = reference_run(STEPS)
+    model = make_model()
+    optimizer = AdapterOptimizer(list(model.parameters()))
+    snapshots, _ = run_steps(model, optimizer, STEPS)
+    assert_same(snapshots, expected)
+    assert copies == []
+    risky = AdamStep(1.0, 0.9, 0.0, 1e-30, 0.0, 0.0)  # m / eps could reach 1e37
+    set_grads(model, [g * 1e6 for g in make_grads(50, model)])
+    assert SKIPPED not in optimizer.step(risky)  # finite, but only known so after the fact
+    assert copies == [len(STEPS)]
