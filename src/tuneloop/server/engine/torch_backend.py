@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine import checkpoints, sampler
-from tuneloop.server.engine.isolation import alone_error
+from tuneloop.server.engine.isolation import alone_error, bisect_failures
 from tuneloop.server.engine.logprobs import (
     pack_rows,
     pack_targets,
@@ -200,9 +200,14 @@ class TorchBackend:
             by_runtime.setdefault(id(runtime), []).append(index)
         for indices in by_runtime.values():
             runtime = self._adapters[batch[indices[0]].adapter_id].runtime
-            for index, result in zip(
-                indices, self._train(runtime, [batch[i] for i in indices]), strict=True
-            ):
+
+            def train(works: Sequence[ForwardBackwardWork], rt: _Runtime = runtime) -> list[Any]:
+                return list(self._train(rt, works))
+
+            # Micro-batches fail request by request (_isolated_micro_batch); anything else that
+            # raises runs the requests again apart, before any of them accumulated.
+            trained = bisect_failures(train, [batch[i] for i in indices], "forward_backward")
+            for index, result in zip(indices, trained, strict=True):
                 results[index] = result
         return [r if r is not None else EngineError("not run") for r in results]
 
