@@ -96,6 +96,14 @@ def _choose(logits: torch.Tensor, rows: list[_Row], temperature: torch.Tensor) -
     return [int(t) for t in chosen.tolist()]
 
 
+def _nonfinite_rows(logits: torch.Tensor) -> list[int]:
+    """The rows of `logits` [rows, V] holding a NaN or an infinity (one device sync)."""
+    finite = torch.isfinite(logits).all(dim=-1)
+    if bool(finite.all()):
+        return []
+    return [i for i, ok in enumerate(finite.tolist()) if not ok]
+
+
 def _topk(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
     values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]))
     return [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
@@ -466,15 +474,14 @@ class DecodeBatch:
         logits = self.logits
         # A row with a NaN or an infinity in its logits (its adapter's weights overflow) fails
         # its request alone; its draw below is made from zeros and thrown away.
-        finite = torch.isfinite(logits).all(dim=-1)
         failed: dict[int, tuple[RunningRequest, EngineError]] = {}
-        if not bool(finite.all()):
-            for ok, (request, _) in zip(finite.tolist(), self.rows, strict=True):
-                if not ok:
-                    failed.setdefault(
-                        id(request), (request, EngineError(NON_FINITE_LOGITS, "user"))
-                    )
-            logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
+        bad = _nonfinite_rows(logits)
+        if bad:
+            for i in bad:
+                request = self.rows[i][0]
+                failed.setdefault(id(request), (request, EngineError(NON_FINITE_LOGITS, "user")))
+            logits = logits.clone()
+            logits[bad] = 0.0
         step_logprobs = torch.log_softmax(logits, dim=-1)
         live = [row for _, row in self.rows]
         chosen = _choose(logits, live, self.temperature)
