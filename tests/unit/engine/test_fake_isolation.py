@@ -196,3 +196,16 @@ def test_bisect_failures_narrows_a_raising_batch_to_its_culprits() -> None:
     assert all(isinstance(e, EngineError) and "device on fire" in str(e) for e in everyone)
     miscounted = bisect_failures(lambda items: [], ["p", "q"], "sample")
     assert [e.category for e in miscounted] == ["server", "server"]
+
+
+def test_logprobs_beyond_float32_fail_the_request_not_the_result(be: FakeBackend) -> None:
+    """Float64 logprobs of -1e40 are finite, but the float32 a result carries would be -inf."""
+    be.create_adapter(AdapterSpec("B", FAKE_MODEL_NAME, 4, 2))
+    b = be._adapters["B"].b
+    b[:] = np.random.default_rng(3).normal(0.0, 1e40, size=b.shape)
+    [result] = be.forward_backward(
+        [ForwardBackwardWork("B", (datum(7),), "cross_entropy", {}, True)]
+    )
+    assert isinstance(result, EngineError)
+    assert result.category == "user"
+    assert "not finite" in str(result)

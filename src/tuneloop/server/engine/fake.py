@@ -169,7 +169,7 @@ class FakeBackend:
                     self._accumulate(
                         adapter, example.tokens, logprobs_all, targets, grad_lp, (grad_a, grad_b)
                     )
-        if not np.isfinite(total):
+        if not np.isfinite(total) or not all_finite(*outputs):
             raise EngineError(f"the {work.loss_fn} loss is not finite for this request", "user")
         if not all_finite(grad_a, grad_b):
             raise EngineError(
