@@ -12,6 +12,7 @@ they existed):
 Reported: the median time of each, and the ratio guarded / bare.
 
     python bench/isolation_overhead.py [--threads 2] [--repeats 3] [--json out.json]
+        [--datums 8] [--prompts 16] [--samples 4] [--new 32]
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--datums", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -72,17 +77,19 @@ def main() -> int:
     backend.create_adapter(t.AdapterSpec("a", MODEL, rank=RANK, seed=SEED))
     rng = np.random.default_rng(SEED)
     examples = []
-    for n in rng.integers(64, 192, size=8):
+    for n in rng.integers(64, 192, size=args.datums):
         tokens = rng.integers(0, 30000, size=int(n) + 1).astype(np.int64)
         examples.append(t.Example(tokens[:-1], {"target_tokens": tokens[1:]}))
     work = t.ForwardBackwardWork("a", tuple(examples), "cross_entropy", {}, False)
     step = t.AdamStep(1e-4, 0.9, 0.95, 1e-8, 0.0, 1.0)
     backend.create_sampler("s", MODEL, adapter_id="a")
     prompts = [
-        rng.integers(0, 30000, size=int(n)).astype(np.int64) for n in rng.integers(16, 48, 16)
+        rng.integers(0, 30000, size=int(n)).astype(np.int64)
+        for n in rng.integers(16, 48, args.prompts)
     ]
     samples = [
-        t.SampleWork("s", p, 4, 32, 1.0, -1, 1.0, SEED + i, (), ()) for i, p in enumerate(prompts)
+        t.SampleWork("s", p, args.samples, args.new, 1.0, -1, 1.0, SEED + i, (), ())
+        for i, p in enumerate(prompts)
     ]
 
     def train() -> float:
