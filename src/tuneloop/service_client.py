@@ -251,16 +251,29 @@ class ServiceClient:
     # ---- sampling, REST ------------------------------------------------------------------------
 
     def create_sampling_client(
-        self, model_path: str | None = None, base_model: str | None = None
+        self,
+        model_path: str | None = None,
+        base_model: str | None = None,
+        *,
+        record_stability_info: bool = False,
     ) -> SamplingClient:
         """A SamplingClient for saved sampler weights (`tinker://.../sampler_weights/...`) or a
-        plain base model (blocks)."""
-        return start_sampling_client(self._holder, model_path, base_model).result()
+        plain base model (blocks). `record_stability_info`: its samples can train with
+        `stable_reinforce` (see `SamplingClient`)."""
+        return start_sampling_client(
+            self._holder, model_path, base_model, record_stability_info=record_stability_info
+        ).result()
 
     async def create_sampling_client_async(
-        self, model_path: str | None = None, base_model: str | None = None
+        self,
+        model_path: str | None = None,
+        base_model: str | None = None,
+        *,
+        record_stability_info: bool = False,
     ) -> SamplingClient:
-        return await start_sampling_client(self._holder, model_path, base_model)
+        return await start_sampling_client(
+            self._holder, model_path, base_model, record_stability_info=record_stability_info
+        )
 
     def create_rest_client(self) -> RestClient:
         """A RestClient sharing this client's connection."""

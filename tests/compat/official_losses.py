@@ -4,8 +4,9 @@
 1. A DPO-style loss created with `create_custom_loss` runs on the server in ONE forward_backward
    and gives the loss, metrics and gradients the SDK's client-side protocol (a forward, then a
    second forward_backward with the surrogate weights) gives, on two adapters of one seed.
-   Gradients are compared through one optimizer step with eps = 1e3 and learning rate 1e3: the
-   first AdamW step is then lr * g / (|g| + eps) ~= g, so the step is the gradient itself.
+   Gradients are compared through one optimizer step with eps = 1 and learning rate 1 (the
+   largest the server accepts): the first AdamW step is then g / (|g| + 1) ~= g for the small
+   gradients here, so the step is nearly the gradient itself.
    The passes are counted by the server's usage meter.
 2. Hostile graphs are refused with a 400 naming the node.
 3. stable_reinforce: sampled with record_stability_info, datums with provenance train; a datum
@@ -118,7 +119,7 @@ def custom_losses(url: str, key: str, model: str) -> None:
     assert passes_server == {"forward_backward": 1}, passes_server
     assert passes_client == {"forward": 1, "forward_backward": 1}, passes_client
 
-    step = types.AdamParams(learning_rate=1e3, eps=1e3, beta1=0.0, beta2=0.0)
+    step = types.AdamParams(learning_rate=1.0, eps=1.0, beta1=0.0, beta2=0.0)
     scored = [
         types.Datum(
             model_input=d.model_input,

@@ -17,7 +17,8 @@ RL_HELP = {
     "group_size": "Samples per problem; advantages are rewards minus the group's mean.",
     "max_tokens": "Most tokens sampled per reply.",
     "temperature": "Sampling temperature of the training samples (1: the policy as it is).",
-    "loss": "Policy loss: importance_sampling, ppo or cispo (the latter two clip the ratio).",
+    "loss": "Policy loss: stable_reinforce (samplers record what they draw, the server weighs "
+    "against it), importance_sampling, ppo or cispo (the latter two clip the ratio).",
     "kl_coef": "Weight of a KL penalty against the base model, per token (0: off, no "
     "reference pass).",
     "max_staleness": "Optimizer steps a sample may lag behind the weights (>0: sample step k+1 "

@@ -10,7 +10,7 @@ from tuneloop.types.custom_loss import (
 )
 from tuneloop.types.datum import LOSS_INPUT_DTYPES, Datum
 from tuneloop.types.model_input import EncodedTextChunk, ImageChunk, ModelInput, ModelInputChunk
-from tuneloop.types.provenance import PromptProvenanceSpan, SampledProvenanceSpan
+from tuneloop.types.provenance import PromptProvenanceSpan, ProvenanceSpan, SampledProvenanceSpan
 from tuneloop.types.requests import (
     ClientConfigRequest,
     CreateModelRequest,
@@ -110,6 +110,7 @@ __all__ = [
     "OptimStepResponse",
     "OptimizerConfig",
     "PromptProvenanceSpan",
+    "ProvenanceSpan",
     "RequestFailedResponse",
     "RetrieveFutureRequest",
     "SampleRequest",

@@ -192,6 +192,9 @@ def _spans_from_proto(spans: Any, where: str) -> tuple[ProvenanceSpan, ...]:
         inner = getattr(span, kind)
         if inner.offset < 0 or inner.length < 0:
             raise WireFormatError(f"{where}[{k}]: offset and length must be >= 0", f"{where}[{k}]")
+        if not inner.sequence_id:
+            field = f"{where}[{k}].sequence_id"
+            raise WireFormatError(f"{field}: must be non-empty", field)
         cls = PromptProvenanceSpan if kind == "prompt_tokens" else SampledProvenanceSpan
         decoded.append(
             cls(sequence_id=inner.sequence_id, offset=int(inner.offset), length=int(inner.length))

@@ -22,6 +22,9 @@ class PromptProvenanceSpan:
     length: int
     offset: int = 0
 
+    def __post_init__(self) -> None:
+        _check(self, "PromptProvenanceSpan")
+
 
 @dataclass(frozen=True, kw_only=True)
 class SampledProvenanceSpan:
@@ -30,6 +33,19 @@ class SampledProvenanceSpan:
     sequence_id: str
     length: int
     offset: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self, "SampledProvenanceSpan")
+
+
+def _check(span: PromptProvenanceSpan | SampledProvenanceSpan, kind: str) -> None:
+    # As the official SDK does: a malformed span fails where it is built, not as a 400 later.
+    if not span.sequence_id:
+        raise ValueError(f"{kind}.sequence_id must be non-empty")
+    if span.length < 0:
+        raise ValueError(f"{kind}.length must be >= 0, got {span.length}")
+    if span.offset < 0:
+        raise ValueError(f"{kind}.offset must be >= 0, got {span.offset}")
 
 
 ProvenanceSpan = PromptProvenanceSpan | SampledProvenanceSpan

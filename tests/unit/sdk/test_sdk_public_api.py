@@ -29,11 +29,13 @@ EXPECTED_ALL = {
     "ModelInput",
     "NotFoundError",
     "PermissionDeniedError",
+    "PromptProvenanceSpan",
     "RateLimitError",
     "RequestFailedError",
     "RequestTooLargeError",
     "RestClient",
     "SampleResponse",
+    "SampledProvenanceSpan",
     "SampledSequence",
     "SamplingClient",
     "SamplingParams",
@@ -65,8 +67,31 @@ SIGNATURES = {
         "(self, path: 'str') -> 'TrainingClient'"
     ),
     tuneloop.ServiceClient.create_sampling_client: (
-        "(self, model_path: 'str | None' = None, base_model: 'str | None' = None) "
-        "-> 'SamplingClient'"
+        "(self, model_path: 'str | None' = None, base_model: 'str | None' = None, *, "
+        "record_stability_info: 'bool' = False) -> 'SamplingClient'"
+    ),
+    tuneloop.ServiceClient.create_sampling_client_async: (
+        "(self, model_path: 'str | None' = None, base_model: 'str | None' = None, *, "
+        "record_stability_info: 'bool' = False) -> 'SamplingClient'"
+    ),
+    tuneloop.TrainingClient.save_weights_and_get_sampling_client: (
+        "(self, *, record_stability_info: 'bool' = False) -> 'SamplingClient'"
+    ),
+    tuneloop.TrainingClient.save_weights_and_get_sampling_client_async: (
+        "(self, *, record_stability_info: 'bool' = False) -> 'SamplingClient'"
+    ),
+    tuneloop.TrainingClient.create_sampling_client: (
+        "(self, model_path: 'str', *, record_stability_info: 'bool' = False) -> 'SamplingClient'"
+    ),
+    tuneloop.Datum.with_provenance: (
+        "(self, model_input: 'Sequence[ProvenanceSpan]', "
+        "loss_fn_inputs: 'Sequence[ProvenanceSpan]') -> 'Datum'"
+    ),
+    tuneloop.PromptProvenanceSpan.__init__: (
+        "(self, *, sequence_id: 'str', length: 'int', offset: 'int' = 0) -> None"
+    ),
+    tuneloop.SampledProvenanceSpan.__init__: (
+        "(self, *, sequence_id: 'str', length: 'int', offset: 'int' = 0) -> None"
     ),
     tuneloop.TrainingClient.forward_backward: (
         "(self, data: 'Sequence[Datum]', loss_fn: 'str', "

@@ -127,6 +127,9 @@ async def _create_sampler(
             raise
         if not _still_readable(state, tenant, model_path):
             raise not_found(f"checkpoint {model_path!r}", "model_path") from None
+        if isinstance(exc, EngineError) and exc.category == "user":
+            # Its weights are there but unusable (e.g. non-finite): the caller's error.
+            raise bad_request(f"model_path: {exc}", "model_path") from None
         # The row remains but its files are gone or cut short (removed by hand, a full disk).
         raise _checkpoint_gone(model_path, f": {exc}") from None
     if model_path is not None and not _still_readable(state, tenant, model_path):

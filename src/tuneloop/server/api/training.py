@@ -32,11 +32,10 @@ from tuneloop.server.api.taken_ids import (
     refuse_taken_model,
     refuse_taken_sampler,
 )
-from tuneloop.server.api.validation import decode_limits, forward_backward_work
+from tuneloop.server.api.validation import adam_step, decode_limits, forward_backward_work
 from tuneloop.server.api.zstd_body import DecompressedTooLargeError, decompress_bounded
 from tuneloop.server.engine.backend import Backend
 from tuneloop.server.engine.types import (
-    AdamStep,
     AdapterSpec,
     EngineError,
     ForwardBackwardResult,
@@ -77,7 +76,7 @@ router = APIRouter(prefix="/api/v1")
 
 
 def json_outcome(payload: dict[str, Any]) -> Outcome:
-    return Outcome(json.dumps(payload).encode(), "application/json")
+    return Outcome.json(payload)  # never a NaN / Infinity literal
 
 
 def _model_id(session_id: str, model_seq_id: int) -> str:
@@ -381,8 +380,7 @@ def _seq_id(seq_id: int | None) -> int:
 async def optim_step(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, raw = await read_json(request, OptimStepRequest)
     run = state.live_training_run(body.model_id, tenant)
-    p = body.params
-    step = AdamStep(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
+    step = adam_step(body)
     model_id = run.id
 
     def finish(metrics: dict[str, float]) -> Outcome:

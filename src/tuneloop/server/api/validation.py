@@ -12,8 +12,14 @@ import numpy as np
 
 from tuneloop.server.api.errors import ApiError, bad_request
 from tuneloop.server.engine.loss_specs import LOSS_SPECS, UNSUPPORTED_LOSSES
-from tuneloop.server.engine.types import Example, ForwardBackwardWork, ModelSpec, SampleWork
-from tuneloop.types import EncodedTextChunk, ModelInput, SampleRequest
+from tuneloop.server.engine.types import (
+    AdamStep,
+    Example,
+    ForwardBackwardWork,
+    ModelSpec,
+    SampleWork,
+)
+from tuneloop.types import EncodedTextChunk, ModelInput, OptimStepRequest, SampleRequest
 from tuneloop.types.codec import DecodeLimits, ForwardBackwardRequest
 from tuneloop.types.tensor import TensorData
 
@@ -220,4 +226,53 @@ def sample_work(request: SampleRequest, spec: ModelSpec, sampler_id: str) -> Sam
     )
 
 
-__all__ = ["ApiError", "decode_limits", "forward_backward_work", "sample_work", "tokens_of"]
+__all__ = [
+    "ApiError",
+    "adam_step",
+    "decode_limits",
+    "forward_backward_work",
+    "sample_work",
+    "tokens_of",
+]
+
+
+# AdamW's hyperparameters, each finite and within what a step can take without overflowing:
+# a learning rate of 1e308 (or Infinity) would make the adapter non-finite in one step. The
+# engine also skips any step that would still come out non-finite (engine/optim.py).
+ADAM_LIMITS: dict[str, tuple[float, float, bool]] = {
+    # field: (lowest, highest, highest included)
+    "learning_rate": (0.0, 1.0, True),
+    "beta1": (0.0, 1.0, False),
+    "beta2": (0.0, 1.0, False),
+    "eps": (1e-30, 1.0, True),
+    "weight_decay": (0.0, 1.0, True),
+    "grad_clip_norm": (0.0, 1e6, True),  # 0 = no clipping
+}
+
+
+def adam_step(request: OptimStepRequest) -> AdamStep:
+    """The engine's `AdamStep` of an optim_step request; a 400 names a value out of range."""
+    name = next(
+        (n for n in ("adam_params", "optimizer_params", "optim_params") if getattr(request, n)),
+        "adam_params",
+    )
+    params = request.params
+    for key, (low, high, high_ok) in ADAM_LIMITS.items():
+        value = float(getattr(params, key))
+        inside = (
+            math.isfinite(value) and low <= value and (value <= high if high_ok else value < high)
+        )
+        if not inside:
+            bound = f"<= {high:g}" if high_ok else f"< {high:g}"
+            raise bad_request(
+                f"{name}.{key}: {value!r} is out of range: must be finite, >= {low:g} and {bound}",
+                f"{name}.{key}",
+            )
+    return AdamStep(
+        params.learning_rate,
+        params.beta1,
+        params.beta2,
+        params.eps,
+        params.weight_decay,
+        params.grad_clip_norm,
+    )

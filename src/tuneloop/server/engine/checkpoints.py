@@ -86,6 +86,12 @@ def read_factors(directory: Path) -> dict[str, torch.Tensor]:
         tensors = load_file(str(directory / ADAPTER_FILE))
     except FileNotFoundError:
         raise EngineError(f"no adapter weights in checkpoint {directory.name!r}", "user") from None
+    for name, tensor in tensors.items():
+        # Refused where it would enter the engine: a NaN adapter would answer NaN to its user.
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise EngineError(
+                f"checkpoint {directory.name!r} holds non-finite weights ({name})", "user"
+            )
     return {k.removeprefix(_PEFT_PREFIX): v for k, v in tensors.items()}
 
 

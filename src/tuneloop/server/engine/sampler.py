@@ -13,6 +13,7 @@ token is drawn.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,9 +23,11 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from tuneloop.server.engine.isolation import NON_FINITE_LOGITS, alone_error
 from tuneloop.server.engine.logprobs import pad_rows, prompt_scores
 from tuneloop.server.engine.lora import AdapterBank, Routing
 from tuneloop.server.engine.types import (
+    EngineError,
     SampledTokens,
     SampleResult,
     SampleWork,
@@ -91,6 +94,14 @@ def _choose(logits: torch.Tensor, rows: list[_Row], temperature: torch.Tensor) -
     drawn = drawn.clamp(max=logits.shape[-1] - 1)
     chosen = torch.where(is_greedy, greedy, drawn)
     return [int(t) for t in chosen.tolist()]
+
+
+def _nonfinite_rows(logits: torch.Tensor) -> list[int]:
+    """The rows of `logits` [rows, V] holding a NaN or an infinity (one device sync)."""
+    finite = torch.isfinite(logits).all(dim=-1)
+    if bool(finite.all()):
+        return []
+    return [i for i, ok in enumerate(finite.tolist()) if not ok]
 
 
 def _topk(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
@@ -181,6 +192,11 @@ class DecodeBatch:
     so a long prompt slows the running rows' steps a little instead of stopping them. A row that
     stops leaves the batch at once, and a request whose rows have all stopped is handed back by
     `step()` at once, not when the longest request of the batch ends.
+
+    One request's failure is its own: a row whose logits are not finite (its adapter's weights
+    overflow), or an exception in a request's own work (scoring its prompt, stop checks, its
+    result), fails that request alone, handed back by `step()` with its `EngineError`; a joining
+    prefill that raises is run again request by request, so only the one failing alone fails.
     """
 
     def __init__(
@@ -197,6 +213,7 @@ class DecodeBatch:
         self.device = next(model.parameters()).device
         self.rows: list[tuple[RunningRequest, _Row]] = []  # decode-batch row i
         self.pending: list[_Prefill] = []  # joining, in arrival order
+        self.failed: list[tuple[RunningRequest, EngineError]] = []  # handed back by step()
         self.cache = DynamicCache()
         self.mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
         self.next_pos = torch.zeros((0, 1), dtype=torch.long, device=self.device)
@@ -237,11 +254,39 @@ class DecodeBatch:
         (`others_decoding`), there is no one to stall: the prefill then runs whole, now.
         """
         device = self.device
-        scored = _score_prompts(self.model, self.bank, works, keys, self.pad_id, device)
+        try:
+            scored = _score_prompts(self.model, self.bank, works, keys, self.pad_id, device)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:
+            if len(works) == 1:
+                log.exception("scoring a prompt failed")
+                self.failed.append(
+                    (
+                        RunningRequest(works[0], keys[0], [], (None, None)),
+                        alone_error(exc, "sample"),
+                    )
+                )
+                return []
+            # Run again request by request: only one that fails alone fails.
+            return [
+                request
+                for work, key in zip(works, keys, strict=True)
+                for request in self.add([work], [key], others_decoding=others_decoding)
+            ]
         requests = []
         for index, (work, key) in enumerate(zip(works, keys, strict=True)):
             rows = [_Row(work, _generator(work.seed, j), index=j) for j in range(work.num_samples)]
             requests.append(RunningRequest(work, key, rows, scored.get(index, (None, None))))
+        self.pending.append(self._prefill_of(requests, list(keys)))
+        if not self.rows and not others_decoding:
+            self._prefill_some(chunked=False)
+        return requests
+
+    def _prefill_of(self, requests: list[RunningRequest], keys: list[str | None]) -> _Prefill:
+        """The prefill of `requests`' prompts, left-padded to the longest."""
+        device = self.device
+        works = [request.work for request in requests]
         width = max(len(w.prompt) for w in works)
         input_ids = torch.full((len(works), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(works), width), dtype=torch.long)
@@ -253,11 +298,7 @@ class DecodeBatch:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         # A growing cache: a static one (written in place, no re-copy per step) was measured
         # 10 % slower on CPU at 128 rows x 64 steps, its attention spanning the full length.
-        prefill = _Prefill(requests, list(keys), input_ids, mask, positions)
-        self.pending.append(prefill)
-        if not self.rows and not others_decoding:
-            self._prefill_some(chunked=False)
-        return requests
+        return _Prefill(requests, keys, input_ids, mask, positions)
 
     def _advance(self, prefill: _Prefill, tokens: float) -> None:
         """Prefill the next columns of `prefill`, about `tokens` prompt tokens (all rows)."""
@@ -283,7 +324,20 @@ class DecodeBatch:
         if not self.pending:
             return
         prefill = self.pending[0]
-        self._advance(prefill, self.prefill_chunk if chunked else float("inf"))
+        try:
+            self._advance(prefill, self.prefill_chunk if chunked else float("inf"))
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:
+            self.pending.pop(0)
+            if len(prefill.requests) == 1:
+                log.exception("a prefill failed")
+                self.failed.append((prefill.requests[0], alone_error(exc, "sample")))
+                return
+            # Run again request by request, each alone (unpadded): only one failing alone fails.
+            for request, key in reversed(list(zip(prefill.requests, prefill.keys, strict=True))):
+                self.pending.insert(0, self._prefill_of([request], [key]))
+            return
         if prefill.logits is None:
             return
         self.pending.pop(0)
@@ -400,40 +454,54 @@ class DecodeBatch:
         )
 
     @torch.no_grad()
-    def step(self, *, others_decoding: bool = False) -> list[tuple[RunningRequest, SampleResult]]:
+    def step(
+        self, *, others_decoding: bool = False
+    ) -> list[tuple[RunningRequest, SampleResult | EngineError]]:
         """Draw one token for every row, retire the rows that stop, run the model once for the
         rest, and advance a joining prefill by one chunk (all of it when no row decodes here
-        or in `others_decoding` batches). Returns the requests that finished, with results."""
-        finished = self._decode() if self.rows else []
+        or in `others_decoding` batches). Returns the requests that finished, with results,
+        and those that failed, with their errors."""
+        finished: list[tuple[RunningRequest, SampleResult | EngineError]] = []
+        finished += self._decode() if self.rows else []
         self._prefill_some(chunked=bool(self.rows) or others_decoding)
+        finished += self.failed
+        self.failed = []
         return finished
 
-    def _decode(self) -> list[tuple[RunningRequest, SampleResult]]:
+    def _decode(self) -> list[tuple[RunningRequest, SampleResult | EngineError]]:
         assert self.logits is not None
         device = self.device
         logits = self.logits
+        # A row with a NaN or an infinity in its logits (its adapter's weights overflow) fails
+        # its request alone; its draw below is made from zeros and thrown away.
+        failed: dict[int, tuple[RunningRequest, EngineError]] = {}
+        bad = _nonfinite_rows(logits)
+        if bad:
+            for i in bad:
+                request = self.rows[i][0]
+                failed.setdefault(id(request), (request, EngineError(NON_FINITE_LOGITS, "user")))
+            logits = logits.clone()
+            logits[bad] = 0.0
         step_logprobs = torch.log_softmax(logits, dim=-1)
         live = [row for _, row in self.rows]
         chosen = _choose(logits, live, self.temperature)
         chosen_lp = step_logprobs.gather(1, torch.tensor(chosen, device=device)[:, None])
         chosen_lp_list = chosen_lp[:, 0].tolist()
         keep: list[int] = []
-        finished: list[tuple[RunningRequest, SampleResult]] = []
+        finished: list[tuple[RunningRequest, SampleResult | EngineError]] = []
         for i, (request, row) in enumerate(self.rows):
-            token = chosen[i]
-            row.tokens.append(token)
-            row.logprobs.append(float(chosen_lp_list[i]))
-            if row.work.topk_sample_logprobs:
-                row.topk.append(_topk(step_logprobs[i], row.work.topk_sample_logprobs))
-            if row.work.on_token is not None:
-                _tell(row)
-            row.stop_reason = _finished(row, token, self.decode)
-            if row.stop_reason is None:
-                keep.append(i)
+            if id(request) in failed:
                 continue
-            request.done += 1
-            if request.done == len(request.rows):
-                finished.append((request, _result(request)))
+            try:
+                if self._advance_row(request, row, chosen[i], chosen_lp_list[i], step_logprobs[i]):
+                    keep.append(i)
+                elif request.done == len(request.rows):
+                    finished.append((request, _result(request)))
+            except Exception as exc:  # this request's own work: it fails alone
+                log.exception("sampling failed for one request")
+                failed[id(request)] = (request, alone_error(exc, "sample"))
+        keep = [i for i in keep if id(self.rows[i][0]) not in failed]
+        finished += failed.values()
         next_tokens = torch.tensor([[chosen[i]] for i in keep], dtype=torch.long, device=device)
         self.logits = None  # used up: the forward below gives the next ones
         self._keep(keep)  # finished rows leave the batch
@@ -452,6 +520,22 @@ class DecodeBatch:
         self.logits = out.logits[:, -1].float()
         self.next_pos = self.next_pos + 1
         return finished
+
+    def _advance_row(
+        self, request: RunningRequest, row: _Row, token: int, logprob: float, lps: torch.Tensor
+    ) -> bool:
+        """Record a row's drawn token; whether it goes on (False: it stopped)."""
+        row.tokens.append(token)
+        row.logprobs.append(float(logprob))
+        if row.work.topk_sample_logprobs:
+            row.topk.append(_topk(lps, row.work.topk_sample_logprobs))
+        if row.work.on_token is not None:
+            _tell(row)
+        row.stop_reason = _finished(row, token, self.decode)
+        if row.stop_reason is None:
+            return True
+        request.done += 1
+        return False
 
     def close(self) -> None:
         """Drop the cached routing (its stacked factors) and the KV cache."""
@@ -503,6 +587,8 @@ def _score_prompts(
 def _result(request: RunningRequest) -> SampleResult:
     work = request.work
     prompt_lp, prompt_topk = request.scores
+    if prompt_lp is not None and not all(x is None or math.isfinite(x) for x in prompt_lp):
+        raise EngineError(NON_FINITE_LOGITS, "user")
     sequences = [
         SampledTokens(
             r.tokens,

@@ -24,6 +24,7 @@ from torch import nn
 from tuneloop.server.engine import checkpoints, sampler
 from tuneloop.server.engine.backend import KVCacheUse
 from tuneloop.server.engine.custom_loss_graph import reduce_metrics
+from tuneloop.server.engine.isolation import alone_error, bisect_failures
 from tuneloop.server.engine.logprobs import (
     pack_rows,
     pack_targets,
@@ -204,9 +205,14 @@ class TorchBackend:
             by_runtime.setdefault(id(runtime), []).append(index)
         for indices in by_runtime.values():
             runtime = self._adapters[batch[indices[0]].adapter_id].runtime
-            for index, result in zip(
-                indices, self._train(runtime, [batch[i] for i in indices]), strict=True
-            ):
+
+            def train(works: Sequence[ForwardBackwardWork], rt: _Runtime = runtime) -> list[Any]:
+                return list(self._train(rt, works))
+
+            # Micro-batches fail request by request (_isolated_micro_batch); anything else that
+            # raises runs the requests again apart, before any of them accumulated.
+            trained = bisect_failures(train, [batch[i] for i in indices], "forward_backward")
+            for index, result in zip(indices, trained, strict=True):
                 results[index] = result
         return [r if r is not None else EngineError("not run") for r in results]
 
@@ -281,7 +287,9 @@ class TorchBackend:
                 params = runtime.bank.parameters(works[alone].adapter_id)
                 saved = (alone, [None if p.grad is None else p.grad.clone() for p in params])
             try:
-                self._run_micro_batch(runtime, works, micro, losses, logprobs, failed, metric_sums)
+                self._isolated_micro_batch(
+                    runtime, works, micro, losses, logprobs, failed, metric_sums
+                )
             except torch.OutOfMemoryError:
                 for row in micro:
                     failed.setdefault(
@@ -299,6 +307,73 @@ class TorchBackend:
             )
             for i in range(len(works))
         ]
+
+    def _isolated_micro_batch(
+        self,
+        runtime: _Runtime,
+        works: Sequence[ForwardBackwardWork],
+        micro: list[_Row],
+        losses: list[float],
+        logprobs: list[list[np.ndarray]],
+        failed: dict[int, EngineError],
+        metric_sums: list[dict[str, float]],
+    ) -> None:
+        """`_run_micro_batch`, its gradients accumulated only if they are finite.
+
+        The micro-batch's gradients are computed apart from those accumulated before and added
+        to them once checked. If they are not finite (rows of several requests share a packed
+        attention, where one request's overflowing gradient reaches the others' through
+        masked-out positions, 0 x inf), or the micro-batch raises, they are dropped and each
+        request runs again alone: the one that fails alone fails, with nothing accumulated,
+        and every other gets what it gets alone.
+        """
+        keys = list(dict.fromkeys(works[r.work_index].adapter_id for r in micro))
+        params = {
+            key: runtime.bank.parameters(key)
+            for key in keys
+            if any(not works[r.work_index].forward_only and r.key == key for r in micro)
+        }
+        held = {key: [p.grad for p in ps] for key, ps in params.items()}
+        for ps in params.values():
+            for param in ps:
+                param.grad = None
+        indices = list(dict.fromkeys(r.work_index for r in micro))
+        before = (
+            dict(failed),
+            {i: losses[i] for i in indices},
+            {i: len(logprobs[i]) for i in indices},
+            {i: dict(metric_sums[i]) for i in indices},
+        )
+        try:
+            self._run_micro_batch(runtime, works, micro, losses, logprobs, failed, metric_sums)
+        except torch.OutOfMemoryError:
+            _put_back(params, held, keep_new=False)
+            raise
+        except Exception as exc:
+            _put_back(params, held, keep_new=False)
+            error: EngineError = alone_error(exc, "forward_backward")
+        else:
+            if all(_finite_grads(ps) for ps in params.values()):
+                _put_back(params, held, keep_new=True)
+                return
+            _put_back(params, held, keep_new=False)
+            error = EngineError(
+                "the gradients of this request are not finite (its loss inputs are too large "
+                "for its model); nothing was accumulated",
+                "user",
+            )
+        failed.clear()
+        failed.update(before[0])
+        for i in indices:
+            losses[i] = before[1][i]
+            del logprobs[i][before[2][i] :]
+            metric_sums[i] = before[3][i]
+        if len(indices) == 1:
+            failed.setdefault(indices[0], error)
+            return
+        for i in indices:
+            alone = [r for r in micro if r.work_index == i]
+            self._isolated_micro_batch(runtime, works, alone, losses, logprobs, failed, metric_sums)
 
     def _run_micro_batch(
         self,
@@ -516,6 +591,28 @@ class TorchBackend:
         self._adapters.clear()
         self._samplers.clear()
         self._runtimes.clear()
+
+
+def _put_back(
+    params: dict[str, list[nn.Parameter]],
+    held: dict[str, list[torch.Tensor | None]],
+    *,
+    keep_new: bool,
+) -> None:
+    """Gradients back to those `held` before a micro-batch, its own added (`keep_new`)."""
+    for key, ps in params.items():
+        for param, old in zip(ps, held[key], strict=True):
+            new = param.grad if keep_new else None
+            if old is not None and new is not None:
+                param.grad = old.add_(new)
+            else:
+                param.grad = old if old is not None else new
+
+
+def _finite_grads(params: Sequence[nn.Parameter]) -> bool:
+    """Whether the gradients' global norm is finite (what optim_step requires)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    return not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
 
 
 def _cancelled() -> EngineError:

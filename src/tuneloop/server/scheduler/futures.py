@@ -11,12 +11,15 @@ lost for good and the client must submit the request again.
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import re
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 # req-<8 hex: boot id>-<24 hex>, and the plain req-<24 hex> of versions before boot ids.
 _REQUEST_ID = re.compile(r"^req-(?:([0-9a-f]{8})-)?[0-9a-f]{24}$")
@@ -29,6 +32,25 @@ class Outcome:
     body: bytes
     media_type: str  # application/json or application/x-protobuf
     failed: bool = False
+
+    @classmethod
+    def json(cls, payload: Any, *, failed: bool = False) -> Outcome:
+        """A JSON outcome. JSON has no NaN or infinity (Python would write the non-JSON literals
+        `NaN` / `Infinity`, which strict clients refuse): a non-finite float becomes null,
+        "no finite value". The engine keeps results finite; this makes it a guarantee."""
+        body = json.dumps(finite_json(payload), allow_nan=False)
+        return cls(body.encode(), "application/json", failed)
+
+
+def finite_json(value: Any) -> Any:
+    """`value` (dicts, lists, tuples, scalars) with every non-finite float replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_json(v) for v in value]
+    return value
 
 
 @dataclass
