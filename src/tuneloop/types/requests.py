@@ -61,9 +61,12 @@ class CreateModelRequest(StrictBase):
     @model_validator(mode="after")
     def _something_trains(self) -> CreateModelRequest:
         lora = self.lora_config
-        if lora and not (lora.train_mlp or lora.train_attn or lora.train_unembed):
+        if lora and not (
+            lora.train_mlp or lora.train_attn or lora.train_unembed or lora.train_experts
+        ):
             raise ValueError(
-                "lora_config: one of train_mlp, train_attn, train_unembed must be true"
+                "lora_config: one of train_mlp, train_attn, train_unembed, train_experts must be"
+                " true"
             )
         return self
 

@@ -617,3 +617,23 @@ async def test_optimizer_state_from_a_sampler_checkpoint_is_400(api: Api) -> Non
     expect_error(await api.post("load_weights", {**load, "optimizer": True}), 400, "optimizer")
     loaded = await api.result(await api.post("load_weights", load))
     assert loaded.json()["model_id"] == f"{session_id}:train:1"
+
+
+async def test_experts_alone_are_something_to_train_and_the_run_keeps_the_choice(api: Api) -> None:
+    import httpx
+
+    session_id = await api.session()
+    off = {"train_mlp": False, "train_attn": False, "train_unembed": False}
+    body = {"session_id": session_id, "model_seq_id": 0, "base_model": MODEL}
+    nothing = {**body, "lora_config": {"rank": 4, **off, "train_experts": False}}
+    bad = await api.post("create_model", nothing)
+    expect_error(bad, 400, "body")
+    assert "train_experts" in bad.json()["detail"]
+    experts = {**body, "lora_config": {"rank": 4, **off, "train_experts": True}}
+    done = await api.result(await api.post("create_model", experts))
+    model_id = done.json()["model_id"]
+    transport = api.http._transport
+    assert isinstance(transport, httpx.ASGITransport)
+    state = transport.app.state.tuneloop  # type: ignore[attr-defined]
+    run = state.registry.training_run(model_id, "alice")
+    assert (run.train_mlp, run.train_experts) == (False, True)

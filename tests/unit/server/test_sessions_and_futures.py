@@ -161,6 +161,12 @@ async def test_capabilities_list_the_fake_model(api: Api) -> None:
             "max_context_length": 2048,
             "trainable": True,
             "sampleable": True,
+            "arch": "bigram",
+            # The fake backend has no layers to report LoRA coverage for.
+            "num_parameters": None,
+            "lora_groups": None,
+            "lora_coverage": None,
+            "lora_parameters_per_rank": None,
         }
     ]
 

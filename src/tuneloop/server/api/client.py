@@ -77,7 +77,12 @@ async def healthz() -> dict[str, str]:
 @router.get("/get_server_capabilities")
 async def capabilities(state: State, _tenant: Tenant) -> dict[str, Any]:
     models = [
-        SupportedModel(model_name=m.name, max_context_length=m.max_context_length)
+        SupportedModel(
+            model_name=m.name,
+            max_context_length=m.max_context_length,
+            arch=m.arch,
+            **({} if m.lora is None else m.lora.summary()),
+        )
         for m in state.models.values()
     ]
     return GetServerCapabilitiesResponse(supported_models=models).model_dump()

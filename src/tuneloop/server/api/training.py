@@ -39,6 +39,7 @@ from tuneloop.server.engine.types import (
     AdapterSpec,
     EngineError,
     ForwardBackwardResult,
+    lora_info,
 )
 from tuneloop.server.scheduler.futures import Outcome
 from tuneloop.server.storage.layout import TinkerPath, valid_name
@@ -111,6 +112,7 @@ def _run_row(
         train_mlp=adapter.train_mlp,
         train_attn=adapter.train_attn,
         train_unembed=adapter.train_unembed,
+        train_experts=adapter.train_experts,
         user_metadata=user_metadata,
         # A run made from a package continues its step count, and the package is the
         # parent of what the run saves.
@@ -134,6 +136,7 @@ async def create_model(request: Request, state: State, tenant: Tenant) -> dict[s
         train_mlp=lora.train_mlp,
         train_attn=lora.train_attn,
         train_unembed=lora.train_unembed,
+        train_experts=lora.train_experts,
     )
 
     refuse_taken_model(state, tenant, adapter.adapter_id, raw)
@@ -171,6 +174,14 @@ async def get_info(request: Request, state: State, tenant: Tenant) -> dict[str, 
             model_name=run.base_model,
             tokenizer_id=(
                 run.base_model if state.config.tokenizer_id == "name" else str(spec.tokenizer_dir)
+            ),
+            **lora_info(
+                spec,
+                run.lora_rank,
+                run.train_attn,
+                run.train_mlp,
+                run.train_unembed,
+                run.train_experts,
             ),
         ),
         optimizer_config={"type": "adamw"},
@@ -217,6 +228,7 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[s
             train_mlp=source.train_mlp,
             train_attn=source.train_attn,
             train_unembed=source.train_unembed,
+            train_experts=source.train_experts,
         )
 
         def create_and_load(backend: Backend) -> None:

@@ -307,6 +307,10 @@ def run_server(
         await original_startup(sockets=sockets)
         if server.started:  # with --port 0 the OS picks the port: print the bound one
             bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else config.port
+            state = getattr(app.state, "tuneloop", None)
+            for spec in state.models.values() if state is not None else ():
+                if spec.lora is not None:  # what the adapters cover on each served model
+                    print(spec.lora.describe(spec.name, spec.arch), flush=True)
             print(f"tuneloop serving at http://{config.host}:{bound}", flush=True)
             print(f"web console at http://{config.host}:{bound}/console", flush=True)
 

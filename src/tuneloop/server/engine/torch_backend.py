@@ -32,10 +32,10 @@ from tuneloop.server.engine.logprobs import (
     pad_targets,
     target_logprobs,
 )
-from tuneloop.server.engine.lora import AdapterBank, inject
+from tuneloop.server.engine.lora import AdapterBank
 from tuneloop.server.engine.losses import datum_loss
 from tuneloop.server.engine.memory import kv_bytes_per_token, training_token_budget
-from tuneloop.server.engine.models import LoadedModel, default_dtype, load_model
+from tuneloop.server.engine.models import LoadedModel, default_dtype, load_model, with_adapters
 from tuneloop.server.engine.optim import AdapterOptimizer
 from tuneloop.server.engine.packing import enable_packing, packed_positions, packed_segments
 from tuneloop.server.engine.types import (
@@ -144,7 +144,7 @@ class TorchBackend:
                 dtype=dtype or default_dtype(name, self.device),
             )
             pad = getattr(loaded.model.config, "pad_token_id", None)
-            bank = AdapterBank(inject(loaded.model))
+            loaded, bank = with_adapters(loaded)  # or refused: layers LoRA cannot adapt
             self._runtimes[loaded.spec.name] = _Runtime(
                 loaded,
                 bank,

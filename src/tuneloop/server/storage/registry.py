@@ -84,6 +84,7 @@ class TrainingRunRow(Base):
     train_mlp: Mapped[bool] = mapped_column(Boolean)
     train_attn: Mapped[bool] = mapped_column(Boolean)
     train_unembed: Mapped[bool] = mapped_column(Boolean)
+    train_experts: Mapped[bool | None] = mapped_column(Boolean, nullable=True)  # None: as mlp
     user_metadata: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     last_request_time: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
