@@ -144,7 +144,7 @@ class ServerState:
         """Let background writes finish, then stop the database threads (at shutdown)."""
         if self.db_pending:
             await asyncio.wait(list(self.db_pending))
-        self.db_threads.shutdown(wait=False)
+        self.db_threads.shutdown(wait=True)
         self.db_writer.shutdown(wait=True)
 
     def _quota_refused(self, tenant: str, name: str, limit: int) -> None:
