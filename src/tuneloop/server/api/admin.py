@@ -37,6 +37,7 @@ async def audit_log(
     if event_type not in EVENT_GROUPS:
         raise bad_request(f"event_type: must be one of {', '.join(EVENT_GROUPS)}", "event_type")
     start = datetime.combine(day or utcnow().date(), datetime.min.time(), UTC)
+    await state.db_settled()  # the key-use records of requests already answered
     rows = await asyncio.to_thread(
         state.audit.entries, tenant, start, start + timedelta(days=1), event_type
     )

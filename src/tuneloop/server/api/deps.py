@@ -46,7 +46,7 @@ async def authenticate(request: Request) -> str:
         record = found
         request.state.api_key_record = record  # what /auth/token issues a token for
     # Key use is audited, once an hour per key: not a database write per request.
-    state.audit.record_once(
+    state.audit_once(
         ("key", record.key_id), record.tenant, "key_used", window_s=3600, key_id=record.key_id
     )
     request.state.tenant = record.tenant  # for the access log and the request metrics

@@ -6,6 +6,8 @@ import asyncio
 import functools
 import hashlib
 import logging
+import math
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -99,6 +101,8 @@ class ServerState:
     db_writer: ThreadPoolExecutor = field(init=False)
     # Background registry writes (activity timestamps), held until done.
     db_pending: set[asyncio.Future[Any]] = field(default_factory=set)
+    # When `audit_once` last handed each key's record to a database thread (monotonic).
+    audit_handed: dict[tuple[str, ...], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.revocations = Revocations(self.keys, self.futures, self.queue, self.engine)
@@ -140,10 +144,30 @@ class ServerState:
         if not pending.cancelled() and pending.exception() is not None:
             log.error("a background registry write failed", exc_info=pending.exception())
 
-    async def close_db_threads(self) -> None:
-        """Let background writes finish, then stop the database threads (at shutdown)."""
+    def audit_once(
+        self, key: tuple[str, ...], tenant: str, event: str, window_s: float, **details: Any
+    ) -> None:
+        """`audit.record_once` on a database thread, handed over at most once per `window_s`
+        per key (so a request that records nothing costs no thread hop)."""
+        now = time.monotonic()
+        if now - self.audit_handed.get(key, -math.inf) < window_s:
+            return
+        if len(self.audit_handed) > 100_000:  # bounded: the audit log's own check still holds
+            self.audit_handed.clear()
+        self.audit_handed[key] = now
+        record = functools.partial(
+            self.audit.record_once, key, tenant, event, window_s=window_s, **details
+        )
+        self.db_later(record)
+
+    async def db_settled(self) -> None:
+        """Wait for the background writes handed over so far (a reader of what they write)."""
         if self.db_pending:
             await asyncio.wait(list(self.db_pending))
+
+    async def close_db_threads(self) -> None:
+        """Let background writes finish, then stop the database threads (at shutdown)."""
+        await self.db_settled()
         self.db_threads.shutdown(wait=True)
         self.db_writer.shutdown(wait=True)
 
