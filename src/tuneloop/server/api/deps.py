@@ -57,8 +57,15 @@ async def authenticate(request: Request) -> str:
     return record.tenant
 
 
+async def state_of(request: Request) -> ServerState:
+    """`get_state` as a dependency. Async: FastAPI runs a plain-def dependency on a worker
+    thread, and that hand-off, on every request, was the event loop's largest cost under load
+    (bench/event_loop.py, profiled)."""
+    return get_state(request)
+
+
 Tenant = Annotated[str, Depends(authenticate)]
-State = Annotated[ServerState, Depends(get_state)]
+State = Annotated[ServerState, Depends(state_of)]
 
 
 # Databases hold 64-bit signed integers: a larger offset would fail in the driver (a 500)
