@@ -7,21 +7,32 @@ running the engine. Meanwhile tenant B, on its own connection, sends GET /api/v1
 retrieve_future of a finished request back to back, and each latency is recorded. Reported: B's
 latency p50 / p99 / max while A's bodies are in the server and while the server is idle.
 
-Side by side in one run: the server as shipped (bodies over 256 KiB decoded, validated and
-hashed on a worker thread) and the same server with that threshold raised past any body, i.e.
-all of it on the event loop, as before.
+Meanwhile tenant C, from a process of its own, trains a small model step by step
+(forward_backward, optim_step, a heartbeat; a save every 10th step): the registry work of every
+submission and finish step. With `--db-url` the registry is that PostgreSQL server (each run in a
+fresh schema, dropped after), else SQLite.
 
-    python bench/event_loop.py [--bodies 3] [--json out.json]
+Side by side in one run, alternating over `--rounds`: the server as shipped (bodies over 256 KiB
+decoded, validated and hashed on a worker thread; registry statements on database threads), the
+same server with its registry calls made on the event loop (`db_inline`, as before), and with
+the body threshold raised past any body too (`inline`: everything on the event loop). With
+`--slow-callbacks` the server logs every event-loop callback that ran over 10 ms (asyncio debug
+mode, which costs time itself), and the report lists what they were.
+
+    python bench/event_loop.py [--bodies 3] [--rounds 2] [--db-url postgresql://...] [--json out]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import multiprocessing
 import os
 import platform
+import re
+import secrets
 import statistics
 import subprocess
 import sys
@@ -31,6 +42,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import numpy as np
@@ -46,10 +58,28 @@ TOKENS = 2047
 # Runs `tuneloop serve` with the off-loop threshold raised past any body (everything inline).
 # Each variant is `tuneloop serve` with a line of Python run first: as shipped, and with the
 # off-loop threshold raised past any body (everything on the event loop, as before).
+DB_INLINE = (
+    "import tuneloop.server.api.state as st; "
+    "exec('async def _inline(self, fn, *args):\\n    return fn(*args)', vars(st)); "
+    "st.ServerState.db = st.ServerState.db_write = st._inline"
+)
 VARIANTS = {
     "shipped": "",
-    "inline": "import tuneloop.server.api.deps as deps; deps.OFF_LOOP_BYTES = 2**62",
+    "db_inline": DB_INLINE,
+    "inline": DB_INLINE + "; import tuneloop.server.api.deps as deps; deps.OFF_LOOP_BYTES = 2**62",
 }
+# Every event-loop callback over 10 ms is logged (asyncio debug mode).
+SLOW_CALLBACKS = (
+    "import asyncio, logging, asyncio.base_events as be; "
+    "logging.getLogger('asyncio').addHandler(logging.StreamHandler(sys.stdout)); "
+    "_init = be.BaseEventLoop.__init__; "
+    "be.BaseEventLoop.__init__ = lambda self, *a, **k: "
+    "(_init(self, *a, **k), self.set_debug(True), setattr(self, 'slow_callback_duration', 0.01))"
+    "[0]; "
+    # uvicorn's runner turns debug off again: keep it on.
+    "_set_debug = be.BaseEventLoop.set_debug; "
+    "be.BaseEventLoop.set_debug = lambda self, enabled: _set_debug(self, True)"
+)
 LAUNCH = (
     "import sys, runpy; {prelude}; sys.argv = ['tuneloop', *sys.argv[1:]]; "
     "runpy.run_module('tuneloop', run_name='__main__')"
@@ -65,10 +95,31 @@ def cpu_model() -> str:
 
 
 @contextlib.contextmanager
-def serve(data_dir: Path, variant: str) -> Iterator[str]:
+def postgres_schema(base_url: str) -> Iterator[str]:
+    """A fresh schema on the PostgreSQL server; a URL whose connections use it. Dropped after."""
+    import psycopg  # the server extra's driver
+
+    schema = f"bench_{secrets.token_hex(6)}"
+    with psycopg.connect(base_url, connect_timeout=5, autocommit=True) as admin:
+        admin.execute(f"CREATE SCHEMA {schema}")
+    separator = "&" if "?" in base_url else "?"
+    try:
+        yield f"{base_url}{separator}options={quote(f'-csearch_path={schema}')}"
+    finally:
+        with psycopg.connect(base_url, connect_timeout=5, autocommit=True) as admin:
+            admin.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+
+@contextlib.contextmanager
+def serve(
+    data_dir: Path, variant: str, db_url: str | None, log: list[str], slow: bool
+) -> Iterator[str]:
     args = ["serve", "--host", "127.0.0.1", "--port", "0", "--data-dir", str(data_dir)]
     args += ["--backend", "fake", "--long-poll-s", "1", "--parent-pid", str(os.getpid())]
-    command = [sys.executable, "-c", LAUNCH.format(prelude=VARIANTS[variant] or "pass"), *args]
+    if db_url is not None:
+        args += ["--db-url", db_url]
+    prelude = "; ".join(p for p in (VARIANTS[variant], SLOW_CALLBACKS if slow else "") if p)
+    command = [sys.executable, "-u", "-c", LAUNCH.format(prelude=prelude or "pass"), *args]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert process.stdout is not None
@@ -78,7 +129,8 @@ def serve(data_dir: Path, variant: str) -> Iterator[str]:
                 break
         else:
             raise RuntimeError("server did not start")
-        threading.Thread(target=process.stdout.read, daemon=True).start()  # keep the pipe drained
+        # Keep the pipe drained, the lines kept (slow-callback reports).
+        threading.Thread(target=lambda: log.extend(process.stdout or ()), daemon=True).start()
         yield url
     finally:
         stop(process)
@@ -140,21 +192,88 @@ def probe(url: str, key: str, done_id: str, until: float, out: Any) -> None:
                         "/api/v1/retrieve_future", json=poll, headers=headers
                     ).status_code
                 assert status == 200
-                samples.append((started, time.monotonic()))
+                samples.append((path, started, time.monotonic()))
             time.sleep(0.002)
     out.send(samples)
 
 
-def measure(variant: str, bodies: int) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp, serve(Path(tmp), variant) as url:
+def train(url: str, key: str, until: float, out: Any) -> None:
+    """Tenant C, in a process of its own: small training steps until `until`; steps done."""
+    headers = {"x-api-key": key}
+    steps = 0
+    with httpx.Client(base_url=url, timeout=120, headers=headers) as c:
+        model_id, _ = setup(c, key)
+        session_id = model_id.split(":train:")[0]
+        datum = Datum(
+            ModelInput.from_ints(list(range(1, 33))),
+            {"target_tokens": np.arange(2, 34, dtype=np.int64)},
+        )
+        seq = 1
+
+        def result(response: httpx.Response) -> None:
+            assert response.status_code == 200, response.text[:200]
+            poll = {"request_id": response.json()["request_id"]}
+            while c.post("/api/v1/retrieve_future", json=poll).status_code == 408:
+                pass
+
+        while time.monotonic() < until:
+            body = encode_forward_backward_request(
+                ForwardBackwardRequest(model_id, seq, [datum], "cross_entropy")
+            )
+            proto = {"content-type": "application/x-protobuf"}
+            result(c.post("/api/v1/forward_backward", content=body, headers=proto))
+            optim = {
+                "model_id": model_id,
+                "seq_id": seq + 1,
+                "adam_params": {"learning_rate": 0.01},
+            }
+            result(c.post("/api/v1/optim_step", json=optim))
+            seq += 2
+            steps += 1
+            if steps % 10 == 0:
+                save = {"model_id": model_id, "seq_id": seq, "path": f"s{steps}"}
+                result(c.post("/api/v1/save_weights", json=save))
+                seq += 1
+            c.post("/api/v1/session_heartbeat", json={"session_id": session_id})
+    out.send(steps)
+
+
+def slow_callbacks(log: list[str]) -> dict[str, Any]:
+    """asyncio's slow-callback reports: how many, the longest, and the most frequent kinds."""
+    found = []
+    for line in log:
+        match = re.search(r"Executing (.*) took (\d+\.\d+) seconds", line)
+        if match:
+            # The task's coroutine and where it stood: "run_asgi at h11_impl.py:415".
+            coro = re.search(r"coro=<([\w.]+)\(\) \w+,?(?: defined)? at (\S+)>", match.group(1))
+            what = f"{coro[1]} at {Path(coro[2]).name}" if coro else match.group(1)[:120]
+            found.append((float(match.group(2)), what))
+    kinds = collections.Counter(what for _, what in found)
+    return {
+        "n": len(found),
+        "longest_ms": [round(t * 1000, 1) for t, _ in sorted(found, reverse=True)[:5]],
+        "most_frequent": kinds.most_common(5),
+    }
+
+
+def measure(variant: str, bodies: int, db_url: str | None, slow: bool) -> dict[str, Any]:
+    log: list[str] = []
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory())
+        url_db = stack.enter_context(postgres_schema(db_url)) if db_url else None
+        url = stack.enter_context(serve(Path(tmp), variant, url_db, log, slow))
         key_a, key_b = create_key(Path(tmp), "a"), create_key(Path(tmp), "b")
+        key_c = create_key(Path(tmp), "c")
         with httpx.Client(base_url=url, timeout=120) as a, httpx.Client(base_url=url) as b:
             model_id, _ = setup(a, key_a)
             _, done_id = setup(b, key_b)
         body = big_body(model_id, 1)
         receiver, sender = multiprocessing.Pipe(duplex=False)
+        c_receiver, c_sender = multiprocessing.Pipe(duplex=False)
         until = time.monotonic() + 2.0 + bodies * 8.0
         prober = multiprocessing.Process(target=probe, args=(url, key_b, done_id, until, sender))
+        trainer = multiprocessing.Process(target=train, args=(url, key_c, until, c_sender))
+        trainer.start()
         prober.start()
         time.sleep(1.0)  # idle baseline
         windows, took = [], []
@@ -169,15 +288,26 @@ def measure(variant: str, bodies: int) -> dict[str, Any]:
                 time.sleep(0.5)
         samples = receiver.recv()
         prober.join()
+        c_steps = c_receiver.recv()
+        trainer.join()
 
     def overlaps(sample: tuple[float, float]) -> bool:
         return any(sample[0] < end and sample[1] > start for start, end in windows)
 
+    polls = [(s, e) for path, s, e in samples if path == "retrieve_future"]
+    everything = [(s, e) for _path, s, e in samples]
+
     return {
         "body_mb": round(len(body) / 1e6, 1),
         "body_answered_s": [round(t, 2) for t in took],
-        "b_while_a_body": summary([e - s for s, e in samples if overlaps((s, e))]),
-        "b_idle": summary([e - s for s, e in samples if not overlaps((s, e))]),
+        "b_while_a_body": summary([e - s for s, e in everything if overlaps((s, e))]),
+        "b_idle": summary([e - s for s, e in everything if not overlaps((s, e))]),
+        "b_all": summary([e - s for s, e in everything]),
+        # retrieve_future alone (the issue's measure): during A's bodies, and over the whole run.
+        "b_retrieve_future_while_a_body": summary([e - s for s, e in polls if overlaps((s, e))]),
+        "b_retrieve_future_all": summary([e - s for s, e in polls]),
+        "c_training_steps": c_steps,
+        **({"slow_callbacks": slow_callbacks(log)} if slow else {}),
     }
 
 
@@ -186,11 +316,20 @@ def main() -> None:
     parser.add_argument("--bodies", type=int, default=3)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--rounds", type=int, default=1, help="variants alternate, round by round")
+    parser.add_argument("--db-url", help="a PostgreSQL server for the registry (else SQLite)")
+    parser.add_argument("--slow-callbacks", action="store_true")
     args = parser.parse_args()
+    runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in args.variants}
+    for _ in range(args.rounds):
+        for variant in args.variants:
+            runs[variant].append(measure(variant, args.bodies, args.db_url, args.slow_callbacks))
     results = {
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
-        **{variant: measure(variant, args.bodies) for variant in args.variants},
+        "load_average": os.getloadavg(),
+        "registry": "postgresql" if args.db_url else "sqlite",
+        **runs,
     }
     print(json.dumps(results, indent=1))
     if args.json:

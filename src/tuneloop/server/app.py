@@ -249,6 +249,8 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
             # Nor a release a request started on finding its session expired.
             await asyncio.gather(*state.releases, return_exceptions=True)
             await engine.stop()
+            await state.close_db_threads()
+            curves.close()
             meter.flush(registry)  # the engine is stopped: these are the last counts
             registry.close()
 

@@ -37,6 +37,7 @@ async def audit_log(
     if event_type not in EVENT_GROUPS:
         raise bad_request(f"event_type: must be one of {', '.join(EVENT_GROUPS)}", "event_type")
     start = datetime.combine(day or utcnow().date(), datetime.min.time(), UTC)
+    await state.db_settled()  # the key-use records of requests already answered
     rows = await asyncio.to_thread(
         state.audit.entries, tenant, start, start + timedelta(days=1), event_type
     )
@@ -91,9 +92,9 @@ async def billing_usage(
         reader.usage_rows, tenant, int(start.timestamp()), int(end.timestamp())
     )
     saved = await asyncio.to_thread(reader.checkpoints_saved, tenant, start, end)
-    models = reader.base_models({r.model_id for r in rows})
+    models = await asyncio.to_thread(reader.base_models, {r.model_id for r in rows})
     sessions = sorted({r.session_id for r in rows} | {s for _, s in saved})
-    projects = state.projects.projects_of_sessions(sessions)
+    projects = await state.db(state.projects.projects_of_sessions, sessions)
     data: list[dict[str, Any]] = []
 
     def event(hour: datetime, session: str, base_model: str | None, info: dict[str, Any]) -> None:
@@ -134,7 +135,7 @@ async def billing_usage(
     for (hour, session, model), count in counts.items():
         event(hour, session, model, {"type": "checkpoint", "count": count})
     data.sort(key=lambda e: (e["bucket_start"], -int(e["event_info"].get("token_count", 0))))
-    by_id = {s: state.registry.session(s, tenant) for s in sessions}
+    by_id = {s: await state.db(state.registry.session, s, tenant) for s in sessions}
     return {
         "data": data,
         "sessions": {

@@ -44,7 +44,7 @@ async def auth_token(request: Request, state: State, _tenant: Tenant) -> dict[st
     record = getattr(request.state, "api_key_record", None)
     if record is None:  # a token, not a key: tokens are renewed from the key only
         raise ApiError(401, "exchange an API key (tml-...), not a token", "X-API-Key")
-    state.audit.record_once(
+    state.audit_once(
         ("token", record.key_id),
         record.tenant,
         "key_token_issued",

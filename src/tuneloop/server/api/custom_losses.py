@@ -35,7 +35,7 @@ router = APIRouter(prefix="/api/v1")
 @router.post("/create_custom_loss", openapi_extra=json_body(CreateCustomLossRequest))
 async def create_custom_loss(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, raw = await read_json(request, CreateCustomLossRequest)
-    state.live_session(body.session_id, tenant)
+    await state.live_session(body.session_id, tenant)
     names = [node.name for node in body.graph.nodes]
     try:
         loss = compile_loss(

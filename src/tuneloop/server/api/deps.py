@@ -46,7 +46,7 @@ async def authenticate(request: Request) -> str:
         record = found
         request.state.api_key_record = record  # what /auth/token issues a token for
     # Key use is audited, once an hour per key: not a database write per request.
-    state.audit.record_once(
+    state.audit_once(
         ("key", record.key_id), record.tenant, "key_used", window_s=3600, key_id=record.key_id
     )
     request.state.tenant = record.tenant  # for the access log and the request metrics
@@ -57,8 +57,15 @@ async def authenticate(request: Request) -> str:
     return record.tenant
 
 
+async def state_of(request: Request) -> ServerState:
+    """`get_state` as a dependency. Async: FastAPI runs a plain-def dependency on a worker
+    thread, and that hand-off, on every request, was the event loop's largest cost under load
+    (bench/event_loop.py, profiled)."""
+    return get_state(request)
+
+
 Tenant = Annotated[str, Depends(authenticate)]
-State = Annotated[ServerState, Depends(get_state)]
+State = Annotated[ServerState, Depends(state_of)]
 
 
 # Databases hold 64-bit signed integers: a larger offset would fail in the driver (a 500)

@@ -78,7 +78,7 @@ class JoinSamplingSessionRequest(StrictBase):
 async def retrieve_futures(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, _ = await read_json(request, RetrieveFuturesRequest)
     target = body.target
-    if state.registry.sampler(target.sampling_session_id, tenant) is None:
+    if await state.db(state.registry.sampler, target.sampling_session_id, tenant) is None:
         raise not_found(f"sampler {target.sampling_session_id!r}", "target.sampling_session_id")
     if target.cloned_sampler_id < 0:
         raise bad_request("target.cloned_sampler_id: must be >= 0", "target.cloned_sampler_id")
@@ -98,9 +98,9 @@ async def retrieve_futures(request: Request, state: State, tenant: Tenant) -> di
 @router.post("/join_sampling_session", openapi_extra=json_body(JoinSamplingSessionRequest))
 async def join_sampling_session(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, _ = await read_json(request, JoinSamplingSessionRequest)
-    sampler = state.registry.sampler(body.sampling_session_id, tenant)
+    sampler, session = await state.db(state.sampler_activity, body.sampling_session_id, tenant)
     if sampler is None:
         raise not_found(f"sampler {body.sampling_session_id!r}", "sampling_session_id")
-    state.live_session(sampler.session_id, tenant)
+    state.check_live(sampler.session_id, session)
     counter = await asyncio.to_thread(state.clones.next, sampler.id)
     return {"type": "join_sampling_session", "client_counter": counter}

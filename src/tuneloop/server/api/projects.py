@@ -8,7 +8,7 @@ already finished session in the destination project: a training run that cannot 
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import os
 import shutil
 import uuid
@@ -66,6 +66,12 @@ async def assign_session_project(
 ) -> dict[str, Any]:
     body, _ = await read_json(request, AssignProjectRequest)
     project_id = check_project_id(body.project_id)
+    await state.db(_assign, state, tenant, session_id, project_id)
+    return {"session_id": session_id, "project_id": project_id}
+
+
+def _assign(state: ServerState, tenant: str, session_id: str, project_id: str) -> None:
+    """On a database thread: the session moved to `project_id`, audited."""
     if state.registry.session(session_id, tenant) is None:
         raise not_found(f"session {session_id!r}", "session_id")
     before = state.projects.of_session(session_id)
@@ -77,7 +83,6 @@ async def assign_session_project(
         project_id=project_id,
         before=before,
     )
-    return {"session_id": session_id, "project_id": project_id}
 
 
 def _link_tree(source: Path, target: Path) -> None:
@@ -95,7 +100,7 @@ def _link_tree(source: Path, target: Path) -> None:
     os.replace(tmp, target)
 
 
-def _copy_owner(
+async def _copy_owner(
     state: ServerState, tenant: str, body: CopyWeightsRequest, source: TrainingRunRow
 ) -> tuple[str, str | None]:
     """The training run id that will hold the copy, and the project of a new session for it
@@ -107,9 +112,9 @@ def _copy_owner(
                 "destination_project_id",
                 "session_id",
             )
-        state.live_session(body.session_id, tenant)
+        await state.live_session(body.session_id, tenant)
         run_id = f"{body.session_id}:train:{body.model_seq_id}"
-        if state.registry.training_run(run_id, tenant) is not None:
+        if await state.db(state.registry.training_run, run_id, tenant) is not None:
             raise bad_request(f"model_seq_id: {run_id} already exists", "model_seq_id")
         return run_id, None
     if body.destination_project_id is None:
@@ -198,13 +203,13 @@ async def copy_weights(request: Request, state: State, tenant: Tenant) -> dict[s
             "weights_access_token",
         )
     check_ttl(body.ttl_seconds)
-    _path, ckpt, source = state.readable_checkpoint(tenant, body.source_path, "source_path")
-    run_id, project = _copy_owner(state, tenant, body, source)
+    _path, ckpt, source = await state.readable_checkpoint(tenant, body.source_path, "source_path")
+    run_id, project = await _copy_owner(state, tenant, body, source)
     key = request.headers.get("x-idempotency-key")
     if key is not None:
         if len(key) > 128:
             raise bad_request("X-Idempotency-Key: at most 128 characters", "X-Idempotency-Key")
-        claimed, mine = state.projects.claim_copy(tenant, key, ckpt.tinker_path)
+        claimed, mine = await state.db(state.projects.claim_copy, tenant, key, ckpt.tinker_path)
         if claimed.source_path != ckpt.tinker_path:
             raise bad_request(
                 "X-Idempotency-Key: already used for a copy of another checkpoint",
@@ -218,20 +223,22 @@ async def copy_weights(request: Request, state: State, tenant: Tenant) -> dict[s
                 409, "a copy under this X-Idempotency-Key is in progress", "X-Idempotency-Key"
             )
     try:
-        tinker_path = await asyncio.to_thread(
+        tinker_path = await state.db(
             _register_copy, state, tenant, ckpt, source, run_id, project, body.ttl_seconds
         )
     except Exception:
         if key is not None:
-            state.projects.drop_copy(tenant, key)
+            await state.db(state.projects.drop_copy, tenant, key)
         raise
     if key is not None:
-        state.projects.finish_copy(tenant, key, tinker_path)
-    state.audit.record(
+        await state.db(state.projects.finish_copy, tenant, key, tinker_path)
+    record = functools.partial(
+        state.audit.record,
         tenant,
         "checkpoint_copied",
         source_path=ckpt.tinker_path,
         tinker_path=tinker_path,
         project_id=project,
     )
+    await state.db(record)
     return {"tinker_path": tinker_path}

@@ -41,7 +41,7 @@ def _owned(state: Any, tenant: str, run_id: str, checkpoint_id: str) -> Checkpoi
 
 
 @router.post(_ROUTE)
-async def publish(run_id: str, checkpoint_id: str, state: State, tenant: Tenant) -> dict[str, Any]:
+def publish(run_id: str, checkpoint_id: str, state: State, tenant: Tenant) -> dict[str, Any]:
     row = _owned(state, tenant, run_id, checkpoint_id)
     changed = state.publications.publish(row)
     if changed:
@@ -50,9 +50,7 @@ async def publish(run_id: str, checkpoint_id: str, state: State, tenant: Tenant)
 
 
 @router.delete(_ROUTE)
-async def unpublish(
-    run_id: str, checkpoint_id: str, state: State, tenant: Tenant
-) -> dict[str, Any]:
+def unpublish(run_id: str, checkpoint_id: str, state: State, tenant: Tenant) -> dict[str, Any]:
     row = _owned(state, tenant, run_id, checkpoint_id)
     changed = state.publications.unpublish(row)
     if changed:

@@ -95,7 +95,7 @@ def _training_run(state: ServerState, row: TrainingRunRow) -> TrainingRun:
 
 
 @router.get("/training_runs")
-async def list_training_runs(
+def list_training_runs(
     state: State,
     tenant: Tenant,
     limit: int = 20,
@@ -124,7 +124,7 @@ def _run_or_404(state: ServerState, run_id: str, tenant: str) -> TrainingRunRow:
 
 
 @router.get("/training_runs/{run_id}")
-async def get_training_run(
+def get_training_run(
     run_id: str, state: State, tenant: Tenant, access_scope: str = "owned"
 ) -> dict[str, Any]:
     _scope(access_scope)
@@ -132,7 +132,7 @@ async def get_training_run(
 
 
 @router.get("/training_runs/{run_id}/checkpoints")
-async def list_run_checkpoints(run_id: str, state: State, tenant: Tenant) -> dict[str, Any]:
+def list_run_checkpoints(run_id: str, state: State, tenant: Tenant) -> dict[str, Any]:
     _run_or_404(state, run_id, tenant)
     rows, _ = state.registry.list_checkpoints(tenant, training_run_id=run_id)
     return CheckpointsListResponse(checkpoints=_checkpoints(state, rows)).model_dump(mode="json")
@@ -161,14 +161,15 @@ async def set_checkpoint_ttl(
     expires_at = (
         utcnow() + timedelta(seconds=body.ttl_seconds) if body.ttl_seconds is not None else None
     )
-    row = state.registry.set_checkpoint_expiry(str(path), tenant, expires_at)
+    row = await state.db(state.registry.set_checkpoint_expiry, str(path), tenant, expires_at)
     if row is None:
         raise not_found(f"checkpoint {path}", "checkpoint_id")
-    return _checkpoint(row, state.publications.is_public(row)).model_dump(mode="json")
+    public = await state.db(state.publications.is_public, row)
+    return _checkpoint(row, public).model_dump(mode="json")
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
-async def delete_checkpoint(
+def delete_checkpoint(
     run_id: str, checkpoint_id: str, state: State, tenant: Tenant
 ) -> dict[str, Any]:
     path = _checkpoint_path(run_id, checkpoint_id)
@@ -181,7 +182,7 @@ async def delete_checkpoint(
 
 
 @router.get("/checkpoints")
-async def list_user_checkpoints(
+def list_user_checkpoints(
     state: State, tenant: Tenant, limit: int = 100, offset: Offset = 0
 ) -> dict[str, Any]:
     _page(limit, offset)
@@ -196,7 +197,7 @@ async def list_user_checkpoints(
 async def weights_info(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, _ = await read_json(request, WeightsInfoRequest)
     # The caller's checkpoint, or one another tenant published.
-    _path, _row, run = state.readable_checkpoint(tenant, body.tinker_path, "tinker_path")
+    _path, _row, run = await state.readable_checkpoint(tenant, body.tinker_path, "tinker_path")
     return WeightsInfoResponse(
         base_model=run.base_model,
         lora_rank=run.lora_rank,
@@ -204,6 +205,14 @@ async def weights_info(request: Request, state: State, tenant: Tenant) -> dict[s
         train_mlp=run.train_mlp,
         train_attn=run.train_attn,
     ).model_dump()
+
+
+def _run_or_sampler(state: ServerState, model_id: str, tenant: str) -> bool:
+    registry = state.registry
+    return (
+        registry.training_run(model_id, tenant) is not None
+        or registry.sampler(model_id, tenant) is not None
+    )
 
 
 @router.get("/usage")
@@ -219,12 +228,13 @@ async def usage(
     """Tokens (prefill, sampled, trained) and requests metered for the caller: all of it, or
     one session's, or one training run's or sampler's; over [since, until) (ISO times or spans
     back from now like 24h); in hour or day buckets (UTC) if asked."""
-    if session_id is not None and state.registry.session(session_id, tenant) is None:
-        raise not_found(f"session {session_id!r}", "session_id")
     if (
-        training_run_id is not None
-        and state.registry.training_run(training_run_id, tenant) is None
-        and state.registry.sampler(training_run_id, tenant) is None
+        session_id is not None
+        and await state.db(state.registry.session, session_id, tenant) is None
+    ):
+        raise not_found(f"session {session_id!r}", "session_id")
+    if training_run_id is not None and not await state.db(
+        _run_or_sampler, state, training_run_id, tenant
     ):
         raise not_found(f"training run or sampler {training_run_id!r}", "training_run_id")
     if bucket not in BUCKETS:
@@ -242,7 +252,7 @@ async def usage(
     await state.meter.flush_async(state.registry)
     where = UsageFilter(tenant, session_id, training_run_id, since_hour, until_hour)
     return build_report(
-        state.registry.usage_sums(where),
+        await state.db(state.registry.usage_sums, where),
         tenant,
         bucket=bucket,
         session_id=session_id,

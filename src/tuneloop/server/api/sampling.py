@@ -37,13 +37,13 @@ router = APIRouter(prefix="/api/v1")
 @router.post("/create_sampling_session", openapi_extra=json_body(CreateSamplingSessionRequest))
 async def create_sampling_session(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, _ = await read_json(request, CreateSamplingSessionRequest)
-    state.live_session(body.session_id, tenant)
+    await state.live_session(body.session_id, tenant)
     sampler_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
-    existing = state.registry.sampler(sampler_id, tenant)
+    existing = await state.db(state.registry.sampler, sampler_id, tenant)
     weights_dir: Path | None = None
     if body.model_path is not None:
         # The caller's checkpoint, or one another tenant published.
-        _path, ckpt, run = state.readable_checkpoint(tenant, body.model_path, "model_path")
+        _path, ckpt, run = await state.readable_checkpoint(tenant, body.model_path, "model_path")
         if ckpt.checkpoint_type not in ("training", "sampler"):  # a merged export: no adapter
             raise bad_request(f"model_path: a {ckpt.kind} package holds no adapter", "model_path")
         if body.base_model is not None and body.base_model != run.base_model:
@@ -92,7 +92,7 @@ async def create_sampling_session(request: Request, state: State, tenant: Tenant
             base_model=base_model,
             model_path=body.model_path,
         )
-        if insert_new(state, row) is not None:  # taken meanwhile (the checks above saw none)
+        if await insert_new(state, row) is not None:  # taken meanwhile (the checks above saw none)
             raise ApiError(409, f"sampler {sampler_id!r} already exists", field)
     finally:
         state.pending_samplers.discard(sampler_id)
@@ -125,24 +125,24 @@ async def _create_sampler(
     except (OSError, ValueError, EngineError) as exc:
         if model_path is None:
             raise
-        if not _still_readable(state, tenant, model_path):
+        if not await _still_readable(state, tenant, model_path):
             raise not_found(f"checkpoint {model_path!r}", "model_path") from None
         if isinstance(exc, EngineError) and exc.category == "user":
             # Its weights are there but unusable (e.g. non-finite): the caller's error.
             raise bad_request(f"model_path: {exc}", "model_path") from None
         # The row remains but its files are gone or cut short (removed by hand, a full disk).
         raise _checkpoint_gone(model_path, f": {exc}") from None
-    if model_path is not None and not _still_readable(state, tenant, model_path):
+    if model_path is not None and not await _still_readable(state, tenant, model_path):
         # Deleted while its weights were read: do not hand out a sampler of a deleted checkpoint.
         await state.engine.call(state.engine.backend.delete_sampler, sampler_id)
         raise not_found(f"checkpoint {model_path!r}", "model_path")
 
 
-def _still_readable(state: ServerState, tenant: str, model_path: str) -> bool:
+async def _still_readable(state: ServerState, tenant: str, model_path: str) -> bool:
     """Whether the caller may still read `model_path` (its own, or published to it), after a
     read that may have raced a delete or an unpublish."""
     try:
-        state.readable_checkpoint(tenant, model_path, "model_path")
+        await state.readable_checkpoint(tenant, model_path, "model_path")
     except ApiError:
         return False
     return True
@@ -150,7 +150,7 @@ def _still_readable(state: ServerState, tenant: str, model_path: str) -> bool:
 
 @router.get("/samplers/{sampler_id}")
 async def get_sampler(sampler_id: str, state: State, tenant: Tenant) -> dict[str, Any]:
-    row = state.registry.sampler(sampler_id, tenant)
+    row = await state.db(state.registry.sampler, sampler_id, tenant)
     if row is None:
         raise not_found(f"sampler {sampler_id!r}", "sampler_id")
     return GetSamplerResponse(
@@ -193,10 +193,10 @@ async def asample(request: Request, state: State, tenant: Tenant) -> dict[str, A
     body, raw = await read_json(request, SampleRequest)
     if body.sampling_session_id is None:
         raise bad_request("sampling_session_id: required", "sampling_session_id")
-    sampler = state.registry.sampler(body.sampling_session_id, tenant)
+    sampler, session = await state.db(state.sampler_activity, body.sampling_session_id, tenant)
     if sampler is None:
         raise not_found(f"sampler {body.sampling_session_id!r}", "sampling_session_id")
-    state.live_session(sampler.session_id, tenant)
+    state.check_live(sampler.session_id, session)
     require_held(
         sampler.created_at,
         state.futures.started_at,

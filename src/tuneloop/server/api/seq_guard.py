@@ -88,7 +88,7 @@ async def seq_consumed_on_rejection(
         located = _locate(raw, request.headers) if exc.status in (400, 413, 415) else None
         if located is not None:
             digest = await off_loop(len(raw), fingerprint, raw)
-            state.skip_rejected(tenant, *located, digest)
+            await state.skip_rejected(tenant, *located, digest)
         raise
 
 

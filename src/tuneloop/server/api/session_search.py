@@ -138,6 +138,12 @@ async def search_sessions(request: Request, state: State, tenant: Tenant) -> dic
     """The caller's sessions matching every given criterion, newest first, a page at a time.
     Projects are the caller's own namespace, so every project id is listable."""
     body, _ = await read_json(request, SessionSearchRequest)
+    result: dict[str, Any] = await state.db(_search, state, tenant, body)
+    return result
+
+
+def _search(state: ServerState, tenant: str, body: SessionSearchRequest) -> dict[str, Any]:
+    """On a database thread: one page of the search."""
     for i, project_id in enumerate(body.project_ids or []):
         check_project_id(project_id, f"project_ids[{i}]")
     if isinstance(body.owner, _Users) and owner_urn(tenant) not in body.owner.owner_urns:

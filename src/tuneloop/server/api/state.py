@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
-from collections.abc import Callable
+import math
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -36,6 +40,7 @@ from tuneloop.server.storage.publications import Publications
 from tuneloop.server.storage.registry import (
     CheckpointRow,
     Registry,
+    SamplerRow,
     SessionRow,
     TrainingRunRow,
     utcnow,
@@ -46,6 +51,11 @@ EXPIRED = "expired"  # the finish reason of a session that went silent past the 
 # Heartbeats and requests naming a session are its activity, written to its last_heartbeat
 # at most this often (or every quarter TTL, if shorter): not one database write per request.
 ACTIVITY_WRITE_S = 5.0
+# Registry statements of request handlers run on these threads, never on the event loop: a
+# PostgreSQL round trip (or a SQLite fsync) there would hold every other tenant's request.
+# Fewer than the registry's pool (storage/registry.py POOL_SIZE), so none waits for a connection.
+DB_THREADS = 8
+T = TypeVar("T")
 
 
 def fingerprint(body: bytes) -> str:
@@ -85,6 +95,14 @@ class ServerState:
     publications: Publications = field(init=False)
     audit: AuditLog = field(init=False)
     token_issuer: TokenIssuer | None = field(init=False)  # with `serve --jwt`
+    # See DB_THREADS. The writer is one thread, so what finish steps store lands in the order
+    # the engine completed the work (a save after an optim_step sees the step counted).
+    db_threads: ThreadPoolExecutor = field(init=False)
+    db_writer: ThreadPoolExecutor = field(init=False)
+    # Background registry writes (activity timestamps), held until done.
+    db_pending: set[asyncio.Future[Any]] = field(default_factory=set)
+    # When `audit_once` last handed each key's record to a database thread (monotonic).
+    audit_handed: dict[tuple[str, ...], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.revocations = Revocations(self.keys, self.futures, self.queue, self.engine)
@@ -101,6 +119,57 @@ class ServerState:
             else None
         )
         self.quotas.on_refusal = self._quota_refused
+        self.db_threads = ThreadPoolExecutor(DB_THREADS, thread_name_prefix="registry")
+        self.db_writer = ThreadPoolExecutor(1, thread_name_prefix="registry-writer")
+
+    async def db(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` (registry work) on a database thread; the event loop meanwhile serves
+        other requests."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.db_threads, functools.partial(fn, *args))
+
+    async def db_write(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the writer thread: finish steps store in the order they ran."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.db_writer, functools.partial(fn, *args))
+
+    def db_later(self, fn: Callable[..., Any], *args: Any) -> None:
+        """`fn(*args)` on a database thread, not awaited (bookkeeping nobody waits for)."""
+        pending = asyncio.ensure_future(self.db(fn, *args))
+        self.db_pending.add(pending)
+        pending.add_done_callback(self._db_later_done)
+
+    def _db_later_done(self, pending: asyncio.Future[Any]) -> None:
+        self.db_pending.discard(pending)
+        if not pending.cancelled() and pending.exception() is not None:
+            log.error("a background registry write failed", exc_info=pending.exception())
+
+    def audit_once(
+        self, key: tuple[str, ...], tenant: str, event: str, window_s: float, **details: Any
+    ) -> None:
+        """`audit.record_once` on a database thread, handed over at most once per `window_s`
+        per key (so a request that records nothing costs no thread hop)."""
+        now = time.monotonic()
+        if now - self.audit_handed.get(key, -math.inf) < window_s:
+            return
+        if len(self.audit_handed) > 100_000:  # bounded: the audit log's own check still holds
+            self.audit_handed.clear()
+        self.audit_handed[key] = now
+        record = functools.partial(
+            self.audit.record_once, key, tenant, event, window_s=window_s, **details
+        )
+        self.db_later(record)
+
+    async def db_settled(self) -> None:
+        """Wait for the background writes handed over so far (a reader of what they write)."""
+        if self.db_pending:
+            await asyncio.wait(list(self.db_pending))
+
+    async def close_db_threads(self) -> None:
+        """Let background writes finish, then stop the database threads (at shutdown)."""
+        await self.db_settled()
+        self.db_threads.shutdown(wait=True)
+        self.db_writer.shutdown(wait=True)
 
     def _quota_refused(self, tenant: str, name: str, limit: int) -> None:
         self.audit.record_once(
@@ -116,23 +185,36 @@ class ServerState:
             )
         return spec
 
-    def live_session(self, session_id: str, tenant: str) -> SessionRow:
+    async def live_session(self, session_id: str, tenant: str) -> SessionRow:
         """The caller's unfinished, unexpired session; any request naming it is activity.
 
         404 if it is not the caller's, 410 if it finished or expired. A session found silent
         past the TTL expires here and now, before the periodic sweep would get to it.
         """
+        row, expired = await self.db(self._session_activity, session_id, tenant)
+        return self._live(session_id, row, expired)
+
+    def _session_activity(self, session_id: str, tenant: str) -> tuple[SessionRow | None, bool]:
+        """On a database thread: the session's row after recording this request as its
+        activity, and whether it expired just now (its release is then the caller's)."""
         row = self.registry.session(session_id, tenant)
+        if row is None or row.finished_at is not None:
+            return row, False
+        idle_s = (utcnow() - row.last_heartbeat).total_seconds()
+        ttl = self.config.session_ttl_s
+        if ttl and idle_s > ttl:
+            expired = self.registry.finish_session(session_id, EXPIRED)
+            return self.registry.session(session_id, tenant) or row, expired
+        if idle_s > min(ACTIVITY_WRITE_S, ttl / 4 if ttl else ACTIVITY_WRITE_S):
+            self.registry.touch_session(session_id)
+        return row, False
+
+    def _live(self, session_id: str, row: SessionRow | None, expired: bool) -> SessionRow:
+        """On the event loop: `_session_activity`'s answer as a row, a release or an error."""
+        if expired:
+            self._release_expired(session_id)
         if row is None:
             raise not_found(f"session {session_id!r}", "session_id")
-        if row.finished_at is None:
-            idle_s = (utcnow() - row.last_heartbeat).total_seconds()
-            ttl = self.config.session_ttl_s
-            if ttl and idle_s > ttl:
-                self.expire_now(session_id)
-                row = self.registry.session(session_id, tenant) or row
-            elif idle_s > min(ACTIVITY_WRITE_S, ttl / 4 if ttl else ACTIVITY_WRITE_S):
-                self.registry.touch_session(session_id)
         if row.finished_at is not None:
             if row.finish_reason == EXPIRED:
                 raise ApiError(
@@ -145,17 +227,40 @@ class ServerState:
             raise ApiError(410, f"session {session_id!r} is finished", "session_id")
         return row
 
-    def live_training_run(self, model_id: str, tenant: str) -> TrainingRunRow:
-        run = self.registry.training_run(model_id, tenant)
+    async def live_training_run(self, model_id: str, tenant: str) -> TrainingRunRow:
+        run, session = await self.db(self._run_activity, model_id, tenant)
         if run is None:
             raise not_found(f"model {model_id!r}", "model_id")
-        self.live_session(run.session_id, tenant)
+        self._live(run.session_id, *session)
         require_held(
             run.created_at, self.futures.started_at, f"model {model_id!r}", "model_id", LOAD
         )
         return run
 
-    def checkpoint(
+    def _run_activity(
+        self, model_id: str, tenant: str
+    ) -> tuple[TrainingRunRow | None, tuple[SessionRow | None, bool]]:
+        """On a database thread: the run, and its session's `_session_activity` (one hop)."""
+        run = self.registry.training_run(model_id, tenant)
+        if run is None:
+            return None, (None, False)
+        return run, self._session_activity(run.session_id, tenant)
+
+    def sampler_activity(
+        self, sampler_id: str, tenant: str
+    ) -> tuple[SamplerRow | None, tuple[SessionRow | None, bool]]:
+        """On a database thread: the sampler, and its session's `_session_activity` (one hop:
+        sample requests are the most frequent); `check_live` then judges the session."""
+        sampler = self.registry.sampler(sampler_id, tenant)
+        if sampler is None:
+            return None, (None, False)
+        return sampler, self._session_activity(sampler.session_id, tenant)
+
+    def check_live(self, session_id: str, session: tuple[SessionRow | None, bool]) -> SessionRow:
+        """On the event loop: the session of `sampler_activity`, or its 404/410."""
+        return self._live(session_id, *session)
+
+    async def checkpoint(
         self, tenant: str, path: str, field_name: str
     ) -> tuple[TinkerPath, CheckpointRow]:
         """The caller's checkpoint at a tinker:// path; 400 if malformed, 404 if not theirs."""
@@ -163,12 +268,12 @@ class ServerState:
             parsed = TinkerPath.parse(path)
         except ValueError as exc:
             raise ApiError(400, f"{field_name}: {exc}", field_name) from None
-        row = self.registry.checkpoint(str(parsed), tenant)
+        row = await self.db(self.registry.checkpoint, str(parsed), tenant)
         if row is None:
             raise not_found(f"checkpoint {path!r}", field_name)
         return parsed, row
 
-    def readable_checkpoint(
+    async def readable_checkpoint(
         self, tenant: str, path: str, field_name: str
     ) -> tuple[TinkerPath, CheckpointRow, TrainingRunRow]:
         """A checkpoint the caller may read: its own, or one another tenant published; with
@@ -177,6 +282,13 @@ class ServerState:
             parsed = TinkerPath.parse(path)
         except ValueError as exc:
             raise ApiError(400, f"{field_name}: {exc}", field_name) from None
+        row, run = await self.db(self._readable, parsed, tenant, path, field_name)
+        return parsed, row, run
+
+    def _readable(
+        self, parsed: TinkerPath, tenant: str, path: str, field_name: str
+    ) -> tuple[CheckpointRow, TrainingRunRow]:
+        """On a database thread: `readable_checkpoint`'s rows (its audit record included)."""
         row = self.registry.checkpoint(str(parsed), tenant)
         if row is None:
             found = self.registry.checkpoint_any_tenant(str(parsed))
@@ -193,15 +305,14 @@ class ServerState:
         run = self.registry.training_run(row.training_run_id, row.tenant)
         if run is None:
             raise not_found(f"training run of {path!r}", field_name)
-        return parsed, row, run
+        return row, run
 
-    def expire_now(self, session_id: str) -> None:
-        """Mark a silent session expired and free it in the background (first finish wins)."""
-        if self.registry.finish_session(session_id, EXPIRED):
-            log.info("session %s expired after %g s without activity", session_id, self.ttl_s)
-            task = asyncio.get_running_loop().create_task(self.release_session(session_id))
-            self.releases.add(task)
-            task.add_done_callback(self.releases.discard)
+    def _release_expired(self, session_id: str) -> None:
+        """Free a session a request just found expired, in the background."""
+        log.info("session %s expired after %g s without activity", session_id, self.ttl_s)
+        task = asyncio.get_running_loop().create_task(self.release_session(session_id))
+        self.releases.add(task)
+        task.add_done_callback(self.releases.discard)
 
     @property
     def ttl_s(self) -> float:
@@ -213,8 +324,8 @@ class ServerState:
             return []
         silent_since = utcnow() - timedelta(seconds=self.ttl_s)
         expired = []
-        for session_id in self.registry.stale_sessions(silent_since):
-            if self.registry.finish_session(session_id, EXPIRED):
+        for session_id in await self.db(self.registry.stale_sessions, silent_since):
+            if await self.db(self.registry.finish_session, session_id, EXPIRED):
                 log.info("session %s expired after %g s without activity", session_id, self.ttl_s)
                 await self.release_session(session_id)
                 expired.append(session_id)
@@ -225,8 +336,8 @@ class ServerState:
 
         Work still queued for them fails with a clear error instead of running.
         """
-        runs, samplers = self.registry.session_children(session_id)
-        row = self.registry.session_any_tenant(session_id)
+        runs, samplers = await self.db(self.registry.session_children, session_id)
+        row = await self.db(self.registry.session_any_tenant, session_id)
         if row is not None and row.finish_reason == EXPIRED:
             why = (
                 f"session {session_id} expired (no heartbeat or request for more than "
@@ -255,11 +366,11 @@ class ServerState:
         except Exception:  # the periodic flush retries; finishing must not fail for this
             log.exception("writing usage counts failed")
 
-    def skip_rejected(self, tenant: str, model_id: str, seq_id: int, digest: str) -> None:
+    async def skip_rejected(self, tenant: str, model_id: str, seq_id: int, digest: str) -> None:
         """A rejected training request still consumes its seq_id (the SDKs never reuse one).
 
         `digest`: the rejected body's fingerprint."""
-        if seq_id >= 1 and self.registry.training_run(model_id, tenant) is not None:
+        if seq_id >= 1 and await self.db(self.registry.training_run, model_id, tenant) is not None:
             self.queue.skip(model_id, seq_id, digest)
             self.engine.notify()
 
@@ -270,7 +381,7 @@ class ServerState:
         seq_id: int,
         kind: OpKind,
         work: Any,
-        finish: Callable[[Any], Outcome],
+        finish: Callable[[Any], Outcome | Awaitable[Outcome]],
         body: bytes,
         request_type: str,
         digest: str | None = None,
@@ -299,7 +410,9 @@ class ServerState:
             Operation(request_id, kind, work, finish, model_id, seq_id, digest)
         )
         self.engine.notify(kind)
-        self.registry.touch_training_run(model_id)
+        # Not awaited: nothing between the checks above and the queue may yield to another
+        # request (the caller's next step, e.g. marking a sampler pending, relies on that).
+        self.db_later(self.registry.touch_training_run, model_id)
         return {"request_id": request_id, "model_id": model_id}
 
 

@@ -40,9 +40,9 @@ def refuse_existing(
     raise ApiError(409, f"{what} already exists; {remedy}", field)
 
 
-def refuse_taken_model(state: ServerState, tenant: str, model_id: str, raw: bytes) -> None:
+async def refuse_taken_model(state: ServerState, tenant: str, model_id: str, raw: bytes) -> None:
     """For a create of `model_id` whose run exists, unless a retry of the one that made it."""
-    existing = state.registry.training_run(model_id, tenant)
+    existing = await state.db(state.registry.training_run, model_id, tenant)
     if existing is not None and not is_retry(state, model_id, 0, raw):
         refuse_existing(
             state,
@@ -53,23 +53,26 @@ def refuse_taken_model(state: ServerState, tenant: str, model_id: str, raw: byte
         )
 
 
-def refuse_taken_sampler(state: ServerState, tenant: str, sampler_id: str) -> None:
+async def refuse_taken_sampler(state: ServerState, tenant: str, sampler_id: str) -> None:
     """For a sampler id in use or being created: a sampler once made is never replaced (its
-    clients would silently sample other weights)."""
+    clients would silently sample other weights).
+
+    The registry is read first and the pending set checked after it: from that check to the
+    caller marking the id pending nothing may await, or two creates could both pass."""
     what = f"{SAMPLER_FIELD} {sampler_id.rsplit(':', 1)[-1]}: sampler {sampler_id!r}"
     remedy = f"use a new {SAMPLER_FIELD}"
+    existing = await state.db(state.registry.sampler, sampler_id, tenant)
     if sampler_id in state.pending_samplers:
         raise ApiError(409, f"{what} is being created by another request; {remedy}", SAMPLER_FIELD)
-    existing = state.registry.sampler(sampler_id, tenant)
     if existing is not None:
         refuse_existing(state, existing.created_at, what, SAMPLER_FIELD, remedy)
 
 
-def insert_new(state: ServerState, row: Base) -> Outcome | None:
-    """Insert `row` as the last step of an operation; the caller's failure if its id was taken
-    meanwhile (None when inserted)."""
+async def insert_new(state: ServerState, row: Base) -> Outcome | None:
+    """Insert `row` as the last step of an operation (on the writer thread); the caller's
+    failure if its id was taken meanwhile (None when inserted)."""
     try:
-        state.registry.add(row)
+        await state.db_write(state.registry.add, row)
     except RowExistsError as exc:
         return failure(str(exc), "user")
     return None

@@ -84,7 +84,7 @@ def _model_id(session_id: str, model_seq_id: int) -> str:
     return f"{session_id}:train:{model_seq_id}"
 
 
-def _register_run(
+async def _register_run(
     state: ServerState,
     tenant: str,
     adapter: AdapterSpec,
@@ -92,7 +92,7 @@ def _register_run(
     user_metadata: dict[str, Any] | None,
     origin: CheckpointRow | None = None,
 ) -> Outcome | None:
-    return insert_new(state, _run_row(tenant, adapter, session_id, user_metadata, origin))
+    return await insert_new(state, _run_row(tenant, adapter, session_id, user_metadata, origin))
 
 
 def _run_row(
@@ -124,7 +124,7 @@ def _run_row(
 @router.post("/create_model", openapi_extra=json_body(CreateModelRequest))
 async def create_model(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, raw = await read_json(request, CreateModelRequest)
-    state.live_session(body.session_id, tenant)
+    await state.live_session(body.session_id, tenant)
     state.model_spec(body.base_model)
     lora = body.lora_config or LoraConfig()
     seed = lora.seed if lora.seed is not None else secrets.randbelow(2**31)
@@ -139,10 +139,10 @@ async def create_model(request: Request, state: State, tenant: Tenant) -> dict[s
         train_experts=lora.train_experts,
     )
 
-    refuse_taken_model(state, tenant, adapter.adapter_id, raw)
+    await refuse_taken_model(state, tenant, adapter.adapter_id, raw)
 
-    def finish(_result: None) -> Outcome:
-        taken = _register_run(state, tenant, adapter, body.session_id, body.user_metadata)
+    async def finish(_result: None) -> Outcome:
+        taken = await _register_run(state, tenant, adapter, body.session_id, body.user_metadata)
         return taken or json_outcome({"model_id": adapter.adapter_id, "type": "create_model"})
 
     return state.submit_training(
@@ -160,7 +160,7 @@ async def create_model(request: Request, state: State, tenant: Tenant) -> dict[s
 @router.post("/get_info", openapi_extra=json_body(GetInfoRequest))
 async def get_info(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, _ = await read_json(request, GetInfoRequest)
-    run = state.registry.training_run(body.model_id, tenant)
+    run = await state.db(state.registry.training_run, body.model_id, tenant)
     if run is None:
         raise not_found(f"model {body.model_id!r}", "model_id")
     spec = state.model_spec(run.base_model)
@@ -196,7 +196,7 @@ async def get_info(request: Request, state: State, tenant: Tenant) -> dict[str, 
 async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, raw = await read_json(request, LoadWeightsRequest)
     # The caller's checkpoint, or one another tenant published (read only: loading copies it).
-    path, ckpt, source = state.readable_checkpoint(tenant, body.path, "path")
+    path, ckpt, source = await state.readable_checkpoint(tenant, body.path, "path")
     # A PEFT export (kind "adapter") holds an adapter too; a merged model does not.
     if (
         ckpt.checkpoint_type not in ("training", "sampler")
@@ -214,7 +214,7 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[s
     result = {"path": str(path), "type": "load_weights"}
 
     if body.session_id is not None and body.model_seq_id is not None:
-        state.live_session(body.session_id, tenant)
+        await state.live_session(body.session_id, tenant)
         if body.base_model is not None and body.base_model != source.base_model:
             raise bad_request(
                 f"base_model: checkpoint was trained on {source.base_model!r}", "base_model"
@@ -239,15 +239,15 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[s
                 backend.delete_adapter(adapter.adapter_id)
                 raise
 
-        refuse_taken_model(state, tenant, adapter.adapter_id, raw)
+        await refuse_taken_model(state, tenant, adapter.adapter_id, raw)
 
-        def finish_create(_r: None) -> Outcome:
+        async def finish_create(_r: None) -> Outcome:
             metadata = (
                 body.user_metadata
                 if body.user_metadata is not None or source.tenant != tenant
                 else source.user_metadata
             )
-            taken = _register_run(
+            taken = await _register_run(
                 state, tenant, adapter, body.session_id or "", metadata, origin=ckpt
             )
             return taken or json_outcome({**result, "model_id": adapter.adapter_id})
@@ -265,7 +265,7 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[s
 
     assert body.model_id is not None
     assert body.seq_id is not None
-    run = state.live_training_run(body.model_id, tenant)
+    run = await state.live_training_run(body.model_id, tenant)
     if run.base_model != source.base_model or run.lora_rank != source.lora_rank:
         raise bad_request(
             f"path: checkpoint ({source.base_model}, rank {source.lora_rank}) does not fit "
@@ -274,8 +274,9 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[s
         )
     model_id = run.id
 
-    def finish_load(_r: None) -> Outcome:
-        state.registry.set_training_origin(model_id, ckpt.tinker_path, ckpt.training_step or 0)
+    async def finish_load(_r: None) -> Outcome:
+        origin = (model_id, ckpt.tinker_path, ckpt.training_step or 0)
+        await state.db_write(state.registry.set_training_origin, *origin)
         return json_outcome({**result, "model_id": model_id})
 
     return state.submit_training(
@@ -343,7 +344,7 @@ async def forward_backward(request: Request, state: State, tenant: Tenant) -> di
     size = len(raw)
     try:
         msg = await off_loop(size, parse_forward_backward_request, raw)
-        run = state.live_training_run(msg.model_id, tenant)
+        run = await state.live_training_run(msg.model_id, tenant)
         spec = state.model_spec(run.base_model)
         limits = decode_limits(spec, state.config.max_request_bytes)
         body = await off_loop(size, forward_backward_request_from_proto, msg, limits)
@@ -379,13 +380,13 @@ def _seq_id(seq_id: int | None) -> int:
 @consumes_seq
 async def optim_step(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, raw = await read_json(request, OptimStepRequest)
-    run = state.live_training_run(body.model_id, tenant)
+    run = await state.live_training_run(body.model_id, tenant)
     step = adam_step(body)
     model_id = run.id
 
-    def finish(metrics: dict[str, float]) -> Outcome:
-        # Runs in the model's order, so a later save sees this step counted.
-        state.registry.advance_training_step(model_id)
+    async def finish(metrics: dict[str, float]) -> Outcome:
+        # Stored in the model's order (one writer thread), so a later save sees it counted.
+        await state.db_write(state.registry.advance_training_step, model_id)
         return json_outcome({"metrics": metrics, "type": "optim_step"})
 
     return state.submit_training(
@@ -423,7 +424,11 @@ def _checkpoint_writer(
     """The finish step of a save: register the files as the next version of package
     `target.name`, with the run's model, LoRA config, origin and step as of this save."""
 
-    def finish(size: int) -> Outcome:
+    async def finish(size: int) -> Outcome:
+        await state.db_write(register, size)
+        return json_outcome({"path": str(target), "type": "save_weights"})
+
+    def register(size: int) -> None:  # on the writer thread
         now = utcnow()
         run = state.registry.training_run(target.training_run_id, tenant)
         state.registry.register_package(
@@ -447,7 +452,6 @@ def _checkpoint_writer(
                 training_step=run.training_step if run else None,
             )
         )
-        return json_outcome({"path": str(target), "type": "save_weights"})
 
     return finish
 
@@ -461,7 +465,7 @@ def _refuse_overwrite(directory: Path, target: TinkerPath) -> None:
 @consumes_seq
 async def save_weights(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, raw = await read_json(request, SaveWeightsRequest)
-    run = state.live_training_run(body.model_id, tenant)
+    run = await state.live_training_run(body.model_id, tenant)
     seq_id = _seq_id(body.seq_id)
     check_ttl(body.ttl_seconds)
     target, directory = _checkpoint_target(state, tenant, run.id, "weights", body.path)
@@ -486,7 +490,7 @@ async def save_weights_for_sampler(
     request: Request, state: State, tenant: Tenant
 ) -> dict[str, Any]:
     body, raw = await read_json(request, SaveWeightsForSamplerRequest)
-    run = state.live_training_run(body.model_id, tenant)
+    run = await state.live_training_run(body.model_id, tenant)
     seq_id = _seq_id(body.seq_id)
     check_ttl(body.ttl_seconds)
     model_id = run.id
@@ -497,9 +501,9 @@ async def save_weights_for_sampler(
         retry = is_retry(state, model_id, seq_id, raw)
         if not retry:
             try:
-                refuse_taken_sampler(state, tenant, sampler_id)
+                await refuse_taken_sampler(state, tenant, sampler_id)
             except ApiError:  # refused, its seq_id is still consumed (see seq_guard)
-                state.skip_rejected(tenant, model_id, seq_id, fingerprint(raw))
+                await state.skip_rejected(tenant, model_id, seq_id, fingerprint(raw))
                 raise
 
         def snapshot(backend: Backend) -> None:
@@ -509,12 +513,12 @@ async def save_weights_for_sampler(
                 state.pending_samplers.discard(sampler_id)
                 raise
 
-        def finish_snapshot(_r: None) -> Outcome:
+        async def finish_snapshot(_r: None) -> Outcome:
             state.pending_samplers.discard(sampler_id)
             row = SamplerRow(
                 id=sampler_id, tenant=tenant, session_id=run.session_id, base_model=base_model
             )
-            return insert_new(state, row) or json_outcome(
+            return await insert_new(state, row) or json_outcome(
                 {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
             )
 
@@ -539,15 +543,18 @@ async def save_weights_for_sampler(
     finish = _checkpoint_writer(
         state, tenant, target, directory, "sampler", body.ttl_seconds, body.user_metadata
     )
+
+    async def answer(size: int) -> Outcome:
+        saved = json.loads((await finish(size)).body)
+        return json_outcome({**saved, "type": "save_weights_for_sampler"})
+
     return state.submit_training(
         tenant,
         model_id,
         seq_id,
         "single",
         work,
-        lambda size: json_outcome(
-            {**json.loads(finish(size).body), "type": "save_weights_for_sampler"}
-        ),
+        answer,
         raw,
         "SaveWeightsForSampler",
     )
@@ -559,7 +566,7 @@ async def save_weights_external(request: Request, state: State, tenant: Tenant) 
     """Export the adapter in the PEFT layout for download (downloads.py signs its URLs): the
     sampler-weights files, no optimizer state, registered as a package of kind "adapter"."""
     body, raw = await read_json(request, SaveWeightsExternalRequest)
-    run = state.live_training_run(body.model_id, tenant)
+    run = await state.live_training_run(body.model_id, tenant)
     seq_id = _seq_id(body.seq_id)
     if body.age_encryption_recipients:
         # No age library is installed, and encryption is not something to write by hand.
@@ -579,8 +586,8 @@ async def save_weights_external(request: Request, state: State, tenant: Tenant) 
         state, tenant, target, directory, "external", body.ttl_seconds, None
     )
 
-    def answer(size: int) -> Outcome:
-        saved = json.loads(finish(size).body)
+    async def answer(size: int) -> Outcome:
+        saved = json.loads((await finish(size)).body)
         return json_outcome(
             {"path": saved["path"], "size_bytes": size, "type": "save_weights_external"}
         )

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -93,6 +93,8 @@ class EngineLoop:
         self._cancelled: frozenset[str] = frozenset()
         # The batch on the engine now, as (kind, operations), or None: for monitoring only.
         self.running: tuple[str, int] | None = None
+        # Finish steps still storing their results (see _publish), held until done.
+        self._finishing: set[asyncio.Task[None]] = set()
 
     def notify(self, kind: str | None = None) -> None:
         """New work was queued; `kind` ("sample", "forward_backward", ...) feeds the gather rule."""
@@ -185,6 +187,26 @@ class EngineLoop:
 
     def _publish(self, op: Operation, result: Any) -> None:
         outcome = self._outcome(op, result)
+        if not isinstance(outcome, Outcome):
+            # A finish step that stores its result off the event loop: the future resolves once
+            # it is stored (a client reads the stored row right after).
+            task = asyncio.ensure_future(self._publish_stored(op, result, outcome))
+            self._finishing.add(task)
+            task.add_done_callback(self._finishing.discard)
+            return
+        self._resolve(op, result, outcome)
+
+    async def _publish_stored(
+        self, op: Operation, result: Any, pending: Awaitable[Outcome]
+    ) -> None:
+        try:
+            outcome = await pending
+        except Exception as exc:
+            log.exception("finishing %s failed", op.request_id)
+            outcome = failure(f"{type(exc).__name__}: {exc}")
+        self._resolve(op, result, outcome)
+
+    def _resolve(self, op: Operation, result: Any, outcome: Outcome) -> None:
         if not outcome.failed and self.on_success is not None:
             try:
                 self.on_success(op, result)
@@ -266,7 +288,7 @@ class EngineLoop:
             self._publish(op, result)
 
     @staticmethod
-    def _outcome(op: Operation, result: Any) -> Outcome:
+    def _outcome(op: Operation, result: Any) -> Outcome | Awaitable[Outcome]:
         if isinstance(result, EngineError):
             return failure(str(result), result.category)
         try:
@@ -292,4 +314,5 @@ class EngineLoop:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self._executor.shutdown(wait=True, cancel_futures=True)
+        await asyncio.gather(*self._finishing, return_exceptions=True)
         await asyncio.get_running_loop().run_in_executor(None, self.backend.close)

@@ -8,7 +8,7 @@ operations carry no order and batch freely.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -23,8 +23,9 @@ class Operation:
     kind: OpKind
     # ForwardBackwardWork, SampleWork, or for "single" a callable run with the backend.
     work: Any
-    # Runs on the event loop after success: engine result -> wire outcome (may record storage).
-    finish: Callable[[Any], Outcome]
+    # Runs on the event loop after success: engine result -> wire outcome. One that records
+    # storage returns an awaitable (its write on a thread); the future resolves after it.
+    finish: Callable[[Any], Outcome | Awaitable[Outcome]]
     model_id: str | None = None
     seq_id: int | None = None
     fingerprint: str = ""

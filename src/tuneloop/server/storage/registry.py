@@ -203,12 +203,31 @@ def _private_sqlite_files(database: Path) -> None:
             path.chmod(PRIVATE_FILE_MODE)
 
 
+# Connections kept open per registry: the API's database threads (api/state.py DB_THREADS), its
+# storage writer, and a few for FastAPI's threadpool and the periodic tasks (more open on
+# demand, up to the pool's overflow, and close again).
+POOL_SIZE = 12
+
+
+def _memory_sqlite(url: str) -> bool:
+    """An in-memory SQLite URL: one connection per thread (SQLAlchemy's pool for it), no size."""
+    return url.startswith("sqlite") and url.split("://", 1)[1] in ("", "/", "/:memory:")
+
+
 class Registry(UsageStore):
     def __init__(self, url: str) -> None:
         url = engine_url(url)
         # A pooled PostgreSQL connection may have died with a database restart: test each one
         # as it is taken from the pool (one round trip) rather than fail the request that gets it.
-        self.engine = create_engine(url, pool_pre_ping=not url.startswith("sqlite"))
+        # Registry calls run on worker threads (the API's database threads, FastAPI's
+        # threadpool): the pool keeps a connection for each database thread (POOL_SIZE); a
+        # file SQLite database gets a thread-shareable pool of its own (check_same_thread off,
+        # SQLAlchemy's default for files).
+        self.engine = create_engine(
+            url,
+            pool_pre_ping=not url.startswith("sqlite"),
+            **({} if _memory_sqlite(url) else {"pool_size": POOL_SIZE}),
+        )
         if url.startswith("sqlite"):
             # WAL lets readers proceed while the engine loop's writes commit.
             @event.listens_for(self.engine, "connect")

@@ -6,15 +6,18 @@ accumulate until its next optim_step, which closes the step: one point with the 
 forward_backward metrics (`:sum` metrics summed over the step's calls, others averaged), the
 optim_step's metrics, the tokens trained and the seconds since the run's previous step closed
 (None for the first step this process saw). Points go to the registry database
-(storage/run_metrics.py). Tokens of every class are also kept for the last minute in memory, for
-the operator view's tokens per second.
+(storage/run_metrics.py), written on a thread of their own, not the event loop; a reader calls
+`settled` first, so it sees every step completed before it asked. Tokens of every class are also
+kept for the last minute in memory, for the operator view's tokens per second.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +81,20 @@ class RunCurves:
         self._last_step_at: dict[str, float] = {}
         # (completed at, tenant, token class, tokens), the last THROUGHPUT_WINDOW_S of them
         self._recent: collections.deque[tuple[float, str, str, int]] = collections.deque()
+        # One thread, so points are written in step order and the last write submitted is done
+        # only when every earlier one is.
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="curves")
+        self._last_write: concurrent.futures.Future[None] | None = None
+
+    def settled(self) -> None:
+        """Wait until every point recorded so far is written (a reader's first step)."""
+        last = self._last_write
+        if last is not None:
+            concurrent.futures.wait([last])
+
+    def close(self) -> None:
+        """Write what is pending, then stop the writer thread (before the registry closes)."""
+        self._writer.shutdown(wait=True)
 
     def record(self, op: Operation, result: Any) -> None:
         """The engine loop's completion hook (on the event loop)."""
@@ -111,18 +128,27 @@ class RunCurves:
         self._last_step_at[run_id] = now  # re-inserted: the dict is ordered by last step
         while len(self._last_step_at) > MAX_TRACKED_RUNS:
             self.forget(next(iter(self._last_step_at)))
+        metrics = pending.metrics()
+        metrics |= {k: float(v) for k, v in optim.items() if isinstance(v, int | float)}
+        step_s = now - previous if previous is not None else None
+        write = self._writer.submit(self._write, run_id, tenant, pending.tokens, step_s, metrics)
+        write.add_done_callback(_log_failure)
+        self._last_write = write
+
+    def _write(
+        self,
+        run_id: str,
+        tenant: str,
+        tokens: int,
+        step_s: float | None,
+        metrics: dict[str, float],
+    ) -> None:
+        """On the writer thread: the point, at the run's step as stored (this step counted)."""
         run = self.registry.training_run(run_id, tenant)
         if run is None:
             return
-        metrics = pending.metrics()
-        metrics |= {k: float(v) for k, v in optim.items() if isinstance(v, int | float)}
         self.store.record(
-            run_id,
-            tenant,
-            run.training_step,
-            trained_tokens=pending.tokens,
-            step_s=now - previous if previous is not None else None,
-            metrics=metrics,
+            run_id, tenant, run.training_step, trained_tokens=tokens, step_s=step_s, metrics=metrics
         )
 
     def forget(self, run_id: str) -> None:
@@ -142,3 +168,8 @@ class RunCurves:
             if now - at <= THROUGHPUT_WINDOW_S and (tenant is None or who == tenant):
                 totals[token_class] += tokens
         return {k: v / THROUGHPUT_WINDOW_S for k, v in totals.items()}
+
+
+def _log_failure(write: concurrent.futures.Future[None]) -> None:
+    if not write.cancelled() and write.exception() is not None:
+        log.error("writing a training curve point failed", exc_info=write.exception())

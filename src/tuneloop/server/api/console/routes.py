@@ -115,13 +115,16 @@ async def run_page(run_id: str, request: Request) -> Response:
 
 
 @router.get("/data/runs/{run_id}/points")
-async def run_points(run_id: str, request: Request, after: int = Query(0, ge=0)) -> Any:
-    """The run's per-step points added after row id `after` (0: all kept), and its step."""
+def run_points(run_id: str, request: Request, after: int = Query(0, ge=0)) -> Any:
+    """The run's per-step points added after row id `after` (0: all kept), and its step. A
+    plain `def` (FastAPI's threadpool): it waits for the points still being written."""
     not_in_deployment(request)
     viewer = signed_in(request)
     state = get_state(request)
     run = _run_or_404(state, run_id, viewer.tenant)
-    points = curves_of(request).store.points(run.id, viewer.tenant, after)
+    curves = curves_of(request)
+    curves.settled()
+    points = curves.store.points(run.id, viewer.tenant, after)
     return {
         "run_id": run.id,
         "training_step": run.training_step,

@@ -61,13 +61,13 @@ def _base(state: ServerState, name: str) -> ModelSpec | None:
     return named[0] if len(named) == 1 else None
 
 
-def resolve(state: ServerState, tenant: str, model: str) -> Target:
+async def resolve(state: ServerState, tenant: str, model: str) -> Target:
     base_name, sep, path = model.partition(";")
     if sep:
         spec = _base(state, base_name.strip())
         if spec is None:
             raise model_not_found(model)
-        target = _checkpoint(state, tenant, path.strip(), model)
+        target = await _checkpoint(state, tenant, path.strip(), model)
         if target.spec.name != spec.name:
             raise bad_request(
                 f"model: {path.strip()!r} was trained on {target.spec.name!r}, not {spec.name!r}",
@@ -75,23 +75,23 @@ def resolve(state: ServerState, tenant: str, model: str) -> Target:
             )
         return target
     if model.startswith("tinker://"):
-        return _checkpoint(state, tenant, model, model)
+        return await _checkpoint(state, tenant, model, model)
     if ":sample:" in model:
-        return _sampler(state, tenant, model)
+        return await _sampler(state, tenant, model)
     spec = _base(state, model)
     if spec is None:
         raise model_not_found(model)
     return Target(spec, key=f"base\0{spec.name}")
 
 
-def _checkpoint(state: ServerState, tenant: str, path: str, model: str) -> Target:
-    _parsed, row = state.checkpoint(tenant, path, "model")
+async def _checkpoint(state: ServerState, tenant: str, path: str, model: str) -> Target:
+    _parsed, row = await state.checkpoint(tenant, path, "model")
     if row.kind == MERGED_KIND:  # every other package (a PEFT export too) holds an adapter
         raise bad_request(
             f"model: {path} is a merged model, not an adapter: serve it with `tuneloop deploy`",
             "model",
         )
-    run = state.registry.training_run(row.training_run_id, tenant)
+    run = await state.db(state.registry.training_run, row.training_run_id, tenant)
     spec = state.models.get(run.base_model) if run is not None else None
     if spec is None:
         raise model_not_found(model)
@@ -100,11 +100,11 @@ def _checkpoint(state: ServerState, tenant: str, path: str, model: str) -> Targe
     return Target(spec, key=key, weights_dir=Path(row.directory))
 
 
-def _sampler(state: ServerState, tenant: str, model: str) -> Target:
-    row = state.registry.sampler(model, tenant)
+async def _sampler(state: ServerState, tenant: str, model: str) -> Target:
+    row, session = await state.db(state.sampler_activity, model, tenant)
     if row is None:
         raise model_not_found(model)
-    state.live_session(row.session_id, tenant)
+    state.check_live(row.session_id, session)
     require_held(
         row.created_at,
         state.futures.started_at,

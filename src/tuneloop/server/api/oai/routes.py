@@ -157,7 +157,7 @@ async def chat_completions(request: Request, state: State, tenant: Tenant) -> An
     body = await read_body(request, ChatCompletionRequest)
     plan = chat_plan(body)
     messages = chat_messages(body)
-    target = resolve(state, tenant, body.model)
+    target = await resolve(state, tenant, body.model)
     text = await model_text(target.spec)
     # Rendering and tokenizing a long conversation takes a worker thread, not the event loop.
     size = sum(len(m.get("content") or "") for m in messages)
@@ -175,7 +175,7 @@ async def completions(request: Request, state: State, tenant: Tenant) -> Any:
     body = await read_body(request, CompletionRequest)
     plan = completion_plan(body)
     raw = prompts_of(body)
-    target = resolve(state, tenant, body.model)
+    target = await resolve(state, tenant, body.model)
     text = await model_text(target.spec)
 
     def tokenized() -> list[list[int]]:
