@@ -77,14 +77,18 @@ def test_keys_create_list_revoke(tmp_path: Path) -> None:
     assert key.startswith("tml-")
     assert "key id key-" in created.stderr
     # The data folder may also follow the sub-command.
-    assert run("keys", "create", "--tenant", "bob", *data(tmp_path)).exit_code == 0
+    assert run("keys", "create", "--tenant", "bob", "--admin", *data(tmp_path)).exit_code == 0
 
     listed = json.loads(run("keys", "list", *data(tmp_path), "--json").stdout)
-    assert [(k["tenant"], k["revoked"]) for k in listed] == [("alice", False), ("bob", False)]
+    assert [(k["tenant"], k["admin"], k["revoked"]) for k in listed] == [
+        ("alice", False, False),
+        ("bob", True, False),
+    ]
     assert key not in json.dumps(listed)
     rows = run("keys", *data(tmp_path), "list").stdout.splitlines()
     assert rows[0].split("\t")[1:2] == ["alice"]
-    assert rows[0].endswith("\tactive")
+    assert rows[0].endswith("\ttenant\tactive")
+    assert rows[1].endswith("\tadmin\tactive")
 
     alice_id = listed[0]["key_id"]
     assert run("keys", *data(tmp_path), "revoke", alice_id).exit_code == 0

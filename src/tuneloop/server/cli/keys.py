@@ -177,7 +177,8 @@ def keys_list(
     keys_file: KeysFileOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """List keys, never the keys themselves. Rows: key id, tenant, created, active|revoked."""
+    """List keys, never the keys themselves. Rows: key id, tenant, created, admin|tenant,
+    active|revoked."""
     records = _key_store(ctx, data_dir, keys_file).list()
     if as_json:
         print_json(
@@ -186,6 +187,7 @@ def keys_list(
                     "key_id": r.key_id,
                     "tenant": r.tenant,
                     "created_at": r.created_at,
+                    "admin": r.admin,
                     "revoked": r.revoked,
                 }
                 for r in records
@@ -193,8 +195,17 @@ def keys_list(
         )
         return
     print_rows(
-        ("KEY_ID", "TENANT", "CREATED", "STATE"),
-        [(r.key_id, r.tenant, r.created_at, "revoked" if r.revoked else "active") for r in records],
+        ("KEY_ID", "TENANT", "CREATED", "ROLE", "STATE"),
+        [
+            (
+                r.key_id,
+                r.tenant,
+                r.created_at,
+                "admin" if r.admin else "tenant",
+                "revoked" if r.revoked else "active",
+            )
+            for r in records
+        ],
     )
 
 
@@ -205,6 +216,7 @@ def keys_revoke(
     data_dir: DataDirOption = None,
     keys_file: KeysFileOption = None,
 ) -> None:
-    """Revoke a key by its id; a running server refuses it from the next request on."""
+    """Revoke a key by its id; a running server refuses it within a second, ending its long-polls
+    and dropping its queued work."""
     if not _key_store(ctx, data_dir, keys_file).revoke(key_id):
         fail(f"no key {key_id}", EXIT_NOT_FOUND)
