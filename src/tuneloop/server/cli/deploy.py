@@ -16,6 +16,7 @@ What it serves:
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -92,6 +93,8 @@ def deploy(
     Prints `tuneloop serving at URL` once it accepts requests. Callers authenticate with a key
     of the data folder (`tuneloop keys create`), sent as `Authorization: Bearer <key>`.
     """
+    # As `tuneloop serve`: what the server writes is its own (files 0600, folders 0700).
+    os.umask(0o077)
     try:
         import uvicorn  # noqa: F401 - checked here: a bare SDK install gets the one-line message
 
