@@ -21,7 +21,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from tuneloop.server.engine import checkpoints, sampler
+from tuneloop.server.engine import checkpoints
+from tuneloop.server.engine.decoder import DEFAULT_PREFILL_CHUNK, Decoder
+from tuneloop.server.engine.kv.block_manager import KVUsage
 from tuneloop.server.engine.logprobs import (
     pack_rows,
     pack_targets,
@@ -32,11 +34,12 @@ from tuneloop.server.engine.logprobs import (
 from tuneloop.server.engine.lora import AdapterBank, inject
 from tuneloop.server.engine.losses import compute_loss
 from tuneloop.server.engine.memory import training_token_budget
-from tuneloop.server.engine.models import LoadedModel, default_dtype, load_model
+from tuneloop.server.engine.models import default_dtype, load_model
 from tuneloop.server.engine.optim import AdapterOptimizer
 from tuneloop.server.engine.packing import enable_packing, packed_positions, packed_segments
+from tuneloop.server.engine.runtime import Runtime
+from tuneloop.server.engine.sampling_run import ContinuousRun
 from tuneloop.server.engine.types import (
-    CANCELLED,
     AdamStep,
     AdapterSpec,
     EngineError,
@@ -47,49 +50,14 @@ from tuneloop.server.engine.types import (
     SampleWork,
 )
 
-# KV-cache tokens (rows x (prompt + max_tokens)) per decode batch: SmolLM2-135M keeps ~46 KB per
-# token in fp32, so 32k tokens is ~1.5 GB.
+# KV-cache tokens of a model's sampling pool on a CPU (a GPU's is sized from its free memory):
+# SmolLM2-135M keeps ~46 KB per token in fp32, so 32k tokens is ~1.5 GB.
 DEFAULT_SAMPLE_TOKEN_BUDGET = 32768
-# Rows of one decode batch share a cache length (shorter prompts are left-padded), so a request
-# joins a running batch only while the padded width stays within this factor of every request's
-# own; one far longer or shorter starts a batch of its own (a length bucket), up to MAX_BUCKETS
-# taking turns step by step. Without buckets a 1,536-token prompt joining 64 rows of ~160 tokens
-# left-padded all 65 rows to ~1,600: 10x their KV memory (4.7 GB) and attention.
-PAD_FACTOR = 2.0
-MAX_BUCKETS = 4
-
-
-@dataclass
-class _Runtime:
-    """One resident base model with its adapter bank."""
-
-    loaded: LoadedModel
-    bank: AdapterBank
-    pad_id: int
-    packed: bool = False  # training batches packed end to end (see packing.py)
-    tokenizer: Any = None
-
-    @property
-    def model(self) -> nn.Module:
-        return self.loaded.model
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.loaded.model.parameters()).device
-
-    def decode(self, tokens: list[int]) -> str:
-        if self.tokenizer is None:
-            from tokenizers import Tokenizer
-
-            self.tokenizer = Tokenizer.from_file(
-                str(self.loaded.spec.tokenizer_dir / "tokenizer.json")
-            )
-        return str(self.tokenizer.decode(tokens, skip_special_tokens=False))
 
 
 @dataclass
 class _Adapter:
-    runtime: _Runtime
+    runtime: Runtime
     spec: AdapterSpec
     optimizer: AdapterOptimizer
 
@@ -118,21 +86,20 @@ class TorchBackend:
         dtype: torch.dtype | None = None,
         token_budget: int | None = None,
         sample_token_budget: int = DEFAULT_SAMPLE_TOKEN_BUDGET,
-        prefill_chunk: int = sampler.DEFAULT_PREFILL_CHUNK,
-        max_buckets: int = MAX_BUCKETS,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        kv_block_size: int | None = None,
     ) -> None:
         self.device = _device(device)
         self.dtype = dtype  # None: per model, the measured fastest (dtypes.py)
         # Tokens per training micro-batch (packed: real tokens; padded: rows x padded width):
         # a large request is split so that activations fit. None: sized from free memory.
         self.token_budget = token_budget or 0
+        # KV-cache tokens per model on a CPU (decoder.py; a GPU's pool is sized from free memory)
         self.sample_token_budget = sample_token_budget
-        # Prompt tokens a joining request prefills per decode step (sampler.DecodeBatch).
+        # Prompt tokens a joining request prefills per decode step (decoder.py).
         self.prefill_chunk = prefill_chunk
-        # Length buckets of a decode run (1: every request left-padded into one batch).
-        self.max_buckets = max(1, max_buckets)
-        self.pad_factor = PAD_FACTOR
-        self._runtimes: dict[str, _Runtime] = {}
+        self.kv_block_size = kv_block_size  # None: 16 tokens, 256 with the CUDA kernel
+        self._runtimes: dict[str, Runtime] = {}
         for name in models:
             loaded = load_model(
                 name,
@@ -142,7 +109,7 @@ class TorchBackend:
             )
             pad = getattr(loaded.model.config, "pad_token_id", None)
             bank = AdapterBank(inject(loaded.model))
-            self._runtimes[loaded.spec.name] = _Runtime(
+            self._runtimes[loaded.spec.name] = Runtime(
                 loaded,
                 bank,
                 pad if isinstance(pad, int) else loaded.spec.eos_token_id,
@@ -154,14 +121,17 @@ class TorchBackend:
                 )
                 self.token_budget = min(self.token_budget or budget, budget)
         self._adapters: dict[str, _Adapter] = {}
-        self._samplers: dict[str, _Runtime] = {}
+        self._samplers: dict[str, Runtime] = {}
+        # Bumped whenever a sampler id gets new factors: the prefix cache's namespace, so that
+        # a re-created sampler never finds keys computed with another adapter's weights.
+        self._versions: dict[str, int] = {}
 
     # ---- models and adapters ----------------------------------------------------------------
 
     def models(self) -> Sequence[ModelSpec]:
         return [rt.loaded.spec for rt in self._runtimes.values()]
 
-    def _runtime(self, base_model: str) -> _Runtime:
+    def _runtime(self, base_model: str) -> Runtime:
         runtime = self._runtimes.get(base_model)
         if runtime is None:
             raise EngineError(f"model {base_model!r} is not loaded on this server", "user")
@@ -249,7 +219,7 @@ class TorchBackend:
         return max((len(r.tokens) for r in rows), default=0) * len(rows)
 
     def _train(
-        self, runtime: _Runtime, works: Sequence[ForwardBackwardWork]
+        self, runtime: Runtime, works: Sequence[ForwardBackwardWork]
     ) -> list[ForwardBackwardResult | EngineError]:
         rows = [
             _Row(wi, work.adapter_id, ex.tokens, dict(ex.inputs))
@@ -292,7 +262,7 @@ class TorchBackend:
 
     def _run_micro_batch(
         self,
-        runtime: _Runtime,
+        runtime: Runtime,
         works: Sequence[ForwardBackwardWork],
         micro: list[_Row],
         losses: list[float],
@@ -428,6 +398,7 @@ class TorchBackend:
         self.delete_sampler(sampler_id)
         runtime.bank.add_frozen(sampler_id, spec, factors)
         self._samplers[sampler_id] = runtime
+        self._versions[sampler_id] = self._versions.get(sampler_id, 0) + 1
 
     def sampler_state(self, sampler_id: str) -> tuple[AdapterSpec, dict[str, torch.Tensor]] | None:
         """A sampler's spec and factors (None: the base model alone, or no such sampler)."""
@@ -456,6 +427,7 @@ class TorchBackend:
             spec = checkpoints.read_spec(weights_dir, sampler_id)
             runtime.bank.add_frozen(sampler_id, spec, checkpoints.read_factors(weights_dir))
         self._samplers[sampler_id] = runtime
+        self._versions[sampler_id] = self._versions.get(sampler_id, 0) + 1
 
     def delete_sampler(self, sampler_id: str) -> None:
         runtime = self._samplers.pop(sampler_id, None)
@@ -485,176 +457,30 @@ class TorchBackend:
         """
         waiting = list(batch)
         while waiting:
-            run = _DecodeRun(self, deliver, cancelled)
+            run = ContinuousRun(self._samplers.get, self._decoder, self._route, deliver, cancelled)
             waiting = run.run(waiting, admit)
+
+    def _decoder(self, runtime: Runtime) -> Decoder:
+        return runtime.sampling_decoder(
+            self.sample_token_budget, self.prefill_chunk, self.kv_block_size
+        )
+
+    def _route(self, sampler_id: str, runtime: Runtime) -> tuple[str | None, str]:
+        """The adapter key a sampler's rows use (None: the base model) and its prefix-cache
+        namespace: base-model samplers share one, each adapter snapshot has its own."""
+        if sampler_id not in runtime.bank.specs:
+            return None, ""
+        return sampler_id, f"{sampler_id}#{self._versions.get(sampler_id, 0)}"
+
+    def kv_usage(self) -> dict[str, KVUsage]:
+        """Per base model that has sampled, its KV pool's blocks (used, reserved, cached)."""
+        return {
+            name: runtime.decoder.usage()
+            for name, runtime in self._runtimes.items()
+            if runtime.decoder is not None
+        }
 
     def close(self) -> None:
         self._adapters.clear()
         self._samplers.clear()
         self._runtimes.clear()
-
-
-def _cancelled() -> EngineError:
-    return EngineError(CANCELLED, "user")
-
-
-def _width(work: SampleWork) -> int:
-    """The cache length a request's rows reach: its prompt plus everything it may generate."""
-    return len(work.prompt) + work.max_tokens
-
-
-class _Bucket:
-    """One decode batch of a run, with the widths and KV bound its admission rules need."""
-
-    def __init__(self, batch: sampler.DecodeBatch, pad_factor: float) -> None:
-        self.batch = batch
-        self.pad_factor = pad_factor
-        self.incoming: list[SampleWork] = []  # placed here by the join under way
-
-    def _live(self) -> list[SampleWork]:
-        return [request.work for request in self.batch.requests()] + self.incoming
-
-    def width(self) -> int:
-        """The widest its cache may grow: its padded width now plus the most a live row may
-        still generate, or a live request's full width if larger."""
-        live = self._live()
-        if not live:
-            return 0
-        grow = max(w.max_tokens for w in live)
-        return max([self.batch.mask.shape[1] + grow, *(_width(w) for w in live)])
-
-    def kv_bound(self, extra_rows: int = 0, extra_width: int = 0) -> int:
-        """Upper bound of the padded KV tokens, rows x width, with a request added."""
-        rows = len(self.batch) + sum(w.num_samples for w in self.incoming) + extra_rows
-        return rows * max(self.width(), extra_width)
-
-    def fits(self, width: int) -> bool:
-        live = self._live()
-        if not live:
-            return True
-        widths = [_width(w) for w in live] + [self.width(), width]
-        return max(widths) <= self.pad_factor * min(widths)
-
-
-class _DecodeRun:
-    """One decode run of `TorchBackend.sample_continuous`: one base model, requests joining
-    while it runs, in length buckets under the KV-token budget."""
-
-    def __init__(
-        self,
-        backend: TorchBackend,
-        deliver: Callable[[SampleWork, SampleResult | EngineError], None],
-        cancelled: Callable[[], Collection[str]] = frozenset,
-    ) -> None:
-        self.backend = backend
-        self.deliver = deliver
-        self.cancelled = cancelled
-        self.runtime: _Runtime | None = None
-        self.buckets: list[_Bucket] = []
-        self.running: dict[int, SampleWork] = {}  # by id: SampleWork holds arrays, no __eq__
-        self.later: list[SampleWork] = []  # for the next decode run
-
-    def _place(self, work: SampleWork, used: int) -> tuple[_Bucket | None, int] | None:
-        """The bucket a request joins (None: a new one) and the KV tokens it adds; None if it
-        must wait for the next decode run."""
-        width = _width(work)
-        # A fitting bucket if there is one (each bucket costs a forward pass per step), the one
-        # it pads least; else a new bucket while there may be more.
-        options: list[tuple[int, _Bucket | None]] = [
-            (b.kv_bound(work.num_samples, width) - b.kv_bound(), b)
-            for b in self.buckets
-            if b.fits(width)
-        ]
-        if not options and len(self.buckets) < self.backend.max_buckets:
-            options.append((work.num_samples * width, None))
-        if not options:
-            return None
-        added, bucket = min(options, key=lambda o: o[0])
-        if used and used + added > self.backend.sample_token_budget:
-            return None
-        return bucket, added
-
-    def join(self, works: Sequence[SampleWork]) -> None:
-        if not works:  # the common case, once per decode step: no bound to compute
-            return
-        used = sum(b.kv_bound() for b in self.buckets)
-        gone = self.cancelled()
-        for work in works:
-            if work.cancelled_by(gone):
-                self.deliver(work, _cancelled())
-                continue
-            owner = self.backend._samplers.get(work.sampler_id)
-            if owner is None:
-                self.deliver(work, EngineError(f"no sampler {work.sampler_id!r}", "user"))
-                continue
-            self.runtime = self.runtime or owner
-            place = self._place(work, used) if owner is self.runtime else None
-            if place is None:
-                self.later.append(work)
-                continue
-            bucket, added = place
-            if bucket is None:
-                bucket = _Bucket(
-                    sampler.DecodeBatch(
-                        owner.model,
-                        owner.bank,
-                        pad_id=owner.pad_id,
-                        decode=owner.decode,
-                        prefill_chunk=self.backend.prefill_chunk,
-                    ),
-                    self.backend.pad_factor,
-                )
-                self.buckets.append(bucket)
-            bucket.incoming.append(work)
-            used += added
-        runtime = self.runtime
-        if runtime is None:
-            return
-        for bucket in self.buckets:
-            fits, bucket.incoming = bucket.incoming, []
-            if not fits:
-                continue
-            keys = [w.sampler_id if w.sampler_id in runtime.bank.specs else None for w in fits]
-            self.running.update((id(w), w) for w in fits)
-            others = any(b.batch.rows for b in self.buckets if b is not bucket)
-            bucket.batch.add(fits, keys, others_decoding=others)
-
-    def run(
-        self, works: Sequence[SampleWork], admit: Callable[[], Sequence[SampleWork]]
-    ) -> list[SampleWork]:
-        """Decode until no row is left; returns the requests left for the next decode run."""
-        try:
-            self.join(works)
-            while self.buckets:
-                for bucket in list(self.buckets):
-                    others = any(b.batch.rows for b in self.buckets if b is not bucket)
-                    for request, result in bucket.batch.step(others_decoding=others):
-                        self.running.pop(id(request.work), None)
-                        self.deliver(request.work, result)
-                self._drop_cancelled()
-                for bucket in [b for b in self.buckets if not len(b.batch)]:
-                    bucket.batch.close()
-                    self.buckets.remove(bucket)
-                self.join(admit())
-        except torch.OutOfMemoryError:
-            for work in self.running.values():
-                self.deliver(
-                    work, EngineError("out of memory while sampling; retry with fewer samples")
-                )
-        finally:
-            for bucket in self.buckets:
-                bucket.batch.close()
-        return self.later
-
-    def _drop_cancelled(self) -> None:
-        gone = self.cancelled()
-        if not gone:
-            return
-        for bucket in self.buckets:
-            for request in bucket.batch.drop(lambda work: work.cancelled_by(gone)):
-                self.running.pop(id(request.work), None)
-                self.deliver(request.work, _cancelled())
-        for work in self.later:
-            if work.cancelled_by(gone):
-                self.deliver(work, _cancelled())
-        self.later = [w for w in self.later if not w.cancelled_by(gone)]

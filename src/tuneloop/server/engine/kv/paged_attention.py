@@ -1,0 +1,273 @@
+"""Attention over a paged KV pool, as a transformers attention function.
+
+One sampling step runs every sequence's new tokens (decode tokens and prefill chunks alike) as
+one packed row `[1, N]`. The model is the unmodified transformers model: inside `paged(model,
+step)` its attention implementation is `PAGED_ATTENTION`, a function registered with
+`AttentionInterface` that receives the step's `PagedStep` through the forward's keyword
+arguments (transformers passes them down to every attention call). For each layer it writes the
+new keys and values into the pool at the step's slots and attends each query token to its own
+sequence's slots only, read through the sequence's block table. No mask is built by the model:
+the name is not registered as a mask function, so transformers skips mask creation, as it does
+for its own paged cache. Any decoder whose attention goes through `ALL_ATTENTION_FUNCTIONS`
+(Llama, Qwen2/3, Mistral, SmolLM2, Gemma) works without per-architecture code.
+
+Two implementations of the same step:
+- the reference, plain torch (used on CPU and in tests): decode tokens attend in one batched
+  SDPA over their slots gathered (per step, never stored) to the longest context of the step;
+  each prefill chunk attends in its own SDPA with the causal offset of its cached past;
+- on CUDA, when the optional `flash-attn` package is importable, its varlen kernel reads the
+  pool through the block tables directly (`flash_attn_varlen_func(..., block_table=...)`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+
+__all__ = [
+    "PAGED_ATTENTION",
+    "KVPool",
+    "PagedStep",
+    "Prefill",
+    "kernel_available",
+    "paged",
+]
+
+log = logging.getLogger(__name__)
+
+PAGED_ATTENTION = "tuneloop_paged"
+# flash-attn's paged kernels need pages of a multiple of 256 tokens.
+FLASH_BLOCK_SIZE = 256
+
+
+class KVPool:
+    """The keys and values of every block, per layer `[num_blocks * block_size, heads, dim]`.
+
+    A layer's tensors are made at its first write, shaped like the keys it gets, so models
+    whose layers differ in KV heads or head size need no description here. `torch.empty`: a
+    block's slots are always written before they are read.
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.device, self.dtype = device, dtype
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+
+    def layer(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if index not in self.keys:
+            shape = (self.num_blocks * self.block_size, *like.shape[1:])
+            self.keys[index] = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self.values[index] = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return self.keys[index], self.values[index]
+
+    def copy_block(self, source: int, target: int) -> None:
+        """Copy one block's slots, every layer (copy-on-write)."""
+        size = self.block_size
+        src = slice(source * size, (source + 1) * size)
+        dst = slice(target * size, (target + 1) * size)
+        for tensors in (self.keys, self.values):
+            for t in tensors.values():
+                t[dst] = t[src]
+
+    def bytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size() for d in (self.keys, self.values) for t in d.values()
+        )
+
+
+@dataclass
+class Prefill:
+    """A prefill chunk of the step: query tokens [start, start + length) of the packed row,
+    attending to the first `context` slots of its sequence (its past plus the chunk)."""
+
+    start: int
+    length: int
+    slots: torch.Tensor  # [context] long
+    context: int
+
+
+@dataclass
+class PagedStep:
+    """What every layer's attention needs to know about one step, built once per step.
+
+    Token order in the packed row: the `decoding` one-token rows first, then the prefill chunks.
+    """
+
+    pool: KVPool
+    slot_mapping: torch.Tensor  # [N] long: where each new token's key and value go
+    decoding: int  # the first `decoding` tokens are decode rows, one token each
+    decode_slots: torch.Tensor  # [decoding, longest context] long (padding: slot 0)
+    decode_mask: torch.Tensor  # [decoding, 1, 1, longest context] bool
+    prefills: list[Prefill] = field(default_factory=list)
+    # For the CUDA kernel: per sequence, in token order.
+    flash: dict[str, Any] | None = None
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """SDPA, [B, heads, Tq, d] x [B, kv_heads, Tk, d]; GQA by repeating the KV heads."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    if softcap:  # not expressible in SDPA: the eager form
+        scores = torch.matmul(q, k.transpose(2, 3)) * scaling
+        scores = torch.tanh(scores / softcap) * softcap
+        if causal:
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scaling, is_causal=causal
+    )
+
+
+def _window(mask: torch.Tensor, query_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Narrow a [.., Tq, Tk] mask to keys within `window` of each query position."""
+    if not window:
+        return mask
+    keys = torch.arange(mask.shape[-1], device=mask.device)
+    return mask & (query_pos[..., :, None] - keys < window)
+
+
+def _reference(
+    query: torch.Tensor,
+    step: PagedStep,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    scaling: float,
+    softcap: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    """[1, heads, N, d] -> [N, heads, d]."""
+    q = query[0]  # [heads, N, d]
+    pieces = []
+    d = step.decoding
+    if d:
+        keys = k_pool[step.decode_slots].permute(0, 2, 1, 3)  # [D, kv_heads, T, d]
+        values = v_pool[step.decode_slots].permute(0, 2, 1, 3)
+        mask = step.decode_mask
+        if window:
+            last = mask.sum(-1, keepdim=True).squeeze(-1) - 1  # [D, 1, 1] position of the query
+            mask = _window(mask, last, window)
+        out = _attend(q[:, :d].transpose(0, 1)[:, :, None], keys, values, mask, scaling, softcap)
+        pieces.append(out[:, :, 0])  # [D, heads, d]
+    for chunk in step.prefills:
+        keys = k_pool[chunk.slots].transpose(0, 1)[None]  # [1, kv_heads, ctx, d]
+        values = v_pool[chunk.slots].transpose(0, 1)[None]
+        cq = q[None, :, chunk.start : chunk.start + chunk.length]  # [1, heads, len, d]
+        past = chunk.context - chunk.length
+        if past == 0 and not window:
+            out = _attend(cq, keys, values, None, scaling, softcap, causal=True)
+        else:
+            positions = torch.arange(past, chunk.context, device=q.device)
+            keys_at = torch.arange(chunk.context, device=q.device)
+            mask = _window(keys_at[None, :] <= positions[:, None], positions, window)
+            out = _attend(cq, keys, values, mask, scaling, softcap)
+        pieces.append(out[0].transpose(0, 1))  # [len, heads, d]
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def _flash_kernel() -> Callable[..., torch.Tensor] | None:
+    try:
+        module = importlib.import_module("flash_attn")
+    except ImportError:
+        return None
+    fn: Callable[..., torch.Tensor] | None = getattr(module, "flash_attn_varlen_func", None)
+    return fn
+
+
+def kernel_available(device: torch.device) -> bool:
+    """Whether steps on `device` may use the paged-attention kernel (CUDA and flash-attn)."""
+    return device.type == "cuda" and _flash_kernel() is not None
+
+
+def _flash(
+    query: torch.Tensor,
+    step: PagedStep,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    scaling: float,
+    softcap: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    kernel = _flash_kernel()
+    assert kernel is not None
+    assert step.flash is not None
+    shape = (step.pool.num_blocks, step.pool.block_size, *k_pool.shape[1:])
+    return kernel(
+        query[0].transpose(0, 1),  # [N, heads, d]
+        k_pool.view(shape),
+        v_pool.view(shape),
+        softmax_scale=scaling,
+        causal=True,
+        window_size=(window - 1, 0) if window else (-1, -1),
+        softcap=softcap or 0.0,
+        **step.flash,
+    )
+
+
+def paged_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,  # [1, heads, N, d]
+    key: torch.Tensor,  # [1, kv_heads, N, d]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    step: PagedStep | None = kwargs.get("paged_step")
+    if step is None:
+        raise RuntimeError(f"{PAGED_ATTENTION} attention runs inside paged() only")
+    layer = int(getattr(module, "layer_idx", 0))
+    k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [N, kv_heads, d]
+    k_pool, v_pool = step.pool.layer(layer, k_new)
+    k_pool.index_copy_(0, step.slot_mapping, k_new.to(k_pool.dtype))
+    v_pool.index_copy_(0, step.slot_mapping, v_new.to(v_pool.dtype))
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    softcap = kwargs.get("softcap")
+    window = kwargs.get("sliding_window")
+    if step.flash is not None:
+        out = _flash(query, step, k_pool, v_pool, scale, softcap, window)
+    else:
+        out = _reference(query, step, k_pool, v_pool, scale, softcap, window)
+    return out[None], None  # [1, N, heads, d], as transformers' attention functions return
+
+
+AttentionInterface.register(PAGED_ATTENTION, paged_attention_forward)
+
+
+@contextlib.contextmanager
+def paged(model: nn.Module) -> Iterator[None]:
+    """Inside the block, `model`'s attention is the paged one (pass `paged_step=` to forward).
+
+    The engine runs a model from one thread at a time; the previous implementation (SDPA, the
+    packed-training one, eager) holds again after the block.
+    """
+    config: Any = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = PAGED_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
