@@ -40,15 +40,19 @@ class ModelRunner:
         self.device = pool.device
         self.forwards = 0  # forward passes run (tests count prefills with it)
         self.tokens = 0  # tokens run through the model
-        # The routing of the last step, reused while the layout of adapters is the same: its
+        # The routings of the last step, reused while the layout of adapters is the same: its
         # stacked factors (grouped LoRA) cost more to rebuild every step than they save.
-        self._routing: tuple[tuple[tuple[str | None, int], ...], Routing] | None = None
+        # One for the transformer body (all tokens), one for the head (one row per sequence).
+        self._body: dict[str, Any] = {}
+        self._head: dict[str, Any] = {}
 
-    def _route(self, keys: list[str | None], lengths: list[int]) -> Routing:
+    @staticmethod
+    def _route(held: dict[str, Any], keys: list[str | None], lengths: list[int]) -> Routing:
         layout = tuple(zip(keys, lengths, strict=True))
-        if self._routing is None or self._routing[0] != layout:
-            self._routing = (layout, Routing.from_lengths(keys, lengths))
-        return self._routing[1]
+        if held.get("layout") != layout:
+            held["layout"], held["routing"] = layout, Routing.from_lengths(keys, lengths)
+        routing: Routing = held["routing"]
+        return routing
 
     def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
         size = self.pool.block_size
@@ -124,18 +128,30 @@ class ModelRunner:
         step, tokens, positions = self._step(work)
         ends = list(itertools.accumulate(i.length for i in work))
         keep = [end - 1 for end, item in zip(ends, work, strict=True) if item.wants_logits]
-        routing = self._route([i.seq.key for i in work], [i.length for i in work])
-        with self.bank.using(routing), paged(self.model):
-            out = self.model(
+        keys = [i.seq.key for i in work]
+        body_routing = self._route(self._body, keys, [i.length for i in work])
+        decoder: nn.Module = self.model.get_decoder()  # type: ignore[operator]
+        with self.bank.using(body_routing), paged(self.model):
+            hidden = decoder(
                 input_ids=torch.tensor([tokens], device=self.device),
                 position_ids=torch.tensor([positions], device=self.device),
                 use_cache=False,
                 paged_step=step,
-                logits_to_keep=torch.tensor(keep or [0], device=self.device),
-            )
+            ).last_hidden_state[0]
         self.forwards += 1
         self.tokens += len(tokens)
         for item in work:
             item.seq.computed += item.length
-        logits: torch.Tensor = out.logits[0].float()
-        return logits if keep else logits[:0]
+        if not keep:
+            return hidden.new_zeros((0, 0), dtype=torch.float32)
+        # The LM head runs on the last token of each sequence that wants logits, routed by those
+        # rows' adapters (an adapter may train the head too).
+        wanting = [k for k, item in zip(keys, work, strict=True) if item.wants_logits]
+        head_routing = self._route(self._head, wanting, [1] * len(wanting))
+        head: nn.Module = self.model.get_output_embeddings()  # type: ignore[operator]
+        with self.bank.using(head_routing):
+            logits = head(hidden[torch.tensor(keep, device=self.device)][None])[0].float()
+        softcap = getattr(self.model.config, "final_logit_softcapping", None)
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        return logits
