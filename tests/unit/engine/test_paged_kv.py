@@ -279,7 +279,10 @@ def test_paged_decoding_needs_no_per_architecture_code(tmp_path) -> None:
     llama = TorchBackend([TINY_LLAMA], cache_dir=tmp_path, device="cpu", kv_block_size=4)
     try:
         llama.create_sampler("base", TINY_LLAMA)
-        works = [sw("base", seq(9, 14), num_samples=3, max_tokens=6, seed=2), sw("base", seq(4, 15))]
+        works = [
+            sw("base", seq(9, 14), num_samples=3, max_tokens=6, seed=2),
+            sw("base", seq(4, 15)),
+        ]
         check_dense(llama, works, llama.sample(works))
     finally:
         llama.close()

@@ -155,7 +155,7 @@ class Decoder:
         self.joining.append(_Live(request, seq, digests, need - from_free))
         return request
 
-    # ---- blocks -----------------------------------------------------------------------------------
+    # ---- blocks ---------------------------------------------------------------------------
 
     def _room(self, live: _Live, seq: Sequence, end: int) -> None:
         """Blocks for writing positions [seq.computed, end): new ones, and private copies of
@@ -235,13 +235,14 @@ class Decoder:
                 block = seq.tokens[index * size : (index + 1) * size]
                 self.blocks.seal(seq.table[index], live.digests[index], block)
             seq.sealed = max(seq.sealed, full)
-        index = list(range(len(self.rows)))
+        # Logits rows: the decoding rows', then one per completed prompt, repeated per sample.
+        picks = list(range(len(self.rows)))
         for offset, live in enumerate(completing, start=len(self.rows)):
             self.joining.remove(live)
             self._fork(live)
             self.rows += [(live, row) for row in live.request.rows]
-            index += [offset] * len(live.request.rows)
-        self.logits = logits.index_select(0, torch.tensor(index, device=logits.device))
+            picks += [offset] * len(live.request.rows)
+        self.logits = logits.index_select(0, torch.tensor(picks, device=logits.device))
         return finished
 
     def _fork(self, live: _Live) -> None:

@@ -1,42 +1,28 @@
 """TorchBackend: frozen base models resident in memory, many LoRA adapters on each.
 
-One forward/backward batch may hold rows of several adapters (sessions, tenants): each row is
-routed through its own adapter (`lora.AdapterBank.routed`), the losses of every request are
-summed, and one backward pass fills each adapter's gradients from its own rows only. Gradients
-accumulate across forward_backward calls until that adapter's optim_step. Rows are packed end to
-end with no padding (packing.py) on models whose attention allows it, padded otherwise.
+Training batches mix adapters and run in micro-batches (training.py); gradients accumulate
+across forward_backward calls until that adapter's optim_step. Sampling runs on each model's
+paged decoder (decoder.py), requests joining while it decodes (sampling_run.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-import math
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from tuneloop.server.engine import checkpoints
+from tuneloop.server.engine import checkpoints, training
 from tuneloop.server.engine.decoder import DEFAULT_PREFILL_CHUNK, Decoder
 from tuneloop.server.engine.kv.block_manager import KVUsage
-from tuneloop.server.engine.logprobs import (
-    pack_rows,
-    pack_targets,
-    pad_rows,
-    pad_targets,
-    target_logprobs,
-)
 from tuneloop.server.engine.lora import AdapterBank, inject
-from tuneloop.server.engine.losses import compute_loss
 from tuneloop.server.engine.memory import training_token_budget
 from tuneloop.server.engine.models import default_dtype, load_model
 from tuneloop.server.engine.optim import AdapterOptimizer
-from tuneloop.server.engine.packing import enable_packing, packed_positions, packed_segments
+from tuneloop.server.engine.packing import enable_packing
 from tuneloop.server.engine.runtime import Runtime
 from tuneloop.server.engine.sampling_run import ContinuousRun
 from tuneloop.server.engine.types import (
@@ -60,14 +46,6 @@ class _Adapter:
     runtime: Runtime
     spec: AdapterSpec
     optimizer: AdapterOptimizer
-
-
-@dataclass
-class _Row:
-    work_index: int
-    key: str
-    tokens: np.ndarray
-    inputs: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def _device(name: str | None) -> torch.device:
@@ -170,167 +148,12 @@ class TorchBackend:
         for indices in by_runtime.values():
             runtime = self._adapters[batch[indices[0]].adapter_id].runtime
             for index, result in zip(
-                indices, self._train(runtime, [batch[i] for i in indices]), strict=True
+                indices,
+                training.train(runtime, [batch[i] for i in indices], self.token_budget),
+                strict=True,
             ):
                 results[index] = result
         return [r if r is not None else EngineError("not run") for r in results]
-
-    def _micro_batches(self, rows: list[_Row], packed: bool) -> list[tuple[list[_Row], int | None]]:
-        """Split rows under the token budget (packed: total tokens; else rows x padded width).
-
-        A request that fits the budget is never split across micro-batches; one that does not
-        runs alone in consecutive micro-batches, named by the second value, so that its gradient
-        can be taken back if it fails part-way.
-        """
-        by_work: dict[int, list[_Row]] = {}
-        for row in rows:
-            by_work.setdefault(row.work_index, []).append(row)
-        batches: list[tuple[list[_Row], int | None]] = []
-        current: list[_Row] = []
-
-        def fits(candidate: list[_Row]) -> bool:
-            return self._tokens(candidate, packed) <= self.token_budget
-
-        for work_index, work_rows in by_work.items():
-            if fits(current + work_rows):
-                current += work_rows
-                continue
-            if current:
-                batches.append((current, None))
-                current = []
-            if fits(work_rows):
-                current = list(work_rows)
-                continue
-            part: list[_Row] = []
-            for row in work_rows:
-                if part and not fits([*part, row]):
-                    batches.append((part, work_index))
-                    part = []
-                part.append(row)
-            batches.append((part, work_index))
-        if current:
-            batches.append((current, None))
-        return batches
-
-    @staticmethod
-    def _tokens(rows: list[_Row], packed: bool) -> int:
-        if packed:
-            return sum(len(r.tokens) for r in rows)
-        return max((len(r.tokens) for r in rows), default=0) * len(rows)
-
-    def _train(
-        self, runtime: Runtime, works: Sequence[ForwardBackwardWork]
-    ) -> list[ForwardBackwardResult | EngineError]:
-        rows = [
-            _Row(wi, work.adapter_id, ex.tokens, dict(ex.inputs))
-            for wi, work in enumerate(works)
-            for ex in work.examples
-        ]
-        losses = [0.0] * len(works)
-        logprobs: list[list[np.ndarray]] = [[] for _ in works]
-        failed: dict[int, EngineError] = {}
-        # Gradients of the adapter of a request split over several micro-batches, as they were
-        # before it: restored if the request fails after some of its micro-batches ran.
-        saved: tuple[int, list[torch.Tensor | None]] | None = None
-        for micro, alone in [*self._micro_batches(rows, runtime.packed), ([], None)]:
-            if saved is not None and saved[0] != alone:
-                if saved[0] in failed:
-                    params = runtime.bank.parameters(works[saved[0]].adapter_id)
-                    for param, grad in zip(params, saved[1], strict=True):
-                        param.grad = grad
-                saved = None
-            if not micro:
-                break
-            if alone is not None and saved is None and not works[alone].forward_only:
-                params = runtime.bank.parameters(works[alone].adapter_id)
-                saved = (alone, [None if p.grad is None else p.grad.clone() for p in params])
-            try:
-                self._run_micro_batch(runtime, works, micro, losses, logprobs, failed)
-            except torch.OutOfMemoryError:
-                for row in micro:
-                    failed.setdefault(
-                        row.work_index,
-                        EngineError(
-                            "out of memory even for one micro-batch: send fewer or shorter datums",
-                            "user",
-                        ),
-                    )
-        return [
-            failed.get(i) or ForwardBackwardResult(logprobs[i], {"loss:sum": losses[i]})
-            for i in range(len(works))
-        ]
-
-    def _run_micro_batch(
-        self,
-        runtime: Runtime,
-        works: Sequence[ForwardBackwardWork],
-        micro: list[_Row],
-        losses: list[float],
-        logprobs: list[list[np.ndarray]],
-        failed: dict[int, EngineError],
-    ) -> None:
-        device = runtime.device
-        needs_grad = any(not works[r.work_index].forward_only for r in micro)
-        lengths = [len(r.tokens) for r in micro]
-        row_targets = [r.inputs["target_tokens"] for r in micro]
-        if runtime.packed:
-            input_ids = pack_rows([r.tokens for r in micro], device)
-            targets = pack_targets(row_targets, device)
-            positions: torch.Tensor | None = packed_positions(lengths, device)
-            # row i's positions in the [1, total] output start after the rows before it
-            offsets = [(0, start) for start in itertools.accumulate([0, *lengths[:-1]])]
-            segments: Any = packed_segments(lengths)
-        else:
-            input_ids = pad_rows([r.tokens for r in micro], runtime.pad_id, device)
-            targets = pad_targets(row_targets, input_ids.shape[1], device)
-            positions = None
-            offsets = [(i, 0) for i in range(len(micro))]
-            segments = contextlib.nullcontext()
-        with (
-            runtime.bank.routed([r.key for r in micro], lengths if runtime.packed else None),
-            segments,
-            torch.set_grad_enabled(needs_grad),
-        ):
-            all_lp = target_logprobs(runtime.model, input_ids, lengths, targets, positions)
-            row_losses: list[tuple[int, torch.Tensor]] = []
-            for i, row in enumerate(micro):
-                target = row.inputs["target_tokens"]
-                batch_row, start = offsets[i]
-                lp = all_lp[
-                    batch_row,
-                    start : start + len(row.tokens),
-                    : (1 if target.ndim == 1 else target.shape[1]),
-                ]
-                lp = lp[:, 0] if target.ndim == 1 else lp
-                work = works[row.work_index]
-                tensors = {
-                    k: torch.as_tensor(v, dtype=torch.float32, device=device)
-                    for k, v in row.inputs.items()
-                    if k != "target_tokens"
-                }
-                try:
-                    loss = compute_loss(work.loss_fn, lp, tensors, work.loss_config)
-                except EngineError as exc:  # e.g. an unknown loss: fails this request only
-                    failed.setdefault(row.work_index, exc)
-                    continue
-                value = float(loss.detach())
-                if not math.isfinite(value):
-                    failed.setdefault(
-                        row.work_index,
-                        EngineError(
-                            f"the {work.loss_fn} loss is not finite for this request", "user"
-                        ),
-                    )
-                    continue
-                losses[row.work_index] += value
-                logprobs[row.work_index].append(lp.detach().float().cpu().numpy())
-                if not work.forward_only:
-                    row_losses.append((row.work_index, loss))
-            total = [loss for wi, loss in row_losses if wi not in failed]
-            if needs_grad and total:
-                # Backward inside the routing block: checkpointed LM-head chunks recompute
-                # through the same adapters.
-                torch.stack(total).sum().backward()
 
     def optim_step(self, adapter_id: str, step: AdamStep) -> dict[str, float]:
         return self._adapter(adapter_id).optimizer.step(step)
