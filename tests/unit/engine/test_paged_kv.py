@@ -286,3 +286,77 @@ def test_paged_decoding_needs_no_per_architecture_code(tmp_path) -> None:
         check_dense(llama, works, llama.sample(works))
     finally:
         llama.close()
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, 30.0), (5, 30.0)])
+def test_reference_attention_equals_dense_attention(window: Any, softcap: Any) -> None:
+    """Decode rows and prefill chunks over scattered blocks, against eager attention on each
+    sequence's dense keys (sliding windows and logit softcapping, as Gemma uses)."""
+    from tuneloop.server.engine.kv import paged_attention as pa
+
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, size = 4, 2, 8, 4
+    pool = pa.KVPool(
+        num_blocks=12, block_size=size, device=torch.device("cpu"), dtype=torch.float32
+    )
+    # (past tokens, new tokens, blocks): two decode rows, then a chunk with a past, then a fresh one
+    layout = [(6, 1, [7, 2]), (2, 1, [5]), (5, 3, [0, 9]), (0, 6, [3, 11])]
+    keys = [torch.randn(p + n, kv_heads, dim, generator=gen) for p, n, _ in layout]
+    values = [torch.randn(p + n, kv_heads, dim, generator=gen) for p, n, _ in layout]
+    k_pool, v_pool = pool.layer(0, keys[0])
+
+    def slots(blocks: list[int], start: int, end: int) -> torch.Tensor:
+        return torch.tensor(
+            [blocks[i // size] * size + i % size for i in range(start, end)], dtype=torch.long
+        )
+
+    for (past, _, blocks), k, v in zip(layout, keys, values, strict=True):  # the cached past
+        k_pool[slots(blocks, 0, past)], v_pool[slots(blocks, 0, past)] = k[:past], v[:past]
+    new_k = torch.cat([k[p:] for (p, _, _), k in zip(layout, keys, strict=True)])
+    new_v = torch.cat([v[p:] for (p, _, _), v in zip(layout, values, strict=True)])
+    n = new_k.shape[0]
+    width = max(p + m for p, m, _ in layout[:2])
+    decode_slots = torch.zeros((2, width), dtype=torch.long)
+    decode_mask = torch.zeros((2, 1, 1, width), dtype=torch.bool)
+    for row, (p, m, blocks) in enumerate(layout[:2]):
+        decode_slots[row, : p + m] = slots(blocks, 0, p + m)
+        decode_mask[row, 0, 0, : p + m] = True
+    prefills = [
+        pa.Prefill(2, 3, slots(layout[2][2], 0, 8), 8),
+        pa.Prefill(5, 6, slots(layout[3][2], 0, 6), 6),
+    ]
+    step = pa.PagedStep(
+        pool,
+        torch.cat([slots(b, p, p + m) for p, m, b in layout]),
+        2,
+        decode_slots,
+        decode_mask,
+        prefills,
+    )
+    query = torch.randn(1, heads, n, dim, generator=gen)
+    module = torch.nn.Module()
+    out, _ = pa.paged_attention_forward(
+        module,
+        query,
+        new_k.transpose(0, 1)[None],
+        new_v.transpose(0, 1)[None],
+        None,
+        scaling=0.3,
+        paged_step=step,
+        sliding_window=window,
+        softcap=softcap,
+    )
+    start = 0
+    for (past, new, _), k, v in zip(layout, keys, values, strict=True):
+        q = query[0, :, start : start + new]  # [heads, new, d]
+        kk = k.transpose(0, 1).repeat_interleave(2, 0)  # [heads, ctx, d]
+        vv = v.transpose(0, 1).repeat_interleave(2, 0)
+        scores = q @ kk.transpose(1, 2) * 0.3
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        pos = torch.arange(past, past + new)[:, None]
+        key_pos = torch.arange(past + new)[None, :]
+        allowed = (key_pos <= pos) & ((pos - key_pos < window) if window else True)
+        expected = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ vv
+        assert_near(out[0, start : start + new].transpose(0, 1), expected, 1e-5, "attention")
+        start += new

@@ -123,12 +123,12 @@ def _attend(
     softcap: float | None,
     causal: bool = False,
 ) -> torch.Tensor:
-    """SDPA, [B, heads, Tq, d] x [B, kv_heads, Tk, d]; GQA by repeating the KV heads."""
+    """SDPA, [B, heads, Tq, d] x [B, kv_heads, Tk, d] (grouped-query: SDPA's own GQA, no copy
+    of the gathered keys per query head)."""
     groups = q.shape[1] // k.shape[1]
-    if groups > 1:
+    if softcap:  # not expressible in SDPA: the eager form
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    if softcap:  # not expressible in SDPA: the eager form
         scores = torch.matmul(q, k.transpose(2, 3)) * scaling
         scores = torch.tanh(scores / softcap) * softcap
         if causal:
@@ -137,7 +137,7 @@ def _attend(
             scores = scores.masked_fill(~mask, float("-inf"))
         return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
     return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=scaling, is_causal=causal
+        q, k, v, attn_mask=mask, scale=scaling, is_causal=causal, enable_gqa=groups > 1
     )
 
 
@@ -163,8 +163,10 @@ def _reference(
     pieces = []
     d = step.decoding
     if d:
-        keys = k_pool[step.decode_slots].permute(0, 2, 1, 3)  # [D, kv_heads, T, d]
-        values = v_pool[step.decode_slots].permute(0, 2, 1, 3)
+        # index_select of the flat slots: ~5x faster on CPU than indexing with the 2-D tensor
+        flat, shape = step.decode_slots.reshape(-1), (*step.decode_slots.shape, *k_pool.shape[1:])
+        keys = k_pool.index_select(0, flat).view(shape).permute(0, 2, 1, 3)  # [D, kv_heads, T, d]
+        values = v_pool.index_select(0, flat).view(shape).permute(0, 2, 1, 3)
         mask = step.decode_mask
         if window:
             last = mask.sum(-1, keepdim=True).squeeze(-1) - 1  # [D, 1, 1] position of the query
@@ -172,8 +174,8 @@ def _reference(
         out = _attend(q[:, :d].transpose(0, 1)[:, :, None], keys, values, mask, scaling, softcap)
         pieces.append(out[:, :, 0])  # [D, heads, d]
     for chunk in step.prefills:
-        keys = k_pool[chunk.slots].transpose(0, 1)[None]  # [1, kv_heads, ctx, d]
-        values = v_pool[chunk.slots].transpose(0, 1)[None]
+        keys = k_pool.index_select(0, chunk.slots).transpose(0, 1)[None]  # [1, kv_heads, ctx, d]
+        values = v_pool.index_select(0, chunk.slots).transpose(0, 1)[None]
         cq = q[None, :, chunk.start : chunk.start + chunk.length]  # [1, heads, len, d]
         past = chunk.context - chunk.length
         if past == 0 and not window:
