@@ -360,3 +360,19 @@ def test_reference_attention_equals_dense_attention(window: Any, softcap: Any) -
         expected = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ vv
         assert_near(out[0, start : start + new].transpose(0, 1), expected, 1e-5, "attention")
         start += new
+
+
+def test_the_cpu_path_never_imports_a_kernel_library_and_sizes_the_pool_by_its_budget() -> None:
+    import sys
+
+    from transformers import Qwen3Config
+
+    from tuneloop.server.engine.kv.paged_attention import kernel_available
+    from tuneloop.server.engine.memory import kv_bytes_per_token, kv_cache_blocks
+
+    cpu = torch.device("cpu")
+    assert not kernel_available(cpu, torch.bfloat16)
+    assert "flash_attn" not in sys.modules
+    config = Qwen3Config(num_hidden_layers=3, num_key_value_heads=2, head_dim=16)
+    assert kv_bytes_per_token(config, torch.float32) == 2 * 3 * 2 * 16 * 4
+    assert kv_cache_blocks(config, torch.float32, cpu, 16, 1000) == 62

@@ -52,7 +52,7 @@ class Runtime:
     ) -> Decoder:
         """This model's decoder, made on first use with a pool sized by the memory budget (and
         made again, while idle, if the budget or block size asked for changed)."""
-        kernel = kernel_available(self.device)
+        kernel = kernel_available(self.device, next(self.model.parameters()).dtype)
         size = block_size or (FLASH_BLOCK_SIZE if kernel else DEFAULT_BLOCK_SIZE)
         decoder = self.decoder
         if (

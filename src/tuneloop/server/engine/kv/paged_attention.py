@@ -198,9 +198,11 @@ def _flash_kernel() -> Callable[..., torch.Tensor] | None:
     return fn
 
 
-def kernel_available(device: torch.device) -> bool:
-    """Whether steps on `device` may use the paged-attention kernel (CUDA and flash-attn)."""
-    return device.type == "cuda" and _flash_kernel() is not None
+def kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether steps on `device` may use the paged-attention kernel: CUDA, half-precision
+    weights (the kernel has no fp32 path) and the optional flash-attn package."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    return device.type == "cuda" and half and _flash_kernel() is not None
 
 
 def _flash(
