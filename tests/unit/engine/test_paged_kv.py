@@ -190,15 +190,23 @@ def test_blocks_come_back_after_finished_cancelled_and_failed_requests(be) -> No
     idle(be)
 
 
-def test_a_request_larger_than_the_pool_fails_alone(be) -> None:
+def test_requests_beyond_the_pool_run_alone_and_fail_only_if_they_outgrow_it(be) -> None:
     be.sample_token_budget = 64  # 16 blocks of 4
-    big = sw("sA", seq(40, 11), num_samples=4, max_tokens=20)  # 10 + 4 x 5 blocks > 16
-    small = sw("sA", seq(6, 12), max_tokens=4)
-    results = be.sample([big, small])
+    every_token = tuple(range(259))
+    too_long = sw("sA", seq(70, 11))  # 18 prompt blocks: refused at the door
+    # worst case 2 + 4 x 25 blocks, but every sample stops at its first token: it fits
+    stops = sw("sA", seq(6, 12), num_samples=4, max_tokens=100, stop_token_ids=every_token)
+    outgrows = sw("sA", seq(40, 13), num_samples=4, max_tokens=20)  # 10 + 4 x 5 > 16
+    small = sw("base", seq(6, 14), max_tokens=4)  # waits behind `outgrows`, then runs
+    results = be.sample([too_long, stops, outgrows, small])
     assert isinstance(results[0], EngineError)
     assert results[0].category == "user"
-    assert "KV-cache blocks" in str(results[0])
-    ok(results[1])
+    assert "at least 19 KV-cache blocks" in str(results[0])
+    assert [len(s.tokens) for s in ok(results[1]).sequences] == [1] * 4
+    assert isinstance(results[2], EngineError)
+    assert results[2].category == "user"
+    assert "outgrew the KV cache" in str(results[2])
+    check_dense(be, [small], [results[3]])
     assert usage(be).blocks_total == 16
     idle(be)
 

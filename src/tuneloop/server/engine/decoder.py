@@ -58,6 +58,20 @@ DEFAULT_PREFILL_CHUNK = 256
 MAX_STEP_TOKENS = 8192
 
 
+def _out_of_blocks(blocks: int) -> EngineError:
+    return EngineError(
+        f"the samples outgrew the KV cache ({blocks} blocks) before reaching max_tokens: "
+        "send fewer samples or a smaller max_tokens",
+        "user",
+    )
+
+
+class _OutOfBlocks(Exception):
+    def __init__(self, live: _Live) -> None:
+        super().__init__()
+        self.live = live
+
+
 @dataclass(eq=False)
 class _Live:
     """A request in this decoder, with its prompt sequence while that is prefilled."""
@@ -134,13 +148,21 @@ class Decoder:
         need = self._worst_case(work, blocks_for(len(prompt), size) - len(found))
         from_free = self.blocks.cost(found)  # cached blocks nobody holds: they leave the free list
         need += from_free
-        if need > self.blocks.num_blocks:
+        # The prompt (and a first block for each sample) must fit; the growth may not, when
+        # max_tokens is large (by default, the rest of the context): such a request runs alone,
+        # with every block there is, and fails only if its rows really outgrow the pool.
+        least = blocks_for(len(prompt), size) + work.num_samples
+        if least > self.blocks.num_blocks:
             raise EngineError(
-                f"this request needs {need} KV-cache blocks of {size} tokens (prompt plus "
-                f"{work.num_samples} x max_tokens) and the cache holds {self.blocks.num_blocks}: "
-                "send fewer samples or fewer max_tokens",
+                f"this request needs at least {least} KV-cache blocks of {size} tokens (its "
+                f"prompt and a block per sample) and the cache holds {self.blocks.num_blocks}: "
+                "send a shorter prompt or fewer samples",
                 "user",
             )
+        if need > self.blocks.num_blocks:
+            if len(self):  # wait until it is alone
+                return None
+            need = self.blocks.available()
         if not self.blocks.reserve(need):
             return None
         self.blocks.take_cached(found, len(usable))
@@ -165,11 +187,19 @@ class Decoder:
             if index == len(seq.table):
                 seq.table.append(self._alloc(live))
             elif self.blocks.shared(seq.table[index]):
+                if live.pot <= 0:
+                    if not self.blocks.reserve(1):
+                        raise _OutOfBlocks(live)
+                    live.pot += 1
                 source, copy = self.blocks.copy_on_write(seq.table, index)
                 live.pot -= 1
                 self.pool.copy_block(source, copy)
 
     def _alloc(self, live: _Live) -> int:
+        if live.pot <= 0:  # only a request admitted beyond its worst case runs dry
+            if not self.blocks.reserve(1):
+                raise _OutOfBlocks(live)
+            live.pot += 1
         live.pot -= 1
         return self.blocks.allocate()
 
@@ -205,14 +235,14 @@ class Decoder:
     # ---- the step -----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self) -> list[tuple[RunningRequest, SampleResult]]:
+    def step(self) -> list[tuple[RunningRequest, SampleResult | EngineError]]:
         finished = self._sample() if self.rows else []
         work = [Scheduled(row.seq, 1, True) for _, row in self.rows if row.seq is not None]
         assert len(work) == len(self.rows)
         budget = self.prefill_chunk if self.rows else MAX_STEP_TOKENS
         completing: list[_Live] = []
         chunks: list[tuple[_Live, Sequence]] = []
-        for live in self.joining:
+        for live in list(self.joining):
             if budget <= 0:
                 break
             seq = live.prompt
@@ -220,7 +250,13 @@ class Decoder:
             length = min(seq.uncomputed, budget)
             budget -= length
             done = length == seq.uncomputed
-            self._room(live, seq, seq.computed + length)
+            try:
+                self._room(live, seq, seq.computed + length)
+            except _OutOfBlocks:  # cannot happen: admission reserved every prompt block
+                self.joining.remove(live)
+                self._end(live)
+                finished.append((live.request, _out_of_blocks(self.blocks.num_blocks)))
+                continue
             work.append(Scheduled(seq, length, done))
             chunks.append((live, seq))
             if done:
@@ -261,11 +297,11 @@ class Decoder:
         live.prompt = None
         live.rows_left = list(live.request.rows)
 
-    def _sample(self) -> list[tuple[RunningRequest, SampleResult]]:
+    def _sample(self) -> list[tuple[RunningRequest, SampleResult | EngineError]]:
         assert self.logits is not None
         going = sample_rows(self.logits, [row for _, row in self.rows], self.decode)
         self.logits = None  # used up: the next forward gives the next ones
-        finished: list[tuple[RunningRequest, SampleResult]] = []
+        finished: list[tuple[RunningRequest, SampleResult | EngineError]] = []
         keep: list[tuple[_Live, Row]] = []
         for (live, row), on in zip(self.rows, going, strict=True):
             assert row.seq is not None
@@ -282,9 +318,18 @@ class Decoder:
             else:
                 self._refund(live)
         self.rows = keep
+        dry: dict[int, _Live] = {}
         for live, row in self.rows:  # room for each row's new token
             assert row.seq is not None
-            self._room(live, row.seq, row.seq.computed + 1)
+            try:
+                self._room(live, row.seq, row.seq.computed + 1)
+            except _OutOfBlocks:
+                dry[id(live)] = live
+        if dry:  # a request admitted beyond the pool outgrew it: it fails, alone
+            self.rows = [(lv, row) for lv, row in self.rows if id(lv) not in dry]
+            for live in dry.values():
+                self._end(live)
+                finished.append((live.request, _out_of_blocks(self.blocks.num_blocks)))
         return finished
 
     def drop(self, unwanted: Callable[[SampleWork], bool]) -> list[RunningRequest]:
