@@ -66,7 +66,7 @@ def _out_of_blocks(blocks: int) -> EngineError:
     )
 
 
-class _OutOfBlocks(Exception):
+class _OutOfBlocksError(Exception):
     def __init__(self, live: _Live) -> None:
         super().__init__()
         self.live = live
@@ -189,7 +189,7 @@ class Decoder:
             elif self.blocks.shared(seq.table[index]):
                 if live.pot <= 0:
                     if not self.blocks.reserve(1):
-                        raise _OutOfBlocks(live)
+                        raise _OutOfBlocksError(live)
                     live.pot += 1
                 source, copy = self.blocks.copy_on_write(seq.table, index)
                 live.pot -= 1
@@ -198,7 +198,7 @@ class Decoder:
     def _alloc(self, live: _Live) -> int:
         if live.pot <= 0:  # only a request admitted beyond its worst case runs dry
             if not self.blocks.reserve(1):
-                raise _OutOfBlocks(live)
+                raise _OutOfBlocksError(live)
             live.pot += 1
         live.pot -= 1
         return self.blocks.allocate()
@@ -252,7 +252,7 @@ class Decoder:
             done = length == seq.uncomputed
             try:
                 self._room(live, seq, seq.computed + length)
-            except _OutOfBlocks:  # cannot happen: admission reserved every prompt block
+            except _OutOfBlocksError:  # cannot happen: admission reserved every prompt block
                 self.joining.remove(live)
                 self._end(live)
                 finished.append((live.request, _out_of_blocks(self.blocks.num_blocks)))
@@ -323,7 +323,7 @@ class Decoder:
             assert row.seq is not None
             try:
                 self._room(live, row.seq, row.seq.computed + 1)
-            except _OutOfBlocks:
+            except _OutOfBlocksError:
                 dry[id(live)] = live
         if dry:  # a request admitted beyond the pool outgrew it: it fails, alone
             self.rows = [(lv, row) for lv, row in self.rows if id(lv) not in dry]
