@@ -18,8 +18,13 @@ prefill.
 
 Admission reserves a request's worst case in blocks (prompt, plus every sample's growth, plus
 the copies of a shared last block); what a request can no longer use is given back as its rows
-stop. A request that needs more blocks than are free waits; one that needs more than the pool
-holds is refused.
+stop. A request that needs more blocks than are free waits, in order. One whose worst case is
+larger than the whole pool (max_tokens defaults to the rest of the context) runs alone with
+every block and fails only if its samples really outgrow the pool; one whose prompt alone does
+not fit is refused.
+
+`sampler.sample_rows` is the per-row step (logits -> token, logprob, stream, stop) that every
+decoding row goes through.
 """
 
 from __future__ import annotations
