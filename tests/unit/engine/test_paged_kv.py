@@ -277,6 +277,7 @@ def test_freed_prefix_blocks_stay_findable_until_reused() -> None:
     for _ in range(3):  # the free block first, then the oldest freed cached ones
         bm.allocate()
     assert bm.cached_prefix(digests, tokens) == []
+    assert bm.usage().blocks_cached == 0
 
 
 def test_paged_decoding_needs_no_per_architecture_code(tmp_path) -> None:

@@ -7,6 +7,7 @@ methods return one result or `EngineError` per item: one bad request fails only 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -87,3 +88,19 @@ class ContinuousSampling(Protocol):
         and are answered with an error: their session is gone, so they stop costing compute.
         """
         ...
+
+
+@dataclass(frozen=True)
+class KVCacheUse:
+    """What the sampler's KV cache holds now (read by the metrics, from another thread)."""
+
+    tokens: int  # cache tokens held by running decode batches: rows x cache length
+    token_budget: int  # the most one decode run may hold
+    bytes: int  # memory of the held tokens: keys and values, every layer, at the model's dtype
+
+
+@runtime_checkable
+class ReportsKVCache(Protocol):
+    """A backend that can tell its KV-cache use; a plain read, safe while a batch runs."""
+
+    def kv_cache_use(self) -> KVCacheUse: ...

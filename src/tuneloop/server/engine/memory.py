@@ -55,6 +55,16 @@ def activation_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     return layers * (_HIDDEN_VECTORS * hidden + _INTERMEDIATE_VECTORS * intermediate) * element
 
 
+def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """Bytes one cached token takes in the sampler's KV cache: a key and a value per layer."""
+    text = getattr(config, "text_config", None) or config
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or int(text.hidden_size) // heads)
+    element = torch.finfo(dtype).bits // 8
+    return 2 * int(text.num_hidden_layers) * kv_heads * head_dim * element
+
+
 def training_token_budget(config: Any, dtype: torch.dtype, device: torch.device) -> int:
     """Tokens per training micro-batch: ACTIVATION_SHARE of free memory, clamped."""
     free = free_bytes(device)
@@ -75,15 +85,6 @@ def training_token_budget(config: Any, dtype: torch.dtype, device: torch.device)
 # Share of the memory free when the sampler's KV pool is made (on a GPU) that the pool takes:
 # the rest is for training activations, the LM head's logits and the estimate's error.
 KV_SHARE = 0.3
-
-
-def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
-    """Keys and values of one token, all layers."""
-    text = getattr(config, "text_config", None) or config
-    heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
-    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
-    element = torch.finfo(dtype).bits // 8
-    return 2 * int(text.num_hidden_layers) * heads * head_dim * element
 
 
 def kv_cache_blocks(

@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine import checkpoints, training
+from tuneloop.server.engine.backend import KVCacheUse
 from tuneloop.server.engine.decoder import DEFAULT_PREFILL_CHUNK, Decoder
 from tuneloop.server.engine.kv.block_manager import KVUsage
 from tuneloop.server.engine.lora import AdapterBank, inject
-from tuneloop.server.engine.memory import training_token_budget
+from tuneloop.server.engine.memory import kv_bytes_per_token, training_token_budget
 from tuneloop.server.engine.models import default_dtype, load_model
 from tuneloop.server.engine.optim import AdapterOptimizer
 from tuneloop.server.engine.packing import enable_packing
@@ -294,6 +295,22 @@ class TorchBackend:
         if sampler_id not in runtime.bank.specs:
             return None, ""
         return sampler_id, f"{sampler_id}#{self._versions.get(sampler_id, 0)}"
+
+    def kv_cache_use(self) -> KVCacheUse:
+        """Tokens (blocks in use x block size) and bytes the sampling KV pools hold now, and
+        their capacity; counters only, safe to read from another thread while a step runs."""
+        tokens = held = 0
+        capacity = 0
+        for runtime in list(self._runtimes.values()):
+            decoder = runtime.decoder
+            if decoder is None:
+                continue
+            blocks = decoder.blocks
+            in_use = blocks.used() * blocks.block_size
+            tokens += in_use
+            held += in_use * kv_bytes_per_token(runtime.model.config, decoder.pool.dtype)
+            capacity += blocks.num_blocks * blocks.block_size
+        return KVCacheUse(tokens, capacity or self.sample_token_budget, held)
 
     def kv_usage(self) -> dict[str, KVUsage]:
         """Per base model that has sampled, its KV pool's blocks (used, reserved, cached)."""

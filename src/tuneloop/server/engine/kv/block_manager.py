@@ -70,6 +70,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_digest: dict[bytes, int] = {}
         self.reserved = 0
+        self._cached = 0  # free blocks still findable by digest
         self.prefix_hits = 0
         self.prefix_queries = 0
 
@@ -93,14 +94,18 @@ class BlockManager:
         """Blocks a new request may still reserve."""
         return len(self._free) - self.reserved
 
+    def used(self) -> int:
+        """Blocks referenced by a sequence; a plain read, safe from another thread."""
+        return self.num_blocks - len(self._free)
+
     def usage(self) -> KVUsage:
-        cached = sum(1 for i in self._free if self._blocks[i].digest is not None)
+        """Counters only (no iteration), so another thread may read it while a step runs."""
         return KVUsage(
             self.block_size,
             self.num_blocks,
-            self.num_blocks - len(self._free),
+            self.used(),
             self.reserved,
-            cached,
+            self._cached,
             self.prefix_hits,
             self.prefix_queries,
         )
@@ -142,6 +147,7 @@ class BlockManager:
             block = self._blocks[block_id]
             if block.ref_count == 0:
                 del self._free[block_id]
+                self._cached -= 1
                 self.unreserve(1)
             block.ref_count += 1
 
@@ -150,8 +156,10 @@ class BlockManager:
         block_id, _ = self._free.popitem(last=False)
         self.unreserve(1)
         block = self._blocks[block_id]
-        if block.digest is not None and self._by_digest.get(block.digest) == block_id:
-            del self._by_digest[block.digest]
+        if block.digest is not None:
+            self._cached -= 1
+            if self._by_digest.get(block.digest) == block_id:
+                del self._by_digest[block.digest]
         block.digest, block.tokens, block.ref_count = None, (), 1
         return block_id
 
@@ -189,3 +197,4 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
+                self._cached += block.digest is not None
