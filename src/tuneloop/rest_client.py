@@ -16,6 +16,7 @@ import pydantic
 
 from tuneloop._futures import APIFuture, ClientHolder, parse_json_model
 from tuneloop._http import DEFAULT_TIMEOUT, VERSION, env_api_key, error_from_response
+from tuneloop._rest_admin import RestAdminMethods
 from tuneloop.errors import APIConnectionError, APITimeoutError, TuneloopError
 from tuneloop.types import (
     CheckpointsListResponse,
@@ -53,7 +54,7 @@ def _q(segment: str, safe: str = ":") -> str:
     return urllib.parse.quote(segment, safe=safe)
 
 
-class RestClient:
+class RestClient(RestAdminMethods):
     """Read and manage what the server stores.
 
     Made by `ServiceClient.create_rest_client()` (sharing its connection), or on its own with
@@ -123,14 +124,12 @@ class RestClient:
         return self.get_training_run(parse_tinker_path(tinker_path)[0])
 
     def list_training_runs(
-        self, limit: int = 20, offset: int = 0
+        self, limit: int = 20, offset: int = 0, project_id: str | None = None
     ) -> APIFuture[TrainingRunsResponse]:
-        return self._call(
-            "GET",
-            "/api/v1/training_runs",
-            TrainingRunsResponse,
-            params={"limit": limit, "offset": offset},
-        )
+        params: dict[str, Any] = {"limit": limit, "offset": offset}
+        if project_id is not None:
+            params["project_id"] = project_id
+        return self._call("GET", "/api/v1/training_runs", TrainingRunsResponse, params=params)
 
     # ---- checkpoints ---------------------------------------------------------------------------
 

@@ -31,17 +31,35 @@ __all__ = ["SamplingClient", "create_sampling_client", "start_sampling_client"]
 
 class SamplingClient:
     """Samples from one sampling session. Made by `ServiceClient.create_sampling_client` or
-    `TrainingClient.save_weights_and_get_sampling_client`."""
+    `TrainingClient.save_weights_and_get_sampling_client`.
 
-    def __init__(self, holder: ClientHolder, sampling_session_id: str, base_model: str | None):
+    Made with `record_stability_info=True` (as in the official SDK, a property of the client),
+    every sample asks the server to keep what it drew per `sequence_id`, so datums built from
+    the sequences (`Datum.with_provenance`) can train with the `stable_reinforce` loss.
+    """
+
+    def __init__(
+        self,
+        holder: ClientHolder,
+        sampling_session_id: str,
+        base_model: str | None,
+        *,
+        record_stability_info: bool = False,
+    ):
         self.sampling_session_id = sampling_session_id
         self._holder = holder
         self._base_model = base_model
+        self._record_stability_info = record_stability_info
         self._seq_lock = threading.Lock()
         self._next_seq_id = 0
 
     def __repr__(self) -> str:
         return f"SamplingClient(sampling_session_id={self.sampling_session_id!r})"
+
+    @property
+    def record_stability_info(self) -> bool:
+        """Whether this client's samples are recorded for `stable_reinforce`."""
+        return self._record_stability_info
 
     def sample(
         self,
@@ -53,7 +71,9 @@ class SamplingClient:
     ) -> APIFuture[SampleResponse]:
         """Draw `num_samples` continuations of `prompt`.
 
-        Each returned sequence has tokens, per-token logprobs and a `sequence_id`. With
+        Each returned sequence has tokens, per-token logprobs and a `sequence_id` (what
+        provenance spans name; the server keeps the sample for `stable_reinforce` only when the
+        client records stability info). With
         `include_prompt_logprobs`, the response's `prompt_logprobs` scores the prompt (entry 0 is
         None); `topk_prompt_logprobs=k` adds the top k alternatives per prompt position.
         """
@@ -84,7 +104,7 @@ class SamplingClient:
                 seq_id=self._next_seq_id,
                 prompt_logprobs=include_prompt_logprobs,
                 topk_prompt_logprobs=topk_prompt_logprobs,
-                record_stability_info=False,
+                record_stability_info=self._record_stability_info,
             )
             self._next_seq_id += 1
         return request.model_dump(mode="json", exclude_none=True)
@@ -144,7 +164,7 @@ def _session_request(
 
 
 async def _open_sampling_session(
-    holder: ClientHolder, request: CreateSamplingSessionRequest
+    holder: ClientHolder, request: CreateSamplingSessionRequest, record_stability_info: bool
 ) -> SamplingClient:
     """create_sampling_session, then (for a model_path alone) GET the sampler's base model."""
     response = await holder.http.request(
@@ -158,18 +178,30 @@ async def _open_sampling_session(
         quoted = urllib.parse.quote(session_id, safe=":")
         sampler = await holder.http.request("GET", f"/api/v1/samplers/{quoted}")
         base_model = parse_json_model(sampler, GetSamplerResponse).base_model
-    return SamplingClient(holder, session_id, base_model)
+    return SamplingClient(
+        holder, session_id, base_model, record_stability_info=record_stability_info
+    )
 
 
 def start_sampling_client(
-    holder: ClientHolder, model_path: str | None, base_model: str | None
+    holder: ClientHolder,
+    model_path: str | None,
+    base_model: str | None,
+    *,
+    record_stability_info: bool = False,
 ) -> APIFuture[SamplingClient]:
     """Validate and schedule the creation of a SamplingClient; returns at once."""
     request = _session_request(holder, model_path, base_model)
-    return holder.submit(_open_sampling_session(holder, request))
+    return holder.submit(_open_sampling_session(holder, request, record_stability_info))
 
 
 def create_sampling_client(
-    holder: ClientHolder, model_path: str | None, base_model: str | None
+    holder: ClientHolder,
+    model_path: str | None,
+    base_model: str | None,
+    *,
+    record_stability_info: bool = False,
 ) -> SamplingClient:
-    return start_sampling_client(holder, model_path, base_model).result()
+    return start_sampling_client(
+        holder, model_path, base_model, record_stability_info=record_stability_info
+    ).result()

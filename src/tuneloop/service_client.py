@@ -79,6 +79,7 @@ class ServiceClient:
         _heartbeat_interval_s: float | None = None,
     ) -> None:
         self._embedded = False
+        self._project_id = project_id
         if base_url is None and env_base_url() is None and _transport is None:
             # The embedded default: a local server in a child process (see tuneloop._embedded).
             from tuneloop import _embedded
@@ -100,6 +101,14 @@ class ServiceClient:
             raise
         self._holder.start_heartbeat(_heartbeat_interval_s)
         self._closed = False
+
+    def copy_weights(self, path: str, *, ttl_seconds: int | None = None) -> APIFuture[str]:
+        """Copy a checkpoint (yours, or one published) into this client's project; the copy's
+        path. The bytes are shared; the copy is a run that cannot be trained on."""
+        if self._project_id is None:
+            raise ValueError("copy_weights needs the ServiceClient's project_id")
+        rest = RestClient(self._holder)
+        return rest.copy_weights(path, self._project_id, ttl_seconds=ttl_seconds)
 
     async def _start(self, user_metadata: dict[str, Any] | None, project_id: str | None) -> str:
         await self._holder.fetch_config(SDK_VERSION)
@@ -242,16 +251,29 @@ class ServiceClient:
     # ---- sampling, REST ------------------------------------------------------------------------
 
     def create_sampling_client(
-        self, model_path: str | None = None, base_model: str | None = None
+        self,
+        model_path: str | None = None,
+        base_model: str | None = None,
+        *,
+        record_stability_info: bool = False,
     ) -> SamplingClient:
         """A SamplingClient for saved sampler weights (`tinker://.../sampler_weights/...`) or a
-        plain base model (blocks)."""
-        return start_sampling_client(self._holder, model_path, base_model).result()
+        plain base model (blocks). `record_stability_info`: its samples can train with
+        `stable_reinforce` (see `SamplingClient`)."""
+        return start_sampling_client(
+            self._holder, model_path, base_model, record_stability_info=record_stability_info
+        ).result()
 
     async def create_sampling_client_async(
-        self, model_path: str | None = None, base_model: str | None = None
+        self,
+        model_path: str | None = None,
+        base_model: str | None = None,
+        *,
+        record_stability_info: bool = False,
     ) -> SamplingClient:
-        return await start_sampling_client(self._holder, model_path, base_model)
+        return await start_sampling_client(
+            self._holder, model_path, base_model, record_stability_info=record_stability_info
+        )
 
     def create_rest_client(self) -> RestClient:
         """A RestClient sharing this client's connection."""
@@ -273,6 +295,11 @@ class ServiceClient:
         return await self.create_rest_client().get_usage(self.session_id)
 
     # ---- shutdown ------------------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        """The server this client talks to (the local one's address, when it started one)."""
+        return self._holder.base_url
 
     def close(
         self,

@@ -451,17 +451,23 @@ class TrainingClient:
     ) -> SaveWeightsExternalResponse:
         return await self.save_weights_external(name, ttl_seconds)
 
-    def save_weights_and_get_sampling_client(self) -> SamplingClient:
+    def save_weights_and_get_sampling_client(
+        self, *, record_stability_info: bool = False
+    ) -> SamplingClient:
         """Snapshot the current weights (no named checkpoint) and return a client sampling them.
 
         Blocks until the snapshot exists; `save_weights_and_get_sampling_client_async` awaits.
+        `record_stability_info`: its samples can train with `stable_reinforce` (see
+        `SamplingClient`).
         """
-        return self._snapshot().result()
+        return self._snapshot(record_stability_info).result()
 
-    async def save_weights_and_get_sampling_client_async(self) -> SamplingClient:
-        return await self._snapshot()
+    async def save_weights_and_get_sampling_client_async(
+        self, *, record_stability_info: bool = False
+    ) -> SamplingClient:
+        return await self._snapshot(record_stability_info)
 
-    def _snapshot(self) -> APIFuture[SamplingClient]:
+    def _snapshot(self, record_stability_info: bool) -> APIFuture[SamplingClient]:
         sampling_seq = self._holder.next_sampling_session_seq_id()
         future = self._json_op(
             "/api/v1/save_weights_for_sampler",
@@ -471,23 +477,35 @@ class TrainingClient:
             SaveWeightsForSamplerResponse.model_validate,
             "SaveWeightsForSampler",
         )
-        return self._holder.submit(self._sampling_client_from(future))
+        return self._holder.submit(self._sampling_client_from(future, record_stability_info))
 
     async def _sampling_client_from(
-        self, saved: APIFuture[SaveWeightsForSamplerResponse]
+        self, saved: APIFuture[SaveWeightsForSamplerResponse], record_stability_info: bool
     ) -> SamplingClient:
         from tuneloop.sampling_client import SamplingClient
 
         response = await saved
         if not response.sampling_session_id:
             raise TuneloopError("save_weights_for_sampler returned no sampling_session_id")
-        return SamplingClient(self._holder, response.sampling_session_id, self._base_model)
+        return SamplingClient(
+            self._holder,
+            response.sampling_session_id,
+            self._base_model,
+            record_stability_info=record_stability_info,
+        )
 
-    def create_sampling_client(self, model_path: str) -> SamplingClient:
+    def create_sampling_client(
+        self, model_path: str, *, record_stability_info: bool = False
+    ) -> SamplingClient:
         """A SamplingClient for a `tinker://.../sampler_weights/...` path (blocks)."""
         from tuneloop.sampling_client import create_sampling_client
 
-        return create_sampling_client(self._holder, model_path, self._base_model)
+        return create_sampling_client(
+            self._holder,
+            model_path,
+            self._base_model,
+            record_stability_info=record_stability_info,
+        )
 
     # ---- info ----------------------------------------------------------------------------------
 

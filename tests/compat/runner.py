@@ -11,11 +11,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_official(module: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def run_official(
+    module: str, *args: str, timeout: float = 240, package: str = "tests.compat"
+) -> subprocess.CompletedProcess[str]:
     """`python -m tests.compat.<module> ARGS...` from the repository root, telemetry off."""
     env = {**os.environ, "TINKER_TELEMETRY": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
     return subprocess.run(
-        [sys.executable, "-m", f"tests.compat.{module}", *args],
+        [sys.executable, "-m", f"{package}.{module}", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -16,8 +16,10 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from safetensors.numpy import load_file
 
 import tuneloop
@@ -93,6 +95,15 @@ def test_worker_killed_mid_training_loop(tmp_path: Path) -> None:
         print(f"disturbed run: {time.monotonic() - started:.1f} s")
         after = _status(data_dir)
         assert after["restarts"] == 1
+        # and /metrics says so
+        scraped = httpx.get(f"{server.url}/metrics", timeout=30)
+        values = {
+            s.name: s.value
+            for family in text_string_to_metric_families(scraped.text)
+            for s in family.samples
+        }
+        assert values["tuneloop_worker_restarts_total"] == 1
+        assert values["tuneloop_workers"] == 2
         assert set(after["pids"]).isdisjoint(first["pids"])  # type: ignore[arg-type]
         np.testing.assert_allclose(disturbed, undisturbed, rtol=1e-6)
         want, got = _saved(data_dir, "undisturbed"), _saved(data_dir, "disturbed")

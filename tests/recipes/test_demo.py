@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
+import httpx
 import pytest
 from rich.console import Console
 
-from tuneloop.recipes import grpo
+from tuneloop.recipes import demo, grpo
 from tuneloop.recipes.demo import DemoConfig, run_demo
 from tuneloop.recipes.tasks import Score, Task
 
@@ -31,9 +33,21 @@ def embedded_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.mark.integration
-def test_demo_runs_and_leaves_every_output(embedded_tiny: Path) -> None:
+def test_demo_runs_and_leaves_every_output(
+    embedded_tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = embedded_tiny / "demo"
     screen = io.StringIO()
+    # --keep-serving: the server (and its console) stays up after the run until Ctrl-C.
+    served: list[int] = []
+
+    def ctrl_c_once_the_console_answered() -> None:
+        url = re.search(r"stays up at (\S+)/console", screen.getvalue())
+        assert url is not None, screen.getvalue()
+        served.append(httpx.get(f"{url.group(1)}/console/sign-in", timeout=10).status_code)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "_wait_for_ctrl_c", ctrl_c_once_the_console_answered)
     config = DemoConfig(
         seed=3,
         steps=2,
@@ -43,9 +57,11 @@ def test_demo_runs_and_leaves_every_output(embedded_tiny: Path) -> None:
         model=TINY,
         out=out,
         eval_every=1,
+        keep_serving=True,
     )
 
     result = run_demo(config, Console(file=screen, width=120))
+    assert served == [200]
 
     lines = [json.loads(x) for x in result.metrics_path.read_text().splitlines()]
     assert [x["event"] for x in lines] == ["eval", "step", "step", "eval"]
@@ -70,10 +86,18 @@ def test_demo_runs_and_leaves_every_output(embedded_tiny: Path) -> None:
 
     text = screen.getvalue()
     assert "step  1/2" in text
+    # The usage table: operations by token class, not flattened report keys.
+    assert "by_operation" not in text
+    assert "tokens by class" in text
+    assert result.usage["by_operation"]["forward_backward"]["trained_tokens"] > 0
     for word in ("before", "after", "accuracy"):
         assert word in text
     assert str(result.plot_path) in text
     assert result.state_path in text
+    # Where to watch the run: the console's URL and the file holding the key to sign in with.
+    assert "/console (sign in with the key in" in text
+    assert str(embedded_tiny / "home" / "embedded" / "local-api-key") in text
+    assert "stopping the server" in text
 
 
 def test_held_out_problems_are_never_trained_on() -> None:

@@ -10,8 +10,10 @@ import pytest
 from tests.recipes.conftest import TINY
 from tests.recipes.test_chat_sft import _conversations
 from tuneloop._local_server import LiveServer
+from tuneloop.recipes import rl
+from tuneloop.recipes import rl_loop as rl_loop_module
 from tuneloop.recipes.chat_sft import ChatSFTConfig, run_chat_sft
-from tuneloop.recipes.math_rl import MathRLConfig, run_math_rl
+from tuneloop.recipes.math_rl import MathEnv, MathRLConfig, run_math_rl
 from tuneloop.recipes.rl_loop import rl_loop
 from tuneloop.recipes.sl_loop import sl_loop
 
@@ -78,3 +80,37 @@ def test_rl_loop_agrees_with_math_rl(tiny_server: LiveServer, tmp_path: Path) ->
     assert [f["loss"] for f in flat] == pytest.approx(
         [r["loss_sum"] for r in full], rel=1e-4, abs=1e-6
     )
+
+
+class _LengthEnv(MathEnv):
+    """A reward the tiny random model varies (an even-length reply scores 1), so groups carry
+    signal and every step trains; the math answers it never gets right would all score 0."""
+
+    def judge(self, reply: str, turn: int) -> rl.Judgement:
+        return rl.Judgement(float(len(reply) % 2 == 0))
+
+
+def test_rl_loop_trains_with_stable_reinforce(
+    tiny_server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(rl_loop_module, "MathEnv", _LengthEnv)
+    common = {
+        "model": TINY,
+        "base_url": tiny_server.url,
+        "api_key": tiny_server.key,
+        "steps": 2,
+        "problems_per_step": 2,
+        "group_size": 4,
+        "max_tokens": 8,
+        "learning_rate": 1e-3,
+        "train_problems": 4,
+    }
+    stable = rl_loop(loss_fn="stable_reinforce", **common)  # type: ignore[arg-type]
+    assert all(step["datums"] > 0 for step in stable), stable
+    assert all(step["loss"] != 0.0 for step in stable)
+    # On policy (the sampler and the learner score alike, r ~ 1) stable_reinforce's gradient is
+    # importance_sampling's, -A grad(lp): the same updates, so the same samples and rewards.
+    plain = rl_loop(loss_fn="importance_sampling", **common)  # type: ignore[arg-type]
+    assert [s["sampled_tokens"] for s in stable] == [s["sampled_tokens"] for s in plain]
+    assert [s["reward"] for s in stable] == [s["reward"] for s in plain]
+    assert [s["datums"] for s in stable] == [s["datums"] for s in plain]

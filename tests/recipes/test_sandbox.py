@@ -95,6 +95,8 @@ def test_program_mode_reads_stdin_and_exit_codes_count() -> None:
 
     exits = run_python("import sys\nsys.exit(3)\n")
     assert (exits.passed, exits.status, exits.exit_code) == (False, "failed", 3)
+    # with no tests the exit code is the whole verdict, however the program ends
+    assert run_python("import os\nos._exit(0)\n").passed
 
 
 def test_an_early_exit_does_not_pass_the_tests() -> None:

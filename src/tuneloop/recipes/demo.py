@@ -45,11 +45,38 @@ DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TASK_NAME = "chain_sum"
 
 
+def _home() -> Path:
+    home = os.environ.get("TUNELOOP_HOME")
+    return Path(home).expanduser() if home else Path.home() / ".tuneloop"
+
+
 def default_out() -> Path:
     """$TUNELOOP_HOME/demo, else ~/.tuneloop/demo: beside the local server's data, and never
     inside the user's checkout."""
-    home = os.environ.get("TUNELOOP_HOME")
-    return (Path(home).expanduser() if home else Path.home() / ".tuneloop") / "demo"
+    return _home() / "demo"
+
+
+def console_hint(base_url: str, started_locally: bool) -> str:
+    """Where to watch the run live: the server's web console, and the key to sign in with."""
+    key = (
+        f"the key in {_home() / 'embedded' / 'local-api-key'}"
+        if started_locally
+        else "your API key ($TUNELOOP_API_KEY)"
+    )
+    return f"watch it live at {base_url}/console (sign in with {key})"
+
+
+def _wait_for_ctrl_c() -> None:
+    while True:
+        time.sleep(3600)
+
+
+def _serve_until_interrupted(base_url: str, console: Console) -> None:
+    console.print(f"the server stays up at {base_url}/console; Ctrl-C stops it")
+    try:
+        _wait_for_ctrl_c()
+    except KeyboardInterrupt:
+        console.print("stopping the server")
 
 
 @dataclass
@@ -67,6 +94,7 @@ class DemoConfig:
     lora_rank: int = 16
     temperature: float = 1.0  # the sampler's logprobs are for T=1, which the loss assumes
     eval_every: int = 0  # also evaluate held-out accuracy every N steps (0: only at the end)
+    keep_serving: bool = False  # leave the local server up after the run, until Ctrl-C
 
 
 @dataclass
@@ -126,14 +154,19 @@ def _server_usage(service: tuneloop.ServiceClient, console: Console) -> dict[str
     return dict(usage) if isinstance(usage, dict) else {"usage": usage}
 
 
-def _flat(usage: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in usage.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        elif value is not None and not isinstance(value, list):  # no empty filters or buckets
-            flat[f"{prefix}{key}"] = value
-    return flat
+def _client_usage(counts: _Counts) -> dict[str, Any]:
+    """This loop's own counts in the shape of a server usage report (requests not counted)."""
+    zero = {"prefill_tokens": 0, "sampled_tokens": 0, "trained_tokens": 0, "requests": None}
+    return {
+        "by_operation": {
+            "forward_backward": {**zero, "trained_tokens": counts.tokens_trained},
+            "sample": {
+                **zero,
+                "prefill_tokens": counts.prompt_tokens_sampled,
+                "sampled_tokens": counts.tokens_sampled,
+            },
+        }
+    }
 
 
 def _check_dependencies() -> None:
@@ -163,6 +196,7 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> DemoResult:
         f"seed {config.seed}: {config.steps} steps x {config.problems} problems x "
         f"{config.group_size} samples, {len(held_out)} held-out problems"
     )
+    keep = False
     with _progress(console) as progress:
         phase = progress.add_task(
             "starting the server and loading the model"
@@ -180,6 +214,8 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> DemoResult:
             progress.remove_task(phase)
             seconds["start"] = time.monotonic() - started
             console.print(f"server ready and model loaded in {seconds['start']:.1f} s")
+            started_locally = config.base_url is None and not os.environ.get("TUNELOOP_BASE_URL")
+            console.print(console_hint(service.base_url, started_locally), soft_wrap=True)
 
             def held_out_eval(label: str) -> grpo.EvalResult:
                 bar = progress.add_task(label, total=len(held_out))
@@ -268,12 +304,14 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> DemoResult:
             progress.remove_task(saving)
 
             server_usage = _server_usage(service, console)
+            keep = config.keep_serving  # the run succeeded: leave the server up after it
         finally:
             log.close()
-            service.close()
+            if not keep:
+                service.close()
 
     usage_source = "server" if server_usage is not None else "client"
-    usage = _flat(server_usage) if server_usage is not None else asdict(counts)
+    usage = server_usage if server_usage is not None else _client_usage(counts)
     plot_path = plot(
         records,
         before.accuracy,
@@ -297,6 +335,11 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> DemoResult:
     )
     _write_summary(result)
     _show(result, console)
+    if keep:
+        try:
+            _serve_until_interrupted(service.base_url, console)
+        finally:
+            service.close()
     return result
 
 
@@ -368,6 +411,13 @@ def demo_command(
     eval_every: Annotated[
         int, typer.Option(help="Also measure held-out accuracy every N steps (0: only at the end).")
     ] = 0,
+    keep_serving: Annotated[
+        bool,
+        typer.Option(
+            help="Leave the server (and its web console at /console) up after the run, "
+            "until Ctrl-C."
+        ),
+    ] = False,
 ) -> None:
     """Train SmolLM2-135M-Instruct with RL on single-digit sums and show that it learned.
 
@@ -388,6 +438,7 @@ def demo_command(
             base_url=base_url,
             learning_rate=learning_rate,
             eval_every=eval_every,
+            keep_serving=keep_serving,
         )
     )
 

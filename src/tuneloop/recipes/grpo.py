@@ -4,7 +4,9 @@ Each problem is sampled `group_size` times; a sample's advantage is its reward m
 mean, so the model is pushed towards the better answers to the same question and no value model
 or reward scale is needed. Groups whose samples all scored the same teach nothing and are left
 out. The loss is `importance_sampling` with the sampler's own logprobs as `logprobs`, so the
-update stays correct even though the server's training pass differs numerically from sampling.
+update stays correct even though the server's training pass differs numerically from sampling;
+`rl_step(loss_fn="stable_reinforce")` instead has the server take the weights against what its
+sampler recorded (the datums name their sampled sequences).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Rollout:
     logprobs: list[float]
     reply: str
     score: Score
+    sequence_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ def sample_groups(
                     logprobs=list(seq.logprobs or []),
                     reply=reply,
                     score=task.score(reply, problem),
+                    sequence_id=seq.sequence_id,
                 )
             )
         groups.append(group)
@@ -96,22 +100,29 @@ def advantages(rewards: list[float]) -> list[float]:
     return [r - mean for r in rewards]
 
 
-def rl_datum(rollout: Rollout, advantage: float) -> Datum:
+def rl_datum(rollout: Rollout, advantage: float, provenance: bool = False) -> Datum:
     """Tinker-cookbook layout: input = all tokens but the last, targets = all but the first.
 
     Targets inside the prompt get advantage 0 (and logprob 0), so only the reply is trained.
+    With `provenance`, the datum names the rollout's sampled sequence (stable_reinforce).
     """
-    turn = rl.Turn(rollout.prompt, rollout.completion, rollout.logprobs, rollout.reply)
-    return rl.datum(turn, advantage)
+    turn = rl.Turn(
+        rollout.prompt,
+        rollout.completion,
+        rollout.logprobs,
+        rollout.reply,
+        sequence_id=rollout.sequence_id,
+    )
+    return rl.datum(turn, advantage, provenance=provenance)
 
 
-def training_data(groups: list[list[Rollout]]) -> list[Datum]:
+def training_data(groups: list[list[Rollout]], provenance: bool = False) -> list[Datum]:
     data = []
     for group in groups:
         group_advantages = advantages([r.score.reward for r in group])
         if all(abs(a) < 1e-9 for a in group_advantages):
             continue  # every sample scored the same: no signal, only cost
-        data += [rl_datum(r, a) for r, a in zip(group, group_advantages, strict=True)]
+        data += [rl_datum(r, a, provenance) for r, a in zip(group, group_advantages, strict=True)]
     return data
 
 
@@ -154,14 +165,19 @@ def rl_step(
     params: Callable[[int], SamplingParams],
     learning_rate: float,
     on_sampled: Callable[[], None] | None = None,
+    loss_fn: str = "importance_sampling",
 ) -> StepOutcome:
-    """One on-policy step: sample groups, score, train on the advantages, refresh the sampler."""
+    """One on-policy step: sample groups, score, train on the advantages, refresh the sampler.
+
+    With `loss_fn="stable_reinforce"`, `sampler` must record stability info (and the returned
+    one does)."""
+    provenance = rl.needs_provenance(loss_fn)
     groups = sample_groups(sampler, tokenizer, task, problems, group_size, params, on_sampled)
-    data = training_data(groups)
+    data = training_data(groups, provenance)
     loss = 0.0
     if data:
         # Both go out at once; the server runs them in order.
-        fwd = training.forward_backward(data, "importance_sampling")
+        fwd = training.forward_backward(data, loss_fn)
         opt = training.optim_step(AdamParams(learning_rate=learning_rate))
         loss = fwd.result().metrics.get("loss:sum", 0.0)
         opt.result()
@@ -171,5 +187,5 @@ def rl_step(
         tokens_trained=sum(d.model_input.length for d in data),
         loss=loss,
         # The next samples must come from the weights just updated.
-        sampler=training.save_weights_and_get_sampling_client(),
+        sampler=training.save_weights_and_get_sampling_client(record_stability_info=provenance),
     )

@@ -34,6 +34,7 @@ _NUMBER = re.compile(r"-?[\d,]*\.?\d+")
 @dataclass
 class MathRLConfig(RLConfig):
     log_dir: str = "runs/math_rl"
+    loss: str = "stable_reinforce"  # the tinker-cookbook's math_rl default
     group_size: int = 16
     max_tokens: int = 384
     train_source: str = "gsm_symbolic"  # or gsm8k (the never-evaluated part of its test split)

@@ -67,13 +67,44 @@ def before_after_table(
     return table
 
 
+# Columns of the usage table: header, key of a usage report's counts (tuneloop.UsageCounts).
+USAGE_COLUMNS = (
+    ("prefill", "prefill_tokens"),
+    ("sampled", "sampled_tokens"),
+    ("trained", "trained_tokens"),
+    ("requests", "requests"),
+)
+
+
 def usage_table(usage: Mapping[str, Any], source: str) -> Table:
-    table = Table(title=f"usage ({source})")
-    table.add_column("")
-    table.add_column("value", justify="right")
-    for key, value in usage.items():
-        table.add_row(str(key), f"{value:,}" if isinstance(value, int) else str(value))
+    """Rows: operations (those with any count) and their total; columns: prefill, sampled and
+    trained tokens, and requests.
+
+    `usage` is a usage report as JSON (`by_operation`: operation -> counts; `totals`, summed
+    from the rows when absent); a count that is None (not known) shows as "-".
+    """
+    table = Table(title=f"usage: tokens by class, and requests ({source})")
+    table.add_column("operation", no_wrap=True)
+    for header, _key in USAGE_COLUMNS:
+        table.add_column(header, justify="right", no_wrap=True)
+    by_operation: Mapping[str, Mapping[str, Any]] = usage.get("by_operation") or {}
+    for operation, counts in by_operation.items():
+        if any(counts.get(key) for _header, key in USAGE_COLUMNS):
+            table.add_row(operation, *_cells(counts))
+    totals = usage.get("totals") or {
+        key: sum(c.get(key) or 0 for c in by_operation.values())
+        if any(c.get(key) is not None for c in by_operation.values())
+        else None
+        for _header, key in USAGE_COLUMNS
+    }
+    table.add_section()
+    table.add_row("total", *_cells(totals), style="bold")
     return table
+
+
+def _cells(counts: Mapping[str, Any]) -> list[str]:
+    values = [counts.get(key) for _header, key in USAGE_COLUMNS]
+    return ["-" if v is None else f"{v:,}" if isinstance(v, int) else str(v) for v in values]
 
 
 def plot(

@@ -7,8 +7,11 @@ group's mean (GRPO), and groups whose rewards are all equal carry no signal: the
 and counted. Every sampled turn becomes one datum whose targets are the turn's sampled tokens
 (prompt positions get advantage 0 and are not trained), with the sampler's logprobs, so the
 `importance_sampling`, `ppo` and `cispo` losses correct for the sampler being older than the
-policy. An optional KL penalty against the base model subtracts `kl_coef * (logp - logp_base)`
-per token (the base model's logprobs from a base sampling client).
+policy. For `stable_reinforce` (the tinker-cookbook's default) the sampler records what it drew
+(`record_stability_info`) and each datum names its sampled sequence (provenance spans), so the
+server takes the importance weights against its own records. An optional KL penalty against the
+base model subtracts `kl_coef * (logp - logp_base)` per token (the base model's logprobs from a
+base sampling client).
 
 `RolloutStream` overlaps sampling with training: a background thread samples step k+1's groups
 with the newest sampler while step k trains; each batch carries the version of the weights it was
@@ -26,7 +29,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tuneloop import Datum, ModelInput, SamplingClient, SamplingParams, TensorData
+from tuneloop import (
+    Datum,
+    ModelInput,
+    PromptProvenanceSpan,
+    SampledProvenanceSpan,
+    SamplingClient,
+    SamplingParams,
+    TensorData,
+)
 from tuneloop.recipes.renderers import Message, Renderer
 
 
@@ -51,6 +62,7 @@ class Turn:
     logprobs: list[float]
     reply: str
     ref_logprobs: list[float] | None = None  # the base model's, when a KL penalty is on
+    sequence_id: str | None = None  # the sampled sequence's, for provenance
 
 
 @dataclass
@@ -106,7 +118,15 @@ def rollout_group(
         for i in live:
             seq = samples[i]
             reply = renderer.parse(seq.tokens)
-            turns[i].append(Turn(prompts[i], list(seq.tokens), list(seq.logprobs or []), reply))
+            turns[i].append(
+                Turn(
+                    prompts[i],
+                    list(seq.tokens),
+                    list(seq.logprobs or []),
+                    reply,
+                    sequence_id=seq.sequence_id,
+                )
+            )
             verdict = envs[i].judge(reply, turn)
             rewards[i] = verdict.reward
             metrics[i] = {**metrics[i], **verdict.metrics}
@@ -130,9 +150,45 @@ def add_reference_logprobs(base: SamplingClient, groups: list[list[Trajectory]])
         turn.ref_logprobs = [float(x or 0.0) for x in scores[len(turn.prompt) :]]
 
 
-def datum(turn: Turn, advantage: float, kl_coef: float = 0.0) -> Datum:
+# The losses whose datums must name their sampled sequences (and whose samplers record them).
+PROVENANCE_LOSSES = frozenset({"stable_reinforce"})
+
+
+def needs_provenance(loss_fn: str) -> bool:
+    return loss_fn in PROVENANCE_LOSSES
+
+
+def with_sampled_provenance(
+    datum: Datum, prompt_length: int, num_sampled: int, sequence_id: str
+) -> Datum:
+    """`datum` (input = prompt + sampled tokens but the last, targets = the same shifted by
+    one) naming `sequence_id` behind every position, as `stable_reinforce` requires."""
+
+    def spans(start: int, stop: int) -> list[PromptProvenanceSpan | SampledProvenanceSpan]:
+        # Positions [start, stop) of prompt + sampled tokens, split where the sampling began.
+        out: list[PromptProvenanceSpan | SampledProvenanceSpan] = []
+        if start < prompt_length:
+            end = min(stop, prompt_length)
+            out.append(
+                PromptProvenanceSpan(sequence_id=sequence_id, offset=start, length=end - start)
+            )
+        if stop > prompt_length:
+            begin = max(start, prompt_length) - prompt_length
+            out.append(
+                SampledProvenanceSpan(
+                    sequence_id=sequence_id, offset=begin, length=stop - prompt_length - begin
+                )
+            )
+        return out
+
+    total = prompt_length + num_sampled
+    return datum.with_provenance(model_input=spans(0, total - 1), loss_fn_inputs=spans(1, total))
+
+
+def datum(turn: Turn, advantage: float, kl_coef: float = 0.0, provenance: bool = False) -> Datum:
     """Input = prompt + completion but the last token; targets shifted by one; advantages and
-    logprobs zero on prompt positions, so only the sampled tokens train."""
+    logprobs zero on prompt positions, so only the sampled tokens train. With `provenance`,
+    the datum names the turn's sampled sequence (for `stable_reinforce`)."""
     if len(turn.logprobs) != len(turn.completion):
         raise ValueError("the sampler returned no logprob for some sampled tokens")
     tokens = turn.prompt + turn.completion
@@ -140,7 +196,7 @@ def datum(turn: Turn, advantage: float, kl_coef: float = 0.0) -> Datum:
     per_token = np.full(len(turn.completion), advantage, dtype=np.float64)
     if kl_coef and turn.ref_logprobs is not None:
         per_token -= kl_coef * (np.array(turn.logprobs) - np.array(turn.ref_logprobs))
-    return Datum(
+    plain = Datum(
         model_input=ModelInput.from_ints(tokens[:-1]),
         loss_fn_inputs={
             "target_tokens": TensorData.from_numpy(np.array(tokens[1:], dtype=np.int64)),
@@ -152,6 +208,11 @@ def datum(turn: Turn, advantage: float, kl_coef: float = 0.0) -> Datum:
             ),
         },
     )
+    if not provenance:
+        return plain
+    if turn.sequence_id is None:
+        raise ValueError("the sampler returned no sequence_id to name in the provenance")
+    return with_sampled_provenance(plain, len(turn.prompt), len(turn.completion), turn.sequence_id)
 
 
 @dataclass(frozen=True)
@@ -162,7 +223,9 @@ class Assembled:
     kl: float  # mean (logp - logp_base) over sampled tokens, when measured
 
 
-def assemble(groups: list[list[Trajectory]], kl_coef: float = 0.0) -> Assembled:
+def assemble(
+    groups: list[list[Trajectory]], kl_coef: float = 0.0, provenance: bool = False
+) -> Assembled:
     data: list[Datum] = []
     skipped = 0
     kl_terms: list[float] = []
@@ -176,7 +239,7 @@ def assemble(groups: list[list[Trajectory]], kl_coef: float = 0.0) -> Assembled:
             skipped += 1
             continue
         for trajectory, adv in zip(group, group_adv, strict=True):
-            data += [datum(turn, adv, kl_coef) for turn in trajectory.turns]
+            data += [datum(turn, adv, kl_coef, provenance) for turn in trajectory.turns]
     rewards = [t.reward for g in groups for t in g]
     return Assembled(
         data,

@@ -30,7 +30,7 @@ class RLConfig(RecipeConfig):
     group_size: int = 8
     max_tokens: int = 256
     temperature: float = 1.0
-    loss: str = "importance_sampling"  # or ppo, cispo
+    loss: str = "importance_sampling"  # or stable_reinforce, ppo, cispo
     kl_coef: float = 0.0  # KL penalty against the base model (0: off, no reference pass)
     max_staleness: int = 0  # >0: sample step k+1 while step k trains; drop older samples
     sub_batch: int = 64  # datums per forward_backward request
@@ -83,6 +83,8 @@ def train_rl(
     step, position = session.step, session.position
     renderer = renderer_for(training.get_tokenizer())
     base = service.create_sampling_client(base_model=config.model) if config.kl_coef > 0 else None
+    # stable_reinforce: the samplers record what they draw and the datums name their sequences.
+    provenance = rl.needs_provenance(config.loss)
 
     def make_batch(sampler: SamplingClient, version: int, index: int) -> rl.Batch:
         problems = [
@@ -104,7 +106,7 @@ def train_rl(
             groups = list(pool.map(group, range(len(problems))))
         return rl.Batch(version, index, groups)
 
-    sampler = training.save_weights_and_get_sampling_client()
+    sampler = training.save_weights_and_get_sampling_client(record_stability_info=provenance)
     box = rl.SamplerBox(sampler, step)
     stream = rl.RolloutStream(
         box, make_batch, int(position.get("batch_index", 0)), config.max_staleness
@@ -124,7 +126,7 @@ def train_rl(
                 batch = stream.next(step)
                 if base is not None:
                     rl.add_reference_logprobs(base, batch.groups)
-                assembled = rl.assemble(batch.groups, config.kl_coef)
+                assembled = rl.assemble(batch.groups, config.kl_coef, provenance)
                 loss = 0.0
                 if assembled.data:
                     futures = [
@@ -135,7 +137,9 @@ def train_rl(
                     loss = sum(float(f.result().metrics.get("loss:sum", 0.0)) for f in futures)
                     optim.result()
                 step += 1
-                sampler = training.save_weights_and_get_sampling_client()
+                sampler = training.save_weights_and_get_sampling_client(
+                    record_stability_info=provenance
+                )
                 box.set(sampler, step)
                 trajectories = [t for g in batch.groups for t in g]
                 record = {

@@ -239,17 +239,47 @@ def started(config: RecipeConfig) -> Iterator[Started]:
 
 # ---- command lines from configs ---------------------------------------------------------------
 
+# The --help line of every RecipeConfig field: what it does and its unit. A recipe's own fields
+# get theirs from its command (recipes/cli.py); `command` refuses a field without one.
+COMMON_HELP: dict[str, str] = {
+    "log_dir": "Run folder: config.json, metrics.jsonl, checkpoints.jsonl (a run there resumes).",
+    "base_url": "URL of a running server (key from --api-key or $TUNELOOP_API_KEY); "
+    "default: $TUNELOOP_BASE_URL, else a local server started for the run.",
+    "api_key": "API key for --base-url (default: $TUNELOOP_API_KEY).",
+    "model": "Base model to train a LoRA on (a name the server serves).",
+    "lora_rank": "LoRA rank r of the adapter (its A and B matrices have r columns / rows).",
+    "learning_rate": "Adam learning rate of the LoRA weights.",
+    "steps": "Optimizer steps to run in all (a resumed run continues up to this many).",
+    "seed": "Seed of the LoRA init, the data order and the sampling.",
+    "save_every": "Save a checkpoint (weights + optimizer) every N steps, and after the last; "
+    "0: only after the last.",
+    "eval_every": "Validate every N steps (and before the first); 0: never.",
+    "resume": "Continue from the run folder's last checkpoint if it has one (--no-resume: start "
+    "over, clearing its metrics).",
+    "mlflow_uri": "Also log params and metrics to this MLflow tracking server URI.",
+    "progress": "Show progress bars on the terminal.",
+}
+
 
 def _option_type(annotation: Any) -> Any:
     hints = {"str": str, "int": int, "float": float, "bool": bool, "str | None": str | None}
     return hints.get(annotation, annotation) if isinstance(annotation, str) else annotation
 
 
-def command(config_type: type[C], run: Callable[[C], Any], help_text: str) -> Callable[..., Any]:
-    """A typer command whose options are the config's fields (`--steps 10`, `--no-resume`)."""
+def command(
+    config_type: type[C],
+    run: Callable[[C], Any],
+    help_text: str,
+    option_help: Mapping[str, str] | None = None,
+) -> Callable[..., Any]:
+    """A typer command whose options are the config's fields (`--steps 10`, `--no-resume`),
+    each with its --help line from `option_help` or COMMON_HELP."""
     resolved = typing.get_type_hints(config_type)
+    helps = {**COMMON_HELP, **(option_help or {})}
     params = []
     for f in fields(config_type):
+        if f.name not in helps:
+            raise TypeError(f"{config_type.__name__}.{f.name} needs a help line to be an option")
         if f.default is not dataclasses.MISSING:
             default: Any = f.default
         elif f.default_factory is not dataclasses.MISSING:
@@ -260,7 +290,7 @@ def command(config_type: type[C], run: Callable[[C], Any], help_text: str) -> Ca
             inspect.Parameter(
                 f.name,
                 inspect.Parameter.KEYWORD_ONLY,
-                default=typer.Option(default, help=f.name.replace("_", " ")),
+                default=typer.Option(default, help=helps[f.name]),
                 annotation=_option_type(resolved.get(f.name, str)),
             )
         )

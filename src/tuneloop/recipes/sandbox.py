@@ -1,8 +1,8 @@
 """A local sandbox for model-written Python: run it against unit tests, contained.
 
-`run_python(code, tests)` runs the solution, then the tests in the same module namespace, in a
-separate process (`sandbox_child.py`, started with the base interpreter in isolated mode) and
-returns a `SandboxResult`. What contains the run, as root (how the project's CI runs it):
+`run_python(code, tests)` runs the solution, then the tests against it, in a separate process
+tree (`sandbox_child.py`, started with the base interpreter in isolated mode) and returns a
+`SandboxResult`. What contains the run, as root (how the project's CI runs it):
 
 - its own temporary work dir (its cwd, HOME and TMPDIR; removed afterwards), the only writable
   place: every mount is read-only in a private mount namespace, and /tmp, /var/tmp, /dev/shm,
@@ -27,9 +27,25 @@ Degraded modes, each written into `SandboxResult.details` and `.isolation`:
 - namespaces unavailable (or `namespaces=False`): only the limits, the session and (as root)
   the uid; no network, filesystem or pid isolation.
 
-The tests prove a pass: the worker writes a per-run nonce after the last test, so a solution
-that exits early (`sys.exit(0)`, `os._exit(0)`) fails. It does not defend against code that digs
-the nonce out of the interpreter's memory; the sandbox contains code, it does not grade intent.
+The verdict is the tests' own, made where the solution cannot reach (`sandbox_harness.py`): the
+tests run in a harness process of their own (its own uid as root; non-dumpable, so no ptrace or
+/proc/PID/mem,fd access by a process of the same uid otherwise), which calls the solution's
+functions in the solution's process over a socket pair and gets their results back as plain
+data (None, bool, int, float, complex, str, bytes and lists, tuples, sets, frozensets and dicts
+of them), compared there. The solution's process never holds the tests' source (a nameless file
+only the harness gets), the expected values or the pipe the verdict goes out on; only the
+supervisor and the harness do. So whatever the solution does to its own process (walk its
+frames, search `gc` or its memory, patch builtins, return an object whose `__eq__` is always
+True, exit with 0 before, during or after the tests, forge lines on any descriptor it has, fork
+a child that outlives it) it changes only the values it answers with, and any exit or protocol
+breach before the tests end fails the run. What it does not defend against: a solution that
+computes the expected answers (e.g. from memorised public tests, or from the arguments of
+calls it sees, or tests that trust solution-side helpers such as HumanEval/38's
+`encode_cyclic`); a host that runs it without namespaces and not as root (then the solution
+runs as the caller, unconfined, and can rewrite the interpreter the harness uses).
+Limits of the boundary: a solution's module-level values are copied when it has loaded;
+arguments are copies (an in-place change is not seen by the tests); classes and other objects
+reach the tests only through functions that return plain data.
 """
 
 from __future__ import annotations
@@ -80,13 +96,17 @@ _DRAIN_S = 1.0
 class SandboxResult:
     """The outcome of one sandboxed run.
 
-    status: "passed" (the program ran to its end: all tests passed), "failed" (a test failed:
-    AssertionError, a non-zero exit, or an exit before the tests completed), "timeout" (wall-time
-    or CPU-time limit), "memory" (the memory limit), "error" (another exception, e.g. a
-    SyntaxError, or the sandbox could not start), "killed" (a signal or the output limit).
-    exit_code: the solution process's exit code, None when a signal or the sandbox ended it.
-    stdout/stderr: the last `tail_bytes` of each. details: why, plus any degraded isolation.
-    isolation: what confinement applied ("netns", "mountns", "pidns", "uid:N", ...).
+    status: "passed" (all tests passed, as the harness saw it; with no tests, the program exited
+    0), "failed" (a test failed: AssertionError, a non-zero exit, or the solution ended or broke
+    the call protocol before the tests completed), "timeout" (wall-time or CPU-time limit),
+    "memory" (the memory limit), "error" (another exception, e.g. a SyntaxError, a result that is
+    not plain data, or the sandbox could not start), "killed" (a signal or the output limit).
+    exit_code: with tests, the tests' (0, 1 for a failed check or an exception, N for their own
+    `sys.exit(N)`), or the solution's own when it ended first; without, the program's; None when
+    a signal or the sandbox ended it.
+    stdout/stderr: the last `tail_bytes` of each, the solution's output then the tests'.
+    details: why, plus any degraded isolation. isolation: what confinement applied ("netns",
+    "mountns", "pidns", "uid:N", "harness-uid:N", ...).
     """
 
     passed: bool
@@ -140,7 +160,8 @@ def run_python(
     namespaces: bool = True,
     work_root: str | None = None,
 ) -> SandboxResult:
-    """Run `code` then `tests` (Python source run after it in the same namespace) contained.
+    """Run `code`, then `tests` against it (Python source that uses the solution's module-level
+    names: its functions, its plain values, the stdlib modules it imported), contained.
 
     Passed means the tests ran to their end (or, with no tests, the program exited 0).
     `stdin` is fed to the program; `max_output_bytes` bounds stdout+stderr (the run is killed
@@ -154,17 +175,25 @@ def run_python(
             raise ValueError(f"{name} must be positive, got {value!r}")
     started = time.monotonic()
     root = os.geteuid() == 0
-    uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if root else None
+    uid = harness_uid = None
+    if root:
+        uid, harness_uid = _UID_BASE + secrets.randbelow(_UID_SPAN), None
+        while harness_uid in (None, uid):
+            harness_uid = _UID_BASE + secrets.randbelow(_UID_SPAN)
     workdir = tempfile.mkdtemp(prefix="tuneloop-sandbox-", dir=work_root)
     try:
-        _write_sources(Path(workdir), code, tests, uid)
-        with tempfile.TemporaryFile() as stdin_file:
+        _write_solution(Path(workdir), code, uid)
+        # Both files are nameless (O_TMPFILE): only the descriptors reach them. The tests'
+        # goes to the harness alone, never to the solution's process.
+        with tempfile.TemporaryFile() as stdin_file, tempfile.TemporaryFile() as tests_file:
             stdin_file.write((stdin or "").encode())
             stdin_file.seek(0)
+            tests_file.write((tests or "").encode())
+            tests_file.flush()
             outcome = _execute(
                 workdir=workdir,
-                uid=uid,
-                has_tests=tests is not None,
+                uids=(uid, harness_uid),
+                tests_fd=tests_file.fileno() if tests is not None else None,
                 stdin_fd=stdin_file.fileno(),
                 timeout_s=timeout_s,
                 limits={
@@ -181,13 +210,11 @@ def run_python(
             )
     finally:
         _remove_tree(workdir)
-    return _classify(outcome, timeout_s, time.monotonic() - started)
+    return _classify(outcome, timeout_s, time.monotonic() - started, tail_bytes)
 
 
-def _write_sources(workdir: Path, code: str, tests: str | None, uid: int | None) -> None:
+def _write_solution(workdir: Path, code: str, uid: int | None) -> None:
     (workdir / "solution.py").write_text(code, encoding="utf-8")
-    if tests is not None:
-        (workdir / "tests.py").write_text(tests, encoding="utf-8")
     if uid is not None:
         for path in (workdir, *workdir.iterdir()):
             os.chown(path, uid, uid)
@@ -196,10 +223,10 @@ def _write_sources(workdir: Path, code: str, tests: str | None, uid: int | None)
 @dataclass
 class _Outcome:
     returncode: int
-    records: list[dict[str, object]]
-    nonce: str
-    stdout: _Tail
-    stderr: _Tail
+    has_tests: bool
+    records: list[dict[str, object]]  # the result pipe: the supervisor's and the harness's
+    reports: list[dict[str, object]]  # the report pipe: the solution's word, never a pass
+    streams: dict[str, _Tail]  # stdout, stderr (the solution's), tests_out, tests_err
     timed_out: bool
     output_exceeded: bool
     survivors_killed: int
@@ -211,11 +238,21 @@ def _interpreter() -> str:
     return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
 
 
+def _lines(tail: _Tail) -> list[dict[str, object]]:
+    records = []
+    for line in tail.text().splitlines():
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict):
+                records.append(record)
+    return records
+
+
 def _execute(
     *,
     workdir: str,
-    uid: int | None,
-    has_tests: bool,
+    uids: tuple[int | None, int | None],
+    tests_fd: int | None,
     stdin_fd: int,
     timeout_s: float,
     limits: dict[str, int],
@@ -223,23 +260,27 @@ def _execute(
     max_output_bytes: int,
     tail_bytes: int,
 ) -> _Outcome:
-    nonce = secrets.token_hex(16)
-    result_r, result_w = os.pipe()
-    nonce_r, nonce_w = os.pipe()
+    # result: written by the supervisor and the harness only; report: by the solution's worker;
+    # tests_out/err: the harness's own stdout and stderr, which the solution cannot read back.
+    pipes = {name: os.pipe() for name in ("result", "report", "tests_out", "tests_err")}
+    fds = {"result": pipes["result"][1], "report": pipes["report"][1]}
+    fds |= {"harness_out": pipes["tests_out"][1], "harness_err": pipes["tests_err"][1]}
+    if tests_fd is not None:
+        fds["tests"] = tests_fd
     hidden = sorted({*_HIDDEN_DIRS, os.path.realpath(tempfile.gettempdir())})
     cfg = {
         "workdir": workdir,
-        "uid": uid,
-        "gid": uid,
-        "has_tests": has_tests,
+        "uid": uids[0],
+        "harness_uid": uids[1],
+        "has_tests": tests_fd is not None,
         "namespaces": namespaces,
         "limits": limits,
         "hide": hidden,
         "keep": sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)}),
-        "result_fd": result_w,
-        "nonce_fd": nonce_r,
+        "fds": fds,
         "parent_pid": os.getpid(),
         "env": {"PATH": _PATH, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"},
+        "harness_env": {"PATH": _PATH, "HOME": "/", "LANG": "C.UTF-8"},
     }
     try:
         proc = subprocess.Popen(
@@ -247,21 +288,21 @@ def _execute(
             stdin=stdin_fd,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            pass_fds=(result_w, nonce_r),
+            pass_fds=tuple(fds.values()),
             start_new_session=True,
             env={"PATH": _PATH, "LANG": "C.UTF-8"},
             cwd="/",
         )
     finally:
-        os.close(result_w)
-        os.close(nonce_r)
-    with contextlib.suppress(BrokenPipeError):
-        os.write(nonce_w, nonce.encode())
-    os.close(nonce_w)
+        for _, write_end in pipes.values():
+            os.close(write_end)
     assert proc.stdout is not None
     assert proc.stderr is not None
-    stdout, stderr, results = _Tail(tail_bytes), _Tail(tail_bytes), _Tail(1 << 20)
-    streams = {proc.stdout.fileno(): stdout, proc.stderr.fileno(): stderr, result_r: results}
+    tails = {name: _Tail(tail_bytes) for name in ("stdout", "stderr", "tests_out", "tests_err")}
+    tails |= {"result": _Tail(1 << 20), "report": _Tail(1 << 20)}
+    streams = {proc.stdout.fileno(): tails["stdout"], proc.stderr.fileno(): tails["stderr"]}
+    streams |= {pipes[name][0]: tails[name] for name in pipes}
+    output = [tails[name] for name in ("stdout", "stderr", "tests_out", "tests_err")]
     timed_out = output_exceeded = False
     killed = 0
     deadline = time.monotonic() + timeout_s
@@ -287,29 +328,39 @@ def _execute(
                     exit_seen = time.monotonic()
                     # Stragglers outside the pid namespace (degraded modes) die now.
                     _kill_group(proc.pid)
-                    killed += _kill_leftovers(uid, proc.pid)
+                    killed += _kill_run(uids, proc.pid)
                     continue
                 chunk = os.read(key.fd, 65536)
                 if not chunk:
                     selector.unregister(key.fd)
                     continue
                 streams[key.fd].add(chunk)
-                if stdout.total + stderr.total > max_output_bytes and not output_exceeded:
+                if sum(t.total for t in output) > max_output_bytes and not output_exceeded:
                     output_exceeded = True
                     _kill_group(proc.pid)
     os.close(pidfd)
     returncode = proc.wait()
-    killed += _kill_leftovers(uid, proc.pid)
+    killed += _kill_run(uids, proc.pid)
     for stream in (proc.stdout, proc.stderr):
         stream.close()
-    os.close(result_r)
-    records = []
-    for line in results.text().splitlines():
-        with contextlib.suppress(ValueError):
-            record = json.loads(line)
-            if isinstance(record, dict):
-                records.append(record)
-    return _Outcome(returncode, records, nonce, stdout, stderr, timed_out, output_exceeded, killed)
+    for read_end, _ in pipes.values():
+        os.close(read_end)
+    return _Outcome(
+        returncode,
+        tests_fd is not None,
+        _lines(tails["result"]),
+        _lines(tails["report"]),
+        {name: tails[name] for name in ("stdout", "stderr", "tests_out", "tests_err")},
+        timed_out,
+        output_exceeded,
+        killed,
+    )
+
+
+def _kill_run(uids: tuple[int | None, int | None], session: int) -> int:
+    if uids[0] is None:
+        return _kill_leftovers(None, session)
+    return sum(_kill_leftovers(uid, session) for uid in uids if uid is not None)
 
 
 def _kill_group(pgid: int) -> None:
@@ -402,24 +453,55 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def _classify(outcome: _Outcome, timeout_s: float, duration_s: float) -> SandboxResult:
-    setup = next((r for r in outcome.records if "setup" in r), None)
-    worker = next((r["worker"] for r in reversed(outcome.records) if "worker" in r), None)
-    failure = next((r for r in outcome.records if "exception" in r), None)
-    done = any(r.get("done") == outcome.nonce for r in outcome.records)
-    setup_error = next((r["setup_error"] for r in outcome.records if "setup_error" in r), None)
-    exit_code: int | None = None
-    sig: int | None = None
-    if isinstance(worker, dict):
-        exit_code = worker.get("exit") if isinstance(worker.get("exit"), int) else None
-        sig = worker.get("signal") if isinstance(worker.get("signal"), int) else None
-    elif outcome.returncode < 0:
+def _last(records: list[dict[str, object]], key: str) -> dict[str, object] | None:
+    value = next((r[key] for r in reversed(records) if key in r), None)
+    return value if isinstance(value, dict) else None
+
+
+def _int(record: dict[str, object] | None, key: str) -> int | None:
+    value = record.get(key) if record else None
+    return value if type(value) is int else None
+
+
+def _joined(first: _Tail, second: _Tail, keep: int) -> str:
+    return bytes(first.data + second.data)[-keep:].decode("utf-8", errors="replace")
+
+
+def _classify(
+    outcome: _Outcome, timeout_s: float, duration_s: float, tail_bytes: int
+) -> SandboxResult:
+    # Trusted: the result pipe (supervisor, harness). The report pipe is the solution's own word:
+    # it may say why the solution failed, it never makes a pass.
+    records, reports = outcome.records, outcome.reports
+    setup = next((r for r in records if "setup" in r), None)
+    worker, harness, verdict = (_last(records, k) for k in ("worker", "harness", "verdict"))
+    setup_error = next((r["setup_error"] for r in records + reports if "setup_error" in r), None)
+    setup_error = str(setup_error)[:500] if setup_error is not None else None
+    solution_failure = next((r for r in reports if "exception" in r), None)
+    if outcome.has_tests:
+        passed = verdict is not None and verdict.get("passed") is True
+        passed = passed and harness == {"exit": 0}
+    else:
+        passed = worker == {"exit": 0}
+    exception: str | None = None
+    phase = "solution"
+    ended = worker  # whose status explains a failure
+    if outcome.has_tests and verdict is None:
+        ended = harness  # the harness itself died: a signal, a limit
+    elif verdict is not None and not verdict.get("gone"):
+        # the harness ran the tests: its own account, not the solution's
+        ended = None
+        exception = str(verdict["exception"]) if verdict.get("exception") else None
+        phase = str(verdict.get("phase", "tests"))
+    if ended is worker and solution_failure is not None:
+        exception = str(solution_failure["exception"])[:100]
+    exit_code = _int(verdict, "exit") if ended is None else _int(ended, "exit")
+    sig = None if ended is None or (ended or {}).get("stopped") else _int(ended, "signal")
+    if ended is None and worker is None and harness is None and outcome.returncode < 0:
         sig = -outcome.returncode
-    elif setup is not None:
-        exit_code = outcome.returncode
-    exception = str(failure["exception"]) if failure else None
-    phase = str(failure.get("phase")) if failure else ""
-    stderr = outcome.stderr.text()
+    stdout = _joined(outcome.streams["stdout"], outcome.streams["tests_out"], tail_bytes)
+    stderr = _joined(outcome.streams["stderr"], outcome.streams["tests_err"], tail_bytes)
+    gone = str(verdict["gone"]) if verdict and verdict.get("gone") else None
     status: SandboxStatus
     if outcome.timed_out:
         status, why = "timeout", f"wall-time limit of {timeout_s:g} s reached: killed"
@@ -427,8 +509,8 @@ def _classify(outcome: _Outcome, timeout_s: float, duration_s: float) -> Sandbox
     elif outcome.output_exceeded:
         status, why = "killed", "output limit exceeded: killed"
         exit_code = None
-    elif done and exit_code == 0:
-        status, why = "passed", "all tests passed"
+    elif passed:
+        status, why = "passed", "all tests passed" if outcome.has_tests else "exited with code 0"
     elif setup_error is not None:
         status, why = "error", f"the sandbox could not start the solution: {setup_error}"
     elif setup is None:
@@ -438,15 +520,18 @@ def _classify(outcome: _Outcome, timeout_s: float, duration_s: float) -> Sandbox
     elif exception == "MemoryError" or (exception is None and "MemoryError" in stderr):
         status, why = "memory", "memory limit reached (MemoryError)"
     elif sig is not None:
-        status, why = "killed", f"killed by {_signal_name(sig)}"
+        whose = " (the tests' process)" if ended is harness else ""
+        status, why = "killed", f"killed by {_signal_name(sig)}{whose}"
     elif exception == "AssertionError":
         status, why = "failed", f"AssertionError in {phase}"
     elif exception in ("SystemExit", None) and exit_code not in (0, None):
         status, why = "failed", f"exited with code {exit_code}"
     elif exception not in (None, "SystemExit"):
         status, why = "error", f"{exception} in {phase}"
+    elif outcome.has_tests and verdict is None:
+        status, why = "error", "the tests' process ended without a verdict"
     else:
-        status, why = "failed", "exited before its tests completed"
+        status, why = "failed", gone or "exited before its tests completed"
     isolation = tuple(_strings(setup.get("setup"))) if setup else ()
     notes = _strings(setup.get("notes")) if setup else []
     if setup and "mountns" not in isolation and not _readable_by_others(sys.base_prefix):
@@ -461,7 +546,7 @@ def _classify(outcome: _Outcome, timeout_s: float, duration_s: float) -> Sandbox
         passed=status == "passed",
         status=status,
         exit_code=exit_code,
-        stdout=outcome.stdout.text(),
+        stdout=stdout,
         stderr=stderr,
         duration_s=duration_s,
         details="; ".join([why, *notes]),

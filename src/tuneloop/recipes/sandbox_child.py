@@ -1,7 +1,8 @@
 """The sandbox's side of `tuneloop.recipes.sandbox.run_python`: run as a script, never imported.
 
 `run_python` starts `python -I sandbox_child.py CONFIG_JSON` in a session of its own. This script
-confines itself step by step, then runs the solution and its tests in a forked worker:
+confines itself step by step, then runs the solution in a forked worker and, with tests, the
+tests in a forked harness of their own:
 
 1. namespaces (`unshare` through ctypes: Python 3.11 has no `os.unshare`): network (only a
    loopback that is down, so no host is reachable: not 127.0.0.1:5432, not the internet), mount,
@@ -10,31 +11,42 @@ confines itself step by step, then runs the solution and its tests in a forked w
    home areas (/tmp, /var/tmp, /dev/shm, /run, /root, /home, ...) so other runs' files, sockets
    such as PostgreSQL's /run/postgresql and users' secrets are not even visible; the work dir and
    the interpreter's prefix bound back at their own paths; then every mount read-only except
-   the work dir.
+   the work dir. Then every process of the run is made non-dumpable (inherited by fork): none
+   can be ptraced or have its /proc/PID/mem or /proc/PID/fd opened by another of the same uid.
 3. a fork: the child is pid 1 of the new pid namespace (mounts a fresh read-only /proc) and the
-   worker's supervisor; when it exits the kernel kills every process left in the namespace, so
-   nothing the solution started survives it.
-4. the worker: resource limits, then the privilege drop (root: a uid/gid that owns nothing but the
-   work dir, no groups; in a user namespace: a nested user namespace, which holds no capability
-   over our mounts), no_new_privs (setuid binaries gain nothing), then the solution and the tests
-   in one module namespace.
+   supervisor; when it exits the kernel kills every process left in the namespace, so nothing
+   the solution started survives it.
+4. with tests, the harness (`sandbox_harness.run_tests`): its own stdout/stderr pipes, the tests'
+   source from a descriptor closed in the supervisor before the worker is forked, its own uid
+   (root) or nested user namespace, limits; it runs the tests, calling the solution's functions
+   over a socket pair, and alone writes the verdict on the result pipe.
+5. the worker: it closes every descriptor but its stdio, its end of the socket pair and the
+   report pipe; resource limits, then the privilege drop (root: a uid/gid that owns nothing but
+   the work dir, no groups; in a user namespace: a nested user namespace, which holds no
+   capability over our mounts), no_new_privs (setuid binaries gain nothing), then the solution,
+   then (with tests) it answers the harness's calls (`sandbox_harness.serve`).
 
 Every step that fails is written down and the run continues with what worked; the first line on
-the result pipe tells the parent which isolation applied. Only the stdlib is used here, and the
-worker runs no code of this package after the privilege drop but this file's.
+the result pipe tells the parent which isolation applied. Only the stdlib is used here and in
+`sandbox_harness.py`, and no process runs code of this package after its privilege drop but
+these two files'.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import json
 import os
 import resource
 import signal
+import socket
 import sys
 import traceback
-from typing import Any
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
@@ -56,6 +68,7 @@ MS_PRIVATE = 1 << 18
 MS_RELATIME = 1 << 21
 
 PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
 PR_SET_NO_NEW_PRIVS = 38
 
 # statvfs flags -> the mount flags a read-only remount must repeat: leaving one out would be an
@@ -70,6 +83,23 @@ _KEPT_FLAGS = (
 )
 
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _sibling(name: str) -> ModuleType:
+    # Loaded now, before the mounts may hide the package's directory.
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+if TYPE_CHECKING:
+    from tuneloop.recipes import sandbox_harness
+else:
+    sandbox_harness = _sibling("sandbox_harness")
 
 
 def _check(result: int, what: str) -> None:
@@ -195,42 +225,98 @@ def confine_mounts(cfg: dict[str, Any], setup: Setup) -> None:
 
 
 def _exit_code(status: int) -> int:
-    # A signal becomes 128+N, as a shell reports it; the parent reads the worker's own status
-    # from the result pipe, so this only matters when that line is missing.
+    # A signal becomes 128+N, as a shell reports it; the parent reads the processes' own
+    # statuses from the result pipe, so this only matters when those lines are missing.
     return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
 
 
-def supervise(cfg: dict[str, Any], nonce: str, setup: Setup) -> None:
-    """Fork the worker, reap every child (as pid 1 orphans come to us), report its status, exit."""
-    result_fd: int = cfg["result_fd"]
-    os.write(
-        result_fd, (json.dumps({"setup": setup.isolation, "notes": setup.notes}) + "\n").encode()
-    )
-    worker = os.fork()
-    if worker == 0:
+def _report(fd: int, record: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):
+        os.write(fd, (json.dumps(record) + "\n").encode())
+
+
+def _keep_only(*fds: int) -> None:
+    """Close every descriptor above stderr but `fds`: what a process does not hold, it cannot
+    write to (nor reopen through /proc/self/fd)."""
+    try:
+        open_fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc: every number the limit allows
+        open_fds = list(range(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
+    for fd in open_fds:
+        if fd > 2 and fd not in fds:
+            with contextlib.suppress(OSError):  # the listing's own descriptor, gone already
+                os.close(fd)
+
+
+def _fork(run: Callable[[], None], report_fd: int) -> int:
+    pid = os.fork()
+    if pid == 0:
         try:
-            run_worker(cfg, nonce)
+            run()
         except BaseException as exc:
-            # run_worker ends the process itself once the solution runs: this is its setup
+            # each process ends itself once it runs user code: this is its setup failing
             traceback.print_exc()
-            _report(result_fd, {"setup_error": f"{type(exc).__name__}: {exc}"})
+            _report(report_fd, {"setup_error": f"{type(exc).__name__}: {exc}"})
         finally:
             os._exit(70)
-    while True:
+    return pid
+
+
+def supervise(cfg: dict[str, Any], setup: Setup) -> None:
+    """Fork the tests' harness (with tests) and the solution's worker, reap every child (as pid 1
+    orphans come to us), report the two statuses, exit."""
+    fds: dict[str, int] = cfg["fds"]
+    result_fd = fds["result"]
+    _report(result_fd, {"setup": setup.isolation, "notes": setup.notes})
+    roles: dict[int, str] = {}
+    worker_end = -1
+    if cfg["has_tests"]:
+        harness_sock, worker_sock = socket.socketpair()
+        harness_end, worker_end = harness_sock.detach(), worker_sock.detach()
+        # The harness first, then the tests' descriptor is closed here: the worker never has it.
+        roles[_fork(lambda: run_harness(cfg, harness_end), result_fd)] = "harness"
+        os.close(harness_end)
+        os.close(fds["tests"])
+    for name in ("harness_out", "harness_err"):
+        os.close(fds[name])
+    roles[_fork(lambda: run_worker(cfg, worker_end), fds["report"])] = "worker"
+    if worker_end >= 0:
+        os.close(worker_end)
+    os.close(fds["report"])
+    main_role = "harness" if cfg["has_tests"] else "worker"
+    main_status = 0
+    stopped: set[int] = set()
+    while roles:
         try:
             pid, status = os.waitpid(-1, 0)
         except ChildProcessError:
-            os._exit(70)
-        if pid == worker:
             break
-    report: dict[str, int] = (
-        {"exit": os.WEXITSTATUS(status)}
-        if os.WIFEXITED(status)
-        else {"signal": os.WTERMSIG(status)}
-    )
-    with contextlib.suppress(OSError):
-        os.write(result_fd, (json.dumps({"worker": report}) + "\n").encode())
-    os._exit(_exit_code(status))
+        role = roles.pop(pid, None)
+        if role is None:
+            continue  # an orphan of the solution's, reaped
+        if role == main_role:
+            main_status = status
+        record = _status(status)
+        if pid in stopped:
+            record["stopped"] = 1
+        _report(result_fd, {role: record})
+        if role == "harness":
+            # The verdict is in: the worker has nothing left to do. Unless it has ended already
+            # (then its own status is the one reported), it is killed.
+            for other in list(roles):
+                done, status = os.waitpid(other, os.WNOHANG)
+                if done:
+                    _report(result_fd, {roles.pop(other): _status(status)})
+                else:
+                    os.kill(other, signal.SIGKILL)
+                    stopped.add(other)
+    os._exit(_exit_code(main_status))
+
+
+def _status(status: int) -> dict[str, int]:
+    if os.WIFEXITED(status):
+        return {"exit": os.WEXITSTATUS(status)}
+    return {"signal": os.WTERMSIG(status)}
 
 
 def _set_limits(cfg: dict[str, Any]) -> None:
@@ -251,74 +337,22 @@ def _set_limits(cfg: dict[str, Any]) -> None:
         resource.setrlimit(which, (value, value))
 
 
-def _drop_privileges(cfg: dict[str, Any]) -> None:
-    uid, gid = cfg["uid"], cfg["gid"]
+def _confine(cfg: dict[str, Any], uid: int | None) -> None:
+    """Limits, then the privilege drop to `uid` (root) or a nested user namespace of its own."""
+    _set_limits(cfg)
     if uid is not None:
         os.setgroups([])
-        os.setgid(gid)
+        os.setgid(uid)
         os.setuid(uid)
     elif cfg["userns"]:
         # A nested user namespace keeps our uid but holds no capability over the mount namespace
-        # above it, so the solution cannot undo the read-only mounts.
+        # above it, so the code cannot undo the read-only mounts.
         _check(_libc.unshare(CLONE_NEWUSER), "unshare user")
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
-    # Set after the uid change, which clears it: die with the supervisor.
+    # Set after the uid change, which clears them: die with the supervisor, and stay out of
+    # reach of ptrace and /proc/PID/{mem,fd} for a process of the same uid.
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def _report(result_fd: int, record: dict[str, Any]) -> None:
-    with contextlib.suppress(OSError):
-        os.write(result_fd, (json.dumps(record) + "\n").encode())
-
-
-def _run_phase(source: str, filename: str, namespace: dict[str, Any]) -> BaseException | None:
-    try:
-        exec(compile(source, filename, "exec"), namespace)
-    except BaseException as exc:
-        return exc
-    return None
-
-
-def run_worker(cfg: dict[str, Any], nonce: str) -> None:
-    """Confine this process, run solution then tests, report, and exit."""
-    result_fd: int = cfg["result_fd"]
-    workdir: str = cfg["workdir"]
-    _set_limits(cfg)
-    _drop_privileges(cfg)
-    os.chdir(workdir)
-    os.umask(0o077)
-    os.environ.clear()
-    os.environ.update(cfg["env"])
-    sys.argv = ["solution.py"]
-    sys.path.insert(0, workdir)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
-    phases = [("solution", "solution.py")]
-    if cfg["has_tests"]:
-        phases.append(("tests", "tests.py"))
-    # Read both before running either: the solution may write its work dir, tests.py included.
-    sources = []
-    for _, filename in phases:
-        with open(filename, encoding="utf-8") as f:
-            sources.append(f.read())
-    for (phase, filename), source in zip(phases, sources, strict=True):
-        exc = _run_phase(source, filename, namespace)
-        if exc is None:
-            continue
-        ended_well = isinstance(exc, SystemExit) and exc.code in (0, None)
-        # An exit before the tests ran proves nothing: only the tests' own exit(0) passes.
-        if ended_well and phase == phases[-1][0]:
-            break
-        if not isinstance(exc, SystemExit):
-            # from the solution's own frames down: this file's frame is noise to the reader
-            tb = exc.__traceback__.tb_next if exc.__traceback__ else None
-            traceback.print_exception(type(exc), exc, tb)
-        _report(result_fd, {"phase": phase, "exception": type(exc).__name__})
-        _flush()
-        os._exit(exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1)
-    _flush()
-    _report(result_fd, {"done": nonce})
-    os._exit(0)
+    _prctl(PR_SET_DUMPABLE, 0)
 
 
 def _flush() -> None:
@@ -328,10 +362,70 @@ def _flush() -> None:
             stream.flush()
 
 
+def run_harness(cfg: dict[str, Any], channel_fd: int) -> None:
+    """The tests' process: its own output pipes, the tests' source, a uid of its own (root) or a
+    user namespace of its own; it never reads the work dir or imports from it. Runs the tests
+    against the solution behind `channel_fd` and writes the verdict on the result pipe."""
+    fds: dict[str, int] = cfg["fds"]
+    _keep_only(fds["result"], fds["tests"], fds["harness_out"], fds["harness_err"], channel_fd)
+    empty_r, empty_w = os.pipe()
+    os.close(empty_w)
+    for fd, target in ((empty_r, 0), (fds["harness_out"], 1), (fds["harness_err"], 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    with os.fdopen(fds["tests"], "rb") as f:
+        f.seek(0)
+        source = f.read().decode("utf-8", errors="replace")
+    _confine(cfg, cfg["harness_uid"])
+    os.chdir("/")
+    os.umask(0o077)
+    os.environ.clear()
+    os.environ.update(cfg["harness_env"])
+    sys.argv = ["tests.py"]
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    channel = sandbox_harness.Channel(socket.socket(fileno=channel_fd))
+    verdict = sandbox_harness.run_tests(channel, source, _flush)
+    _flush()
+    _report(fds["result"], {"verdict": verdict})
+    os._exit(0)
+
+
+def run_worker(cfg: dict[str, Any], channel_fd: int) -> None:
+    """The solution's process: confine it, run the solution module, then (with tests) answer
+    the harness's calls; it holds no descriptor but its stdio, the call channel and the
+    report pipe (whose lines the parent takes as the solution's word only)."""
+    report_fd: int = cfg["fds"]["report"]
+    _keep_only(report_fd, channel_fd)
+    workdir: str = cfg["workdir"]
+    _confine(cfg, cfg["uid"])
+    os.chdir(workdir)
+    os.umask(0o077)
+    os.environ.clear()
+    os.environ.update(cfg["env"])
+    sys.argv = ["solution.py"]
+    sys.path.insert(0, workdir)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    namespace = sandbox_harness.main_module("solution.py")
+    try:
+        with open("solution.py", encoding="utf-8") as f:
+            exec(compile(f.read(), "solution.py", "exec"), namespace)
+        if channel_fd >= 0:
+            sandbox_harness.serve(socket.socket(fileno=channel_fd), namespace, _flush)
+    except BaseException as exc:
+        if not isinstance(exc, SystemExit):
+            # from the solution's own frames down: this file's frame is noise to the reader
+            tb = exc.__traceback__.tb_next if exc.__traceback__ else None
+            traceback.print_exception(type(exc), exc, tb)
+        _report(report_fd, {"phase": "solution", "exception": type(exc).__name__})
+        _flush()
+        code = exc.code if isinstance(exc, SystemExit) else 1
+        os._exit(code if isinstance(code, int) else (0 if code is None else 1))
+    _flush()
+    os._exit(0)
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
-    with os.fdopen(cfg["nonce_fd"], "r") as f:
-        nonce = f.read().strip()
     # Die with the process that started us (SIGKILL), so a crashed trainer leaves no sandbox.
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != cfg["parent_pid"]:
@@ -346,15 +440,18 @@ def main() -> None:
             confine_mounts(cfg, setup)
         except OSError as exc:
             setup.note(f"mount confinement failed: {exc}")
+    # From here on (the uid maps are written) every process of the run is out of reach of
+    # ptrace and /proc/PID/{mem,fd}, whatever its uid: the flag is inherited by fork.
+    _prctl(PR_SET_DUMPABLE, 0)
     cfg["userns"] = bool(flags & CLONE_NEWUSER)
     if cfg["uid"] is not None:
-        setup.isolation.append(f"uid:{cfg['uid']}")
+        setup.isolation += [f"uid:{cfg['uid']}", f"harness-uid:{cfg['harness_uid']}"]
     elif cfg["userns"]:
         setup.isolation.append("nested-userns")
     else:
         setup.note("not root: the solution runs as the caller's own user")
     if not flags & CLONE_NEWPID:
-        supervise(cfg, nonce, setup)
+        supervise(cfg, setup)
     init = os.fork()
     if init == 0:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -362,7 +459,9 @@ def main() -> None:
             _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY)
         except OSError as exc:
             setup.note(f"could not mount a private /proc: {exc.strerror}")
-        supervise(cfg, nonce, setup)
+        supervise(cfg, setup)
+    # Only init and its children need the pipes and the tests.
+    _keep_only()
     _, status = os.waitpid(init, 0)
     os._exit(_exit_code(status))
 

@@ -11,9 +11,28 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from tuneloop.server.api import client, downloads, futures, oai, rest, sampling, sessions, training
+from tuneloop.server.api import (
+    admin,
+    client,
+    console,
+    custom_losses,
+    downloads,
+    futures,
+    oai,
+    projects,
+    publish,
+    rest,
+    sampling,
+    session_search,
+    sessions,
+    training,
+)
+from tuneloop.server.api.deps import off_loop
 from tuneloop.server.api.errors import error_response_for, install
-from tuneloop.server.api.metering import Meter, record_completed
+from tuneloop.server.api.metering import Meter, record_completed, usage_of
+from tuneloop.server.api.metrics import Metrics
+from tuneloop.server.api.metrics import router as metrics_router
+from tuneloop.server.api.observe import RequestObserver
 from tuneloop.server.api.packages import run_package_gc
 from tuneloop.server.api.quotas import Quotas
 from tuneloop.server.api.state import ServerState
@@ -26,6 +45,7 @@ from tuneloop.server.storage.keys import KeyStore
 from tuneloop.server.storage.layout import Layout
 from tuneloop.server.storage.limits import LimitStore
 from tuneloop.server.storage.registry import Registry
+from tuneloop.server.storage.run_metrics import RunMetricsStore
 
 log = logging.getLogger(__name__)
 
@@ -121,10 +141,17 @@ class BodyLimit:
                 too_large = True
                 break
         if not too_large:
-            await self.app(scope, _replay(b"".join(chunks), receive), send)
+            # Joining a large body copies it: on a worker thread (bytes.join drops the GIL).
+            body = await off_loop(size, b"".join, chunks)
+            await self.app(scope, _replay(body, receive), send)
         elif deferred:
             scope.setdefault("state", {})["body_too_large"] = True
-            await self.app(scope, _replay(b"".join(chunks)[:_PREFIX_BYTES], receive), send)
+            head = b""  # only the first bytes: not a copy of up to the whole limit
+            for chunk in chunks:
+                head += chunk[: _PREFIX_BYTES - len(head)]
+                if len(head) >= _PREFIX_BYTES:
+                    break
+            await self.app(scope, _replay(head, receive), send)
         else:
             await self._reject(scope, receive, send)
 
@@ -149,11 +176,20 @@ def _replay(body: bytes, receive: Any) -> Any:
 
 def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
     layout = Layout(config.data_dir)
-    config.data_dir.mkdir(parents=True, exist_ok=True)
+    layout.prepare()
     backend = backend if backend is not None else build_backend(config)
     registry = Registry(config.db_url or layout.database_url)
     queue = OperationQueue(max_sample_batch=config.max_sample_batch)
     future_table = FutureTable(grace_s=config.result_grace_s)
+    metrics = Metrics()  # per app: tests build many apps in one process
+    metrics.watch_database(registry.engine)
+    # Per-step training curves and recent throughput, for the console (api/console/curves.py).
+    curves = console.RunCurves(RunMetricsStore(registry.engine), registry, future_table)
+
+    def completed(meter: Meter, op: Any, result: Any) -> None:
+        record_completed(meter, future_table, op, result)
+        metrics.count_completed(future_table.tenant(op.request_id), usage_of(op, result))
+        curves.record(op, result)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -163,7 +199,7 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
             queue,
             future_table,
             config.batch_gather_s,
-            on_success=lambda op, result: record_completed(meter, future_table, op, result),
+            on_success=lambda op, result: completed(meter, op, result),
         )
         app.state.tuneloop = ServerState(
             config=config,
@@ -179,6 +215,7 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
         )
         engine.start()
         state: ServerState = app.state.tuneloop
+        metrics.attach(state)
 
         async def sweep() -> None:
             while True:
@@ -198,9 +235,11 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
         flusher = asyncio.get_running_loop().create_task(meter.run_flusher(registry))
         package_gc = asyncio.get_running_loop().create_task(run_package_gc(registry))
         expirer = asyncio.get_running_loop().create_task(expire())
+        revoker = asyncio.get_running_loop().create_task(state.revocations.run())
         try:
             yield
         finally:
+            revoker.cancel()
             sweeper.cancel()
             flusher.cancel()
             package_gc.cancel()
@@ -214,13 +253,23 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
             registry.close()
 
     app = FastAPI(title="tuneloop", lifespan=lifespan)
+    app.state.run_curves = curves
     install(app)
     routers: tuple[ModuleType, ...]
     if config.openai_only:  # a deployment: the OpenAI-compatible routes (and their readiness)
-        routers = (oai,)
+        routers = (oai, console)
     else:
-        routers = (client, sessions, training, sampling, futures, rest, downloads, oai)
+        routers = (client, sessions, training, sampling, futures, rest, downloads, oai, console)
+        # publish before rest: rest's DELETE .../checkpoints/{id:path} also matches .../publish.
+        routers = (publish, *routers, custom_losses, projects, session_search, admin)
     for module in routers:
         app.include_router(module.router)
+    if config.jwt and not config.openai_only:
+        app.include_router(client.token_router)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+    app.state.metrics = metrics
+    app.include_router(metrics_router)
+    # Outermost: requests refused by the body limit are counted and logged too.
+    access_log = config.log_format == "json"
+    app.add_middleware(RequestObserver, metrics=metrics, routes=app, access_log=access_log)
     return app

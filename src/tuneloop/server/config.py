@@ -62,6 +62,21 @@ class ServerConfig:
     ray_gpus_per_worker: float = 0.0
     # A deployment (`tuneloop deploy`): only the OpenAI-compatible routes, no training routes.
     openai_only: bool = False
+    # GET /metrics answers only `Authorization: Bearer <metrics_token>` when set; unset, the
+    # metrics are open to whoever reaches the server's host and port.
+    metrics_token: str | None = None
+    # "text": the logs as before (warnings and errors); "json": JSON lines on stderr, one
+    # access line per request included (api/access_log.py).
+    log_format: str = "text"
+    # JWT exchange (`serve --jwt`): POST /api/v1/auth/token trades an API key for a signed token
+    # this long-lived, which the official SDK sends instead of the key and renews at half its
+    # life (its own rule: renew when under 60 s left, so keep this well above 60).
+    jwt: bool = False
+    jwt_ttl_s: int = 900
+    # What get_info names as the tokenizer: "path", the server's local folder (the official SDK
+    # loads it with no hub when it runs on this machine), or "name", the model's name (for
+    # clients elsewhere that installed the served tokenizer in their HF cache: tuneloop.hf_cache).
+    tokenizer_id: str = "path"
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_inflight", "session_ttl_s"):
@@ -71,6 +86,12 @@ class ServerConfig:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if (self.workers > 1 or self.ray_address is not None) and self.backend != "torch":
             raise ValueError("--workers > 1 and --ray-address need the torch backend")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
+        if self.tokenizer_id not in ("path", "name"):
+            raise ValueError(f"tokenizer_id must be 'path' or 'name', got {self.tokenizer_id!r}")
+        if self.jwt_ttl_s < 120:
+            raise ValueError(f"jwt_ttl_s must be >= 120, got {self.jwt_ttl_s}")
         if self.expiry_check_s <= 0:
             raise ValueError(f"expiry_check_s must be > 0, got {self.expiry_check_s}")
 
@@ -97,6 +118,10 @@ class ServerConfig:
         for name, key, parse in _NUMBERS:
             if name in os.environ:
                 env[key] = parse(os.environ[name])
+        if os.environ.get("TUNELOOP_METRICS_TOKEN"):
+            env["metrics_token"] = os.environ["TUNELOOP_METRICS_TOKEN"]
+        if "TUNELOOP_LOG_FORMAT" in os.environ:
+            env["log_format"] = os.environ["TUNELOOP_LOG_FORMAT"]
         if "TUNELOOP_LIMITS_FILE" in os.environ:
             env["limits_file"] = Path(os.environ["TUNELOOP_LIMITS_FILE"])
         values = {**env, **{k: v for k, v in overrides.items() if v is not None}}

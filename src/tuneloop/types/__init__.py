@@ -1,8 +1,16 @@
 """Wire types, defined once and shared by the SDK and the server."""
 
 from tuneloop.types.codec import ForwardBackwardRequest, WireFormatError
+from tuneloop.types.custom_loss import (
+    CreateCustomLossRequest,
+    CreateCustomLossResponse,
+    CustomLossGraph,
+    CustomLossInput,
+    CustomLossNode,
+)
 from tuneloop.types.datum import LOSS_INPUT_DTYPES, Datum
 from tuneloop.types.model_input import EncodedTextChunk, ImageChunk, ModelInput, ModelInputChunk
+from tuneloop.types.provenance import PromptProvenanceSpan, ProvenanceSpan, SampledProvenanceSpan
 from tuneloop.types.requests import (
     ClientConfigRequest,
     CreateModelRequest,
@@ -66,6 +74,8 @@ __all__ = [
     "CheckpointsListResponse",
     "ClientConfigRequest",
     "ClientConfigResponse",
+    "CreateCustomLossRequest",
+    "CreateCustomLossResponse",
     "CreateModelRequest",
     "CreateModelResponse",
     "CreateSamplingSessionRequest",
@@ -73,6 +83,9 @@ __all__ = [
     "CreateSessionRequest",
     "CreateSessionResponse",
     "Cursor",
+    "CustomLossGraph",
+    "CustomLossInput",
+    "CustomLossNode",
     "Datum",
     "EncodedTextChunk",
     "ExternalWeightsUrlsResponse",
@@ -96,10 +109,13 @@ __all__ = [
     "OptimStepRequest",
     "OptimStepResponse",
     "OptimizerConfig",
+    "PromptProvenanceSpan",
+    "ProvenanceSpan",
     "RequestFailedResponse",
     "RetrieveFutureRequest",
     "SampleRequest",
     "SampleResponse",
+    "SampledProvenanceSpan",
     "SampledSequence",
     "SamplingParams",
     "SaveWeightsExternalRequest",

@@ -6,6 +6,7 @@ Decoding raises `WireFormatError` naming the offending field, so a server can an
 from __future__ import annotations
 
 import base64
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,7 @@ from google.protobuf.message import DecodeError
 from tuneloop.types import proto
 from tuneloop.types.datum import Datum
 from tuneloop.types.model_input import EncodedTextChunk, ImageChunk, ModelInput
+from tuneloop.types.provenance import PromptProvenanceSpan, ProvenanceSpan, SampledProvenanceSpan
 from tuneloop.types.sampling import TOPK_SENTINEL, SampledSequence, SampleResponse, TopkRow
 from tuneloop.types.tensor import TensorData, TensorDtype
 from tuneloop.types.training import ForwardBackwardOutput
@@ -69,22 +71,66 @@ def _frombuffer(raw: bytes, dtype: np.dtype[Any], where: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype)
 
 
-def tensor_from_proto(msg: Any, where: str) -> TensorData:
+@dataclass
+class DecodeLimits:
+    """Bounds a server checks on each tensor's declared shape before any array is built.
+
+    `max_rows`: the model's context length (a per-token input has one row per token);
+    `max_columns`: the vocabulary (top-K targets are no wider); `max_dense_cells`: what all
+    sparse tensors of the request may expand to together. A sparse tensor is a compression of
+    a dense one, so its dense form may hold no more cells than a dense body within the size
+    limit could carry (4 bytes a cell): a 1.6 MB body then cannot ask for 400 MB.
+    """
+
+    max_rows: int
+    max_columns: int
+    max_dense_cells: int
+
+    def check_shape(self, shape: list[int], sparse: bool, where: str) -> None:
+        if len(shape) not in (1, 2):
+            raise WireFormatError(f"{where}: shape {shape} must be 1-D or 2-D", where)
+        if shape[0] > self.max_rows:
+            raise WireFormatError(
+                f"{where}: {shape[0]} rows exceed the context length {self.max_rows}", where
+            )
+        if len(shape) == 2 and shape[1] > self.max_columns:
+            raise WireFormatError(
+                f"{where}: {shape[1]} columns, at most {self.max_columns} (the vocabulary)",
+                where,
+            )
+        if sparse:
+            cells = math.prod(shape)
+            if cells > self.max_dense_cells:
+                raise WireFormatError(
+                    f"{where}: a sparse tensor of shape {shape} would expand to {cells} cells; "
+                    f"the request's sparse tensors may expand to {self.max_dense_cells} "
+                    "(what the body size limit carries densely)",
+                    where,
+                )
+            self.max_dense_cells -= cells
+
+
+def tensor_from_proto(msg: Any, where: str, limits: DecodeLimits | None = None) -> TensorData:
     dtype_code = msg.dtype
     np_dtype = _PROTO_TO_NUMPY.get(dtype_code)
     if np_dtype is None:
         raise WireFormatError(f"{where}: unsupported dtype {dtype_code}", where)
     wire_dtype: TensorDtype = "float32" if np_dtype.kind == "f" else "int64"
     shape = [int(s) for s in msg.shape]
+    sparse = msg.WhichOneof("encoding") == "sparse_csr"
+    if limits is not None:
+        if not shape:  # dense and shapeless: one row per value
+            shape = [len(msg.dense) // np_dtype.itemsize]
+        limits.check_shape(shape, sparse, where)
     try:
-        if msg.WhichOneof("encoding") == "sparse_csr":
+        if sparse:
             csr = msg.sparse_csr
             return TensorData(
                 _frombuffer(csr.values, np_dtype, where),
                 wire_dtype,
                 shape,
-                _frombuffer(csr.crow_indices, np.dtype("<i8"), where).tolist(),
-                _frombuffer(csr.col_indices, np.dtype("<i8"), where).tolist(),
+                _frombuffer(csr.crow_indices, np.dtype("<i8"), where),
+                _frombuffer(csr.col_indices, np.dtype("<i8"), where),
             )
         values = _frombuffer(msg.dense, np_dtype, where)
         return TensorData(values, wire_dtype, shape or [values.size])
@@ -123,24 +169,78 @@ def encode_forward_backward_request(request: ForwardBackwardRequest) -> bytes:
                     chunk_msg.image.expected_tokens = chunk.expected_tokens
         for key, tensor in datum.loss_fn_inputs.items():
             _tensor_to_proto(tensor, out.loss_fn_inputs[key])
+        _spans_to_proto(datum.model_input_spans, out.model_input_spans)
+        _spans_to_proto(datum.loss_fn_input_spans, out.loss_fn_input_spans)
     return bytes(msg.SerializeToString())
 
 
-def decode_forward_backward_request(body: bytes) -> ForwardBackwardRequest:
+def _spans_to_proto(spans: tuple[ProvenanceSpan, ...] | None, out: Any) -> None:
+    for span in spans or ():
+        kind = "prompt_tokens" if isinstance(span, PromptProvenanceSpan) else "sampled_tokens"
+        target = getattr(out.add(), kind)
+        target.sequence_id = span.sequence_id
+        target.offset = span.offset
+        target.length = span.length
+
+
+def _spans_from_proto(spans: Any, where: str) -> tuple[ProvenanceSpan, ...]:
+    decoded: list[ProvenanceSpan] = []
+    for k, span in enumerate(spans):
+        kind = span.WhichOneof("span")
+        if kind is None:
+            raise WireFormatError(f"{where}[{k}]: a span of no kind", f"{where}[{k}]")
+        inner = getattr(span, kind)
+        if inner.offset < 0 or inner.length < 0:
+            raise WireFormatError(f"{where}[{k}]: offset and length must be >= 0", f"{where}[{k}]")
+        if not inner.sequence_id:
+            field = f"{where}[{k}].sequence_id"
+            raise WireFormatError(f"{field}: must be non-empty", field)
+        cls = PromptProvenanceSpan if kind == "prompt_tokens" else SampledProvenanceSpan
+        decoded.append(
+            cls(sequence_id=inner.sequence_id, offset=int(inner.offset), length=int(inner.length))
+        )
+    return tuple(decoded)
+
+
+def parse_forward_backward_request(body: bytes) -> Any:
+    """The protobuf message of a forward_backward body (its model_id names the model whose
+    limits `forward_backward_request_from_proto` then checks)."""
     msg = proto.ForwardBackwardRequestProto()
     try:
         msg.ParseFromString(body)
     except DecodeError as exc:
         raise WireFormatError(f"malformed ForwardBackwardRequest protobuf: {exc}", "body") from exc
+    return msg
+
+
+def decode_forward_backward_request(
+    body: bytes, limits: DecodeLimits | None = None
+) -> ForwardBackwardRequest:
+    return forward_backward_request_from_proto(parse_forward_backward_request(body), limits)
+
+
+def forward_backward_request_from_proto(
+    msg: Any, limits: DecodeLimits | None = None
+) -> ForwardBackwardRequest:
     data: list[Datum] = []
     for i, datum in enumerate(msg.data):
         chunks: list[EncodedTextChunk | ImageChunk] = []
+        tokens_in_datum = 0
         for j, chunk in enumerate(datum.model_input):
             kind = chunk.WhichOneof("chunk")
             where = f"data[{i}].model_input[{j}]"
             if kind == "encoded_text":
                 tokens = _frombuffer(chunk.encoded_text.tokens, np.dtype("<i4"), where)
-                chunks.append(EncodedTextChunk(tokens=tokens.tolist()))
+                tokens_in_datum += tokens.size
+                if limits is not None and tokens_in_datum > limits.max_rows:
+                    raise WireFormatError(
+                        f"data[{i}].model_input: more than {limits.max_rows} tokens (the "
+                        "context length)",
+                        f"data[{i}].model_input",
+                    )
+                # int32 values from the buffer: valid by construction, so not validated again
+                # (half the decoding time of a large body).
+                chunks.append(EncodedTextChunk.model_construct(tokens=tokens.tolist()))
             elif kind == "image":
                 fmt = chunk.image.format
                 if fmt not in ("png", "jpeg"):
@@ -155,10 +255,27 @@ def decode_forward_backward_request(body: bytes) -> ForwardBackwardRequest:
             else:
                 raise WireFormatError(f"{where}: unsupported chunk type {kind}", where)
         inputs = {
-            key: tensor_from_proto(tensor, f"data[{i}].loss_fn_inputs[{key!r}]")
+            key: tensor_from_proto(tensor, f"data[{i}].loss_fn_inputs[{key!r}]", limits)
             for key, tensor in datum.loss_fn_inputs.items()
         }
-        data.append(Datum(model_input=ModelInput(chunks=chunks), loss_fn_inputs=inputs))
+        # proto3 cannot tell an empty span list from none: no spans at all means no provenance.
+        has_spans = bool(datum.model_input_spans) or bool(datum.loss_fn_input_spans)
+        data.append(
+            Datum(
+                model_input=ModelInput(chunks=chunks),
+                loss_fn_inputs=inputs,
+                model_input_spans=(
+                    _spans_from_proto(datum.model_input_spans, f"data[{i}].model_input_spans")
+                    if has_spans
+                    else None
+                ),
+                loss_fn_input_spans=(
+                    _spans_from_proto(datum.loss_fn_input_spans, f"data[{i}].loss_fn_input_spans")
+                    if has_spans
+                    else None
+                ),
+            )
+        )
     # The v2 map carries strings too and wins where both are present (spec 3, common conventions).
     config: dict[str, float | str] = dict(msg.loss_fn_config)
     for key, value in msg.loss_fn_config_v2.items():

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from tuneloop.types.model_input import ModelInput
+from tuneloop.types.provenance import PromptProvenanceSpan, ProvenanceSpan, SampledProvenanceSpan
 from tuneloop.types.tensor import TensorData, TensorDtype
 
 # Plain lists get their dtype from the key; other keys must arrive as arrays or TensorData.
@@ -49,7 +50,58 @@ def to_tensor_data(key: str, value: Any) -> TensorData:
 class Datum:
     model_input: ModelInput
     loss_fn_inputs: Mapping[str, TensorData] = field(default_factory=dict)
+    # Provenance (stable_reinforce): both set or neither; see tuneloop.types.provenance.
+    # Attach with `with_provenance`, which checks that the spans tile their fields.
+    model_input_spans: tuple[ProvenanceSpan, ...] | None = None
+    loss_fn_input_spans: tuple[ProvenanceSpan, ...] | None = None
 
     def __post_init__(self) -> None:
         converted = {k: to_tensor_data(k, v) for k, v in self.loss_fn_inputs.items()}
         object.__setattr__(self, "loss_fn_inputs", converted)
+        for name in ("model_input_spans", "loss_fn_input_spans"):
+            spans = getattr(self, name)
+            if spans is not None:
+                object.__setattr__(self, name, _span_tuple(name, spans))
+        if (self.model_input_spans is None) != (self.loss_fn_input_spans is None):
+            raise ValueError(
+                "provenance comes as a pair: set both model_input_spans and "
+                "loss_fn_input_spans, or neither"
+            )
+
+    def with_provenance(
+        self,
+        model_input: Sequence[ProvenanceSpan],
+        loss_fn_inputs: Sequence[ProvenanceSpan],
+    ) -> Datum:
+        """A copy carrying provenance (what `stable_reinforce` needs), as the official SDK's
+        `Datum.with_provenance`: `model_input` spans tile the input tokens, `loss_fn_inputs`
+        spans tile `loss_fn_inputs["target_tokens"]`, in order. A miscount fails here, not as
+        a 400 from the server."""
+        model_spans = _span_tuple("model_input", model_input)
+        target_spans = _span_tuple("loss_fn_inputs", loss_fn_inputs)
+        _check_tiling("model_input", model_spans, self.model_input.length)
+        targets = self.loss_fn_inputs.get("target_tokens")
+        shape = None if targets is None else targets.to_numpy().shape
+        if shape is not None and len(shape) == 1:
+            _check_tiling("loss_fn_inputs", target_spans, shape[0])
+        return replace(self, model_input_spans=model_spans, loss_fn_input_spans=target_spans)
+
+
+def _span_tuple(name: str, spans: Sequence[ProvenanceSpan]) -> tuple[ProvenanceSpan, ...]:
+    out = tuple(spans)
+    for span in out:
+        if not isinstance(span, PromptProvenanceSpan | SampledProvenanceSpan):
+            raise TypeError(
+                f"{name} entries must be PromptProvenanceSpan or SampledProvenanceSpan, "
+                f"got {type(span).__name__}"
+            )
+    return out
+
+
+def _check_tiling(name: str, spans: tuple[ProvenanceSpan, ...], expected: int) -> None:
+    total = sum(span.length for span in spans)
+    if total != expected:
+        raise ValueError(
+            f"with_provenance {name} spans cover {total} positions but the field has "
+            f"{expected}; the spans must tile it exactly"
+        )

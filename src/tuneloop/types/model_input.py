@@ -8,10 +8,11 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from tuneloop.types._base import StrictBase
+from tuneloop.types.fields import Int64, NonNegativeInt64
 
 
 class EncodedTextChunk(StrictBase):
-    tokens: list[int]
+    tokens: list[Int64]
     type: Literal["encoded_text"] = "encoded_text"
 
     @property
@@ -24,7 +25,7 @@ class ImageChunk(StrictBase):
 
     data: str  # base64 in JSON, raw bytes in protobuf
     format: Literal["png", "jpeg"]
-    expected_tokens: int | None = None
+    expected_tokens: NonNegativeInt64 | None = None
     type: Literal["image"] = "image"
 
     @property

@@ -7,12 +7,18 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from tuneloop.types._base import StrictBase
+from tuneloop.types.fields import (
+    MAX_SEQ_ID,
+    Int64,
+    NonNegativeInt64,
+    SeqId,
+    StringMetadata,
+    Tags,
+    UserMetadata,
+)
 from tuneloop.types.model_input import ModelInput
 from tuneloop.types.sampling import SamplingParams
 from tuneloop.types.training import AdamParams, LoraConfig, OptimizerConfig
-
-# Model and sampler ids embed these ("<session>:train:<n>") in 128-character columns.
-MAX_SEQ_ID = 2**63 - 1
 
 
 class ClientConfigRequest(StrictBase):
@@ -20,8 +26,8 @@ class ClientConfigRequest(StrictBase):
 
 
 class CreateSessionRequest(StrictBase):
-    tags: list[str] = Field(default_factory=list)
-    user_metadata: dict[str, Any] | None = None
+    tags: Tags = Field(default_factory=list)
+    user_metadata: UserMetadata = None
     # Stored in a 32-character column (PostgreSQL enforces the length).
     sdk_version: str = Field(default="", max_length=32)
     project_id: str | None = None
@@ -45,9 +51,9 @@ class FinishSessionRequest(StrictBase):
 
 class CreateModelRequest(StrictBase):
     session_id: str
-    model_seq_id: int = Field(ge=0, le=MAX_SEQ_ID)
+    model_seq_id: SeqId
     base_model: str
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: UserMetadata = None
     lora_config: LoraConfig | None = None
     optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
     type: Literal["create_model"] = "create_model"
@@ -55,9 +61,12 @@ class CreateModelRequest(StrictBase):
     @model_validator(mode="after")
     def _something_trains(self) -> CreateModelRequest:
         lora = self.lora_config
-        if lora and not (lora.train_mlp or lora.train_attn or lora.train_unembed):
+        if lora and not (
+            lora.train_mlp or lora.train_attn or lora.train_unembed or lora.train_experts
+        ):
             raise ValueError(
-                "lora_config: one of train_mlp, train_attn, train_unembed must be true"
+                "lora_config: one of train_mlp, train_attn, train_unembed, train_experts must be"
+                " true"
             )
         return self
 
@@ -71,11 +80,11 @@ class LoadWeightsRequest(StrictBase):
     """Two forms: create-via-load (session_id + model_seq_id) or legacy (model_id + seq_id)."""
 
     model_id: str | None = None
-    seq_id: int | None = None
+    seq_id: Int64 | None = None
     session_id: str | None = None
-    model_seq_id: int | None = Field(default=None, le=MAX_SEQ_ID)
+    model_seq_id: SeqId | None = None
     base_model: str | None = None
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: UserMetadata = None
     path: str
     optimizer: bool = False
     optimizer_config: OptimizerConfig | None = None
@@ -95,7 +104,7 @@ class LoadWeightsRequest(StrictBase):
 
 class OptimStepRequest(StrictBase):
     model_id: str
-    seq_id: int | None = None
+    seq_id: Int64 | None = None
     adam_params: AdamParams | None = None
     optimizer_params: AdamParams | None = None
     optim_params: AdamParams | None = None
@@ -109,10 +118,10 @@ class OptimStepRequest(StrictBase):
 class SaveWeightsRequest(StrictBase):
     model_id: str
     path: str | None = None
-    seq_id: int | None = None
-    ttl_seconds: int | None = None
+    seq_id: Int64 | None = None
+    ttl_seconds: Int64 | None = None
     overwrite: bool = False
-    user_metadata: dict[str, str] | None = None
+    user_metadata: StringMetadata = None
     type: Literal["save_weights"] = "save_weights"
 
 
@@ -121,11 +130,11 @@ class SaveWeightsForSamplerRequest(StrictBase):
 
     model_id: str
     path: str | None = None
-    sampling_session_seq_id: int | None = Field(default=None, le=MAX_SEQ_ID)
+    sampling_session_seq_id: SeqId | None = None
     kind: Literal["snapshot", "inflight"] = "snapshot"
-    seq_id: int | None = None
-    ttl_seconds: int | None = None
-    user_metadata: dict[str, str] | None = None
+    seq_id: Int64 | None = None
+    ttl_seconds: Int64 | None = None
+    user_metadata: StringMetadata = None
     type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
 
     @model_validator(mode="after")
@@ -144,15 +153,15 @@ class SaveWeightsExternalRequest(StrictBase):
 
     model_id: str
     path: str | None = None
-    seq_id: int | None = None
-    ttl_seconds: int | None = None
+    seq_id: Int64 | None = None
+    ttl_seconds: Int64 | None = None
     age_encryption_recipients: list[str] | None = None
     type: Literal["save_weights_external"] = "save_weights_external"
 
 
 class CreateSamplingSessionRequest(StrictBase):
     session_id: str
-    sampling_session_seq_id: int = Field(ge=0, le=MAX_SEQ_ID)
+    sampling_session_seq_id: SeqId
     base_model: str | None = None
     model_path: str | None = None
     type: Literal["create_sampling_session"] = "create_sampling_session"
@@ -171,13 +180,13 @@ class SampleRequest(StrictBase):
     base_model: str | None = None
     model_path: str | None = None
     sampling_session_id: str | None = None
-    seq_id: int | None = None
+    seq_id: Int64 | None = None
     prompt_logprobs: bool | None = None
     topk_prompt_logprobs: int = Field(default=0, ge=0, le=64)
     topk_sample_logprobs: int = Field(default=0, ge=0, le=64)
     target_prompt_logprobs: dict[str, Any] | None = None
-    prompt_alt_tokens_k: int = Field(default=0, ge=0)
-    prompt_logprobs_last_n: int | None = Field(default=None, ge=1)
+    prompt_alt_tokens_k: NonNegativeInt64 = 0
+    prompt_logprobs_last_n: int | None = Field(default=None, ge=1, le=MAX_SEQ_ID)
     record_stability_info: bool | None = None
     type: Literal["sample"] = "sample"
 

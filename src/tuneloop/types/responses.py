@@ -55,6 +55,10 @@ class ModelData(ResponseBase):
     arch: str | None = None
     model_name: str | None = None
     tokenizer_id: str | None = None
+    # What the adapter covers on this model (None where the backend does not say).
+    num_parameters: int | None = None
+    lora_groups: list[str] | None = None
+    lora_trainable_parameters: int | None = None
 
 
 class GetInfoResponse(ResponseBase):
@@ -118,6 +122,13 @@ class SupportedModel(ResponseBase):
     max_context_length: int | None = None
     trainable: bool = True
     sampleable: bool = True
+    # The model's architecture and what LoRA covers on it, every target group on: the groups,
+    # their share of the body's weights, and trainable parameters per unit of rank.
+    arch: str | None = None
+    num_parameters: int | None = None
+    lora_groups: list[str] | None = None
+    lora_coverage: float | None = None
+    lora_parameters_per_rank: int | None = None
 
 
 class GetServerCapabilitiesResponse(ResponseBase):

@@ -8,6 +8,7 @@ from typing import Literal
 import numpy as np
 
 from tuneloop.types._base import StrictBase
+from tuneloop.types.fields import Int64
 
 StopReason = Literal["stop", "length"]
 # Top-k matrices are dense N x K; empty cells hold this sentinel pair.
@@ -15,12 +16,12 @@ TOPK_SENTINEL = (0, -99999.0)
 
 
 class SamplingParams(StrictBase):
-    max_tokens: int | None = None
-    seed: int | None = None
+    max_tokens: Int64 | None = None
+    seed: Int64 | None = None
     # None: stop at EOS. []: never stop early, not even at EOS. Strings or token ids.
-    stop: str | list[str] | list[int] | None = None
+    stop: str | list[str] | list[Int64] | None = None
     temperature: float = 1.0
-    top_k: int = -1
+    top_k: Int64 = -1
     top_p: float = 1.0
 
 

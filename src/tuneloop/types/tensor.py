@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from itertools import pairwise
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
@@ -16,50 +15,57 @@ TensorDtype = Literal["float32", "int64"]
 _NP_DTYPES: dict[str, Any] = {"float32": np.float32, "int64": np.int64}
 
 
+def _indices(values: Sequence[int] | np.ndarray) -> np.ndarray:
+    try:
+        array = np.asarray(values, dtype=np.int64).reshape(-1)
+    except OverflowError:
+        raise ValueError("sparse indices must be 64-bit integers") from None
+    return array
+
+
 class TensorData:
     """A dense or CSR tensor; `data` is the flattened value list, as on the wire.
 
     Torch is imported lazily so the SDK installs and imports without it.
     """
 
-    __slots__ = ("_array", "dtype", "shape", "sparse_col_indices", "sparse_crow_indices")
+    __slots__ = ("_array", "_cols", "_crow", "dtype", "shape")
 
     def __init__(
         self,
         data: Sequence[float] | Sequence[int] | np.ndarray,
         dtype: TensorDtype,
         shape: Sequence[int] | None = None,
-        sparse_crow_indices: Sequence[int] | None = None,
-        sparse_col_indices: Sequence[int] | None = None,
+        sparse_crow_indices: Sequence[int] | np.ndarray | None = None,
+        sparse_col_indices: Sequence[int] | np.ndarray | None = None,
     ) -> None:
         if dtype not in _NP_DTYPES:
             raise ValueError(f"dtype must be 'float32' or 'int64', got {dtype!r}")
-        array = np.asarray(data, dtype=_NP_DTYPES[dtype]).reshape(-1)
+        try:
+            array = np.asarray(data, dtype=_NP_DTYPES[dtype]).reshape(-1)
+        except OverflowError:
+            raise ValueError(f"values do not fit {dtype}") from None
         if (sparse_crow_indices is None) != (sparse_col_indices is None):
             raise ValueError("sparse_crow_indices and sparse_col_indices go together")
         self._array = array
         self.dtype: TensorDtype = dtype
         self.shape: list[int] | None = [int(s) for s in shape] if shape is not None else None
-        self.sparse_crow_indices = (
-            None if sparse_crow_indices is None else [int(i) for i in sparse_crow_indices]
-        )
-        self.sparse_col_indices = (
-            None if sparse_col_indices is None else [int(i) for i in sparse_col_indices]
-        )
+        self._crow = None if sparse_crow_indices is None else _indices(sparse_crow_indices)
+        self._cols = None if sparse_col_indices is None else _indices(sparse_col_indices)
         if self.shape is not None and any(s < 0 for s in self.shape):
             raise ValueError(f"shape {self.shape} has a negative dimension")
-        if self.is_sparse:
+        if self._crow is not None and self._cols is not None:
             if self.shape is None or len(self.shape) != 2:
                 raise ValueError("a sparse CSR tensor needs a 2-D shape")
-            crow = self.sparse_crow_indices or []
-            if len(crow) != self.shape[0] + 1:
+            crow, cols = self._crow, self._cols
+            if crow.size != self.shape[0] + 1:
                 raise ValueError("sparse_crow_indices must have shape[0] + 1 entries")
-            if len(self.sparse_col_indices or []) != array.size:
+            if cols.size != array.size:
                 raise ValueError("sparse_col_indices must have one entry per value")
             # Checked here so that to_numpy never indexes out of bounds.
-            if crow[0] != 0 or crow[-1] != array.size or any(b < a for a, b in pairwise(crow)):
+            if crow[0] != 0 or crow[-1] != array.size or bool((np.diff(crow) < 0).any()):
                 raise ValueError("sparse_crow_indices must rise from 0 to the number of values")
-            if any(not 0 <= c < self.shape[1] for c in self.sparse_col_indices or []):
+            if cols.size and (int(cols.min()) < 0 or int(cols.max()) >= self.shape[1]):
                 raise ValueError(f"sparse_col_indices must lie in [0, {self.shape[1]})")
         # math.prod: NumPy's product of a hostile shape wraps around 64 bits.
         elif self.shape is not None and math.prod(self.shape) != array.size:
@@ -67,7 +73,15 @@ class TensorData:
 
     @property
     def is_sparse(self) -> bool:
-        return self.sparse_crow_indices is not None
+        return self._crow is not None
+
+    @property
+    def sparse_crow_indices(self) -> list[int] | None:
+        return None if self._crow is None else cast("list[int]", self._crow.tolist())
+
+    @property
+    def sparse_col_indices(self) -> list[int] | None:
+        return None if self._cols is None else cast("list[int]", self._cols.tolist())
 
     @property
     def data(self) -> list[Any]:
@@ -79,17 +93,19 @@ class TensorData:
         """The flat value array (the listed values only, for a sparse tensor)."""
         return self._array
 
+    @property
+    def dense_shape(self) -> list[int]:
+        """The shape of `to_numpy()`, known without building it."""
+        return self.shape if self.shape is not None else [self._array.size]
+
     def to_numpy(self, pad_value: float = 0) -> np.ndarray:
-        if not self.is_sparse:
-            shape = self.shape if self.shape is not None else [self._array.size]
-            return self._array.reshape(shape)
+        if self._crow is None or self._cols is None:
+            return self._array.reshape(self.dense_shape)
         assert self.shape is not None
         dense = np.full(self.shape, pad_value, dtype=self._array.dtype)
-        crow = self.sparse_crow_indices or []
-        cols = np.asarray(self.sparse_col_indices, dtype=np.int64)
-        for row in range(self.shape[0]):
-            lo, hi = crow[row], crow[row + 1]
-            dense[row, cols[lo:hi]] = self._array[lo:hi]
+        # Row of each listed value, from the row pointers (rows with no values repeat 0 times).
+        rows = np.repeat(np.arange(self.shape[0]), np.diff(self._crow))
+        dense[rows, self._cols] = self._array
         return dense
 
     def tolist(self) -> list[Any]:
@@ -144,8 +160,8 @@ class TensorData:
             array[rows, cols],
             dense.dtype,
             list(array.shape),
-            np.cumsum(crow).tolist(),
-            cols.tolist(),
+            np.cumsum(crow),
+            cols,
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -29,6 +29,9 @@ class LoraConfig(StrictBase):
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True
+    # tuneloop's finer target group: LoRA on MoE experts (None: as train_mlp, which then covers
+    # dense MLPs and experts alike, Tinker's meaning). Ignored on models without experts.
+    train_experts: bool | None = None
 
 
 class AdamParams(StrictBase):

@@ -7,6 +7,7 @@ from datetime import datetime
 from pydantic import Field
 
 from tuneloop.types._base import ResponseBase, StrictBase
+from tuneloop.types.fields import Int64
 
 
 class UsageCounts(ResponseBase):
@@ -54,4 +55,4 @@ class UsageResponse(ResponseBase):
 class SetCheckpointTtlRequest(StrictBase):
     """`PUT .../checkpoints/{checkpoint_id}/ttl`: expire `ttl_seconds` from now; None = never."""
 
-    ttl_seconds: int | None
+    ttl_seconds: Int64 | None

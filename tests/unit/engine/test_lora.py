@@ -47,7 +47,7 @@ class Tiny(nn.Module):
 
 def make() -> tuple[Tiny, AdapterBank]:
     model = Tiny().requires_grad_(False)
-    return model, AdapterBank(inject(model))
+    return model, AdapterBank(inject(model, refuse_uncovered=False))
 
 
 def randomise(bank: AdapterBank, key: str, seed: int) -> None:
@@ -195,17 +195,17 @@ def test_grouped_application_equals_one_adapter_at_a_time(monkeypatch: pytest.Mo
     x = torch.randn(6, 4, 6, generator=torch.Generator().manual_seed(3))
     rows = ["a", "a", "b", "b", "c", "c"]
 
-    from tuneloop.server.engine import lora as lora_module
+    from tuneloop.server.engine.lora import ops
 
     used = []
-    original = lora_module.LoRALinear._grouped_delta
+    original = ops._grouped
 
-    def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        result = original(self, *args, **kwargs)
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        result = original(*args, **kwargs)
         used.append(result is not None)
         return result
 
-    monkeypatch.setattr(lora_module.LoRALinear, "_grouped_delta", spy)
+    monkeypatch.setattr(ops, "_grouped", spy)
     with bank.routed(rows):
         grouped = model(x)
         grouped.square().sum().backward()
@@ -226,3 +226,62 @@ def test_grouped_application_equals_one_adapter_at_a_time(monkeypatch: pytest.Mo
     for k in keys:
         for got, want in zip(grouped_grads[k], bank.parameters(k), strict=True):
             torch.testing.assert_close(got, want.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_adapters_are_parameters_of_the_model_and_come_and_go_without_rewrapping() -> None:
+    model, bank = make()
+    wrappers = {name: id(m) for name, m in model.named_modules()}
+    bank.create(adapter_spec("a", rank=2), CPU)
+    bank.snapshot("a", "snap")
+    bank.create(adapter_spec("b", rank=3, train_attn=False), CPU)
+    names = {n for n, _ in model.named_parameters() if "lora_" in n}
+    # Slots 0 (a), 1 (snap) and 2 (b) on every layer each targets; b skips the attention.
+    assert "block.q_proj.lora_A.0" in names
+    assert "block.q_proj.lora_A.1" in names
+    assert "block.q_proj.lora_A.2" not in names
+    assert "lm_head.lora_B.2" in names
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    assert trainable == {id(p) for p in bank.parameters("a") + bank.parameters("b")}
+    bank.delete("a")
+    assert not any(n.endswith(".0") for n, _ in model.named_parameters() if "lora_" in n)
+    bank.create(adapter_spec("c", rank=2), CPU)  # reuses the freed slot
+    assert "block.q_proj.lora_A.0" in {n for n, _ in model.named_parameters()}
+    assert {n: id(m) for n, m in model.named_modules() if "lora_" not in n} == {
+        n: i for n, i in wrappers.items() if "lora_" not in n
+    }
+
+
+def test_a_registered_kernel_serves_its_devices_with_the_reference_values() -> None:
+    from tuneloop.server.engine.lora import ops
+
+    model, bank = make()
+    for i, key in enumerate(("a", "b")):
+        bank.create(adapter_spec(key, rank=2 + i, seed=i), CPU)
+        randomise(bank, key, 20 + i)
+    x = torch.randn(3, 4, 6)
+    with bank.routed(["a", "b", "a"]):
+        want = model(x)
+    calls = []
+
+    def kernel(*args):  # type: ignore[no-untyped-def]
+        calls.append(args[2])
+        return ops.add_lora_torch(*args)
+
+    ops.register_kernel(kernel, devices=("cpu",))
+    try:
+        with bank.routed(["a", "b", "a"]):
+            got = model(x)
+    finally:
+        ops.register_kernel(None)
+    assert calls
+    assert all(list(sizes) == [4, 4, 4] for sizes in calls)
+    assert torch.equal(got, want)
+
+
+def test_models_with_layers_it_cannot_adapt_are_refused_by_name() -> None:
+    from tuneloop.server.engine.lora import inject
+
+    model = Tiny().requires_grad_(False)
+    with pytest.raises(EngineError, match=r"Linear \(e\.g\. block\.other\.weight\)") as info:
+        inject(model)
+    assert info.value.category == "user"

@@ -16,7 +16,7 @@ from tuneloop.server.engine.types import EngineError
 N = 24
 K = 5
 SEEDS = range(6)
-RL_LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo")
+RL_LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
 
 
 def as_f32_f64(array: np.ndarray) -> np.ndarray:
@@ -38,6 +38,12 @@ def make_inputs(name: str, seed: int, two_d: bool = False) -> tuple[np.ndarray, 
         inputs["advantages"][:3] = 0.0  # prompt-like positions
     if name == "gspo":
         inputs["sequence_ratio_mask"] = (rng.uniform(size=shape) > 0.3).astype(np.float64)
+    if name == "stable_reinforce":
+        # ratios from ~0.3 to ~3: the cap (2.0) binds on some tokens
+        inputs["recorded_logprobs"] = lp + rng.normal(0.0, 0.6, size=shape)
+        inputs["sampled_mask"] = (rng.uniform(size=shape) > 0.2).astype(np.float64)
+        inputs["sampled_mask"][:3] = 0.0
+        inputs["advantages"][:3] = 1.5  # prompt positions with an advantage: masked anyway
     lp = as_f32_f64(lp)
     return lp, {key: as_f32_f64(value) for key, value in inputs.items()}
 
@@ -225,3 +231,58 @@ def test_unknown_loss_name_raises(name: str) -> None:
     with pytest.raises(EngineError, match=f"unknown loss function '{name}'") as info:
         compute_loss(name, lp, {}, {})
     assert info.value.category == "user"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"kl_coeff": 0.3},
+        {"clip_high_threshold": 1.1},
+        {"kl_coeff": 1.0, "clip_high_threshold": 5.0},
+    ],
+)
+def test_stable_reinforce_config(seed: int, config: dict[str, float]) -> None:
+    lp, inputs = make_inputs("stable_reinforce", seed + 300)
+    assert_matches_reference("stable_reinforce", lp, inputs, config)
+
+
+def test_stable_reinforce_weights_are_truncated_and_masked() -> None:
+    lp, inputs = make_inputs("stable_reinforce", 1)
+    _, grad = torch_value_and_grad("stable_reinforce", lp, inputs, {})
+    ratio = np.exp(lp - inputs["recorded_logprobs"])
+    mask = inputs["sampled_mask"] != 0
+    adv = inputs["advantages"]
+    assert (ratio[mask] > 2.0).any()
+    assert (ratio[mask] < 2.0).any()
+    # the gradient is -min(r, 2) A on sampled tokens and nothing elsewhere
+    np.testing.assert_allclose(grad[mask], -np.minimum(ratio, 2.0)[mask] * adv[mask], rtol=1e-5)
+    assert (adv[~mask] != 0).any()
+    assert (grad[~mask] == 0).all()
+    assert np.abs(grad).max() <= 2.0 * np.abs(adv).max() + 1e-6
+
+
+def test_stable_reinforce_on_policy_is_reinforce_and_ignores_request_logprobs() -> None:
+    """With the recorded logprobs equal to the learner's (r = 1) the gradient is -A, as
+    importance_sampling's; the request's own `logprobs` change nothing."""
+    lp, inputs = make_inputs("stable_reinforce", 2)
+    inputs["recorded_logprobs"] = lp.copy()
+    inputs["sampled_mask"] = np.ones_like(lp)
+    _, grad = torch_value_and_grad("stable_reinforce", lp, inputs, {"kl_coeff": 0.5})
+    is_inputs = {"logprobs": lp.copy(), "advantages": inputs["advantages"]}
+    _, is_grad = torch_value_and_grad("importance_sampling", lp, is_inputs, {})
+    np.testing.assert_allclose(grad, is_grad, rtol=1e-6, atol=1e-7)
+    with_client_q = {**inputs, "logprobs": lp - 3.0}
+    _, grad_client = torch_value_and_grad("stable_reinforce", lp, with_client_q, {"kl_coeff": 0.5})
+    np.testing.assert_array_equal(grad, grad_client)
+
+
+def test_stable_reinforce_kl_pulls_toward_the_sampler() -> None:
+    lp, inputs = make_inputs("stable_reinforce", 3)
+    inputs["advantages"] = np.zeros_like(lp)
+    _, grad = torch_value_and_grad("stable_reinforce", lp, inputs, {"kl_coeff": 2.0})
+    mask = inputs["sampled_mask"] != 0
+    diff = lp - inputs["recorded_logprobs"]
+    # descending the loss moves lp toward q: the gradient has the sign of lp - q
+    np.testing.assert_allclose(grad[mask], 2.0 * diff[mask], rtol=1e-5, atol=1e-6)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import copy
 import io
 import math
+from typing import Any
 
 import pytest
 import torch
 
+from tuneloop.server.engine.isolation import SKIPPED
 from tuneloop.server.engine.optim import AdapterOptimizer
-from tuneloop.server.engine.types import AdamStep, EngineError
+from tuneloop.server.engine.types import AdamStep
 
 STEPS = [
     AdamStep(1e-2, 0.9, 0.95, 1e-12, 0.0, 0.0),
@@ -170,7 +172,7 @@ def test_step_without_any_grad_is_well_defined() -> None:
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_non_finite_gradient_raises_and_leaves_everything_usable(bad: float) -> None:
+def test_non_finite_gradient_skips_the_step_and_leaves_everything_usable(bad: float) -> None:
     expected, _ = reference_run(STEPS[:3])
     model = make_model()
     optimizer = AdapterOptimizer(list(model.parameters()))
@@ -181,9 +183,13 @@ def test_non_finite_gradient_raises_and_leaves_everything_usable(bad: float) -> 
     grads = make_grads(99, model)
     grads[0][1, 2] = bad
     set_grads(model, grads)
-    with pytest.raises(EngineError, match="non-finite gradient") as info:
-        optimizer.step(STEPS[1])
-    assert info.value.category == "user"
+    metrics = optimizer.step(STEPS[1])
+    assert metrics == {
+        SKIPPED: 1.0,
+        SKIPPED + "_nonfinite_gradients": 1.0,
+        "learning_rate": STEPS[1].learning_rate,
+    }
+    assert all(math.isfinite(v) for v in metrics.values())  # JSON-safe
     for p, b in zip(model.parameters(), params_before, strict=True):
         assert torch.equal(p.detach(), b)
         assert p.grad is None or not p.grad.any()
@@ -202,3 +208,58 @@ def test_non_finite_gradient_raises_and_leaves_everything_usable(bad: float) -> 
 def test_needs_parameters() -> None:
     with pytest.raises(ValueError, match="at least one parameter"):
         AdapterOptimizer([])
+
+
+def test_a_step_whose_weights_would_overflow_is_skipped_and_taken_back() -> None:
+    """Finite gradients and hyperparameters can still overflow AdamW: with beta2 = 0 the second
+    moment forgets a huge gradient at once while the first remembers it, and a tiny eps then
+    divides it by ~0. The step is undone (weights and moments as before) and reported."""
+    model = make_model()
+    optimizer = AdapterOptimizer(list(model.parameters()))
+    huge = AdamStep(1e-2, 0.9, 0.0, 1e-30, 0.0, 0.0)
+    set_grads(model, [torch.full_like(p, 1e18) for p in model.parameters()])
+    first = optimizer.step(huge)
+    assert SKIPPED not in first
+    assert math.isfinite(first["grad_norm"])
+    params_before = [p.detach().clone() for p in model.parameters()]
+    state_before = copy.deepcopy(optimizer.state_dict())
+
+    set_grads(model, [torch.zeros_like(p) for p in model.parameters()])
+    metrics = optimizer.step(huge)
+    assert metrics[SKIPPED] == 1.0
+    assert metrics[SKIPPED + "_nonfinite_weights"] == 1.0
+    for p, b in zip(model.parameters(), params_before, strict=True):
+        assert torch.equal(p.detach(), b)
+        assert p.grad is None or not p.grad.any()
+    assert optimizer.steps == 1
+    state_after = optimizer.state_dict()
+    for key, values in state_before["state"].items():
+        for name, value in values.items():
+            assert torch.equal(state_after["state"][key][name], value)
+    # Still trainable with sane settings.
+    set_grads(model, make_grads(0, model))
+    assert SKIPPED not in optimizer.step(STEPS[0])
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_ordinary_steps_are_not_copied_and_a_risky_one_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy that takes a non-finite step back is made only for a step whose closed-form
+    bounds could overflow: ordinary training pays nothing for it, and stays bit-exact."""
+    copies: list[int] = []
+    original = AdapterOptimizer._copy
+
+    def counted(self: AdapterOptimizer) -> Any:
+        copies.append(self.steps)
+        return original(self)
+
+    monkeypatch.setattr(AdapterOptimizer, "_copy", counted)
+    expected, _ = reference_run(STEPS)
+    model = make_model()
+    optimizer = AdapterOptimizer(list(model.parameters()))
+    snapshots, _ = run_steps(model, optimizer, STEPS)
+    assert_same(snapshots, expected)
+    assert copies == []
+    risky = AdamStep(1.0, 0.9, 0.0, 1e-30, 0.0, 0.0)  # m / eps could reach 1e37
+    set_grads(model, [g * 1e6 for g in make_grads(50, model)])
+    assert SKIPPED not in optimizer.step(risky)  # finite, but only known so after the fact
+    assert copies == [len(STEPS)]

@@ -223,6 +223,70 @@ def test_a_request_failing_on_one_rank_leaves_no_gradient_on_the_other(
     )
 
 
+def test_a_poisoned_sampler_fails_alone_on_its_rank(
+    group: Any, single: Any, tmp_path: Path
+) -> None:
+    """A sampler whose (finite) weights overflow the logits, sampled in one batch with others
+    spread over both ranks: it fails alone, as a user error; the others get what one process
+    gives them alone."""
+    from safetensors.torch import load_file, save_file
+
+    from tuneloop.server.engine.checkpoints import ADAPTER_FILE
+    from tuneloop.server.engine.isolation import NON_FINITE_LOGITS
+
+    for be, prefix in ((group, "pz-"), (single, "pzs-")):
+        be.create_adapter(adapter_spec(prefix + "a", rank=4, seed=4))
+        ok(be.forward_backward([work(prefix + "a", [example(seq(20, 6))])])[0])
+        be.optim_step(prefix + "a", adam(1e-1))
+        be.create_sampler(prefix + "good", TINY, adapter_id=prefix + "a")
+    group.save_sampler_weights("pz-a", tmp_path / "huge")
+    factors = load_file(str(tmp_path / "huge" / ADAPTER_FILE))
+    save_file({k: v * 1e30 for k, v in factors.items()}, str(tmp_path / "huge" / ADAPTER_FILE))
+    group.create_sampler("pz-huge", TINY, weights_dir=tmp_path / "huge")
+    victims = [
+        SampleWork("pz-good", seq(6 + i, 210 + i), 2, 6, 1.0, -1, 1.0, i, (), ()) for i in range(3)
+    ]
+    bad = [SampleWork("pz-huge", seq(7, 220 + i), 1, 6, 1.0, -1, 1.0, i, (), ()) for i in range(2)]
+    results = group.sample([victims[0], bad[0], victims[1], bad[1], victims[2]])
+    for result in (results[1], results[3]):
+        assert isinstance(result, EngineError)
+        assert result.category == "user"
+        assert str(result) == NON_FINITE_LOGITS
+    for mine, w in zip((results[0], results[2], results[4]), victims, strict=True):
+        [alone] = single.sample([SampleWork("pzs-good", *_fields(w))])
+        assert [s.tokens for s in ok(mine).sequences] == [s.tokens for s in ok(alone).sequences]
+
+
+def _fields(w: SampleWork) -> tuple[Any, ...]:
+    return (w.prompt, w.num_samples, w.max_tokens, w.temperature, w.top_k, w.top_p, w.seed, (), ())
+
+
+def test_a_step_that_would_overflow_is_skipped_on_every_rank(
+    group: Any, single: Any, tmp_path: Path
+) -> None:
+    """beta2 = 0 and a tiny eps: the second step divides a remembered huge gradient by ~eps.
+    Both ranks skip it alike; the adapter stays finite and equal to one process's."""
+    from tuneloop.server.engine.isolation import SKIPPED
+
+    huge = adam(1e-2, beta2=0.0, eps=1e-30)
+    big = [example(seq(20, 7), weights=np.full(19, 1e15, np.float32))]
+    metrics = {}
+    for be, prefix in ((group, "sk-"), (single, "sks-")):
+        be.create_adapter(adapter_spec(prefix + "a", rank=4, seed=5))
+        ok(be.forward_backward([work(prefix + "a", big)])[0])
+        assert SKIPPED not in be.optim_step(prefix + "a", huge)
+        metrics[prefix] = be.optim_step(prefix + "a", huge)  # no new gradient: overflows
+    for prefix in ("sk-", "sks-"):
+        assert metrics[prefix][SKIPPED] == 1.0
+        assert metrics[prefix][SKIPPED + "_nonfinite_weights"] == 1.0
+    got = _weights(group, "sk-a", tmp_path / "g")
+    assert all(bool(torch.isfinite(t).all()) for t in got.values())
+    assert_near(got, _weights(single, "sks-a", tmp_path / "s"), WEIGHT_TOL, "weights")
+    # It trains on as before.
+    ok(group.forward_backward([work("sk-a", [example(seq(12, 8))])])[0])
+    assert SKIPPED not in group.optim_step("sk-a", adam(1e-2))
+
+
 def _wait_for(predicate: Any, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():

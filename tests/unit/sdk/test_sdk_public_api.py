@@ -29,11 +29,13 @@ EXPECTED_ALL = {
     "ModelInput",
     "NotFoundError",
     "PermissionDeniedError",
+    "PromptProvenanceSpan",
     "RateLimitError",
     "RequestFailedError",
     "RequestTooLargeError",
     "RestClient",
     "SampleResponse",
+    "SampledProvenanceSpan",
     "SampledSequence",
     "SamplingClient",
     "SamplingParams",
@@ -65,8 +67,31 @@ SIGNATURES = {
         "(self, path: 'str') -> 'TrainingClient'"
     ),
     tuneloop.ServiceClient.create_sampling_client: (
-        "(self, model_path: 'str | None' = None, base_model: 'str | None' = None) "
-        "-> 'SamplingClient'"
+        "(self, model_path: 'str | None' = None, base_model: 'str | None' = None, *, "
+        "record_stability_info: 'bool' = False) -> 'SamplingClient'"
+    ),
+    tuneloop.ServiceClient.create_sampling_client_async: (
+        "(self, model_path: 'str | None' = None, base_model: 'str | None' = None, *, "
+        "record_stability_info: 'bool' = False) -> 'SamplingClient'"
+    ),
+    tuneloop.TrainingClient.save_weights_and_get_sampling_client: (
+        "(self, *, record_stability_info: 'bool' = False) -> 'SamplingClient'"
+    ),
+    tuneloop.TrainingClient.save_weights_and_get_sampling_client_async: (
+        "(self, *, record_stability_info: 'bool' = False) -> 'SamplingClient'"
+    ),
+    tuneloop.TrainingClient.create_sampling_client: (
+        "(self, model_path: 'str', *, record_stability_info: 'bool' = False) -> 'SamplingClient'"
+    ),
+    tuneloop.Datum.with_provenance: (
+        "(self, model_input: 'Sequence[ProvenanceSpan]', "
+        "loss_fn_inputs: 'Sequence[ProvenanceSpan]') -> 'Datum'"
+    ),
+    tuneloop.PromptProvenanceSpan.__init__: (
+        "(self, *, sequence_id: 'str', length: 'int', offset: 'int' = 0) -> None"
+    ),
+    tuneloop.SampledProvenanceSpan.__init__: (
+        "(self, *, sequence_id: 'str', length: 'int', offset: 'int' = 0) -> None"
     ),
     tuneloop.TrainingClient.forward_backward: (
         "(self, data: 'Sequence[Datum]', loss_fn: 'str', "
@@ -94,7 +119,8 @@ SIGNATURES = {
     tuneloop.APIFuture.result: "(self, timeout: 'float | None' = None) -> 'T'",
     tuneloop.APIFuture.result_async: "(self, timeout: 'float | None' = None) -> 'T'",
     tuneloop.RestClient.list_training_runs: (
-        "(self, limit: 'int' = 20, offset: 'int' = 0) -> 'APIFuture[TrainingRunsResponse]'"
+        "(self, limit: 'int' = 20, offset: 'int' = 0, project_id: 'str | None' = None)"
+        " -> 'APIFuture[TrainingRunsResponse]'"
     ),
     tuneloop.RequestFailedError.__init__: (
         "(self, message: 'str', request_id: 'str', category: 'str' = 'unknown') -> 'None'"
@@ -129,6 +155,15 @@ REST_METHODS = {
     "list_sessions",
     "get_weights_info_by_tinker_path",
     "get_server_capabilities",
+    "publish_checkpoint_from_tinker_path",
+    "unpublish_checkpoint_from_tinker_path",
+    "assign_session_project",
+    "copy_weights",
+    "search_sessions",
+    "export_session_trace",
+    "get_audit_log",
+    "get_billing_usage",
+    "get_current_checkpoint_storage_usage",
 }
 
 

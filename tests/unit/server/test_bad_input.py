@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from tests.unit.server.harness import (
     sampler,
     serve,
 )
-from tuneloop.types import Datum, EncodedTextChunk, ImageChunk, ModelInput
+from tuneloop.types import Datum, EncodedTextChunk, ImageChunk, ModelInput, SampledProvenanceSpan
 from tuneloop.types.codec import ForwardBackwardRequest, encode_forward_backward_request
 
 TOKENS = [5, 17, 33, 90, 120, 7]
@@ -169,13 +170,47 @@ FORWARD_BACKWARD_CASES: list[tuple[str, list[Datum], str, dict[str, Any], str]] 
     ),
     ("unknown loss", [datum(TOKENS)], "focal", {}, "loss_fn"),
     (
-        "stable_reinforce unsupported",
+        "stable_reinforce without provenance",
         [datum(TOKENS, **rl_inputs())],
         "stable_reinforce",
         {},
-        "loss_fn",
+        "data[0].loss_fn_input_spans",
     ),
-    ("custom unsupported", [datum(TOKENS)], "custom", {}, "loss_fn"),
+    (
+        "stable_reinforce naming an unrecorded sequence",
+        [
+            replace(
+                datum(TOKENS, **rl_inputs()),
+                model_input_spans=(SampledProvenanceSpan(sequence_id="nope", length=N),),
+                loss_fn_input_spans=(SampledProvenanceSpan(sequence_id="nope", length=N),),
+            )
+        ],
+        "stable_reinforce",
+        {"kl_coeff": 0.1},
+        "data[0].model_input_spans[0].sequence_id",
+    ),
+    (
+        "stable_reinforce with the server's own inputs",
+        [datum(TOKENS, **rl_inputs(recorded_logprobs=np.zeros(N, dtype=F32)))],
+        "stable_reinforce",
+        {},
+        "data[0].loss_fn_inputs.recorded_logprobs",
+    ),
+    (
+        "stable_reinforce config key of another loss",
+        [datum(TOKENS, **rl_inputs())],
+        "stable_reinforce",
+        {"beta": 0.1},
+        "loss_fn_config.beta",
+    ),
+    ("custom without loss_id", [datum(TOKENS)], "custom", {}, "loss_fn_config.loss_id"),
+    (
+        "custom loss_id a number",
+        [datum(TOKENS)],
+        "custom",
+        {"loss_id": 3.0},
+        "loss_fn_config.loss_id",
+    ),
     (
         "unknown config key",
         [datum(TOKENS, **rl_inputs())],
@@ -582,3 +617,23 @@ async def test_optimizer_state_from_a_sampler_checkpoint_is_400(api: Api) -> Non
     expect_error(await api.post("load_weights", {**load, "optimizer": True}), 400, "optimizer")
     loaded = await api.result(await api.post("load_weights", load))
     assert loaded.json()["model_id"] == f"{session_id}:train:1"
+
+
+async def test_experts_alone_are_something_to_train_and_the_run_keeps_the_choice(api: Api) -> None:
+    import httpx
+
+    session_id = await api.session()
+    off = {"train_mlp": False, "train_attn": False, "train_unembed": False}
+    body = {"session_id": session_id, "model_seq_id": 0, "base_model": MODEL}
+    nothing = {**body, "lora_config": {"rank": 4, **off, "train_experts": False}}
+    bad = await api.post("create_model", nothing)
+    expect_error(bad, 400, "body")
+    assert "train_experts" in bad.json()["detail"]
+    experts = {**body, "lora_config": {"rank": 4, **off, "train_experts": True}}
+    done = await api.result(await api.post("create_model", experts))
+    model_id = done.json()["model_id"]
+    transport = api.http._transport
+    assert isinstance(transport, httpx.ASGITransport)
+    state = transport.app.state.tuneloop  # type: ignore[attr-defined]
+    run = state.registry.training_run(model_id, "alice")
+    assert (run.train_mlp, run.train_experts) == (False, True)

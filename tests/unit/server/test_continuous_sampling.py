@@ -90,16 +90,16 @@ async def test_ready_training_work_stops_admission() -> None:
     await loop.stop()
 
 
-async def test_a_failing_batch_answers_every_request_it_had_not() -> None:
+async def test_a_failing_batch_runs_again_what_it_had_not_answered() -> None:
     backend = StepBackend(explode_after=3)
     loop, queue, futures = _setup(backend)
     quick = _arrive(loop, queue, futures, sample_op("quick:1"))
     slow = _arrive(loop, queue, futures, sample_op("slow:9"))
     assert await loop.step()
     assert await outcome(futures, quick) == {"result": "ok quick:1"}
-    failed = await outcome(futures, slow)
-    assert failed["category"] == "server"
-    assert "device on fire" in failed["error"]
+    # Run again apart (backend.sample), it gets what it gets alone.
+    assert await outcome(futures, slow) == {"result": "ok slow:9"}
+    assert backend.batches[-1] == ["slow:9"]
     # the loop goes on
     backend.explode_after = None
     again = _arrive(loop, queue, futures, sample_op("again:1"))

@@ -9,7 +9,10 @@ from typing import Any
 from tuneloop.server.storage.keys import KeyStore
 
 # POST routes that read no body.
-BODYLESS = {("post", "/api/v1/client/dynamic_config")}
+BODYLESS = {
+    ("post", "/api/v1/client/dynamic_config"),
+    ("post", "/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id}/publish"),
+}
 
 
 async def test_every_body_is_declared(server: tuple[Any, KeyStore]) -> None:

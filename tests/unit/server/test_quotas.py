@@ -292,3 +292,61 @@ def test_serve_passes_quota_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     [config] = seen
     assert (config.max_sessions, config.max_inflight) == (3, 7)
     assert (config.session_ttl_s, config.expiry_check_s) == (60.0, 2.0)
+
+
+async def oai_completion(api: Api, prompts: list[str], n: int) -> httpx.Response:
+    body = {"model": "tuneloop/fake-tiny", "prompt": prompts, "n": n, "max_tokens": 2}
+    headers = {"authorization": f"Bearer {api.key}"}
+    return await api.http.post("/oai/api/v1/completions", json=body, headers=headers)
+
+
+async def test_openai_requests_count_every_prompt_and_choice(tmp_path: Path) -> None:
+    async with serve(tmp_path, max_inflight=6) as api:
+        session_id = await api.session()
+        model_id = await api.model(session_id)
+        # 3 prompts x n 2 = 6 generations: the whole quota, answered whole.
+        whole = await oai_completion(api, ["a", "b", "c"], 2)
+        assert whole.status_code == 200, whole.text
+        assert len(whole.json()["choices"]) == 6
+        # 7 can never fit: a 400 naming the limit (a retry would never succeed).
+        never = await oai_completion(api, ["a", "b", "c", "d"], 2)
+        assert never.status_code == 400, never.text
+        assert never.json()["error"]["param"] == "max_inflight"
+        assert never.headers["x-should-retry"] == "false"
+        # With 2 requests in flight (seq 3 and 2 wait for seq 1), 3 x 2 = 6 more do not fit.
+        waiting = [await api.forward_backward(model_id, s, [datum(TOKENS)]) for s in (3, 2)]
+        assert all(w.status_code == 200 for w in waiting)
+        busy = await oai_completion(api, ["a", "b", "c"], 2)
+        assert busy.status_code == 429, busy.text
+        assert busy.json()["error"]["param"] == "max_inflight"
+        assert 1 <= int(busy.headers["retry-after"]) <= 30
+        # ... but fit once they ran.
+        await api.result(await api.forward_backward(model_id, 1, [datum(TOKENS)]))
+        for w in waiting:
+            await api.result(w)
+        fits = await oai_completion(api, ["a", "b", "c"], 2)
+        assert fits.status_code == 200, fits.text
+
+
+async def test_openai_choices_are_held_until_the_request_ends(tmp_path: Path) -> None:
+    async with serve(tmp_path, max_inflight=8) as api:
+        quotas = app_of(api).state.tuneloop.quotas
+        release = quotas.hold("alice", 5)
+        assert quotas.in_flight("alice") == 5
+        busy = await oai_completion(api, ["a", "b"], 2)  # 5 + 4 > 8
+        assert busy.status_code == 429, busy.text
+        release()
+        release()  # a second call releases nothing more
+        assert quotas.in_flight("alice") == 0
+        assert (await oai_completion(api, ["a", "b"], 2)).status_code == 200
+        assert quotas.in_flight("alice") == 0  # everything of the request was released
+
+
+async def test_openai_prompts_per_request_are_capped(tmp_path: Path) -> None:
+    from tuneloop.server.api.oai.params import MAX_PROMPTS
+
+    async with serve(tmp_path, max_inflight=0) as api:
+        response = await oai_completion(api, ["x"] * (MAX_PROMPTS + 1), 1)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "prompt"
+        assert str(MAX_PROMPTS) in response.json()["error"]["message"]

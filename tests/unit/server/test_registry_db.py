@@ -404,3 +404,37 @@ async def test_fields_longer_than_their_columns_are_400s_not_database_errors(api
     expect_error(await api.post("create_sampling_session", sampler), 400, "sampling_session_seq_id")
     biggest = {**sampler, "sampling_session_seq_id": too_big - 1}
     assert (await api.post("create_sampling_session", biggest)).status_code == 200
+
+
+def test_add_never_overwrites_a_row(registry: Registry) -> None:
+    from tuneloop.server.storage.registry import RowExistsError
+
+    _session(registry, "s1")
+    _run(registry, "s1:train:0", "s1")
+    with pytest.raises(RowExistsError, match="s1:train:0"):
+        _run(registry, "s1:train:0", "s1", user_metadata={"second": True})
+    row = registry.training_run("s1:train:0", "alice")
+    assert row is not None
+    assert row.user_metadata is None  # unchanged
+    registry.add(SamplerRow(id="s1:sample:0", tenant="alice", session_id="s1", base_model=MODEL))
+    with pytest.raises(RowExistsError):
+        registry.add(
+            SamplerRow(id="s1:sample:0", tenant="alice", session_id="s1", base_model="other")
+        )
+    sampler = registry.sampler("s1:sample:0", "alice")
+    assert sampler is not None
+    assert sampler.base_model == MODEL
+
+
+def test_sqlite_registry_files_are_private(tmp_path: Path) -> None:
+    import stat
+
+    reg = Registry(f"sqlite:///{tmp_path / 'registry.sqlite3'}")
+    try:
+        _session(reg, "s1")
+        files = sorted(tmp_path.glob("registry.sqlite3*"))
+        assert files
+        for path in files:
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    finally:
+        reg.close()

@@ -144,9 +144,10 @@ async def test_client_config_flags(api: Api) -> None:
     assert response.status_code == 200
     flags = response.json()
     assert flags["pjwt_auth_enabled"] is False
-    assert flags["sample_use_retrieve_futures"] is False
-    assert flags["custom_loss_server_side"] is False
-    assert flags["proto_compress_fwdbwd"] is False
+    assert flags["sample_use_retrieve_futures"] is True
+    assert flags["sample_join_sampling_session"] is True
+    assert flags["custom_loss_server_side"] is True
+    assert flags["proto_compress_fwdbwd"] is True
     assert flags["fwdbwd_max_chunk_len"] > 0
 
 
@@ -160,6 +161,12 @@ async def test_capabilities_list_the_fake_model(api: Api) -> None:
             "max_context_length": 2048,
             "trainable": True,
             "sampleable": True,
+            "arch": "bigram",
+            # The fake backend has no layers to report LoRA coverage for.
+            "num_parameters": None,
+            "lora_groups": None,
+            "lora_coverage": None,
+            "lora_parameters_per_rank": None,
         }
     ]
 

@@ -11,6 +11,7 @@ from tinker.proto import tinker_public_pb2 as official
 
 from tuneloop.types import Datum, ModelInput, WireFormatError
 from tuneloop.types.codec import (
+    DecodeLimits,
     ForwardBackwardRequest,
     decode_forward_backward_output,
     decode_forward_backward_request,
@@ -429,3 +430,55 @@ def test_tensor_data_rejects_inconsistent_shapes() -> None:
         TensorData([1.0], "float32", [2, 2], [0, 1], [0])
     with pytest.raises(ValueError, match="together"):
         TensorData([1.0], "float32", [1, 1], [0, 1], None)
+
+
+def test_sparse_densifies_like_a_loop_over_rows() -> None:
+    rng = np.random.default_rng(3)
+    dense = np.where(rng.random((40, 9)) < 0.2, rng.integers(1, 50, (40, 9)), 0)
+    dense[5] = 0  # an empty row
+    sparse = TensorData.from_numpy_sparse(dense)
+    assert sparse.is_sparse
+    crow, cols = sparse.sparse_crow_indices, sparse.sparse_col_indices
+    assert crow is not None
+    assert cols is not None
+    reference = np.zeros_like(dense)
+    for row in range(dense.shape[0]):
+        for i in range(crow[row], crow[row + 1]):
+            reference[row, cols[i]] = sparse.values[i]
+    np.testing.assert_array_equal(sparse.to_numpy(), reference)
+    np.testing.assert_array_equal(sparse.to_numpy(), dense)
+
+
+def _hostile(shape: list[int]) -> bytes:
+    """A forward_backward body whose only loss input is an empty CSR tensor of `shape`."""
+    empty = np.zeros(0, dtype=np.int64)
+    tensor = TensorData(empty, "int64", shape, np.zeros(shape[0] + 1, dtype=np.int64), empty)
+    datum = Datum(ModelInput.from_ints([1, 2, 3]), {"target_tokens": tensor})
+    return encode_forward_backward_request(ForwardBackwardRequest("m", 1, [datum], "cross_entropy"))
+
+
+@pytest.mark.parametrize(
+    ("shape", "says"),
+    [
+        ([200_000, 259], "context length"),
+        ([3, 10**6], "vocabulary"),
+        ([2000, 259], "expand"),
+    ],
+)
+def test_declared_shapes_are_bounded_before_decoding(shape: list[int], says: str) -> None:
+    limits = DecodeLimits(max_rows=2048, max_columns=259, max_dense_cells=100_000)
+    with pytest.raises(WireFormatError, match=says) as exc:
+        decode_forward_backward_request(_hostile(shape), limits)
+    assert exc.value.field == "data[0].loss_fn_inputs['target_tokens']"
+    # Without limits (a client decoding its own bodies) the shape alone is no error.
+    if len(shape) == 2 and shape[0] < 10_000:
+        decode_forward_backward_request(_hostile(shape))
+
+
+def test_sparse_budget_is_shared_by_the_request() -> None:
+    limits = DecodeLimits(max_rows=2048, max_columns=259, max_dense_cells=1000)
+    limits.check_shape([3, 300 // 3], sparse=True, where="a")
+    limits.check_shape([700], sparse=True, where="b")
+    with pytest.raises(WireFormatError, match="expand"):
+        limits.check_shape([2], sparse=True, where="c")
+    limits.check_shape([2000], sparse=False, where="d")  # dense: it came in the body

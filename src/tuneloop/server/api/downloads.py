@@ -100,17 +100,23 @@ def external_weights_urls(
     signer = url_signer(request, state)
     expires = signer.expiry()
     base = str(request.base_url).rstrip("/")
-    prefix = f"{base}/api/v1/downloads/{_q(path.training_run_id)}/{_q(path.name)}"
-    urls = {}
-    for file in checkpoint_files(directory):
-        signature = signer.sign(Grant(tenant, str(path), file, expires))
-        query = urllib.parse.urlencode(
-            {"tenant": tenant, "expires": expires, "signature": signature}
-        )
-        urls[file] = f"{prefix}/{_q(file, safe='/')}?{query}"
+    urls = {
+        file: signed_url(signer, base, tenant, path, file, expires)
+        for file in checkpoint_files(directory)
+    }
     return ExternalWeightsUrlsResponse(
         urls=urls, expires=datetime.fromtimestamp(expires, UTC)
     ).model_dump(mode="json")
+
+
+def signed_url(
+    signer: UrlSigner, base: str, tenant: str, path: TinkerPath, file: str, expires: int
+) -> str:
+    """The download URL of one file of `tenant`'s external-weights checkpoint `path`."""
+    signature = signer.sign(Grant(tenant, str(path), file, expires))
+    query = urllib.parse.urlencode({"tenant": tenant, "expires": expires, "signature": signature})
+    prefix = f"{base}/api/v1/downloads/{_q(path.training_run_id)}/{_q(path.name)}"
+    return f"{prefix}/{_q(file, safe='/')}?{query}"
 
 
 def _q(part: str, safe: str = ":") -> str:

@@ -23,6 +23,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -136,28 +137,53 @@ class Meter:
                 log.exception("writing usage counts failed; will retry")
 
 
-def record_completed(meter: Meter, futures: FutureTable, op: Operation, result: Any) -> None:
-    """Count one successfully completed operation (the engine loop's completion hook)."""
-    tenant = futures.tenant(op.request_id)
-    if tenant is None:
-        return
+@dataclass(frozen=True)
+class Completed:
+    """The tokens one successfully completed operation counts (see the module docstring)."""
+
+    session_id: str
+    model_id: str  # the training run or sampler
+    operation: str  # one of OPERATIONS
+    prefill: int = 0
+    sampled: int = 0
+    trained: int = 0
+
+
+def usage_of(op: Operation, result: Any) -> Completed | None:
+    """What a completed operation counts; None for work that is not metered (optim_step...)."""
     work = op.work
     if isinstance(work, ForwardBackwardWork):
         tokens = sum(int(example.tokens.size) for example in work.examples)
         session_id = session_of(work.adapter_id)
         if work.forward_only:
-            meter.add(tenant, session_id, work.adapter_id, "forward", prefill=tokens)
-        else:
-            meter.add(tenant, session_id, work.adapter_id, "forward_backward", trained=tokens)
-    elif isinstance(work, SampleWork) and isinstance(result, SampleResult):
-        meter.add(
-            tenant,
+            return Completed(session_id, work.adapter_id, "forward", prefill=tokens)
+        return Completed(session_id, work.adapter_id, "forward_backward", trained=tokens)
+    if isinstance(work, SampleWork) and isinstance(result, SampleResult):
+        return Completed(
             session_of(work.sampler_id),
             work.sampler_id,
             "sample",
             prefill=int(work.prompt.size),
             sampled=sum(len(s.tokens) for s in result.sequences),
         )
+    return None
+
+
+def record_completed(meter: Meter, futures: FutureTable, op: Operation, result: Any) -> None:
+    """Count one successfully completed operation (the engine loop's completion hook)."""
+    tenant = futures.tenant(op.request_id)
+    usage = usage_of(op, result)
+    if tenant is None or usage is None:
+        return
+    meter.add(
+        tenant,
+        usage.session_id,
+        usage.model_id,
+        usage.operation,
+        prefill=usage.prefill,
+        sampled=usage.sampled,
+        trained=usage.trained,
+    )
 
 
 def epoch(hour: int) -> datetime:

@@ -9,6 +9,7 @@ SDKs retry it with the same seq_id.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -57,6 +58,15 @@ class Quotas:
         self.store = store
         self.registry = registry
         self.futures = futures
+        # Per tenant: slots held beyond the futures' own count. An OpenAI request has one
+        # future per prompt but counts prompts x n (see `hold`).
+        self._held: dict[str, int] = {}
+        # Told of each refusal as (tenant, limit name, limit): the audit log.
+        self.on_refusal: Callable[[str, str, int], None] | None = None
+
+    def _refused(self, tenant: str, name: str, limit: int) -> None:
+        if self.on_refusal is not None:
+            self.on_refusal(tenant, name, limit)
 
     def limits(self, tenant: str) -> Limits:
         """The server defaults, overridden by the tenant's entry in the limits file."""
@@ -90,6 +100,7 @@ class Quotas:
         oldest = self.registry.oldest_live_activity(tenant) if ttl else None
         if oldest is not None:
             wait = min(wait, (oldest + timedelta(seconds=ttl) - now).total_seconds())
+        self._refused(tenant, "max_sessions", limit)
         raise quota_exceeded(
             "max_sessions",
             limit,
@@ -98,19 +109,56 @@ class Quotas:
             wait,
         )
 
-    def check_inflight(self, tenant: str) -> None:
-        """429 if the tenant already has its limit of requests without a result."""
+    def in_flight(self, tenant: str) -> int:
+        """What counts against the tenant's max_inflight now."""
+        return self.futures.pending(tenant) + self._held.get(tenant, 0)
+
+    def hold(self, tenant: str, count: int) -> Callable[[], None]:
+        """Count `count` more slots as in flight until the returned function is called."""
+        if count <= 0:
+            return lambda: None
+        self._held[tenant] = self._held.get(tenant, 0) + count
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._held[tenant] -= count
+
+        return release
+
+    def check_inflight(self, tenant: str, count: int = 1) -> None:
+        """429 if `count` more requests without a result would exceed the tenant's limit.
+
+        An OpenAI request asks for one engine request per prompt and choice (`count`); one
+        that could never fit, even with nothing else in flight, is a 400 naming the limit,
+        since retrying it would never succeed.
+        """
         limit = self.limits(tenant).max_inflight
-        pending = self.futures.pending(tenant)
-        if limit == 0 or pending < limit:
+        if limit == 0:
+            return
+        if count > limit:
+            raise ApiError(
+                400,
+                f"the request asks for {count} generations (prompts x n) and tenant {tenant!r}"
+                f" may have {limit} in flight (max_inflight): split it into smaller requests",
+                "max_inflight",
+                extra={"limit": "max_inflight", "value": limit},
+            )
+        pending = self.in_flight(tenant)
+        if pending + count <= limit:
             return
         # A slot frees when the next of them completes. By Little's law, `pending` requests
-        # that each take `typical` seconds complete one every typical / pending seconds.
+        # that each take `typical` seconds complete one every typical / pending seconds; this
+        # request waits for enough of them to make room for its `count`.
         typical = self.futures.typical_latency_s(tenant)
+        needed = pending + count - limit
+        self._refused(tenant, "max_inflight", limit)
         raise quota_exceeded(
             "max_inflight",
             limit,
             f"tenant {tenant!r} has {pending} requests in flight and may have {limit}"
-            " (max_inflight): retry once some have completed",
-            typical / pending if typical is not None else FIRST_RETRY_S,
+            f" (max_inflight); this one needs {count}: retry once some have completed",
+            typical * needed / max(pending, 1) if typical is not None else FIRST_RETRY_S,
         )

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from tuneloop.server.api.deps import Offset, State, Tenant, json_body, read_json
-from tuneloop.server.api.errors import ApiError, bad_request, not_found
+from tuneloop.server.api.errors import bad_request, not_found
 from tuneloop.server.api.packages import check_ttl
 from tuneloop.server.api.state import ServerState
 from tuneloop.server.api.usage_report import BUCKETS, build_report, hour_range, parse_time
@@ -40,7 +40,14 @@ def _page(limit: int, offset: int, max_limit: int = 1000) -> None:
         raise bad_request("offset: must be >= 0", "offset")
 
 
-def _checkpoint(row: CheckpointRow) -> Checkpoint:
+def _scope(access_scope: str) -> None:
+    # "accessible" (the official SDK's other scope) lists what the caller may read; here that
+    # is what it owns: published checkpoints of others are read by path, never listed.
+    if access_scope not in ("owned", "accessible"):
+        raise bad_request("access_scope: must be 'owned' or 'accessible'", "access_scope")
+
+
+def _checkpoint(row: CheckpointRow, public: bool = False) -> Checkpoint:
     return Checkpoint(
         checkpoint_id=row.checkpoint_id,
         checkpoint_type=row.checkpoint_type,  # type: ignore[arg-type]
@@ -57,15 +64,23 @@ def _checkpoint(row: CheckpointRow) -> Checkpoint:
         lora_targets=row.lora_targets,
         parent_tinker_path=row.parent_path,
         training_step=row.training_step,
+        public=public,
     )
+
+
+def _checkpoints(state: ServerState, rows: list[CheckpointRow]) -> list[Checkpoint]:
+    public = state.publications.public_paths(rows)
+    return [_checkpoint(r, r.tinker_path in public) for r in rows]
 
 
 def _training_run(state: ServerState, row: TrainingRunRow) -> TrainingRun:
     checkpoints, _ = state.registry.list_checkpoints(row.tenant, training_run_id=row.id)
-    last = {
+    latest = {
         kind: next((c for c in checkpoints if c.checkpoint_type == kind), None)
         for kind in ("training", "sampler")
     }
+    shown = _checkpoints(state, [c for c in latest.values() if c is not None])
+    last = {c.checkpoint_type: c for c in shown}
     return TrainingRun(
         training_run_id=row.id,
         base_model=row.base_model,
@@ -74,17 +89,27 @@ def _training_run(state: ServerState, row: TrainingRunRow) -> TrainingRun:
         last_request_time=row.last_request_time,
         lora_rank=row.lora_rank,
         user_metadata=row.user_metadata,
-        last_checkpoint=_checkpoint(last["training"]) if last["training"] else None,
-        last_sampler_checkpoint=_checkpoint(last["sampler"]) if last["sampler"] else None,
+        last_checkpoint=last.get("training"),
+        last_sampler_checkpoint=last.get("sampler"),
     )
 
 
 @router.get("/training_runs")
 async def list_training_runs(
-    state: State, tenant: Tenant, limit: int = 20, offset: Offset = 0
+    state: State,
+    tenant: Tenant,
+    limit: int = 20,
+    offset: Offset = 0,
+    project_id: str | None = None,
+    access_scope: str = "owned",
 ) -> dict[str, Any]:
+    """The caller's training runs, newest first: all, or one project's."""
     _page(limit, offset)
-    rows, total = state.registry.list_training_runs(tenant, limit, offset)
+    _scope(access_scope)
+    if project_id is not None:
+        rows, total = state.projects.runs_in(tenant, project_id, limit, offset)
+    else:
+        rows, total = state.registry.list_training_runs(tenant, limit, offset)
     return TrainingRunsResponse(
         training_runs=[_training_run(state, r) for r in rows],
         cursor=Cursor(offset=offset, limit=limit, total_count=total),
@@ -99,7 +124,10 @@ def _run_or_404(state: ServerState, run_id: str, tenant: str) -> TrainingRunRow:
 
 
 @router.get("/training_runs/{run_id}")
-async def get_training_run(run_id: str, state: State, tenant: Tenant) -> dict[str, Any]:
+async def get_training_run(
+    run_id: str, state: State, tenant: Tenant, access_scope: str = "owned"
+) -> dict[str, Any]:
+    _scope(access_scope)
     return _training_run(state, _run_or_404(state, run_id, tenant)).model_dump(mode="json")
 
 
@@ -107,9 +135,7 @@ async def get_training_run(run_id: str, state: State, tenant: Tenant) -> dict[st
 async def list_run_checkpoints(run_id: str, state: State, tenant: Tenant) -> dict[str, Any]:
     _run_or_404(state, run_id, tenant)
     rows, _ = state.registry.list_checkpoints(tenant, training_run_id=run_id)
-    return CheckpointsListResponse(checkpoints=[_checkpoint(r) for r in rows]).model_dump(
-        mode="json"
-    )
+    return CheckpointsListResponse(checkpoints=_checkpoints(state, rows)).model_dump(mode="json")
 
 
 def _checkpoint_path(run_id: str, checkpoint_id: str) -> TinkerPath:
@@ -138,7 +164,7 @@ async def set_checkpoint_ttl(
     row = state.registry.set_checkpoint_expiry(str(path), tenant, expires_at)
     if row is None:
         raise not_found(f"checkpoint {path}", "checkpoint_id")
-    return _checkpoint(row).model_dump(mode="json")
+    return _checkpoint(row, state.publications.is_public(row)).model_dump(mode="json")
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
@@ -146,8 +172,11 @@ async def delete_checkpoint(
     run_id: str, checkpoint_id: str, state: State, tenant: Tenant
 ) -> dict[str, Any]:
     path = _checkpoint_path(run_id, checkpoint_id)
-    if state.registry.remove_checkpoint(str(path), tenant) is None:
+    row = state.registry.remove_checkpoint(str(path), tenant)
+    if row is None:
         raise not_found(f"checkpoint {path}", "checkpoint_id")
+    state.publications.unpublish(row)
+    state.audit.record(tenant, "checkpoint_deleted", tinker_path=str(path))
     return {"deleted": str(path)}
 
 
@@ -158,7 +187,7 @@ async def list_user_checkpoints(
     _page(limit, offset)
     rows, total = state.registry.list_checkpoints(tenant, limit=limit, offset=offset)
     return CheckpointsListResponse(
-        checkpoints=[_checkpoint(r) for r in rows],
+        checkpoints=_checkpoints(state, rows),
         cursor=Cursor(offset=offset, limit=limit, total_count=total),
     ).model_dump(mode="json")
 
@@ -166,13 +195,8 @@ async def list_user_checkpoints(
 @router.post("/weights_info", openapi_extra=json_body(WeightsInfoRequest))
 async def weights_info(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, _ = await read_json(request, WeightsInfoRequest)
-    try:
-        path = TinkerPath.parse(body.tinker_path)
-    except ValueError as exc:
-        raise bad_request(f"tinker_path: {exc}", "tinker_path") from None
-    if state.registry.checkpoint(str(path), tenant) is None:
-        raise ApiError(404, f"checkpoint {path} not found", "tinker_path")
-    run = _run_or_404(state, path.training_run_id, tenant)
+    # The caller's checkpoint, or one another tenant published.
+    _path, _row, run = state.readable_checkpoint(tenant, body.tinker_path, "tinker_path")
     return WeightsInfoResponse(
         base_model=run.base_model,
         lora_rank=run.lora_rank,

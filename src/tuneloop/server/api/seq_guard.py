@@ -14,15 +14,17 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import zstandard
 from fastapi import Request
 
-from tuneloop.server.api.deps import State, Tenant
+from tuneloop.server.api.deps import State, Tenant, off_loop
 from tuneloop.server.api.errors import ApiError
-from tuneloop.server.api.state import ServerState
+from tuneloop.server.api.state import ServerState, fingerprint
+from tuneloop.server.api.zstd_body import leading_bytes
 
 _JSON_MODEL_ID = re.compile(rb'"model_id"\s*:\s*"([^"]+)"')
 _JSON_SEQ_ID = re.compile(rb'"seq_id"\s*:\s*(\d+)')
+# model_id (at most a few hundred bytes) and seq_id open a protobuf body.
+_IDS_PREFIX_BYTES = 4096
 
 
 def _varint(raw: bytes, pos: int) -> tuple[int, int]:
@@ -56,7 +58,9 @@ def _locate(raw: bytes, headers: Any) -> tuple[str, int] | None:
     try:
         if headers.get("content-type", "").startswith("application/x-protobuf"):
             if headers.get("content-encoding", "").lower() == "zstd":
-                raw = zstandard.ZstdDecompressor().decompressobj().decompress(raw)
+                # Only the start: the ids lead the message, and a small body may expand to
+                # gigabytes.
+                raw = leading_bytes(raw, _IDS_PREFIX_BYTES)
             return _leading_proto_ids(raw)
         # A cut body (over the size limit) is no JSON: find the two fields by pattern.
         model_id, seq_id = _JSON_MODEL_ID.search(raw), _JSON_SEQ_ID.search(raw)
@@ -83,7 +87,8 @@ async def seq_consumed_on_rejection(
     except ApiError as exc:
         located = _locate(raw, request.headers) if exc.status in (400, 413, 415) else None
         if located is not None:
-            state.skip_rejected(tenant, *located, raw)
+            digest = await off_loop(len(raw), fingerprint, raw)
+            state.skip_rejected(tenant, *located, digest)
         raise
 
 

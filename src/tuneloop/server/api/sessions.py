@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 
 from tuneloop.server.api.deps import Offset, State, Tenant, json_body, read_json
 from tuneloop.server.api.errors import ApiError, not_found
+from tuneloop.server.api.projects import check_project_id
 from tuneloop.server.storage.registry import SessionRow
 from tuneloop.types import (
     CreateSessionRequest,
@@ -25,6 +26,7 @@ router = APIRouter(prefix="/api/v1")
 @router.post("/create_session", openapi_extra=json_body(CreateSessionRequest))
 async def create_session(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, _ = await read_json(request, CreateSessionRequest)
+    project_id = check_project_id(body.project_id) if body.project_id is not None else None
     state.quotas.check_sessions(tenant)
     # A random UUID: session ids prefix every model and sampler id, so they must not be guessable.
     session_id = str(uuid.uuid4())
@@ -35,8 +37,11 @@ async def create_session(request: Request, state: State, tenant: Tenant) -> dict
             user_metadata=body.user_metadata,
             tags=body.tags,
             sdk_version=body.sdk_version,
+            display_name=body.display_name,
         )
     )
+    if project_id is not None:
+        state.projects.assign(tenant, "session", session_id, project_id)
     return CreateSessionResponse(session_id=session_id).model_dump(exclude_none=True)
 
 
@@ -77,5 +82,8 @@ async def get_session(session_id: str, state: State, tenant: Tenant) -> dict[str
         raise not_found(f"session {session_id!r}", "session_id")
     runs, samplers = state.registry.session_children(session_id)
     return GetSessionResponse(
-        training_run_ids=runs, sampler_ids=samplers, user_metadata=row.user_metadata
+        training_run_ids=runs,
+        sampler_ids=samplers,
+        user_metadata=row.user_metadata,
+        display_name=row.display_name,
     ).model_dump()

@@ -12,17 +12,27 @@ from typing import Any
 
 from fastapi import Request
 
+from tuneloop.server.api.auth_tokens import TokenIssuer
+from tuneloop.server.api.custom_loss_store import CustomLossStore
 from tuneloop.server.api.errors import ApiError, not_found
+from tuneloop.server.api.futures_feed import CompletionFeeds
 from tuneloop.server.api.metering import Meter
 from tuneloop.server.api.quotas import Quotas
 from tuneloop.server.api.restarts import LOAD, require_held
+from tuneloop.server.api.revocation import Revocations
+from tuneloop.server.api.stability import StabilityRecords
+from tuneloop.server.api.traces import TraceRecorder
 from tuneloop.server.config import ServerConfig
 from tuneloop.server.engine.types import ModelSpec
 from tuneloop.server.scheduler.futures import FutureTable, Outcome
 from tuneloop.server.scheduler.loop import EngineLoop, failure
 from tuneloop.server.scheduler.queue import Operation, OperationQueue, OpKind, SeqConflictError
+from tuneloop.server.storage.audit import AuditLog
+from tuneloop.server.storage.clones import CloneCounters
 from tuneloop.server.storage.keys import KeyStore
 from tuneloop.server.storage.layout import Layout, TinkerPath
+from tuneloop.server.storage.projects import Projects
+from tuneloop.server.storage.publications import Publications
 from tuneloop.server.storage.registry import (
     CheckpointRow,
     Registry,
@@ -58,8 +68,44 @@ class ServerState:
     sample_submissions: dict[tuple[str, int], tuple[str, str, list[str]]] = field(
         default_factory=dict
     )
+    # stable_reinforce: what sampling recorded per sequence_id (record_stability_info).
+    stability: StabilityRecords = field(default_factory=StabilityRecords)
+    custom_losses: CustomLossStore = field(default_factory=CustomLossStore)
     # Releases of sessions found expired by a request (held so they are not garbage collected).
     releases: set[asyncio.Task[None]] = field(default_factory=set)
+    # Sampler ids being created (by create_sampling_session or a queued snapshot): a second
+    # create of one is refused (409) instead of replacing the first's sampler.
+    pending_samplers: set[str] = field(default_factory=set)
+    revocations: Revocations = field(init=False)
+    # Built from the above (api/futures_feed.py, api/traces.py and their storage modules).
+    feeds: CompletionFeeds = field(init=False)
+    traces: TraceRecorder = field(init=False)
+    clones: CloneCounters = field(init=False)
+    projects: Projects = field(init=False)
+    publications: Publications = field(init=False)
+    audit: AuditLog = field(init=False)
+    token_issuer: TokenIssuer | None = field(init=False)  # with `serve --jwt`
+
+    def __post_init__(self) -> None:
+        self.revocations = Revocations(self.keys, self.futures, self.queue, self.engine)
+        self.feeds = CompletionFeeds(self.futures)
+        self.traces = TraceRecorder(self.futures)
+        engine = self.registry.engine
+        self.clones = CloneCounters(engine)
+        self.projects = Projects(engine)
+        self.publications = Publications(engine)
+        self.audit = AuditLog(engine)
+        self.token_issuer = (
+            TokenIssuer.for_data_dir(self.layout.data_dir, self.config.jwt_ttl_s)
+            if self.config.jwt
+            else None
+        )
+        self.quotas.on_refusal = self._quota_refused
+
+    def _quota_refused(self, tenant: str, name: str, limit: int) -> None:
+        self.audit.record_once(
+            ("quota", tenant, name), tenant, "quota_refused", limit=name, value=limit
+        )
 
     def model_spec(self, name: str, field_name: str = "base_model") -> ModelSpec:
         spec = self.models.get(name)
@@ -122,6 +168,33 @@ class ServerState:
             raise not_found(f"checkpoint {path!r}", field_name)
         return parsed, row
 
+    def readable_checkpoint(
+        self, tenant: str, path: str, field_name: str
+    ) -> tuple[TinkerPath, CheckpointRow, TrainingRunRow]:
+        """A checkpoint the caller may read: its own, or one another tenant published; with
+        the training run that saved it. For reads only: writes go through `checkpoint`."""
+        try:
+            parsed = TinkerPath.parse(path)
+        except ValueError as exc:
+            raise ApiError(400, f"{field_name}: {exc}", field_name) from None
+        row = self.registry.checkpoint(str(parsed), tenant)
+        if row is None:
+            found = self.registry.checkpoint_any_tenant(str(parsed))
+            if found is None or not self.publications.is_public(found):
+                raise not_found(f"checkpoint {path!r}", field_name)
+            row = found
+            self.audit.record_once(
+                ("read", row.tinker_path, tenant),
+                row.tenant,
+                "checkpoint_read",
+                tinker_path=row.tinker_path,
+                reader=tenant,
+            )
+        run = self.registry.training_run(row.training_run_id, row.tenant)
+        if run is None:
+            raise not_found(f"training run of {path!r}", field_name)
+        return parsed, row, run
+
     def expire_now(self, session_id: str) -> None:
         """Mark a silent session expired and free it in the background (first finish wins)."""
         if self.registry.finish_session(session_id, EXPIRED):
@@ -171,6 +244,7 @@ class ServerState:
             self.futures.resolve(op.request_id, gone)
         # Requests already past the queue (a gathering or running decode batch) stop too.
         self.engine.cancel_samplers(released)
+        self.feeds.forget_samplers(released)
         for sampler_id in samplers:
             await self.engine.call(self.engine.backend.delete_sampler, sampler_id)
         # Their sample-retry records go too: the map would otherwise grow with every request.
@@ -181,10 +255,12 @@ class ServerState:
         except Exception:  # the periodic flush retries; finishing must not fail for this
             log.exception("writing usage counts failed")
 
-    def skip_rejected(self, tenant: str, model_id: str, seq_id: int, body: bytes) -> None:
-        """A rejected training request still consumes its seq_id (the SDKs never reuse one)."""
+    def skip_rejected(self, tenant: str, model_id: str, seq_id: int, digest: str) -> None:
+        """A rejected training request still consumes its seq_id (the SDKs never reuse one).
+
+        `digest`: the rejected body's fingerprint."""
         if seq_id >= 1 and self.registry.training_run(model_id, tenant) is not None:
-            self.queue.skip(model_id, seq_id, fingerprint(body))
+            self.queue.skip(model_id, seq_id, digest)
             self.engine.notify()
 
     def submit_training(
@@ -197,9 +273,12 @@ class ServerState:
         finish: Callable[[Any], Outcome],
         body: bytes,
         request_type: str,
+        digest: str | None = None,
     ) -> dict[str, Any]:
-        """Queue one operation of a model's ordered stream; retries map to the first request."""
-        digest = fingerprint(body)
+        """Queue one operation of a model's ordered stream; retries map to the first request.
+
+        `digest`: the body's fingerprint, if the caller computed it (off the event loop)."""
+        digest = digest if digest is not None else fingerprint(body)
         try:
             existing = self.queue.existing(model_id, seq_id, digest)
         except SeqConflictError as exc:
@@ -212,6 +291,10 @@ class ServerState:
         if not self.queue.unblocks_waiting(model_id, seq_id):
             self.quotas.check_inflight(tenant)
         request_id = self.futures.create(tenant, request_type)
+        self.revocations.track(request_id)
+        self.traces.submitted(
+            request_id, model_id.partition(":")[0], request_type, model_id, seq_id
+        )
         self.queue.submit_training(
             Operation(request_id, kind, work, finish, model_id, seq_id, digest)
         )

@@ -11,10 +11,12 @@ from typing import Any
 import zstandard
 from fastapi import APIRouter, Request
 
+from tuneloop.server.api.custom_losses import custom_loss_work
 from tuneloop.server.api.deps import (
     State,
     Tenant,
     json_body,
+    off_loop,
     protobuf_body,
     read_json,
     require_content_type,
@@ -22,14 +24,22 @@ from tuneloop.server.api.deps import (
 from tuneloop.server.api.errors import ApiError, bad_request, not_found
 from tuneloop.server.api.packages import check_ttl
 from tuneloop.server.api.seq_guard import consumes_seq
-from tuneloop.server.api.state import ServerState
-from tuneloop.server.api.validation import forward_backward_work
+from tuneloop.server.api.stability import attach_stability
+from tuneloop.server.api.state import ServerState, fingerprint
+from tuneloop.server.api.taken_ids import (
+    insert_new,
+    is_retry,
+    refuse_taken_model,
+    refuse_taken_sampler,
+)
+from tuneloop.server.api.validation import adam_step, decode_limits, forward_backward_work
+from tuneloop.server.api.zstd_body import DecompressedTooLargeError, decompress_bounded
 from tuneloop.server.engine.backend import Backend
 from tuneloop.server.engine.types import (
-    AdamStep,
     AdapterSpec,
     EngineError,
     ForwardBackwardResult,
+    lora_info,
 )
 from tuneloop.server.scheduler.futures import Outcome
 from tuneloop.server.storage.layout import TinkerPath, valid_name
@@ -56,13 +66,17 @@ from tuneloop.types import (
     TensorData,
     WireFormatError,
 )
-from tuneloop.types.codec import decode_forward_backward_request, encode_forward_backward_output
+from tuneloop.types.codec import (
+    encode_forward_backward_output,
+    forward_backward_request_from_proto,
+    parse_forward_backward_request,
+)
 
 router = APIRouter(prefix="/api/v1")
 
 
 def json_outcome(payload: dict[str, Any]) -> Outcome:
-    return Outcome(json.dumps(payload).encode(), "application/json")
+    return Outcome.json(payload)  # never a NaN / Infinity literal
 
 
 def _model_id(session_id: str, model_seq_id: int) -> str:
@@ -77,24 +91,33 @@ def _register_run(
     session_id: str,
     user_metadata: dict[str, Any] | None,
     origin: CheckpointRow | None = None,
-) -> None:
-    state.registry.add(
-        TrainingRunRow(
-            id=adapter.adapter_id,
-            tenant=tenant,
-            session_id=session_id,
-            base_model=adapter.base_model,
-            lora_rank=adapter.rank,
-            lora_seed=adapter.seed,
-            train_mlp=adapter.train_mlp,
-            train_attn=adapter.train_attn,
-            train_unembed=adapter.train_unembed,
-            user_metadata=user_metadata,
-            # A run made from a package continues its step count, and the package is the
-            # parent of what the run saves.
-            training_step=(origin.training_step or 0) if origin is not None else 0,
-            parent_path=origin.tinker_path if origin is not None else None,
-        )
+) -> Outcome | None:
+    return insert_new(state, _run_row(tenant, adapter, session_id, user_metadata, origin))
+
+
+def _run_row(
+    tenant: str,
+    adapter: AdapterSpec,
+    session_id: str,
+    user_metadata: dict[str, Any] | None,
+    origin: CheckpointRow | None,
+) -> TrainingRunRow:
+    return TrainingRunRow(
+        id=adapter.adapter_id,
+        tenant=tenant,
+        session_id=session_id,
+        base_model=adapter.base_model,
+        lora_rank=adapter.rank,
+        lora_seed=adapter.seed,
+        train_mlp=adapter.train_mlp,
+        train_attn=adapter.train_attn,
+        train_unembed=adapter.train_unembed,
+        train_experts=adapter.train_experts,
+        user_metadata=user_metadata,
+        # A run made from a package continues its step count, and the package is the
+        # parent of what the run saves.
+        training_step=(origin.training_step or 0) if origin is not None else 0,
+        parent_path=origin.tinker_path if origin is not None else None,
     )
 
 
@@ -113,11 +136,14 @@ async def create_model(request: Request, state: State, tenant: Tenant) -> dict[s
         train_mlp=lora.train_mlp,
         train_attn=lora.train_attn,
         train_unembed=lora.train_unembed,
+        train_experts=lora.train_experts,
     )
 
+    refuse_taken_model(state, tenant, adapter.adapter_id, raw)
+
     def finish(_result: None) -> Outcome:
-        _register_run(state, tenant, adapter, body.session_id, body.user_metadata)
-        return json_outcome({"model_id": adapter.adapter_id, "type": "create_model"})
+        taken = _register_run(state, tenant, adapter, body.session_id, body.user_metadata)
+        return taken or json_outcome({"model_id": adapter.adapter_id, "type": "create_model"})
 
     return state.submit_training(
         tenant,
@@ -140,10 +166,23 @@ async def get_info(request: Request, state: State, tenant: Tenant) -> dict[str, 
     spec = state.model_spec(run.base_model)
     return GetInfoResponse(
         model_id=run.id,
-        # tokenizer_id is a local folder: the official SDK loads it with no hub on this host;
-        # our SDK fetches the same files over GET /api/v1/tokenizer.
+        # tokenizer_id is a local folder (the official SDK loads it with no hub on this host),
+        # or with `serve --tokenizer-id name` the model's name (for a client whose HF cache holds
+        # it: tuneloop.hf_cache); our SDK fetches the files over GET /api/v1/tokenizer.
         model_data=ModelData(
-            arch=spec.arch, model_name=run.base_model, tokenizer_id=str(spec.tokenizer_dir)
+            arch=spec.arch,
+            model_name=run.base_model,
+            tokenizer_id=(
+                run.base_model if state.config.tokenizer_id == "name" else str(spec.tokenizer_dir)
+            ),
+            **lora_info(
+                spec,
+                run.lora_rank,
+                run.train_attn,
+                run.train_mlp,
+                run.train_unembed,
+                run.train_experts,
+            ),
         ),
         optimizer_config={"type": "adamw"},
         is_lora=True,
@@ -156,7 +195,8 @@ async def get_info(request: Request, state: State, tenant: Tenant) -> dict[str, 
 @consumes_seq
 async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, raw = await read_json(request, LoadWeightsRequest)
-    path, ckpt = state.checkpoint(tenant, body.path, "path")
+    # The caller's checkpoint, or one another tenant published (read only: loading copies it).
+    path, ckpt, source = state.readable_checkpoint(tenant, body.path, "path")
     # A PEFT export (kind "adapter") holds an adapter too; a merged model does not.
     if (
         ckpt.checkpoint_type not in ("training", "sampler")
@@ -170,9 +210,6 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[s
         raise bad_request(
             "optimizer: only training checkpoints (weights/...) hold optimizer state", "optimizer"
         )
-    source = state.registry.training_run(ckpt.training_run_id, tenant)
-    if source is None:
-        raise not_found(f"training run of {body.path!r}", "path")
     directory = Path(ckpt.directory)
     result = {"path": str(path), "type": "load_weights"}
 
@@ -191,22 +228,29 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[s
             train_mlp=source.train_mlp,
             train_attn=source.train_attn,
             train_unembed=source.train_unembed,
+            train_experts=source.train_experts,
         )
 
         def create_and_load(backend: Backend) -> None:
             backend.create_adapter(adapter)
             try:
-                backend.load_state(adapter.adapter_id, directory, optimizer=body.optimizer)
+                _load(backend, adapter.adapter_id, directory, body.optimizer, body.path)
             except Exception:
                 backend.delete_adapter(adapter.adapter_id)
                 raise
 
+        refuse_taken_model(state, tenant, adapter.adapter_id, raw)
+
         def finish_create(_r: None) -> Outcome:
             metadata = (
-                body.user_metadata if body.user_metadata is not None else source.user_metadata
+                body.user_metadata
+                if body.user_metadata is not None or source.tenant != tenant
+                else source.user_metadata
             )
-            _register_run(state, tenant, adapter, body.session_id or "", metadata, origin=ckpt)
-            return json_outcome({**result, "model_id": adapter.adapter_id})
+            taken = _register_run(
+                state, tenant, adapter, body.session_id or "", metadata, origin=ckpt
+            )
+            return taken or json_outcome({**result, "model_id": adapter.adapter_id})
 
         return state.submit_training(
             tenant,
@@ -239,11 +283,23 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[s
         model_id,
         body.seq_id,
         "single",
-        lambda b: b.load_state(model_id, directory, optimizer=body.optimizer),
+        lambda b: _load(b, model_id, directory, body.optimizer, body.path),
         finish_load,
         raw,
         "LoadWeights",
     )
+
+
+def _load(backend: Backend, model_id: str, directory: Path, optimizer: bool, path: str) -> None:
+    """Load a checkpoint's files; files deleted since the request was accepted (a DELETE racing
+    it, an expiry) are the caller's error, said as such, not a server failure."""
+    try:
+        backend.load_state(model_id, directory, optimizer=optimizer)
+    except OSError as exc:
+        raise EngineError(
+            f"checkpoint {path!r} was deleted, or its files are gone, before it loaded: {exc}",
+            "user",
+        ) from None
 
 
 async def _protobuf_body(request: Request, state: ServerState) -> bytes:
@@ -251,14 +307,13 @@ async def _protobuf_body(request: Request, state: ServerState) -> bytes:
     require_content_type(request, "application/x-protobuf")
     encoding = request.headers.get("content-encoding", "").lower()
     if encoding == "zstd":
+        limit = state.config.max_request_bytes
         try:
-            raw = zstandard.ZstdDecompressor().decompress(
-                raw, max_output_size=state.config.max_request_bytes
-            )
+            raw = await off_loop(len(raw), decompress_bounded, raw, limit)
         except zstandard.ZstdError as exc:
             raise bad_request(f"body: bad zstd data: {exc}", "content-encoding") from None
-        if len(raw) > state.config.max_request_bytes:
-            raise ApiError(413, "body: decompressed request is too large", "body")
+        except DecompressedTooLargeError:
+            raise ApiError(413, f"body: decompresses to more than {limit} bytes", "body") from None
     elif encoding not in ("", "identity"):
         raise ApiError(415, f"Content-Encoding {encoding!r} is not supported", "content-encoding")
     return raw
@@ -283,12 +338,24 @@ def _fwdbwd_outcome(result: ForwardBackwardResult) -> Outcome:
 @consumes_seq
 async def forward_backward(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     raw = await _protobuf_body(request, state)
+    # Decoding, checking and hashing a large body take a worker thread, not the event loop,
+    # which meanwhile answers other requests (measured in bench/bench_event_loop.py).
+    size = len(raw)
     try:
-        body = decode_forward_backward_request(raw)
+        msg = await off_loop(size, parse_forward_backward_request, raw)
+        run = state.live_training_run(msg.model_id, tenant)
+        spec = state.model_spec(run.base_model)
+        limits = decode_limits(spec, state.config.max_request_bytes)
+        body = await off_loop(size, forward_backward_request_from_proto, msg, limits)
     except WireFormatError as exc:
         raise bad_request(str(exc), exc.field) from None
-    run = state.live_training_run(body.model_id, tenant)
-    work = forward_backward_work(body, state.model_spec(run.base_model), run.id)
+    if body.loss_fn == "custom":
+        work = custom_loss_work(body, spec, run.id, run.session_id, state.custom_losses, tenant)
+    else:
+        work = await off_loop(size, forward_backward_work, body, spec, run.id)
+    if body.loss_fn == "stable_reinforce":
+        work = attach_stability(work, body.data, state.stability, tenant)
+    digest = await off_loop(size, fingerprint, raw)
     return state.submit_training(
         tenant,
         run.id,
@@ -298,6 +365,7 @@ async def forward_backward(request: Request, state: State, tenant: Tenant) -> di
         _fwdbwd_outcome,
         raw,
         "Forward" if body.forward_only else "ForwardBackward",
+        digest=digest,
     )
 
 
@@ -312,8 +380,7 @@ def _seq_id(seq_id: int | None) -> int:
 async def optim_step(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     body, raw = await read_json(request, OptimStepRequest)
     run = state.live_training_run(body.model_id, tenant)
-    p = body.params
-    step = AdamStep(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
+    step = adam_step(body)
     model_id = run.id
 
     def finish(metrics: dict[str, float]) -> Outcome:
@@ -427,27 +494,43 @@ async def save_weights_for_sampler(
         # Ephemeral: a frozen snapshot of the adapter as of this point in the model's order.
         sampler_id = f"{run.session_id}:sample:{body.sampling_session_seq_id}"
         base_model = run.base_model
+        retry = is_retry(state, model_id, seq_id, raw)
+        if not retry:
+            try:
+                refuse_taken_sampler(state, tenant, sampler_id)
+            except ApiError:  # refused, its seq_id is still consumed (see seq_guard)
+                state.skip_rejected(tenant, model_id, seq_id, fingerprint(raw))
+                raise
+
+        def snapshot(backend: Backend) -> None:
+            try:
+                backend.create_sampler(sampler_id, base_model, adapter_id=model_id)
+            except BaseException:
+                state.pending_samplers.discard(sampler_id)
+                raise
 
         def finish_snapshot(_r: None) -> Outcome:
-            state.registry.add(
-                SamplerRow(
-                    id=sampler_id, tenant=tenant, session_id=run.session_id, base_model=base_model
-                )
+            state.pending_samplers.discard(sampler_id)
+            row = SamplerRow(
+                id=sampler_id, tenant=tenant, session_id=run.session_id, base_model=base_model
             )
-            return json_outcome(
+            return insert_new(state, row) or json_outcome(
                 {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
             )
 
-        return state.submit_training(
+        accepted = state.submit_training(
             tenant,
             model_id,
             seq_id,
             "single",
-            lambda b: b.create_sampler(sampler_id, base_model, adapter_id=model_id),
+            snapshot,
             finish_snapshot,
             raw,
             "SaveWeightsForSampler",
         )
+        if not retry:
+            state.pending_samplers.add(sampler_id)
+        return accepted
     target, directory = _checkpoint_target(state, tenant, run.id, "sampler_weights", body.path)
 
     def work(backend: Backend) -> int:

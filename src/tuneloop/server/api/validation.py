@@ -12,9 +12,15 @@ import numpy as np
 
 from tuneloop.server.api.errors import ApiError, bad_request
 from tuneloop.server.engine.loss_specs import LOSS_SPECS, UNSUPPORTED_LOSSES
-from tuneloop.server.engine.types import Example, ForwardBackwardWork, ModelSpec, SampleWork
-from tuneloop.types import EncodedTextChunk, ModelInput, SampleRequest
-from tuneloop.types.codec import ForwardBackwardRequest
+from tuneloop.server.engine.types import (
+    AdamStep,
+    Example,
+    ForwardBackwardWork,
+    ModelSpec,
+    SampleWork,
+)
+from tuneloop.types import EncodedTextChunk, ModelInput, OptimStepRequest, SampleRequest
+from tuneloop.types.codec import DecodeLimits, ForwardBackwardRequest
 from tuneloop.types.tensor import TensorData
 
 MAX_DATUMS_PER_REQUEST = 4096
@@ -29,6 +35,11 @@ def tokens_of(model_input: ModelInput, spec: ModelSpec, field: str) -> np.ndarra
                 f"{field}.chunks[{j}]",
             )
         tokens.extend(chunk.tokens)
+        if len(tokens) > spec.max_context_length:  # before the array is built
+            raise bad_request(
+                f"{field}: more than {spec.max_context_length} tokens exceed the context length",
+                field,
+            )
     if not tokens:
         raise bad_request(f"{field}: must hold at least one token", field)
     array = np.asarray(tokens, dtype=np.int64)
@@ -64,29 +75,31 @@ def _loss_config(request: ForwardBackwardRequest) -> dict[str, float]:
 def _check_input(
     name: str, tensor: TensorData, n: int, two_d_ok: bool, field: str, max_width: int
 ) -> np.ndarray:
-    # The shape first: a sparse tensor's dense form is allocated from it (2**40 columns would
-    # ask for terabytes).
-    shape = tensor.shape if tensor.shape is not None else [tensor.values.size]
+    # The whole shape first: a sparse tensor's dense form is allocated from it (2**40 columns,
+    # or 200,000 rows, would ask for gigabytes before any other check).
+    shape = tensor.dense_shape
     if len(shape) == 2 and two_d_ok and name in ("target_tokens", "weights"):
         if shape[1] > max_width:
             raise bad_request(f"{field}: {shape[1]} columns, at most {max_width}", field)
+        if shape[0] != n:
+            raise bad_request(f"{field}: {shape[0]} rows, but model_input has {n} tokens", field)
     elif len(shape) != 1 or shape[0] != n:
         raise bad_request(
             f"{field}: shape {list(shape)} does not match model_input length {n}", field
         )
     array = tensor.to_numpy()
-    if array.ndim == 2 and two_d_ok and name in ("target_tokens", "weights"):
-        if array.shape[0] != n:
-            raise bad_request(
-                f"{field}: {array.shape[0]} rows, but model_input has {n} tokens", field
-            )
-    elif array.ndim != 1 or array.shape[0] != n:
-        raise bad_request(
-            f"{field}: shape {list(array.shape)} does not match model_input length {n}", field
-        )
     if array.dtype.kind == "f" and not np.isfinite(array).all():
         raise bad_request(f"{field}: contains NaN or infinity", field)
     return array
+
+
+def decode_limits(spec: ModelSpec, max_request_bytes: int) -> DecodeLimits:
+    """What the tensors of a forward_backward body for `spec` may declare (see DecodeLimits)."""
+    return DecodeLimits(
+        max_rows=spec.max_context_length,
+        max_columns=spec.vocab_size,
+        max_dense_cells=max_request_bytes // 4,
+    )
 
 
 def forward_backward_work(
@@ -213,4 +226,53 @@ def sample_work(request: SampleRequest, spec: ModelSpec, sampler_id: str) -> Sam
     )
 
 
-__all__ = ["ApiError", "forward_backward_work", "sample_work", "tokens_of"]
+__all__ = [
+    "ApiError",
+    "adam_step",
+    "decode_limits",
+    "forward_backward_work",
+    "sample_work",
+    "tokens_of",
+]
+
+
+# AdamW's hyperparameters, each finite and within what a step can take without overflowing:
+# a learning rate of 1e308 (or Infinity) would make the adapter non-finite in one step. The
+# engine also skips any step that would still come out non-finite (engine/optim.py).
+ADAM_LIMITS: dict[str, tuple[float, float, bool]] = {
+    # field: (lowest, highest, highest included)
+    "learning_rate": (0.0, 1.0, True),
+    "beta1": (0.0, 1.0, False),
+    "beta2": (0.0, 1.0, False),
+    "eps": (1e-30, 1.0, True),
+    "weight_decay": (0.0, 1.0, True),
+    "grad_clip_norm": (0.0, 1e6, True),  # 0 = no clipping
+}
+
+
+def adam_step(request: OptimStepRequest) -> AdamStep:
+    """The engine's `AdamStep` of an optim_step request; a 400 names a value out of range."""
+    name = next(
+        (n for n in ("adam_params", "optimizer_params", "optim_params") if getattr(request, n)),
+        "adam_params",
+    )
+    params = request.params
+    for key, (low, high, high_ok) in ADAM_LIMITS.items():
+        value = float(getattr(params, key))
+        inside = (
+            math.isfinite(value) and low <= value and (value <= high if high_ok else value < high)
+        )
+        if not inside:
+            bound = f"<= {high:g}" if high_ok else f"< {high:g}"
+            raise bad_request(
+                f"{name}.{key}: {value!r} is out of range: must be finite, >= {low:g} and {bound}",
+                f"{name}.{key}",
+            )
+    return AdamStep(
+        params.learning_rate,
+        params.beta1,
+        params.beta2,
+        params.eps,
+        params.weight_decay,
+        params.grad_clip_norm,
+    )

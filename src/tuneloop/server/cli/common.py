@@ -6,6 +6,7 @@ import json
 import sys
 from dataclasses import dataclass
 from datetime import datetime
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
@@ -51,6 +52,31 @@ PortOption = Annotated[int, typer.Option(help="Port to listen on; 0 lets the OS 
 DeviceOption = Annotated[
     str | None,
     typer.Option(help="Torch device (default: cuda if present, else cpu).", show_default=False),
+]
+MetricsTokenOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Bearer token GET /metrics requires (Authorization: Bearer TOKEN). Unset: the"
+        " metrics are open to whoever reaches the host and port. Prefer the environment, which"
+        " `ps` does not show. [default: $TUNELOOP_METRICS_TOKEN, else none]",
+        show_default=False,
+    ),
+]
+
+
+class LogFormat(StrEnum):
+    text = "text"
+    json = "json"
+
+
+LogFormatOption = Annotated[
+    LogFormat | None,
+    typer.Option(
+        help="Server logs on stderr: text (warnings and errors), or json (JSON lines, one"
+        " access line per request: request id, tenant, route, status, latency; never keys or"
+        " cookies). [default: $TUNELOOP_LOG_FORMAT, else text]",
+        show_default=False,
+    ),
 ]
 JsonOption = Annotated[
     bool, typer.Option("--json", help="Print JSON to stdout (for scripts) instead of rows.")

@@ -29,6 +29,8 @@ from tuneloop.server.cli.common import (
     DeviceOption,
     HostOption,
     KeysFileOption,
+    LogFormatOption,
+    MetricsTokenOption,
     PortOption,
     fail,
     need_server_extra,
@@ -78,6 +80,8 @@ def deploy(
             show_default=False,
         ),
     ] = None,
+    metrics_token: MetricsTokenOption = None,
+    log_format: LogFormatOption = None,
     parent_pid: Annotated[
         int | None,
         typer.Option(help="Stop when this process exits.", hidden=True, show_default=False),
@@ -114,6 +118,8 @@ def deploy(
         dtype=dtype.value if dtype is not None else None,
         cache_dir=cache_dir,
         openai_only=True,
+        metrics_token=metrics_token,
+        log_format=log_format.value if log_format is not None else None,
     )
     typer.echo(f"model: {folder} (also answers to {folder.name!r})", err=True)
     run_server(create_app(config), config, parent_pid=parent_pid)

@@ -90,6 +90,13 @@ def keys_create(
     ],
     max_sessions: MaxSessionsOption = None,
     max_inflight: MaxInflightOption = None,
+    admin: Annotated[
+        bool,
+        typer.Option(
+            "--admin",
+            help="An operator's key: its web console also shows every tenant and the engine.",
+        ),
+    ] = False,
     data_dir: DataDirOption = None,
     keys_file: KeysFileOption = None,
 ) -> None:
@@ -100,11 +107,12 @@ def keys_create(
     """
     changes = _limit_changes(max_sessions, max_inflight)  # bad values fail before any key
     try:
-        key, record = _key_store(ctx, data_dir, keys_file).create(tenant)
+        key, record = _key_store(ctx, data_dir, keys_file).create(tenant, admin=admin)
     except ValueError as exc:
         fail(str(exc), EXIT_USAGE)
     typer.echo(key)
-    typer.echo(f"key id {record.key_id} for tenant {record.tenant}", err=True)
+    role = " (admin)" if record.admin else ""
+    typer.echo(f"key id {record.key_id} for tenant {record.tenant}{role}", err=True)
     if changes:
         limits = _limit_store(ctx, data_dir, keys_file).set(tenant, **changes)
         typer.echo(f"limits for tenant {tenant}: {_describe(limits)}", err=True)

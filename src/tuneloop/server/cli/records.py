@@ -189,7 +189,9 @@ def checkpoints_gc(
 @checkpoints_app.command("delete")
 def checkpoints_delete(
     ctx: typer.Context,
-    tinker_path: Annotated[str, typer.Argument(help="tinker://<run>/<segment>/<name>")],
+    tinker_path: Annotated[
+        str, typer.Argument(help="The checkpoint's path: tinker://<run>/<segment>/<name>.")
+    ],
     tenant: Annotated[str, typer.Option("--tenant", help="The checkpoint's owner (a safeguard).")],
     data_dir: DataDirOption = None,
     db_url: DbUrlOption = None,
@@ -228,7 +230,9 @@ def _copy_adapter(source: Path, out: Path) -> list[str]:
 @checkpoints_app.command("export")
 def checkpoints_export(
     ctx: typer.Context,
-    tinker_path: Annotated[str, typer.Argument(help="tinker://<run>/<segment>/<name>")],
+    tinker_path: Annotated[
+        str, typer.Argument(help="The checkpoint's path: tinker://<run>/<segment>/<name>.")
+    ],
     out: Annotated[
         Path,
         typer.Option("--out", help="Folder to create (must not exist, or be empty)."),
@@ -409,14 +413,16 @@ def usage(
 
 
 def _print_usage(reports: list[Any], bucket: str) -> None:
+    """One table: a row per tenant (and hour or day) and operation that did any work, then the
+    tenant's total; columns: prefill, sampled and trained tokens, and requests."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="usage (tokens)")
-    for header in ("tenant", *(() if bucket == "none" else (bucket,)), "operation"):
-        table.add_column(header)
+    table = Table(title="usage: tokens by class, and requests")
+    for header in ("tenant", *(() if bucket == "none" else (f"{bucket} (UTC)",)), "operation"):
+        table.add_column(header, no_wrap=True)  # names and times are never cut
     for header in ("prefill", "sampled", "trained", "requests"):
-        table.add_column(header, justify="right")
+        table.add_column(header, justify="right", no_wrap=True)
 
     def cells(c: Any) -> tuple[str, ...]:
         counts = (c.prefill_tokens, c.sampled_tokens, c.trained_tokens, c.requests)
@@ -429,6 +435,11 @@ def _print_usage(reports: list[Any], bucket: str) -> None:
         for start, by_operation, totals in groups:
             when = () if start is None else (start.strftime("%Y-%m-%d %H:%M"),)
             for operation, counts in by_operation.items():
-                table.add_row(report.tenant, *when, operation, *cells(counts))
-            table.add_row(report.tenant, *when, "total", *cells(totals), end_section=True)
-    Console(width=max(100, Console().width)).print(table)
+                if any(cells(counts)[i] != "0" for i in range(4)):  # work done: a row
+                    table.add_row(report.tenant, *when, operation, *cells(counts))
+            table.add_row(
+                report.tenant, *when, "total", *cells(totals), style="bold", end_section=True
+            )
+    # A terminal's own width; a pipe or file gets whole rows, however wide.
+    console = Console()
+    Console(width=console.width if console.is_terminal else 240).print(table)

@@ -19,16 +19,28 @@ from tuneloop.server.cli.common import (
     DeviceOption,
     HostOption,
     KeysFileOption,
+    LogFormatOption,
+    MetricsTokenOption,
     PortOption,
     fail,
     need_server_extra,
 )
 from tuneloop.server.config import ServerConfig
 
+# The defaults of api/http_timeouts.py, repeated: importing it here would import uvicorn before
+# the command can say that the server extra is missing.
+HEADER_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 30.0
+
 
 class BackendName(StrEnum):
     torch = "torch"
     fake = "fake"
+
+
+class TokenizerIdName(StrEnum):
+    path = "path"
+    name = "name"
 
 
 class DtypeName(StrEnum):
@@ -79,7 +91,7 @@ def serve(
     long_poll_s: Annotated[
         float | None,
         typer.Option(
-            help="How long retrieve_future holds a poll before answering try-again (default 30).",
+            help="Seconds retrieve_future holds a poll before answering try-again (default 30).",
             show_default=False,
         ),
     ] = None,
@@ -111,8 +123,9 @@ def serve(
         typer.Option(
             min=0,
             help=(
-                "A session with no heartbeat or request for this long expires: its models and"
-                " samplers are freed, its pending work fails, its checkpoints stay. 0: never."
+                "Seconds without a heartbeat or request after which a session expires: its"
+                " models and samplers are freed, its pending work fails, its checkpoints stay."
+                " 0: never."
                 " [default: $TUNELOOP_SESSION_TTL_S, else 300]"
             ),
             show_default=False,
@@ -122,7 +135,7 @@ def serve(
         float | None,
         typer.Option(
             min=0.01,
-            help="How often to look for expired sessions. [default: 10]",
+            help="Seconds between looks for expired sessions. [default: 10]",
             show_default=False,
         ),
     ] = None,
@@ -155,6 +168,36 @@ def serve(
     ray_gpus_per_worker: Annotated[
         float, typer.Option(min=0, help="GPUs each worker's Ray actor reserves (1 on GPUs).")
     ] = 0.0,
+    metrics_token: MetricsTokenOption = None,
+    log_format: LogFormatOption = None,
+    jwt: Annotated[
+        bool,
+        typer.Option(
+            "--jwt",
+            help=(
+                "JWT exchange: clients trade their API key for a short-lived signed token at"
+                " POST /api/v1/auth/token (the official SDK then renews it by itself, and"
+                " RestClient.whoami works); revoking the key stops its tokens."
+            ),
+        ),
+    ] = False,
+    jwt_ttl_s: Annotated[
+        int | None,
+        typer.Option(
+            min=120, help="Seconds an issued token lives. [default: 900]", show_default=False
+        ),
+    ] = None,
+    tokenizer_id: Annotated[
+        TokenizerIdName | None,
+        typer.Option(
+            help=(
+                "What get_info names as the tokenizer: path (the server's folder, for clients on"
+                " this machine) or name (the model's name, for clients that ran"
+                " `python -m tuneloop.hf_cache MODEL`). [default: path]"
+            ),
+            show_default=False,
+        ),
+    ] = None,
     parent_pid: Annotated[
         int | None,
         typer.Option(
@@ -162,8 +205,25 @@ def serve(
             show_default=False,
         ),
     ] = None,
+    header_timeout_s: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="Seconds a connection may take to send its request headers before it is closed.",
+        ),
+    ] = HEADER_TIMEOUT_S,
+    body_timeout_s: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="Seconds a request body may stall between reads before its connection is closed.",
+        ),
+    ] = BODY_TIMEOUT_S,
 ) -> None:
     """Run the tuneloop server (prints `tuneloop serving at URL` once it accepts requests)."""
+    # Everything the server writes (registry, checkpoints, keys, caches) is the server's alone:
+    # files 0600, folders 0700, whatever the umask of the shell that started it.
+    os.umask(0o077)
     try:
         import uvicorn  # noqa: F401 - checked here: a bare SDK install gets the one-line message
 
@@ -192,16 +252,43 @@ def serve(
             ray_address=ray_address,
             ray_cpus_per_worker=ray_cpus_per_worker,
             ray_gpus_per_worker=ray_gpus_per_worker,
+            metrics_token=metrics_token,
+            log_format=log_format.value if log_format is not None else None,
+            jwt=jwt or None,
+            jwt_ttl_s=jwt_ttl_s,
+            tokenizer_id=tokenizer_id.value if tokenizer_id is not None else None,
         )
     except ValueError as exc:  # settings that do not go together: a usage error, not a traceback
         fail(str(exc), EXIT_USAGE)
-    run_server(create_app(config), config, parent_pid=parent_pid)
+    run_server(
+        create_app(config),
+        config,
+        parent_pid=parent_pid,
+        header_timeout_s=header_timeout_s,
+        body_timeout_s=body_timeout_s,
+    )
 
 
-def run_server(app: Any, config: ServerConfig, *, parent_pid: int | None = None) -> None:
+def run_server(
+    app: Any,
+    config: ServerConfig,
+    *,
+    parent_pid: int | None = None,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
+    body_timeout_s: float = BODY_TIMEOUT_S,
+) -> None:
     """Run `app` with uvicorn until stopped: prints `tuneloop serving at URL` once it accepts
-    requests (the bound port, for --port 0); SIGTERM shuts it down gracefully and exits 0."""
+    requests (the bound port, for --port 0); SIGTERM shuts it down gracefully and exits 0.
+    Connections whose request is half sent are closed (see api/http_timeouts.py)."""
     import uvicorn
+
+    log_config: Any = uvicorn.config.LOGGING_CONFIG
+    if config.log_format == "json":
+        from tuneloop.server.api.access_log import configure_logging
+
+        configure_logging("json")
+        log_config = None  # uvicorn's own config would print its lines as text
+    from tuneloop.server.api.http_timeouts import timed_protocol
 
     server = uvicorn.Server(
         uvicorn.Config(
@@ -209,7 +296,9 @@ def run_server(app: Any, config: ServerConfig, *, parent_pid: int | None = None)
             host=config.host,
             port=config.port,
             log_level="warning",
+            log_config=log_config,
             timeout_graceful_shutdown=5,
+            http=timed_protocol(header_timeout_s, body_timeout_s),
         )
     )
     original_startup = server.startup
@@ -218,7 +307,12 @@ def run_server(app: Any, config: ServerConfig, *, parent_pid: int | None = None)
         await original_startup(sockets=sockets)
         if server.started:  # with --port 0 the OS picks the port: print the bound one
             bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else config.port
+            state = getattr(app.state, "tuneloop", None)
+            for spec in state.models.values() if state is not None else ():
+                if spec.lora is not None:  # what the adapters cover on each served model
+                    print(spec.lora.describe(spec.name, spec.arch), flush=True)
             print(f"tuneloop serving at http://{config.host}:{bound}", flush=True)
+            print(f"web console at http://{config.host}:{bound}/console", flush=True)
 
     setattr(server, "startup", startup)  # noqa: B010 - announce readiness with the real port
     if parent_pid is not None:

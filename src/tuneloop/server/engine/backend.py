@@ -2,6 +2,8 @@
 
 Every method is called from a single engine thread, so implementations need no locking. Batch
 methods return one result or `EngineError` per item: one bad request fails only its own future.
+A batch call that raises instead must have changed nothing (no gradient accumulated): the
+engine loop then runs its halves again apart (`isolation.bisect_failures`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Adapter checkpoints on disk, in the PEFT layout, written atomically.
 
 A checkpoint folder holds `adapter_model.safetensors` (keys
-`base_model.model.<module>.lora_A.weight` / `.lora_B.weight`) and `adapter_config.json`, so
+`base_model.model.<module>.lora_A.weight` / `.lora_B.weight`; LoRA on fused MoE experts in the
+form of PEFT's `target_parameters`) and `adapter_config.json`, so
 `peft.PeftModel.from_pretrained(base, folder)` loads it; a training state adds
 `optimizer.pt` (AdamW moments and step counts) and `tuneloop_state.json`.
 """
@@ -9,7 +10,7 @@ A checkpoint folder holds `adapter_model.safetensors` (keys
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tuneloop.server.engine.files import atomic_directory, directory_size
-from tuneloop.server.engine.lora import targets_of
+from tuneloop.server.engine.lora import peft_targets
 from tuneloop.server.engine.types import AdapterSpec, EngineError
 
 _PEFT_PREFIX = "base_model.model."
@@ -30,8 +31,10 @@ STATE_FILE = "tuneloop_state.json"
 ADAPTER_META_FILE = "tuneloop_adapter.json"
 
 
-def peft_config(spec: AdapterSpec) -> dict[str, Any]:
-    return {
+def peft_config(spec: AdapterSpec, keys: Collection[str]) -> dict[str, Any]:
+    """PEFT's adapter config for factors under `keys` (the layers the adapter really has)."""
+    modules, parameters = peft_targets(keys)
+    config: dict[str, Any] = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": spec.base_model,
@@ -41,8 +44,11 @@ def peft_config(spec: AdapterSpec) -> dict[str, Any]:
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
-        "target_modules": sorted(targets_of(spec)),
+        "target_modules": modules,
     }
+    if parameters:
+        config["target_parameters"] = parameters
+    return config
 
 
 def adapter_meta(spec: AdapterSpec) -> dict[str, Any]:
@@ -51,6 +57,7 @@ def adapter_meta(spec: AdapterSpec) -> dict[str, Any]:
         "train_mlp": spec.train_mlp,
         "train_attn": spec.train_attn,
         "train_unembed": spec.train_unembed,
+        "train_experts": spec.train_experts,
     }
 
 
@@ -66,7 +73,7 @@ def write_adapter(
             _PEFT_PREFIX + k: v.detach().float().cpu().contiguous() for k, v in factors.items()
         }
         save_file(tensors, str(tmp / ADAPTER_FILE))
-        (tmp / CONFIG_FILE).write_text(json.dumps(peft_config(spec), indent=1))
+        (tmp / CONFIG_FILE).write_text(json.dumps(peft_config(spec, factors.keys()), indent=1))
         (tmp / ADAPTER_META_FILE).write_text(json.dumps(adapter_meta(spec)))
         if optimizer_state is not None:
             torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
@@ -79,6 +86,12 @@ def read_factors(directory: Path) -> dict[str, torch.Tensor]:
         tensors = load_file(str(directory / ADAPTER_FILE))
     except FileNotFoundError:
         raise EngineError(f"no adapter weights in checkpoint {directory.name!r}", "user") from None
+    for name, tensor in tensors.items():
+        # Refused where it would enter the engine: a NaN adapter would answer NaN to its user.
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise EngineError(
+                f"checkpoint {directory.name!r} holds non-finite weights ({name})", "user"
+            )
     return {k.removeprefix(_PEFT_PREFIX): v for k, v in tensors.items()}
 
 
@@ -95,6 +108,7 @@ def read_spec(directory: Path, adapter_id: str) -> AdapterSpec:
         train_attn=bool(extra.get("train_attn", True)),
         train_unembed=bool(extra.get("train_unembed", True)),
         alpha=float(config["lora_alpha"]),
+        train_experts=extra.get("train_experts"),
     )
 
 

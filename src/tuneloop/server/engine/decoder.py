@@ -25,6 +25,13 @@ not fit is refused.
 
 `sampler.sample_rows` is the per-row step (logits -> token, logprob, stream, stop) that every
 decoding row goes through.
+
+One request's failure is its own: a row whose logits are not finite (its adapter's weights
+overflow) fails its request alone, with a user error, and so does an exception in a request's own
+work (scoring its prompt, its stop checks, its result); a step's forward pass that raises is run
+again in halves, by request, until the request that fails alone is found (`_forward`). A failed
+request's blocks go back to the pool at once (`_end`), and every other request gets what it gets
+alone.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tuneloop.server.engine.isolation import NON_FINITE_LOGITS, alone_error
 from tuneloop.server.engine.kv.block_manager import BlockManager, KVUsage, blocks_for
 from tuneloop.server.engine.kv.paged_attention import KVPool
 from tuneloop.server.engine.kv.sequence import Sequence
@@ -45,6 +53,7 @@ from tuneloop.server.engine.sampler import (
     Row,
     RunningRequest,
     new_request,
+    nonfinite_rows,
     result,
     sample_rows,
     score_prompts,
@@ -172,13 +181,16 @@ class Decoder:
             return None
         self.blocks.take_cached(found, len(usable))
         seq = Sequence(prompt, key, list(found), len(found) * size, sealed=len(found))
-        request = new_request(
-            work,
-            key,
-            score_prompts(self.model, self.bank, [work], [key], self.pad_id, self.device).get(
-                0, (None, None)
-            ),
-        )
+        try:
+            scores = score_prompts(self.model, self.bank, [work], [key], self.pad_id, self.device)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # this request's own work: it fails alone, holding nothing
+            log.exception("scoring a prompt failed")
+            self._release(seq)
+            self.blocks.unreserve(need - from_free)
+            raise alone_error(exc, "sample") from exc
+        request = new_request(work, key, scores.get(0, (None, None)))
         self.joining.append(_Live(request, seq, digests, need - from_free))
         return request
 
@@ -244,6 +256,7 @@ class Decoder:
         finished = self._sample() if self.rows else []
         work = [Scheduled(row.seq, 1, True) for _, row in self.rows if row.seq is not None]
         assert len(work) == len(self.rows)
+        owners = [live for live, _ in self.rows]  # the request of each scheduled item
         budget = self.prefill_chunk if self.rows else MAX_STEP_TOKENS
         completing: list[_Live] = []
         chunks: list[tuple[_Live, Sequence]] = []
@@ -263,12 +276,22 @@ class Decoder:
                 finished.append((live.request, _out_of_blocks(self.blocks.num_blocks)))
                 continue
             work.append(Scheduled(seq, length, done))
+            owners.append(live)
             chunks.append((live, seq))
             if done:
                 completing.append(live)
         if not work:
             return finished
-        logits = self.runner.run(work)
+        logits, broken = self._forward(work, owners)
+        if broken:  # those requests fail alone; the others' logits are in `logits`, in order
+            for live, error in broken.values():
+                if live in self.joining:
+                    self.joining.remove(live)
+                self._end(live)
+                finished.append((live.request, error))
+            self.rows = [(lv, row) for lv, row in self.rows if id(lv) not in broken]
+            chunks = [(lv, seq) for lv, seq in chunks if id(lv) not in broken]
+            completing = [lv for lv in completing if id(lv) not in broken]
         size = self.blocks.block_size
         for live, seq in chunks:  # full prompt blocks become findable
             full = min(len(live.digests), seq.computed // size)
@@ -283,8 +306,44 @@ class Decoder:
             self._fork(live)
             self.rows += [(live, row) for row in live.request.rows]
             picks += [offset] * len(live.request.rows)
-        self.logits = logits.index_select(0, torch.tensor(picks, device=logits.device))
+        if picks:
+            self.logits = logits.index_select(0, torch.tensor(picks, device=logits.device))
         return finished
+
+    def _forward(
+        self, work: list[Scheduled], owners: list[_Live]
+    ) -> tuple[torch.Tensor, dict[int, tuple[_Live, EngineError]]]:
+        """The step's forward pass: logits of the items that want them, in order, and the
+        requests that failed. A pass that raises is run again in halves (by request, each
+        half keeping the items' order) until the request that fails alone is found; a failed
+        attempt computed nothing (sequences advance only after a pass succeeds, and the next
+        attempt writes the same KV slots)."""
+        try:
+            return self.runner.run(work), {}
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:
+            lives = list({id(live): live for live in owners}.values())
+            if len(lives) == 1:
+                log.exception("a sampling forward pass failed for one request")
+                return _no_logits(), {id(lives[0]): (lives[0], alone_error(exc, "sample"))}
+            log.warning(
+                "a sampling step of %d requests failed (%s: %s); running its halves apart",
+                len(lives),
+                type(exc).__name__,
+                exc,
+            )
+            first = {id(live) for live in lives[: len(lives) // 2]}
+            broken: dict[int, tuple[_Live, EngineError]] = {}
+            rows: list[tuple[int, torch.Tensor]] = []
+            for side in (True, False):
+                items = [i for i, live in enumerate(owners) if (id(live) in first) == side]
+                logits, failed = self._forward([work[i] for i in items], [owners[i] for i in items])
+                broken.update(failed)
+                wanting = [i for i in items if work[i].wants_logits and id(owners[i]) not in failed]
+                rows += zip(wanting, logits, strict=True)
+            rows.sort(key=lambda pair: pair[0])
+            return (torch.stack([r for _, r in rows]) if rows else _no_logits()), broken
 
     def _fork(self, live: _Live) -> None:
         """The prompt sequence becomes one sequence per sample, sharing its blocks."""
@@ -304,13 +363,32 @@ class Decoder:
 
     def _sample(self) -> list[tuple[RunningRequest, SampleResult | EngineError]]:
         assert self.logits is not None
-        going = sample_rows(self.logits, [row for _, row in self.rows], self.decode)
-        self.logits = None  # used up: the next forward gives the next ones
+        logits, self.logits = self.logits, None  # used up: the next forward gives the next ones
+        # A row with a NaN or an infinity in its logits (its adapter's weights overflow) fails
+        # its request alone; its request's rows draw nothing.
+        failed: dict[int, tuple[_Live, EngineError]] = {}
+        for i in nonfinite_rows(logits):
+            live = self.rows[i][0]
+            failed.setdefault(id(live), (live, EngineError(NON_FINITE_LOGITS, "user")))
+        drawing = [i for i, (live, _) in enumerate(self.rows) if id(live) not in failed]
+        if failed:
+            logits = logits[torch.tensor(drawing, dtype=torch.long, device=logits.device)]
+        outcomes = sample_rows(logits, [self.rows[i][1] for i in drawing], self.decode)
+        for i, outcome in zip(drawing, outcomes, strict=True):
+            if isinstance(outcome, EngineError):  # this request's own work raised
+                live = self.rows[i][0]
+                failed.setdefault(id(live), (live, outcome))
+        going = dict(zip(drawing, outcomes, strict=True))
         finished: list[tuple[RunningRequest, SampleResult | EngineError]] = []
+        for live, error in failed.values():
+            self._end(live)
+            finished.append((live.request, error))
         keep: list[tuple[_Live, Row]] = []
-        for (live, row), on in zip(self.rows, going, strict=True):
+        for i, (live, row) in enumerate(self.rows):
             assert row.seq is not None
-            if on:
+            if id(live) in failed:
+                continue
+            if going[i]:
                 keep.append((live, row))
                 row.seq.tokens.append(row.tokens[-1])
                 continue
@@ -319,7 +397,7 @@ class Decoder:
             live.request.done += 1
             if live.request.done == len(live.request.rows):
                 self._end(live)
-                finished.append((live.request, result(live.request)))
+                finished.append((live.request, _answer(live.request)))
             else:
                 self._refund(live)
         self.rows = keep
@@ -358,3 +436,17 @@ class Decoder:
     def abort(self) -> list[RunningRequest]:
         """Drop everything (after an error): every block back, every request returned."""
         return self.drop(lambda _work: True)
+
+
+def _no_logits() -> torch.Tensor:
+    return torch.zeros((0, 0), dtype=torch.float32)
+
+
+def _answer(request: RunningRequest) -> SampleResult | EngineError:
+    """The request's result, or its error when building it fails (its own work, alone)."""
+    try:
+        return result(request)
+    except Exception as exc:
+        if not isinstance(exc, EngineError):
+            log.exception("building a sampling result failed")
+        return alone_error(exc, "sample")

@@ -20,7 +20,14 @@ from typing import Any
 import numpy as np
 
 from tuneloop.server.engine import loss_math
+from tuneloop.server.engine.backend import KVCacheUse
 from tuneloop.server.engine.files import atomic_directory, directory_size
+from tuneloop.server.engine.isolation import (
+    NON_FINITE_LOGITS,
+    all_finite,
+    alone_error,
+    skipped_step_metrics,
+)
 from tuneloop.server.engine.loss_specs import LOSS_SPECS
 from tuneloop.server.engine.types import (
     AdamStep,
@@ -122,7 +129,8 @@ class FakeBackend:
         logits = self._base[tokens]
         if lora is not None:
             a, b, scale = lora
-            logits = logits + scale * (a[tokens] @ b)
+            with np.errstate(over="ignore", invalid="ignore"):  # checked by the callers
+                logits = logits + scale * (a[tokens] @ b)
         return logits
 
     # ---- training ---------------------------------------------------------------------------
@@ -132,28 +140,65 @@ class FakeBackend:
     ) -> list[ForwardBackwardResult | EngineError]:
         results: list[ForwardBackwardResult | EngineError] = []
         for work in batch:
+            # Each request on its own: whatever one raises fails it alone.
             try:
                 results.append(self._forward_backward_one(work))
-            except EngineError as exc:
-                results.append(exc)
+            except Exception as exc:
+                results.append(alone_error(exc, "forward_backward"))
         return results
 
     def _forward_backward_one(self, work: ForwardBackwardWork) -> ForwardBackwardResult:
         adapter = self._adapter(work.adapter_id)
-        loss_fn = loss_math.LOSS_FUNCTIONS[work.loss_fn]
-        config = {**LOSS_SPECS[work.loss_fn].config_defaults, **work.loss_config}
         total = 0.0
+        metric_sums: dict[str, float] = {}
         outputs: list[np.ndarray] = []
+        # This request's gradients, added to the adapter's only once all are known and finite:
+        # a request that fails part-way leaves the adapter as it was.
+        grad_a, grad_b = np.zeros_like(adapter.grad_a), np.zeros_like(adapter.grad_b)
+        # Overflows are not warned about: the loss and gradients are checked below.
         for example in work.examples:
             lp, logprobs_all, targets = self._target_logprobs(adapter, example)
-            inputs = {
-                k: v.astype(np.float64) for k, v in example.inputs.items() if k != "target_tokens"
-            }
-            loss, grad_lp = loss_fn(lp, inputs, config)
-            total += loss
-            outputs.append(lp.astype(np.float32))
-            if not work.forward_only:
-                self._accumulate(adapter, example.tokens, logprobs_all, targets, grad_lp)
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                if work.custom_loss is not None:
+                    # torch only for this: the graph is torch ops (autograd gives d loss / d lp)
+                    from tuneloop.server.engine import custom_loss
+
+                    loss, grad_lp, metrics = custom_loss.value_and_grad(
+                        work.custom_loss, lp.astype(np.float32), example.inputs
+                    )
+                    for key, value in metrics.items():
+                        metric_sums[key] = metric_sums.get(key, 0.0) + value
+                else:
+                    loss_fn = loss_math.LOSS_FUNCTIONS[work.loss_fn]
+                    config = {**LOSS_SPECS[work.loss_fn].config_defaults, **work.loss_config}
+                    inputs = {
+                        k: v.astype(np.float64)
+                        for k, v in example.inputs.items()
+                        if k != "target_tokens"
+                    }
+                    loss, grad_lp = loss_fn(lp, inputs, config)
+                total += loss
+                outputs.append(lp.astype(np.float32))
+                if not work.forward_only:
+                    self._accumulate(
+                        adapter, example.tokens, logprobs_all, targets, grad_lp, (grad_a, grad_b)
+                    )
+        if not np.isfinite(total) or not all_finite(*outputs):
+            raise EngineError(f"the {work.loss_fn} loss is not finite for this request", "user")
+        if not all_finite(grad_a, grad_b):
+            raise EngineError(
+                "the gradients of this request are not finite (its loss inputs are too large); "
+                "nothing was accumulated",
+                "user",
+            )
+        adapter.grad_a += grad_a
+        adapter.grad_b += grad_b
+        if metric_sums:
+            from tuneloop.server.engine.custom_loss_graph import reduce_metrics
+
+            return ForwardBackwardResult(
+                outputs, {"loss:sum": total, **reduce_metrics(metric_sums, len(work.examples))}
+            )
         return ForwardBackwardResult(outputs, {"loss:sum": total})
 
     def _target_logprobs(
@@ -173,6 +218,7 @@ class FakeBackend:
         logprobs_all: np.ndarray,
         targets_2d: np.ndarray,
         grad_lp: np.ndarray,
+        into: tuple[np.ndarray, np.ndarray],
     ) -> None:
         grad_2d = grad_lp if grad_lp.ndim == 2 else grad_lp[:, None]  # [N, K]
         probs = np.exp(logprobs_all)
@@ -180,28 +226,52 @@ class FakeBackend:
         dlogits = -grad_2d.sum(axis=1, keepdims=True) * probs
         np.add.at(dlogits, (np.arange(len(tokens))[:, None], targets_2d), grad_2d)
         scale = adapter.scale
-        np.add.at(adapter.grad_a, tokens, scale * dlogits @ adapter.b.T)
-        adapter.grad_b += scale * adapter.a[tokens].T @ dlogits
+        grad_a, grad_b = into
+        np.add.at(grad_a, tokens, scale * dlogits @ adapter.b.T)
+        grad_b += scale * adapter.a[tokens].T @ dlogits
 
     def optim_step(self, adapter_id: str, step: AdamStep) -> dict[str, float]:
+        """One AdamW step, computed aside and kept only if all of it is finite; otherwise
+        skipped (as mixed-precision trainers skip a step), said so in the metrics
+        (`isolation.skipped_step_metrics`). Either way the gradients are cleared."""
         adapter = self._adapter(adapter_id)
         grads = [adapter.grad_a, adapter.grad_b]
-        norm = float(np.sqrt(sum((g**2).sum() for g in grads)))
+        with np.errstate(over="ignore", invalid="ignore"):
+            norm = float(np.sqrt(sum((g**2).sum() for g in grads)))
+        if not np.isfinite(norm):
+            self._clear_grads(adapter)
+            return skipped_step_metrics("gradients", step.learning_rate)
         clip = 1.0
         if step.grad_clip_norm > 0 and norm > step.grad_clip_norm:
             clip = step.grad_clip_norm / (norm + 1e-6)
-        adapter.step += 1
-        t = adapter.step
-        for param, grad, m, v in zip(adapter.params(), grads, adapter.m, adapter.v, strict=True):
-            g = grad * clip
-            param *= 1.0 - step.learning_rate * step.weight_decay  # decoupled, as AdamW
-            m[:] = step.beta1 * m + (1 - step.beta1) * g
-            v[:] = step.beta2 * v + (1 - step.beta2) * g * g
-            m_hat = m / (1 - step.beta1**t)
-            v_hat = v / (1 - step.beta2**t)
-            param -= step.learning_rate * m_hat / (np.sqrt(v_hat) + step.eps)
-            grad[:] = 0.0
+        t = adapter.step + 1
+        new: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        with np.errstate(over="ignore", invalid="ignore"):
+            for param, grad, m, v in zip(
+                adapter.params(), grads, adapter.m, adapter.v, strict=True
+            ):
+                g = grad * clip
+                p = param * (1.0 - step.learning_rate * step.weight_decay)  # decoupled, as AdamW
+                m_new = step.beta1 * m + (1 - step.beta1) * g
+                v_new = step.beta2 * v + (1 - step.beta2) * g * g
+                m_hat = m_new / (1 - step.beta1**t)
+                v_hat = v_new / (1 - step.beta2**t)
+                p = p - step.learning_rate * m_hat / (np.sqrt(v_hat) + step.eps)
+                new.append((p, m_new, v_new))
+        self._clear_grads(adapter)
+        if not all_finite(*(x for triple in new for x in triple)):
+            return skipped_step_metrics("weights", step.learning_rate)
+        for param, m, v, (p, m_new, v_new) in zip(
+            adapter.params(), adapter.m, adapter.v, new, strict=True
+        ):
+            param[:], m[:], v[:] = p, m_new, v_new
+        adapter.step = t
         return {"grad_norm": norm, "learning_rate": step.learning_rate}
+
+    @staticmethod
+    def _clear_grads(adapter: _Adapter) -> None:
+        adapter.grad_a[:] = 0.0
+        adapter.grad_b[:] = 0.0
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -225,6 +295,7 @@ class FakeBackend:
     def load_state(self, adapter_id: str, directory: Path, *, optimizer: bool) -> None:
         adapter = self._adapter(adapter_id)
         arrays = _read(directory)
+        _check_finite(arrays, directory)
         if arrays["a"].shape != adapter.a.shape:
             raise EngineError("checkpoint rank does not match the adapter's rank", "user")
         adapter.a[:], adapter.b[:] = arrays["a"], arrays["b"]
@@ -256,6 +327,7 @@ class FakeBackend:
             self._samplers[sampler_id] = (adapter.a.copy(), adapter.b.copy(), adapter.scale)
         elif weights_dir is not None:
             arrays = _read(weights_dir)
+            _check_finite(arrays, weights_dir)
             meta = json.loads((weights_dir / "adapter_config.json").read_text())
             scale = float(meta["lora_alpha"]) / int(meta["r"])
             self._samplers[sampler_id] = (arrays["a"], arrays["b"], scale)
@@ -271,7 +343,11 @@ class FakeBackend:
             if work.sampler_id not in self._samplers:
                 results.append(EngineError(f"no sampler {work.sampler_id!r}", "user"))
                 continue
-            results.append(self._sample_one(work, self._samplers[work.sampler_id]))
+            # Each request on its own: whatever one raises fails it alone.
+            try:
+                results.append(self._sample_one(work, self._samplers[work.sampler_id]))
+            except Exception as exc:
+                results.append(alone_error(exc, "sample"))
         return results
 
     def _decode(self, tokens: list[int]) -> str:
@@ -285,7 +361,10 @@ class FakeBackend:
         prompt_lp: list[float | None] | None = None
         prompt_topk: list[TopkRow] | None = None
         if work.prompt_logprobs or work.topk_prompt_logprobs:
-            logprobs_all = _log_softmax(self._logits(work.prompt[:-1], lora))  # predicts 1..P-1
+            logits_all = self._logits(work.prompt[:-1], lora)  # predicts 1..P-1
+            if not all_finite(logits_all):
+                raise EngineError(NON_FINITE_LOGITS, "user")
+            logprobs_all = _log_softmax(logits_all)
             if work.prompt_logprobs:
                 picked = np.take_along_axis(logprobs_all, work.prompt[1:, None], axis=1)[:, 0]
                 prompt_lp = [None, *(float(x) for x in picked)]
@@ -308,6 +387,8 @@ class FakeBackend:
         last = int(work.prompt[-1])
         for _ in range(work.max_tokens):
             logits = self._logits(np.array([last]), lora)[0]
+            if not all_finite(logits):
+                raise EngineError(NON_FINITE_LOGITS, "user")
             # Reported logprobs are the model's at temperature 1 (what training computes);
             # temperature, top-k and top-p only shape which token is drawn.
             model_logprobs = _log_softmax(logits)
@@ -327,9 +408,22 @@ class FakeBackend:
             last = token
         return SampledTokens(tokens, logprobs, "length", topk or None)
 
+    def kv_cache_use(self) -> KVCacheUse:
+        # No KV cache: each sample is generated token by token from the bigram table.
+        return KVCacheUse(tokens=0, token_budget=0, bytes=0)
+
     def close(self) -> None:
         self._adapters.clear()
         self._samplers.clear()
+
+
+def _check_finite(arrays: dict[str, np.ndarray], directory: Path) -> None:
+    """Weights with a NaN or an infinity are refused where they would enter the engine."""
+    for name, array in arrays.items():
+        if np.issubdtype(array.dtype, np.floating) and not all_finite(array):
+            raise EngineError(
+                f"checkpoint {directory.name!r} holds non-finite weights ({name})", "user"
+            )
 
 
 def _truncated_probs(logprobs: np.ndarray, work: SampleWork) -> np.ndarray:

@@ -33,6 +33,8 @@ def atomic_directory(directory: Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
         yield tmp
+        for path in tmp.rglob("*"):  # the data dir's modes (storage/layout.py)
+            path.chmod(0o700 if path.is_dir() else 0o600)
         if directory.exists():
             shutil.rmtree(directory)
         tmp.rename(directory)

@@ -84,6 +84,20 @@ def gspo(lp: np.ndarray, inputs: Inputs, config: Config) -> tuple[float, np.ndar
     return _clipped_surrogate(seq_ratio, inputs["advantages"], low, high)
 
 
+def stable_reinforce(lp: np.ndarray, inputs: Inputs, config: Config) -> tuple[float, np.ndarray]:
+    """L = -sum m [sg(min(r, c)) A lp - kl_coeff/2 (lp - q)^2], with q the recorded sampler
+    logprobs (``recorded_logprobs``), r = exp(lp - q), m = ``sampled_mask``, c =
+    ``clip_high_threshold``; dL/dlp = -m (min(r, c) A - kl_coeff (lp - q))."""
+    q = inputs["recorded_logprobs"]
+    mask = inputs["sampled_mask"]
+    adv = inputs["advantages"]
+    kl = config["kl_coeff"]
+    diff = lp - q
+    weight = np.minimum(np.exp(diff), config["clip_high_threshold"])
+    loss = -(mask * (weight * adv * lp - 0.5 * kl * diff**2)).sum()
+    return float(loss), -mask * (weight * adv - kl * diff)
+
+
 LOSS_FUNCTIONS: Mapping[str, LossFn] = {
     "cross_entropy": cross_entropy,
     "importance_sampling": importance_sampling,
@@ -91,4 +105,5 @@ LOSS_FUNCTIONS: Mapping[str, LossFn] = {
     "cispo": cispo,
     "dro": dro,
     "gspo": gspo,
+    "stable_reinforce": stable_reinforce,
 }

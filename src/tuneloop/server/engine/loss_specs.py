@@ -19,6 +19,8 @@ class LossSpec:
     optional_inputs: tuple[str, ...] = ()
     config_defaults: Mapping[str, float] = field(default_factory=dict)
     allows_2d_targets: bool = False
+    # Per-token inputs the server derives itself (never accepted from a request).
+    server_inputs: tuple[str, ...] = ()
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -26,6 +28,9 @@ class LossSpec:
 
 
 _RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+# What stable_reinforce reads from the stability records: the sampler's own logprob of each
+# target token, and 1.0 where the target is a sampled token (0.0 on prompt positions).
+STABILITY_INPUTS = ("recorded_logprobs", "sampled_mask")
 
 LOSS_SPECS: Mapping[str, LossSpec] = MappingProxyType(
     {
@@ -53,13 +58,18 @@ LOSS_SPECS: Mapping[str, LossSpec] = MappingProxyType(
             ("sequence_ratio_mask", *_CLIP_INPUTS),
             {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
         ),
+        # The sampler logprobs come from the server's stability records, named by the datum's
+        # provenance spans (api/stability.py); the request's own `logprobs` are not used.
+        "stable_reinforce": LossSpec(
+            "stable_reinforce",
+            ("target_tokens", "advantages"),
+            ("logprobs",),
+            {"kl_coeff": 0.0, "clip_high_threshold": 2.0},
+            server_inputs=STABILITY_INPUTS,
+        ),
     }
 )
 
 # Names the official SDK can send that this server deliberately does not run, with the reason.
-UNSUPPORTED_LOSSES: Mapping[str, str] = MappingProxyType(
-    {
-        "stable_reinforce": "its formula is not public; use importance_sampling, ppo or cispo",
-        "custom": "server-side custom losses are off; forward_backward_custom runs on the client",
-    }
-)
+# (None today: "custom" runs a graph stored by create_custom_loss, see engine/custom_loss.py.)
+UNSUPPORTED_LOSSES: Mapping[str, str] = MappingProxyType({})

@@ -17,10 +17,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
+import numpy as np
 import torch
 
+from tuneloop.server.engine.custom_loss import input_tensors, run_custom_loss
 from tuneloop.server.engine.loss_specs import LOSS_SPECS
-from tuneloop.server.engine.types import EngineError
+from tuneloop.server.engine.types import EngineError, ForwardBackwardWork
 
 Inputs = Mapping[str, torch.Tensor]
 Config = Mapping[str, float]
@@ -156,6 +158,30 @@ def gspo(lp: torch.Tensor, inputs: Inputs, config: Config) -> torch.Tensor:
     return _clipped_surrogate(seq_ratio, _const(inputs, "advantages"), low, high)
 
 
+def stable_reinforce(lp: torch.Tensor, inputs: Inputs, config: Config) -> torch.Tensor:
+    """REINFORCE with truncated importance weights against the sampler's RECORDED logprobs:
+    ``L = -sum_t m_t [sg(min(r_t, c)) A_t lp_t - kl_coeff/2 (lp_t - q_t)^2]``.
+
+    q = ``recorded_logprobs``: the logprob the server's sampler gave each sampled token when it
+    drew it (kept per sequence_id by the stability records; the request's ``logprobs`` are not
+    trusted for this). r_t = exp(lp_t - q_t); m = ``sampled_mask`` (1 on targets that are
+    sampled tokens, 0 on prompt positions, whatever their advantage); c =
+    ``clip_high_threshold`` (default 2.0) caps the weight, so stale (off-policy) or
+    low-precision samples cannot blow the update up; the weight is a constant (REINFORCE form,
+    the gradient never flows through the ratio). kl_coeff (default 0) adds the k2 penalty
+    1/2 (log pi/q)^2 toward the sampling policy.
+    dL/dlp_t = -m_t (min(r_t, c) A_t - kl_coeff (lp_t - q_t)). On-policy (r = 1) the gradient
+    is plain REINFORCE, -A grad lp, the same as importance_sampling's.
+    """
+    q = _const(inputs, "recorded_logprobs")
+    mask = _const(inputs, "sampled_mask")
+    diff = lp - q
+    cap = torch.as_tensor(float(config["clip_high_threshold"]), dtype=lp.dtype, device=lp.device)
+    weight = torch.minimum(torch.exp(diff.detach()), cap)
+    kl = float(config["kl_coeff"])
+    return -(mask * (weight * _const(inputs, "advantages") * lp - 0.5 * kl * diff * diff)).sum()
+
+
 LOSSES: Mapping[str, LossFn] = MappingProxyType(
     {
         "cross_entropy": cross_entropy,
@@ -164,6 +190,7 @@ LOSSES: Mapping[str, LossFn] = MappingProxyType(
         "cispo": cispo,
         "dro": dro,
         "gspo": gspo,
+        "stable_reinforce": stable_reinforce,
     }
 )
 
@@ -183,3 +210,29 @@ def compute_loss(
         raise EngineError(f"unknown loss function {loss_fn!r}; known: {known}", "user")
     merged = {**LOSS_SPECS[loss_fn].config_defaults, **config}
     return fn(_f32(logprobs), inputs, merged)
+
+
+def datum_loss(
+    work: ForwardBackwardWork,
+    logprobs: torch.Tensor,
+    inputs: Mapping[str, np.ndarray],
+    device: torch.device | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of one datum of `work` and its metrics (a custom loss's ``custom/...``).
+
+    Built-in losses see every input but ``target_tokens`` as float32 on `device`; a custom loss
+    sees the inputs it declared, each in its own dtype (as the SDK's client-side run does).
+    """
+    if work.custom_loss is not None:
+        # On the CPU whatever the device: a user's indexing out of range is an exception there,
+        # where on a GPU it would be a device-side assert that ends the process's CUDA context
+        # (every tenant's work). The vectors are small; autograd carries the gradient back.
+        tensors = input_tensors(work.custom_loss, inputs)
+        loss, metrics = run_custom_loss(work.custom_loss, _f32(logprobs).cpu(), tensors)
+        return loss.to(logprobs.device), metrics
+    floats = {
+        k: torch.as_tensor(v, dtype=torch.float32, device=device)
+        for k, v in inputs.items()
+        if k != "target_tokens"
+    }
+    return compute_loss(work.loss_fn, logprobs, floats, work.loss_config), {}

@@ -15,16 +15,21 @@ from torch import nn
 
 from tuneloop.server.engine import checkpoints
 from tuneloop.server.engine.files import TOKENIZER_FILES, atomic_directory
+from tuneloop.server.engine.lora.experts import EXPERT_PARAMETERS, is_fused_experts
 from tuneloop.server.engine.models import load_model
 from tuneloop.server.engine.types import AdapterSpec, EngineError
 
 
 @torch.no_grad()
 def merge_into(model: nn.Module, spec: AdapterSpec, factors: Mapping[str, torch.Tensor]) -> int:
-    """W += (alpha / r) * B @ A for every factor pair; returns how many layers changed."""
+    """W += (alpha / r) * B @ A for every factor pair (per expert for fused MoE experts, from
+    PEFT's `target_parameters` layout); returns how many weights changed."""
     scale = spec.alpha / spec.rank
     merged = 0
     for name, module in model.named_modules():
+        if is_fused_experts(module):
+            merged += _merge_experts(name, module, factors, scale)
+            continue
         a = factors.get(f"{name}.lora_A.weight")
         b = factors.get(f"{name}.lora_B.weight")
         if a is None or b is None:
@@ -38,6 +43,30 @@ def merge_into(model: nn.Module, spec: AdapterSpec, factors: Mapping[str, torch.
             model.config.tie_word_embeddings = False  # type: ignore[union-attr]
         delta = (b.float() @ a.float()) * scale
         module.weight += delta.to(module.weight.dtype)
+        merged += 1
+    return merged
+
+
+def _merge_experts(
+    name: str, module: nn.Module, factors: Mapping[str, torch.Tensor], scale: float
+) -> int:
+    """Per expert e, W[e] += scale * B_e @ A_e, in the parameter's own layout."""
+    merged = 0
+    transposed = bool(getattr(module, "is_transposed", False))
+    for index, param_name in enumerate(EXPERT_PARAMETERS):
+        prefix = name + ".base_layer" * (len(EXPERT_PARAMETERS) - 1 - index)
+        a = factors.get(f"{prefix}.lora_A.weight")
+        b = factors.get(f"{prefix}.lora_B.weight")
+        if a is None or b is None:
+            continue
+        param = getattr(module, param_name)
+        experts = param.shape[0]
+        a3 = a.float().reshape(experts, -1, a.shape[-1])  # [E, r, in]
+        b3 = b.float().reshape(b.shape[0], -1, experts).permute(2, 0, 1)  # [E, out, r]
+        delta = torch.bmm(b3, a3) * scale  # [E, out, in]
+        if transposed:
+            delta = delta.transpose(1, 2)
+        param += delta.to(param.dtype)
         merged += 1
     return merged
 

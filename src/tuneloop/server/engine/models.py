@@ -18,7 +18,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from tuneloop.server.engine.dtypes import choose_dtype
+from tuneloop.server.engine.lora import AdapterBank, inject
 from tuneloop.server.engine.types import EngineError, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,16 @@ def load_model(
         return _finish(name_or_path, _from_folder(path, dtype), path, device, dtype)
     folder = _hub_snapshot(name_or_path)
     return _finish(name_or_path, _from_folder(folder, dtype), folder, device, dtype)
+
+
+def with_adapters(loaded: LoadedModel) -> tuple[LoadedModel, AdapterBank]:
+    """Make `loaded` adaptable (or refuse it): its adapter bank, and its spec with what LoRA
+    covers on it, which is logged (what `tuneloop serve` prints at load)."""
+    injected = inject(loaded.model)
+    coverage = injected.describe(loaded.model)
+    spec = replace(loaded.spec, lora=coverage)
+    log.info("%s", coverage.describe(spec.name, spec.arch))
+    return LoadedModel(spec=spec, model=loaded.model), AdapterBank(injected)
 
 
 # ---- built-in tiny models -------------------------------------------------------------------

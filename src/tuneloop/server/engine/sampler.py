@@ -14,6 +14,7 @@ token is drawn.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,10 +22,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tuneloop.server.engine.isolation import NON_FINITE_LOGITS, alone_error
 from tuneloop.server.engine.kv.sequence import Sequence as KVSequence
 from tuneloop.server.engine.logprobs import pad_rows, prompt_scores
 from tuneloop.server.engine.lora import AdapterBank
 from tuneloop.server.engine.types import (
+    EngineError,
     SampledTokens,
     SampleResult,
     SampleWork,
@@ -96,6 +99,14 @@ def _choose(logits: torch.Tensor, rows: list[Row], temperature: torch.Tensor) ->
     return [int(t) for t in chosen.tolist()]
 
 
+def nonfinite_rows(logits: torch.Tensor) -> list[int]:
+    """The rows of `logits` [rows, V] holding a NaN or an infinity (one device sync)."""
+    finite = torch.isfinite(logits).all(dim=-1)
+    if bool(finite.all()):
+        return []
+    return [i for i, ok in enumerate(finite.tolist()) if not ok]
+
+
 def _topk(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
     values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]))
     return [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
@@ -142,25 +153,31 @@ def new_request(
 
 def sample_rows(
     logits: torch.Tensor, rows: list[Row], decode: Callable[[list[int]], str]
-) -> list[bool]:
+) -> list[bool | EngineError]:
     """Draw the next token of every row from its logits row ([len(rows), V], fp32), record it
     with its logprob (and top-k), hand it to the row's stream, and set the row's stop reason.
-    Returns, per row, whether it goes on."""
+    Returns, per row, whether it goes on, or the error of its own work (a stop check that
+    raises): that row's request fails alone, the other rows are unaffected."""
     temperature = torch.tensor([row.work.temperature for row in rows], device=logits.device)
     step_logprobs = torch.log_softmax(logits, dim=-1)
     chosen = _choose(logits, rows, temperature)
     chosen_lp = step_logprobs.gather(1, torch.tensor(chosen, device=logits.device)[:, None])
     chosen_lp_list = chosen_lp[:, 0].tolist()
-    going: list[bool] = []
+    going: list[bool | EngineError] = []
     for i, row in enumerate(rows):
         token = chosen[i]
         row.tokens.append(token)
         row.logprobs.append(float(chosen_lp_list[i]))
-        if row.work.topk_sample_logprobs:
-            row.topk.append(_topk(step_logprobs[i], row.work.topk_sample_logprobs))
-        if row.work.on_token is not None:
-            _tell(row)
-        row.stop_reason = _finished(row, token, decode)
+        try:
+            if row.work.topk_sample_logprobs:
+                row.topk.append(_topk(step_logprobs[i], row.work.topk_sample_logprobs))
+            if row.work.on_token is not None:
+                _tell(row)
+            row.stop_reason = _finished(row, token, decode)
+        except Exception as exc:  # this request's own work: it fails alone
+            log.exception("sampling failed for one request")
+            going.append(alone_error(exc, "sample"))
+            continue
         going.append(row.stop_reason is None)
     return going
 
@@ -209,6 +226,8 @@ def score_prompts(
 def result(request: RunningRequest) -> SampleResult:
     work = request.work
     prompt_lp, prompt_topk = request.scores
+    if prompt_lp is not None and not all(x is None or math.isfinite(x) for x in prompt_lp):
+        raise EngineError(NON_FINITE_LOGITS, "user")
     sequences = [
         SampledTokens(
             r.tokens,

@@ -18,10 +18,10 @@ from torch import nn
 from tuneloop.server.engine import checkpoints, training
 from tuneloop.server.engine.backend import KVCacheUse
 from tuneloop.server.engine.decoder import DEFAULT_PREFILL_CHUNK, Decoder
+from tuneloop.server.engine.isolation import bisect_failures
 from tuneloop.server.engine.kv.block_manager import KVUsage
-from tuneloop.server.engine.lora import AdapterBank, inject
 from tuneloop.server.engine.memory import kv_bytes_per_token, training_token_budget
-from tuneloop.server.engine.models import default_dtype, load_model
+from tuneloop.server.engine.models import default_dtype, load_model, with_adapters
 from tuneloop.server.engine.optim import AdapterOptimizer
 from tuneloop.server.engine.packing import enable_packing
 from tuneloop.server.engine.runtime import Runtime
@@ -87,7 +87,7 @@ class TorchBackend:
                 dtype=dtype or default_dtype(name, self.device),
             )
             pad = getattr(loaded.model.config, "pad_token_id", None)
-            bank = AdapterBank(inject(loaded.model))
+            loaded, bank = with_adapters(loaded)  # or refused: layers LoRA cannot adapt
             self._runtimes[loaded.spec.name] = Runtime(
                 loaded,
                 bank,
@@ -148,11 +148,14 @@ class TorchBackend:
             by_runtime.setdefault(id(runtime), []).append(index)
         for indices in by_runtime.values():
             runtime = self._adapters[batch[indices[0]].adapter_id].runtime
-            for index, result in zip(
-                indices,
-                training.train(runtime, [batch[i] for i in indices], self.token_budget),
-                strict=True,
-            ):
+
+            def train(works: Sequence[ForwardBackwardWork], rt: Runtime = runtime) -> list[Any]:
+                return list(training.train(rt, works, self.token_budget))
+
+            # Micro-batches fail request by request (training.py); anything else that raises
+            # runs the requests again apart, before any of them accumulated.
+            trained = bisect_failures(train, [batch[i] for i in indices], "forward_backward")
+            for index, result in zip(indices, trained, strict=True):
                 results[index] = result
         return [r if r is not None else EngineError("not run") for r in results]
 

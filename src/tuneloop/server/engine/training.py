@@ -6,6 +6,10 @@ summed, and one backward pass fills each adapter's gradients from its own rows o
 packed end to end with no padding (packing.py) on models whose attention allows it, padded
 otherwise. A request too large for one micro-batch runs alone over several, and its adapter's
 gradients are restored if it fails part-way.
+
+One request's failure is its own: a micro-batch's gradients are accumulated only once they are
+finite, and a micro-batch that raises or overflows is run again request by request, so that only
+the request failing alone fails, with nothing accumulated (`_isolated_micro_batch`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
+from tuneloop.server.engine.custom_loss_graph import reduce_metrics
+from tuneloop.server.engine.isolation import alone_error
 from tuneloop.server.engine.logprobs import (
     pack_rows,
     pack_targets,
@@ -27,7 +34,7 @@ from tuneloop.server.engine.logprobs import (
     pad_targets,
     target_logprobs,
 )
-from tuneloop.server.engine.losses import compute_loss
+from tuneloop.server.engine.losses import datum_loss
 from tuneloop.server.engine.packing import packed_positions, packed_segments
 from tuneloop.server.engine.runtime import Runtime
 from tuneloop.server.engine.types import EngineError, ForwardBackwardResult, ForwardBackwardWork
@@ -101,6 +108,7 @@ def train(
         for ex in work.examples
     ]
     losses = [0.0] * len(works)
+    metric_sums: list[dict[str, float]] = [{} for _ in works]
     logprobs: list[list[np.ndarray]] = [[] for _ in works]
     failed: dict[int, EngineError] = {}
     # Gradients of the adapter of a request split over several micro-batches, as they were
@@ -119,7 +127,7 @@ def train(
             params = runtime.bank.parameters(works[alone].adapter_id)
             saved = (alone, [None if p.grad is None else p.grad.clone() for p in params])
         try:
-            _run_micro_batch(runtime, works, micro, losses, logprobs, failed)
+            _isolated_micro_batch(runtime, works, micro, losses, logprobs, failed, metric_sums)
         except torch.OutOfMemoryError:
             for row in micro:
                 failed.setdefault(
@@ -130,9 +138,102 @@ def train(
                     ),
                 )
     return [
-        failed.get(i) or ForwardBackwardResult(logprobs[i], {"loss:sum": losses[i]})
+        failed.get(i)
+        or ForwardBackwardResult(
+            logprobs[i],
+            {"loss:sum": losses[i], **reduce_metrics(metric_sums[i], len(works[i].examples))},
+        )
         for i in range(len(works))
     ]
+
+
+def _isolated_micro_batch(
+    runtime: Runtime,
+    works: Sequence[ForwardBackwardWork],
+    micro: list[TrainRow],
+    losses: list[float],
+    logprobs: list[list[np.ndarray]],
+    failed: dict[int, EngineError],
+    metric_sums: list[dict[str, float]],
+) -> None:
+    """`_run_micro_batch`, its gradients accumulated only if they are finite.
+
+    The micro-batch's gradients are computed apart from those accumulated before and added
+    to them once checked. If they are not finite (rows of several requests share a packed
+    attention, where one request's overflowing gradient reaches the others' through
+    masked-out positions, 0 x inf), or the micro-batch raises, they are dropped and each
+    request runs again alone: the one that fails alone fails, with nothing accumulated,
+    and every other gets what it gets alone.
+    """
+    keys = list(dict.fromkeys(works[r.work_index].adapter_id for r in micro))
+    params = {
+        key: runtime.bank.parameters(key)
+        for key in keys
+        if any(not works[r.work_index].forward_only and r.key == key for r in micro)
+    }
+    held = {key: [p.grad for p in ps] for key, ps in params.items()}
+    for ps in params.values():
+        for param in ps:
+            param.grad = None
+    indices = list(dict.fromkeys(r.work_index for r in micro))
+    before = (
+        dict(failed),
+        {i: losses[i] for i in indices},
+        {i: len(logprobs[i]) for i in indices},
+        {i: dict(metric_sums[i]) for i in indices},
+    )
+    try:
+        _run_micro_batch(runtime, works, micro, losses, logprobs, failed, metric_sums)
+    except torch.OutOfMemoryError:
+        _put_back(params, held, keep_new=False)
+        raise
+    except Exception as exc:
+        _put_back(params, held, keep_new=False)
+        error: EngineError = alone_error(exc, "forward_backward")
+    else:
+        if all(_finite_grads(ps) for ps in params.values()):
+            _put_back(params, held, keep_new=True)
+            return
+        _put_back(params, held, keep_new=False)
+        error = EngineError(
+            "the gradients of this request are not finite (its loss inputs are too large "
+            "for its model); nothing was accumulated",
+            "user",
+        )
+    failed.clear()
+    failed.update(before[0])
+    for i in indices:
+        losses[i] = before[1][i]
+        del logprobs[i][before[2][i] :]
+        metric_sums[i] = before[3][i]
+    if len(indices) == 1:
+        failed.setdefault(indices[0], error)
+        return
+    for i in indices:
+        alone = [r for r in micro if r.work_index == i]
+        _isolated_micro_batch(runtime, works, alone, losses, logprobs, failed, metric_sums)
+
+
+def _put_back(
+    params: dict[str, list[nn.Parameter]],
+    held: dict[str, list[torch.Tensor | None]],
+    *,
+    keep_new: bool,
+) -> None:
+    """Gradients back to those `held` before a micro-batch, its own added (`keep_new`)."""
+    for key, ps in params.items():
+        for param, old in zip(ps, held[key], strict=True):
+            new = param.grad if keep_new else None
+            if old is not None and new is not None:
+                param.grad = old.add_(new)
+            else:
+                param.grad = old if old is not None else new
+
+
+def _finite_grads(params: Sequence[nn.Parameter]) -> bool:
+    """Whether the gradients' global norm is finite (what optim_step requires)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    return not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
 
 
 def _run_micro_batch(
@@ -142,6 +243,7 @@ def _run_micro_batch(
     losses: list[float],
     logprobs: list[list[np.ndarray]],
     failed: dict[int, EngineError],
+    metric_sums: list[dict[str, float]],
 ) -> None:
     device = runtime.device
     needs_grad = any(not works[r.work_index].forward_only for r in micro)
@@ -177,13 +279,8 @@ def _run_micro_batch(
             ]
             lp = lp[:, 0] if target.ndim == 1 else lp
             work = works[row.work_index]
-            tensors = {
-                k: torch.as_tensor(v, dtype=torch.float32, device=device)
-                for k, v in row.inputs.items()
-                if k != "target_tokens"
-            }
             try:
-                loss = compute_loss(work.loss_fn, lp, tensors, work.loss_config)
+                loss, extra = datum_loss(work, lp, row.inputs, device)
             except EngineError as exc:  # e.g. an unknown loss: fails this request only
                 failed.setdefault(row.work_index, exc)
                 continue
@@ -195,6 +292,9 @@ def _run_micro_batch(
                 )
                 continue
             losses[row.work_index] += value
+            sums = metric_sums[row.work_index]
+            for key, metric in extra.items():
+                sums[key] = sums.get(key, 0.0) + metric
             logprobs[row.work_index].append(lp.detach().float().cpu().numpy())
             if not work.forward_only:
                 row_losses.append((row.work_index, loss))

@@ -8,9 +8,12 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from tuneloop.server.engine.custom_loss_graph import CustomLoss
 
 
 class EngineError(Exception):
@@ -22,6 +25,37 @@ class EngineError(Exception):
 
 
 @dataclass(frozen=True)
+class LoraCoverage:
+    """What LoRA reaches on one model: reported by get_info and capabilities, logged at load."""
+
+    parameters: int  # the base model's parameter count
+    groups: tuple[str, ...]  # target groups with layers on this model (attention, mlp, ...)
+    share: float  # of the body's weights (all matrices but the embeddings), every group on
+    per_rank: tuple[tuple[str, int], ...]  # group -> trainable parameters per unit of rank
+
+    def trainable(self, rank: int, groups: tuple[str, ...] | None = None) -> int:
+        """Trainable parameters of a rank-`rank` adapter on these groups (None: all)."""
+        return rank * sum(n for g, n in self.per_rank if groups is None or g in groups)
+
+    def describe(self, name: str, arch: str) -> str:
+        """One line for the load log and `tuneloop serve`'s start-up output."""
+        return (
+            f"model {name} ({arch}, {self.parameters / 1e6:.1f}M parameters): LoRA covers "
+            f"{', '.join(self.groups)}, {100 * self.share:.1f}% of the body's weights; a rank-32 "
+            f"adapter on all of them trains {self.trainable(32) / 1e6:.2f}M parameters"
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """The capabilities fields (every target group on)."""
+        return {
+            "num_parameters": self.parameters,
+            "lora_groups": list(self.groups),
+            "lora_coverage": self.share,
+            "lora_parameters_per_rank": self.trainable(1),
+        }
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     arch: str
@@ -29,6 +63,7 @@ class ModelSpec:
     max_context_length: int
     eos_token_id: int
     tokenizer_dir: Path
+    lora: LoraCoverage | None = None  # None: a backend without real layers (the fake one)
 
 
 @dataclass(frozen=True)
@@ -41,6 +76,51 @@ class AdapterSpec:
     train_attn: bool = True
     train_unembed: bool = True
     alpha: float = 32.0
+    train_experts: bool | None = None  # None: as train_mlp
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """The target groups trained: `train_mlp` covers dense MLPs and, unless `train_experts`
+        says otherwise, MoE experts."""
+        return target_groups(
+            self.train_attn, self.train_mlp, self.train_unembed, self.train_experts
+        )
+
+
+def target_groups(
+    train_attn: bool, train_mlp: bool, train_unembed: bool, train_experts: bool | None = None
+) -> tuple[str, ...]:
+    experts = train_mlp if train_experts is None else train_experts
+    return (
+        (("attention",) if train_attn else ())
+        + (("mlp",) if train_mlp else ())
+        + (("experts",) if experts else ())
+        + (("unembed",) if train_unembed else ())
+    )
+
+
+def lora_info(
+    spec: ModelSpec,
+    rank: int,
+    train_attn: bool,
+    train_mlp: bool,
+    train_unembed: bool,
+    train_experts: bool | None = None,
+) -> dict[str, Any]:
+    """get_info's account of one adapter: the model's size, the groups it covers there, and
+    how many parameters it trains (empty where the backend does not say)."""
+    if spec.lora is None:
+        return {}
+    groups = tuple(
+        g
+        for g in target_groups(train_attn, train_mlp, train_unembed, train_experts)
+        if g in spec.lora.groups
+    )
+    return {
+        "num_parameters": spec.lora.parameters,
+        "lora_groups": list(groups),
+        "lora_trainable_parameters": spec.lora.trainable(rank, groups),
+    }
 
 
 @dataclass(frozen=True)
@@ -60,6 +140,8 @@ class ForwardBackwardWork:
     loss_fn: str
     loss_config: Mapping[str, float]
     forward_only: bool
+    # loss_fn "custom": the checked graph to run per datum (create_custom_loss).
+    custom_loss: CustomLoss | None = None
 
 
 @dataclass(frozen=True)

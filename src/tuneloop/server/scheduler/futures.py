@@ -11,11 +11,15 @@ lost for good and the client must submit the request again.
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 # req-<8 hex: boot id>-<24 hex>, and the plain req-<24 hex> of versions before boot ids.
 _REQUEST_ID = re.compile(r"^req-(?:([0-9a-f]{8})-)?[0-9a-f]{24}$")
@@ -28,6 +32,25 @@ class Outcome:
     body: bytes
     media_type: str  # application/json or application/x-protobuf
     failed: bool = False
+
+    @classmethod
+    def json(cls, payload: Any, *, failed: bool = False) -> Outcome:
+        """A JSON outcome. JSON has no NaN or infinity (Python would write the non-JSON literals
+        `NaN` / `Infinity`, which strict clients refuse): a non-finite float becomes null,
+        "no finite value". The engine keeps results finite; this makes it a guarantee."""
+        body = json.dumps(finite_json(payload), allow_nan=False)
+        return cls(body.encode(), "application/json", failed)
+
+
+def finite_json(value: Any) -> Any:
+    """`value` (dicts, lists, tuples, scalars) with every non-finite float replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_json(v) for v in value]
+    return value
 
 
 @dataclass
@@ -59,6 +82,8 @@ class FutureTable:
         # from submission to result (the 429's retry-after estimate).
         self._pending: dict[str, int] = {}
         self._latency_s: dict[str, float] = {}
+        # Called with (request_id, outcome) as each future resolves (completion feeds, traces).
+        self.listeners: list[Callable[[str, Outcome], None]] = []
 
     def create(self, tenant: str, kind: str) -> str:
         request_id = f"req-{self.boot_id}-{secrets.token_hex(12)}"
@@ -77,10 +102,22 @@ class FutureTable:
         previous = self._latency_s.get(entry.tenant)
         # Weight 0.2: about the last five results, so the estimate follows a changing load.
         self._latency_s[entry.tenant] = took if previous is None else 0.8 * previous + 0.2 * took
+        for listener in self.listeners:
+            listener(request_id, outcome)
+
+    def forget(self, request_id: str, tenant: str) -> None:
+        """Drop a delivered result the client acknowledged having (retrieve_futures)."""
+        entry = self._entries.get(request_id)
+        if entry is not None and entry.tenant == tenant and entry.outcome is not None:
+            del self._entries[request_id]
 
     def pending(self, tenant: str) -> int:
         """How many of the tenant's futures have no result yet."""
         return self._pending.get(tenant, 0)
+
+    def in_flight(self) -> dict[str, int]:
+        """Per tenant seen since start, how many futures have no result yet (for metrics)."""
+        return dict(self._pending)
 
     def typical_latency_s(self, tenant: str) -> float | None:
         """Recent seconds from submission to result of the tenant's requests; None before any."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import logging
 import math
 import time
@@ -14,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from tuneloop.server.engine.backend import Backend, ContinuousSampling
+from tuneloop.server.engine.isolation import bisect_failures
 from tuneloop.server.engine.types import CANCELLED, EngineError
 from tuneloop.server.scheduler.futures import FutureTable, Outcome
 from tuneloop.server.scheduler.queue import Batch, Operation, OperationQueue
@@ -28,20 +28,17 @@ T = TypeVar("T")
 
 
 def failure(message: str, category: str = "server") -> Outcome:
-    body = json.dumps({"error": message, "category": category}).encode()
-    return Outcome(body, "application/json", failed=True)
+    return Outcome.json({"error": message, "category": category}, failed=True)
 
 
 def _execute(backend: Backend, batch: Batch) -> list[Any]:
-    """Runs on the engine thread. Per-request failures come back as EngineError values."""
-    try:
-        if batch.kind == "forward_backward":
-            return list(backend.forward_backward([op.work for op in batch.ops]))
-        if batch.kind == "sample":
-            return list(backend.sample([op.work for op in batch.ops]))
-    except Exception as exc:  # a backend bug fails the batch, never the loop
-        log.exception("backend failed a %s batch", batch.kind)
-        return [EngineError(f"{type(exc).__name__}: {exc}") for _ in batch.ops]
+    """Runs on the engine thread. Per-request failures come back as EngineError values; a
+    batch call that raises is run again in halves, so only the request that fails alone fails
+    (engine/isolation.py)."""
+    if batch.kind == "forward_backward":
+        return bisect_failures(backend.forward_backward, [op.work for op in batch.ops], batch.kind)
+    if batch.kind == "sample":
+        return bisect_failures(backend.sample, [op.work for op in batch.ops], batch.kind)
     results: list[Any] = []
     for op in batch.ops:
         try:
@@ -80,6 +77,10 @@ class EngineLoop:
         self.futures = futures
         # One engine thread: the backend is never called concurrently, so it needs no locks.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        # (seconds of backend work finished, perf_counter() when the running work began or
+        # None): written on the engine thread only, replaced whole so a reader on another
+        # thread sees a consistent pair. See busy_seconds().
+        self._busy: tuple[float, float | None] = (0.0, None)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         # Set by stop(): a running decode batch then takes in no more requests, since the loop
@@ -90,6 +91,8 @@ class EngineLoop:
         # replacement is atomic.
         self._cancelled_at: dict[str, float] = {}
         self._cancelled: frozenset[str] = frozenset()
+        # The batch on the engine now, as (kind, operations), or None: for monitoring only.
+        self.running: tuple[str, int] | None = None
 
     def notify(self, kind: str | None = None) -> None:
         """New work was queued; `kind` ("sample", "forward_backward", ...) feeds the gather rule."""
@@ -113,17 +116,36 @@ class EngineLoop:
             return
         kept = []
         for op in batch.ops:
-            ids = (getattr(op.work, "sampler_id", None), getattr(op.work, "cancel_key", None))
-            if any(i is not None and i in self._cancelled for i in ids):
+            if self._is_cancelled(op):
                 self._publish(op, EngineError(CANCELLED, "user"))
             else:
                 kept.append(op)
         batch.ops[:] = kept
 
+    def _timed(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn` on the engine thread, counting its duration as busy time."""
+        done, _ = self._busy
+        started = time.perf_counter()
+        self._busy = (done, started)
+        try:
+            return fn(*args)
+        finally:
+            self._busy = (done + time.perf_counter() - started, None)
+
+    def busy_seconds(self) -> float:
+        """Seconds the engine thread has spent on backend work since start, the work running
+        now included (a decode run may last minutes): its rate is the busy fraction."""
+        done, since = self._busy
+        return done + (time.perf_counter() - since if since is not None else 0.0)
+
+    def _is_cancelled(self, op: Operation) -> bool:
+        ids = (getattr(op.work, "sampler_id", None), getattr(op.work, "cancel_key", None))
+        return any(i is not None and i in self._cancelled for i in ids)
+
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a direct backend call on the engine thread, between batches."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+        return await loop.run_in_executor(self._executor, self._timed, lambda: fn(*args, **kwargs))
 
     async def step(self) -> bool:
         batch = self.queue.next_batch()
@@ -143,11 +165,17 @@ class EngineLoop:
         self._drop_cancelled(batch)
         if not batch.ops:
             return True
-        if batch.kind == "sample" and isinstance(self.backend, ContinuousSampling):
-            await self._sample_continuously(batch)
-            return True
-        loop = asyncio.get_running_loop()
-        results = await loop.run_in_executor(self._executor, _execute, self.backend, batch)
+        self.running = (batch.kind, len(batch.ops))
+        try:
+            if batch.kind == "sample" and isinstance(self.backend, ContinuousSampling):
+                await self._sample_continuously(batch)
+                return True
+            loop = asyncio.get_running_loop()
+            results = await loop.run_in_executor(
+                self._executor, self._timed, _execute, self.backend, batch
+            )
+        finally:
+            self.running = None
         if self._arrivals.get(batch.kind, 0) > 0:
             # Requests of this kind arrived while the batch ran: clients work concurrently.
             self._overlap_seen_at[batch.kind] = time.monotonic()
@@ -205,14 +233,37 @@ class EngineLoop:
                 [op.work for op in batch.ops], admit, deliver, lambda: self._cancelled
             )
 
-        error: EngineError = EngineError("the sampling batch ended without this request")
         try:
-            await loop.run_in_executor(self._executor, run)
+            await loop.run_in_executor(self._executor, self._timed, run)
         except Exception as exc:  # a backend bug fails what it had not answered, never the loop
             log.exception("backend failed a continuous sampling batch")
             error = EngineError(f"{type(exc).__name__}: {exc}")
+            await self._sample_apart(list(ops.values()), error)
+            return
         for op in ops.values():
-            self._publish(op, error)
+            self._publish(op, EngineError("the sampling batch ended without this request"))
+
+    async def _sample_apart(self, left: list[Operation], error: EngineError) -> None:
+        """The requests a failed decode batch had not answered, run again in halves so that
+        only one that fails alone fails. A streaming request may have been told some tokens
+        already (telling them again would repeat them): it gets the batch's error."""
+        again = []
+        for op in left:
+            if self._is_cancelled(op):
+                self._publish(op, EngineError(CANCELLED, "user"))
+            elif getattr(op.work, "on_token", None) is not None:
+                self._publish(op, error)
+            else:
+                again.append(op)
+        if not again:
+            return
+        works = [op.work for op in again]
+        loop = asyncio.get_running_loop()
+        results = await loop.run_in_executor(
+            self._executor, self._timed, bisect_failures, self.backend.sample, works, "sample"
+        )
+        for op, result in zip(again, results, strict=True):
+            self._publish(op, result)
 
     @staticmethod
     def _outcome(op: Operation, result: Any) -> Outcome:

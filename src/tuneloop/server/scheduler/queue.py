@@ -8,7 +8,7 @@ operations carry no order and batch freely.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -113,6 +113,10 @@ class OperationQueue:
         """How many sampling operations wait (a plain read: safe from the engine thread)."""
         return len(self._samples)
 
+    def waiting_by_model(self) -> dict[str, int]:
+        """Training operations accepted and not yet run, per model id (the console's view)."""
+        return {m: len(s.pending) for m, s in self._streams.items() if s.pending}
+
     def training_ready(self) -> bool:
         """Whether some model has a training-side operation ready to run now."""
         return bool(self._ready_runs())
@@ -129,6 +133,19 @@ class OperationQueue:
     def drop_samples(self, keep: Callable[[Operation], bool]) -> list[Operation]:
         dropped = [op for op in self._samples if not keep(op)]
         self._samples = collections.deque(op for op in self._samples if keep(op))
+        return dropped
+
+    def drop_requests(self, request_ids: Collection[str]) -> list[Operation]:
+        """Take these operations out of the queue unrun (their API key was revoked). A dropped
+        training operation's seq_id counts as consumed, so later ones of its model still run."""
+        dropped = self.drop_samples(lambda op: op.request_id not in request_ids)
+        for stream in self._streams.values():
+            for seq_id, op in list(stream.pending.items()):
+                if op.request_id in request_ids:
+                    del stream.pending[seq_id]
+                    stream.skipped.add(seq_id)
+                    dropped.append(op)
+            stream.advance()
         return dropped
 
     # ---- policy -----------------------------------------------------------------------------
@@ -203,6 +220,11 @@ class OperationQueue:
         more = self._leading_forward_backward({op.model_id for op in batch.ops if op.model_id})
         self._take(more)
         batch.ops.extend(more)
+
+    def queued(self) -> list[Operation]:
+        """Every operation waiting: each model's training ones, then the samples (metrics)."""
+        training = [op for stream in self._streams.values() for op in stream.pending.values()]
+        return training + list(self._samples)
 
     def has_work(self) -> bool:
         return bool(self._samples) or bool(self._ready_runs())

@@ -26,6 +26,8 @@ class KeyRecord:
     key_sha256: str
     created_at: str
     revoked: bool = False
+    # An operator's key: its console also shows every tenant and the engine (read-only).
+    admin: bool = False
 
 
 class KeyStore:
@@ -43,14 +45,14 @@ class KeyStore:
         return [KeyRecord(**row) for row in json.loads(self.path.read_text())["keys"]]
 
     def _save(self, records: list[KeyRecord]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".keys.")
         with os.fdopen(fd, "w") as f:
             json.dump({"keys": [asdict(r) for r in records]}, f, indent=1)
         os.chmod(tmp, 0o600)
         os.replace(tmp, self.path)
 
-    def create(self, tenant: str) -> tuple[str, KeyRecord]:
+    def create(self, tenant: str, *, admin: bool = False) -> tuple[str, KeyRecord]:
         if not tenant or not tenant.replace("-", "").replace("_", "").isalnum():
             raise ValueError("tenant must be letters, digits, '-' or '_'")
         key = KEY_PREFIX + secrets.token_urlsafe(32)
@@ -59,6 +61,7 @@ class KeyStore:
             tenant=tenant,
             key_sha256=_hash(key),
             created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+            admin=admin,
         )
         with self._lock:
             self._save([*self._load(), record])
@@ -81,6 +84,15 @@ class KeyStore:
 
     def tenant_of(self, key: str) -> str | None:
         """The tenant a valid, unrevoked key belongs to; None otherwise."""
+        return self.tenant_of_hash(key_hash(key))
+
+    def tenant_of_hash(self, digest: str) -> str | None:
+        """As `tenant_of`, for a key known by its `key_hash`."""
+        record = self.record_of_hash(digest)
+        return record.tenant if record is not None else None
+
+    def _fresh(self) -> dict[str, KeyRecord] | None:
+        """Records by hash, re-read if the file changed; None if there is no file."""
         try:
             mtime = self.path.stat().st_mtime_ns
         except FileNotFoundError:
@@ -89,5 +101,25 @@ class KeyStore:
             if mtime != self._mtime:
                 self._by_hash = {r.key_sha256: r for r in self._load()}
                 self._mtime = mtime
-            record = self._by_hash.get(_hash(key))
-        return record.tenant if record is not None and not record.revoked else None
+            return self._by_hash
+
+    def record_of(self, key: str) -> KeyRecord | None:
+        """The record of a valid, unrevoked key; None otherwise."""
+        return self.record_of_hash(key_hash(key))
+
+    def record_of_hash(self, digest: str) -> KeyRecord | None:
+        """As `record_of`, for a key known by its `key_hash`."""
+        records = self._fresh()
+        record = records.get(digest) if records is not None else None
+        return record if record is not None and not record.revoked else None
+
+    def active(self, key_id: str) -> KeyRecord | None:
+        """The record of key `key_id` unless it was revoked (tokens issued for it stop)."""
+        records = self._fresh() or {}
+        found = next((r for r in records.values() if r.key_id == key_id), None)
+        return found if found is not None and not found.revoked else None
+
+
+def key_hash(key: str) -> str:
+    """How a key is stored and told apart: its SHA-256 (the key itself is kept nowhere)."""
+    return _hash(key)

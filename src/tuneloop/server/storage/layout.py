@@ -14,6 +14,25 @@ SEGMENT_TYPES = {
     "external_weights": "external",
 }
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# The data dir holds every tenant's weights and the registry: the server's user alone may
+# read it. Files 0600, folders 0700 (the server also runs with umask 077, see `tuneloop serve`).
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+
+def make_private_dirs(directory: Path, root: Path) -> None:
+    """Create `directory` and every missing folder between `root` and it, each 0700.
+
+    (`Path.mkdir(mode=..., parents=True)` gives the mode to the last folder only.)
+    """
+    missing = []
+    for folder in (directory, *directory.parents):
+        if folder == root or folder.exists():
+            break
+        missing.append(folder)
+    for folder in reversed(missing):
+        folder.mkdir(mode=PRIVATE_DIR_MODE, exist_ok=True)
+        folder.chmod(PRIVATE_DIR_MODE)  # mkdir's mode passes through the umask
 
 
 def valid_name(name: str) -> bool:
@@ -49,6 +68,13 @@ class Layout:
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
 
+    def prepare(self) -> None:
+        """Create the data dir (0700; an existing one is made 0700 too) and its checkpoints
+        folder."""
+        self.data_dir.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+        self.data_dir.chmod(PRIVATE_DIR_MODE)
+        make_private_dirs(self.data_dir / "checkpoints", self.data_dir)
+
     @property
     def keys_file(self) -> Path:
         return self.data_dir / "keys.json"
@@ -60,4 +86,7 @@ class Layout:
     def checkpoint_dir(self, tenant: str, path: TinkerPath) -> Path:
         # Run ids hold ':'; a hash keeps directory names portable and of bounded length.
         run = hashlib.sha256(path.training_run_id.encode()).hexdigest()[:24]
-        return self.data_dir / "checkpoints" / tenant / run / path.segment / path.name
+        directory = self.data_dir / "checkpoints" / tenant / run / path.segment / path.name
+        # Its parents now, private; the engine fills the folder itself (atomically).
+        make_private_dirs(directory.parent, self.data_dir)
+        return directory

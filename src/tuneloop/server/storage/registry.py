@@ -24,10 +24,11 @@ from sqlalchemy import (
     select,
     update,
 )
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
 from tuneloop.server.storage.base import Base, UTCDateTime, utcnow
-from tuneloop.server.storage.layout import TinkerPath
+from tuneloop.server.storage.layout import PRIVATE_FILE_MODE, TinkerPath
 from tuneloop.server.storage.migrations import upgrade
 from tuneloop.server.storage.upsert import insert_missing
 from tuneloop.server.storage.usage_store import UsageCount, UsageFilter, UsageStore, UsageSum
@@ -40,6 +41,7 @@ __all__ = [
     "CheckpointRow",
     "PackageNameRow",
     "Registry",
+    "RowExistsError",
     "SamplerRow",
     "SessionRow",
     "TrainingRunRow",
@@ -53,6 +55,10 @@ __all__ = [
 ]
 
 
+class RowExistsError(Exception):
+    """An insert of a row whose key is taken (an id re-used)."""
+
+
 class SessionRow(Base):
     __tablename__ = "sessions"
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -64,6 +70,7 @@ class SessionRow(Base):
     user_metadata: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     tags: Mapped[list[str]] = mapped_column(JSON, default=list)
     sdk_version: Mapped[str] = mapped_column(String(32), default="")
+    display_name: Mapped[str | None] = mapped_column(String(256), nullable=True)
 
 
 class TrainingRunRow(Base):
@@ -77,6 +84,7 @@ class TrainingRunRow(Base):
     train_mlp: Mapped[bool] = mapped_column(Boolean)
     train_attn: Mapped[bool] = mapped_column(Boolean)
     train_unembed: Mapped[bool] = mapped_column(Boolean)
+    train_experts: Mapped[bool | None] = mapped_column(Boolean, nullable=True)  # None: as mlp
     user_metadata: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     last_request_time: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
@@ -183,6 +191,18 @@ def engine_url(url: str) -> str:
     return url
 
 
+def _private_sqlite_files(database: Path) -> None:
+    """The database file and its WAL companions readable by the server's user only (SQLite
+    gives the companions the database file's mode when it creates them)."""
+    for path in (
+        database,
+        database.with_name(database.name + "-wal"),
+        database.with_name(database.name + "-shm"),
+    ):
+        if path.exists():
+            path.chmod(PRIVATE_FILE_MODE)
+
+
 class Registry(UsageStore):
     def __init__(self, url: str) -> None:
         url = engine_url(url)
@@ -200,6 +220,8 @@ class Registry(UsageStore):
 
         Base.metadata.create_all(self.engine)
         upgrade(self.engine, Base.metadata)
+        if url.startswith("sqlite") and self.engine.url.database not in (None, "", ":memory:"):
+            _private_sqlite_files(Path(str(self.engine.url.database)))
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     def close(self) -> None:
@@ -211,8 +233,15 @@ class Registry(UsageStore):
     # ---- generic ----------------------------------------------------------------------------
 
     def add(self, row: Base) -> None:
-        with self._db() as db, db.begin():
-            db.merge(row)
+        """Insert a new row. A row with its key already there is never overwritten: that is
+        RowExistsError, and nothing changes (changes to a row are the explicit updates below)."""
+        try:
+            with self._db() as db, db.begin():
+                db.add(row)
+        except IntegrityError as exc:
+            key = getattr(row, "id", None) or getattr(row, "tinker_path", None)
+            table = getattr(row, "__tablename__", type(row).__name__)
+            raise RowExistsError(f"{table} row {key!r} already exists") from exc
 
     def _get(self, model: type[Any], key: str, tenant: str) -> Any:
         with self._db() as db:

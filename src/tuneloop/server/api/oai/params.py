@@ -22,12 +22,17 @@ from typing import Any, Literal, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tuneloop.server.api.deps import require_content_type
+from tuneloop.server.api.deps import off_loop, require_content_type
 from tuneloop.server.api.errors import ApiError, bad_request
+from tuneloop.types.fields import parse_json
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 MAX_STOP = 4  # OpenAI's limit on stop sequences
+# Prompts of one /completions request. Each is an engine request counted against the tenant's
+# max_inflight; past this a batch belongs in several requests (OpenAI's own limit is 2048,
+# for an API whose quota counts tokens, not requests).
+MAX_PROMPTS = 256
 # /completions without max_tokens writes this many, as OpenAI's legacy endpoint does.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -150,7 +155,8 @@ async def read_body(request: Request, model: type[M]) -> M:
     raw = await request.body()
     require_content_type(request, "application/json")
     try:
-        return model.model_validate_json(raw or b"{}")
+        parsed: M = await off_loop(len(raw), parse_json, model, raw or b"{}")
+        return parsed
     except ValidationError as exc:
         first = exc.errors()[0]
         if first.get("type") == "json_invalid":
@@ -276,6 +282,10 @@ def prompts_of(body: CompletionRequest) -> list[str | list[int]]:
         raise bad_request("prompt: must not be empty", "prompt")
     if all(isinstance(p, int) for p in prompt):
         return [[int(t) for t in prompt]]  # type: ignore[arg-type]
+    if len(prompt) > MAX_PROMPTS:
+        raise bad_request(
+            f"prompt: {len(prompt)} prompts, at most {MAX_PROMPTS} per request", "prompt"
+        )
     out: list[str | list[int]] = []
     for p in prompt:
         out.append(p if isinstance(p, str) else [int(t) for t in p])  # type: ignore[union-attr]
@@ -283,6 +293,7 @@ def prompts_of(body: CompletionRequest) -> list[str | list[int]]:
 
 
 __all__ = [
+    "MAX_PROMPTS",
     "ApiError",
     "ChatCompletionRequest",
     "CompletionRequest",

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from tuneloop.server.api.deps import State, Tenant, json_body
+from tuneloop.server.api.deps import State, Tenant, json_body, off_loop
 from tuneloop.server.api.errors import ApiError, bad_request, openai_error_body
 from tuneloop.server.api.oai import shapes
 from tuneloop.server.api.oai.models import SamplerCache, Target, resolve
@@ -121,16 +121,35 @@ async def _start(
         _max_tokens(plan, context, p, field if len(prompts) == 1 else f"{field}[{i}]")
         for i, p in enumerate(prompts)
     ]
-    state.quotas.check_inflight(tenant)  # before anything is made for the request
+    # Every prompt x choice counts against max_inflight, before anything is made for the
+    # request. The engine request of a prompt is one future; its other n - 1 choices are held
+    # as slots until the request ends.
+    state.quotas.check_inflight(tenant, len(prompts) * plan.n)
+    # Held at once, so that requests arriving while this one waits for its sampler see them.
+    until_submitted = state.quotas.hold(tenant, len(prompts))
+    unhold = state.quotas.hold(tenant, len(prompts) * (plan.n - 1))
     cache = _samplers(request)
-    sampler_id = await cache.acquire(tenant, target)
+    try:
+        sampler_id = await cache.acquire(tenant, target)
+    except BaseException:
+        until_submitted()
+        unhold()
+        raise
     try:
         generation = Generation(state, tenant, sampler_id, text, prompts, plan, limits, stop_ids)
         generation.submit()
     except BaseException:
+        unhold()
         cache.release(sampler_id)
         raise
-    return generation, lambda: cache.release(sampler_id)
+    finally:
+        until_submitted()  # the prompts' futures count for themselves now
+
+    def release() -> None:
+        unhold()
+        cache.release(sampler_id)
+
+    return generation, release
 
 
 @router.post("/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
@@ -140,7 +159,9 @@ async def chat_completions(request: Request, state: State, tenant: Tenant) -> An
     messages = chat_messages(body)
     target = resolve(state, tenant, body.model)
     text = await model_text(target.spec)
-    prompt = text.chat_prompt(messages)
+    # Rendering and tokenizing a long conversation takes a worker thread, not the event loop.
+    size = sum(len(m.get("content") or "") for m in messages)
+    prompt = await off_loop(size, text.chat_prompt, messages)
     _prompt_tokens(text, prompt, "messages")
     generation, release = await _start(
         request, state, tenant, target, text, [prompt], plan, text.turn_ids, "messages"
@@ -156,10 +177,15 @@ async def completions(request: Request, state: State, tenant: Tenant) -> Any:
     raw = prompts_of(body)
     target = resolve(state, tenant, body.model)
     text = await model_text(target.spec)
-    prompts = [
-        _prompt_tokens(text, p, "prompt" if len(raw) == 1 else f"prompt[{i}]")
-        for i, p in enumerate(raw)
-    ]
+
+    def tokenized() -> list[list[int]]:
+        return [
+            _prompt_tokens(text, p, "prompt" if len(raw) == 1 else f"prompt[{i}]")
+            for i, p in enumerate(raw)
+        ]
+
+    # Tokenizing long prompts takes a worker thread, not the event loop.
+    prompts: list[list[int]] = await off_loop(sum(len(p) for p in raw), tokenized)
     generation, release = await _start(
         request, state, tenant, target, text, prompts, plan, text.eos_ids, "prompt"
     )

@@ -24,6 +24,7 @@ import numpy as np
 from tuneloop.server.api.errors import ApiError
 from tuneloop.server.api.oai.params import Plan
 from tuneloop.server.api.oai.text import ChoiceText, ModelText
+from tuneloop.server.api.revocation import REVOKED
 from tuneloop.server.api.state import ServerState
 from tuneloop.server.engine.types import SampleResult, SampleWork, TopkRow
 from tuneloop.server.scheduler.futures import Outcome
@@ -48,7 +49,10 @@ def _error(outcome: Outcome) -> ApiError:
     except ValueError:
         body = {}
     message = str(body.get("error", "sampling failed"))
-    return ApiError(400 if body.get("category") == "user" else 500, message, None)
+    category = body.get("category")
+    if category == REVOKED:
+        return ApiError(401, message, "Authorization")
+    return ApiError(400 if category == "user" else 500, message, None)
 
 
 class Generation:
@@ -105,6 +109,7 @@ class Generation:
         state = self.state
         for p, work in enumerate(self.works):
             request_id = state.futures.create(self.tenant, "Sample")
+            state.revocations.track(request_id, self.cancel_key)
             self.request_ids.append(request_id)
             state.queue.submit_sample(Operation(request_id, "sample", work, self._finisher(p)))
         state.engine.notify("sample")

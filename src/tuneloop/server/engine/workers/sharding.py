@@ -68,13 +68,21 @@ def shard_works(
     ]
 
 
-def _merge_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+def _merge_metrics(
+    parts: list[dict[str, float]], weights: list[int] | None = None
+) -> dict[str, float]:
     """Metrics of one request from its ranks: by the suffix convention of the wire protocol
-    (":sum" adds, ":max"/":min" take the extreme, anything else the mean)."""
+    (":sum" adds, ":max"/":min" take the extreme, anything else the mean, weighted by each
+    rank's number of examples when `weights` gives them)."""
     keys = {k for metrics in parts for k in metrics}
     merged: dict[str, float] = {}
     for key in sorted(keys):
         values = [m[key] for m in parts if key in m]
+        if weights is not None and not key.endswith((":sum", ":max", ":min")):
+            counts = [w for m, w in zip(parts, weights, strict=True) if key in m]
+            if sum(counts):
+                merged[key] = float(np.average(values, weights=counts))
+                continue
         if key.endswith(":sum"):
             merged[key] = float(sum(values))
         elif key.endswith(":max"):
@@ -95,6 +103,7 @@ def merge_results(
     after another rank had applied gradients for them (their gradients must be taken back)."""
     logprobs: list[dict[int, np.ndarray]] = [{} for _ in batch]
     metrics: list[list[dict[str, float]]] = [[] for _ in batch]
+    counts: list[list[int]] = [[] for _ in batch]
     errors: dict[int, EngineError] = {}
     succeeded: set[int] = set()
     for parts, results in zip(shards, replies, strict=True):
@@ -104,6 +113,7 @@ def merge_results(
                 continue
             succeeded.add(part.work_index)
             metrics[part.work_index].append(result.metrics)
+            counts[part.work_index].append(len(part.examples))
             logprobs[part.work_index].update(zip(part.examples, result.logprobs, strict=True))
     merged: list[ForwardBackwardResult | EngineError] = []
     for wi, work in enumerate(batch):
@@ -112,7 +122,9 @@ def merge_results(
         else:
             ordered = [logprobs[wi][ei] for ei in range(len(work.examples))]
             # a request with no examples ran nowhere: a zero loss, as in one process
-            merged_metrics = _merge_metrics(metrics[wi]) if metrics[wi] else {"loss:sum": 0.0}
+            merged_metrics = (
+                _merge_metrics(metrics[wi], counts[wi]) if metrics[wi] else {"loss:sum": 0.0}
+            )
             merged.append(ForwardBackwardResult(ordered, merged_metrics))
     partial = {wi for wi in errors if wi in succeeded and not batch[wi].forward_only}
     return merged, partial

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tuneloop.server.engine.isolation import bisect_failures
 from tuneloop.server.engine.types import (
     AdamStep,
     AdapterSpec,
@@ -206,7 +207,8 @@ class WorkerRuntime:
         self.backend.delete_sampler(sampler_id)
 
     def do_sample(self, works: Sequence[SampleWork]) -> list[SampleResult | ItemError]:
-        results = self.backend.sample(works) if works else []
+        # A decode batch that raises is run again in halves: only a request failing alone fails.
+        results = bisect_failures(self.backend.sample, list(works), "sample") if works else []
         return [ItemError.of(r) if isinstance(r, EngineError) else r for r in results]
 
 

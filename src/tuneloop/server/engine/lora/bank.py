@@ -1,0 +1,239 @@
+"""AdapterBank: every adapter and sampler snapshot on one base model, slot by slot.
+
+An adapter gets a slot on each layer it targets (`slots.Slotted`); its factors are parameters
+of the model from then on, until it is deleted. Before a forward pass the engine says which
+adapter each batch row uses (`routed`, or `using` for a routing kept across decode steps); each
+row then goes through its own adapter only, so one batch can mix tenants and a row's gradient
+reaches only its adapter. An extra adapter costs its factors and optimizer state, never another
+model copy. Factors leave and enter the bank in PEFT's checkpoint layout (`state`, `load`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Collection, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from tuneloop.server.engine.lora.experts import EXPERT_PARAMETERS, ExpertFactors
+from tuneloop.server.engine.lora.routing import Routing
+from tuneloop.server.engine.lora.slots import Slotted
+from tuneloop.server.engine.lora.targets import Injected, groups_of
+from tuneloop.server.engine.types import AdapterSpec, EngineError
+
+__all__ = ["AdapterBank", "peft_keys", "peft_targets"]
+
+
+def peft_keys(name: str, layer: Slotted) -> tuple[str, str]:
+    """The lora_A / lora_B keys PEFT uses for one adapted layer.
+
+    A Linear is `<module>.lora_A.weight`. The expert parameters of one module are wrapped by
+    nested ParamWrappers in declaration order, the first innermost, so `gate_up_proj` is
+    `<experts>.base_layer.lora_A.weight` and `down_proj` is `<experts>.lora_A.weight`.
+    """
+    if isinstance(layer, ExpertFactors):
+        module, _, param = name.rpartition(".")
+        depth = len(EXPERT_PARAMETERS) - 1 - EXPERT_PARAMETERS.index(param)
+        name = module + ".base_layer" * depth
+    return f"{name}.lora_A.weight", f"{name}.lora_B.weight"
+
+
+def peft_targets(keys: Collection[str]) -> tuple[list[str], list[str]]:
+    """PEFT's `target_modules` and `target_parameters` for factors under `keys` (`peft_keys`)."""
+    modules: set[str] = set()
+    parameters: set[str] = set()
+    for key in keys:
+        name = key.removesuffix(".lora_A.weight")
+        if name == key:
+            continue
+        depth = 0
+        while name.endswith(".base_layer"):
+            name, depth = name.removesuffix(".base_layer"), depth + 1
+        last = name.rsplit(".", 1)[-1]
+        if last == "experts":  # adapted experts are always named so (targets.inject checks)
+            param = EXPERT_PARAMETERS[len(EXPERT_PARAMETERS) - 1 - depth]
+            parameters.add(".".join([*name.split(".")[-2:], param]))
+        else:
+            modules.add(last)
+    if parameters:
+        # On models with fused experts, peft (0.21, under transformers 5) rewrites the
+        # target_modules gate_proj / up_proj / down_proj as the v4 names of expert weights and
+        # drops them as modules, losing the dense MLP and shared-expert factors. Named as
+        # target_parameters (their 2-D weights: the same factor layout and keys) they load.
+        for dense in {"gate_proj", "up_proj", "down_proj"} & modules:
+            modules.discard(dense)
+            parameters.add(f"{dense}.weight")
+    return sorted(modules), sorted(parameters)
+
+
+class AdapterBank:
+    """The LoRA factors of every adapter and sampler snapshot on one base model."""
+
+    def __init__(self, injected: Injected) -> None:
+        self.injected = injected
+        self.modules: dict[str, Slotted] = dict(injected.layers)
+        self.specs: dict[str, AdapterSpec] = {}
+        self._slot_of = injected.slot_of  # shared with every layer
+        self._trainable: set[str] = set()
+
+    # ---- slots --------------------------------------------------------------------------
+
+    def _take_slot(self, key: str) -> str:
+        used = set(self._slot_of.values())
+        slot = next(str(i) for i in range(len(used) + 1) if str(i) not in used)
+        self._slot_of[key] = slot
+        return slot
+
+    def module_names(self, spec: AdapterSpec) -> list[str]:
+        groups = groups_of(spec)
+        return [n for n in self.modules if self.injected.group[n] in groups]
+
+    def trainable_parameters(self, spec: AdapterSpec) -> int:
+        """How many parameters an adapter of this spec trains on this model."""
+        total = 0
+        for name in self.module_names(spec):
+            a_shape, b_shape = self.modules[name].factor_shapes(spec.rank)
+            total += math.prod(a_shape) + math.prod(b_shape)
+        return total
+
+    def create(self, spec: AdapterSpec, device: torch.device) -> list[nn.Parameter]:
+        """Fresh trainable factors: A like PEFT's default (Kaiming-uniform), B = 0, seeded."""
+        if spec.adapter_id in self.specs:
+            raise EngineError(f"adapter {spec.adapter_id!r} already exists", "user")
+        names = self.module_names(spec)
+        if not names:
+            raise EngineError("the adapter targets no module of this model", "user")
+        generator = torch.Generator().manual_seed(spec.seed)
+        scale = spec.alpha / spec.rank
+        slot = self._take_slot(spec.adapter_id)
+        params: list[nn.Parameter] = []
+        for name in names:
+            module = self.modules[name]
+            a_shape, b_shape = module.factor_shapes(spec.rank)
+            bound = 1.0 / math.sqrt(a_shape[-1])
+            a = torch.empty(a_shape).uniform_(-bound, bound, generator=generator)
+            module.put(slot, a.to(device), torch.zeros(b_shape, device=device), scale, train=True)
+            params += [module.lora_A[slot], module.lora_B[slot]]
+        self.specs[spec.adapter_id] = spec
+        self._trainable.add(spec.adapter_id)
+        return params
+
+    def _layers(self, key: str) -> Iterator[tuple[str, Slotted, nn.Parameter, nn.Parameter]]:
+        slot = self._slot_of[key]
+        for name in self.module_names(self.specs[key]):
+            module = self.modules[name]
+            yield name, module, module.lora_A[slot], module.lora_B[slot]
+
+    def parameters(self, key: str) -> list[nn.Parameter]:
+        if key not in self._trainable:
+            raise EngineError(f"{key!r} is a frozen sampler, not a trainable adapter")
+        out: list[nn.Parameter] = []
+        for _, _, a, b in self._layers(key):
+            out += [a, b]
+        return out
+
+    def snapshot(self, source: str, key: str) -> None:
+        """A frozen copy of `source`'s factors under `key` (a sampler sees them as of now)."""
+        spec = self.specs[source]
+        slot = self._take_slot(key)
+        for _, module, a, b in list(self._layers(source)):
+            module.put(
+                slot, a.detach().clone(), b.detach().clone(), spec.alpha / spec.rank, train=False
+            )
+        self.specs[key] = spec
+
+    def state(self, key: str) -> dict[str, torch.Tensor]:
+        """PEFT key -> factor ("<module>.lora_A.weight", ...), expert factors in PEFT's layout."""
+        out: dict[str, torch.Tensor] = {}
+        for name, module, a, b in self._layers(key):
+            key_a, key_b = peft_keys(name, module)
+            a_out, b_out = a.detach(), b.detach()
+            if isinstance(module, ExpertFactors):
+                a_out, b_out = module.to_peft(a_out, b_out)
+            out[key_a], out[key_b] = a_out, b_out
+        return out
+
+    def _read(
+        self, name: str, module: Slotted, tensors: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        key_a, key_b = peft_keys(name, module)
+        try:
+            a, b = tensors[key_a], tensors[key_b]
+        except KeyError as exc:
+            raise EngineError(f"checkpoint lacks {exc.args[0]}", "user") from None
+        if isinstance(module, ExpertFactors):
+            if a.shape[0] % module.num_experts:
+                raise EngineError(f"checkpoint factors for {name} do not fit its experts", "user")
+            a, b = module.from_peft(a, b)
+        return a, b
+
+    def load(self, key: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy factors in place (trainable adapters keep their Parameter objects)."""
+        for name, module, a, b in list(self._layers(key)):
+            new_a, new_b = self._read(name, module, tensors)
+            if new_a.shape != a.shape or new_b.shape != b.shape:
+                raise EngineError(
+                    f"checkpoint factors for {name} have shape {list(new_a.shape)}, expected "
+                    f"{list(a.shape)} (rank or model mismatch)",
+                    "user",
+                )
+            with torch.no_grad():
+                a.copy_(new_a)
+                b.copy_(new_b)
+
+    def add_frozen(self, key: str, spec: AdapterSpec, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Register frozen factors read from disk (a sampler of a saved checkpoint)."""
+        names = self.module_names(spec)
+        read = [(name, *self._read(name, self.modules[name], tensors)) for name in names]
+        slot = self._take_slot(key)
+        for name, a, b in read:
+            module = self.modules[name]
+            device = module.lora_device()
+            module.put(
+                slot,
+                a.to(device).float(),
+                b.to(device).float(),
+                spec.alpha / spec.rank,
+                train=False,
+            )
+        self.specs[key] = spec
+
+    def delete(self, key: str) -> None:
+        slot = self._slot_of.pop(key, None)
+        if slot is not None:
+            for module in self.modules.values():
+                module.drop(slot)
+        self.specs.pop(key, None)
+        self._trainable.discard(key)
+
+    # ---- routing ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def routed(
+        self, row_keys: Sequence[str | None], lengths: Sequence[int] | None = None
+    ) -> Iterator[None]:
+        """Route batch rows to adapters for the forward passes inside the block.
+
+        With `lengths`, the batch is one packed row and row_keys[i] covers lengths[i] tokens.
+        """
+        routing = (
+            Routing.from_rows(row_keys)
+            if lengths is None
+            else Routing.from_lengths(row_keys, lengths)
+        )
+        with self.using(routing):
+            yield
+
+    @contextlib.contextmanager
+    def using(self, routing: Routing) -> Iterator[None]:
+        """Apply an existing routing inside the block (a decode batch keeps its own across steps,
+        with the stacked factors it built). Blocks nest: the previous routing holds again after."""
+        context = self.injected.context
+        previous = context.routing
+        context.routing = routing
+        try:
+            yield
+        finally:
+            context.routing = previous

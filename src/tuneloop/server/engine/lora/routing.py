@@ -1,0 +1,82 @@
+"""Which adapter each row of a batch uses: segments of consecutive rows, and their index tensors.
+
+The engine lays a batch out request by request, so one adapter's rows are consecutive: a
+routing is a list of segments (key, start, end) over the rows of the flattened leading
+dimensions (a batch row of a padded [B, T] batch, or a token of a packed [1, T] row). That is
+the layout of the SGMV kernels (segment offsets plus one adapter index per segment); the
+per-token index (`token_slots`) is what a BGMV kernel and the expert layers take.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Routing", "RoutingContext"]
+
+
+@dataclass
+class Routing:
+    """Segments of rows, one adapter key each (None: the base model alone)."""
+
+    runs: list[tuple[str | None, int, int]] = field(default_factory=list)
+    # Per layer, the stacked factors of the grouped path, built once per routed block (a whole
+    # decode loop): re-stacking them every step cost more than the matmuls they replace.
+    stacked: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = field(
+        default_factory=dict
+    )
+    # (tokens, device) -> per-token segment index, built once per routed block as well.
+    _token_index: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def from_rows(cls, row_keys: Sequence[str | None]) -> Routing:
+        runs: list[tuple[str | None, int, int]] = []
+        for index, key in enumerate(row_keys):
+            if runs and runs[-1][0] == key:
+                runs[-1] = (key, runs[-1][1], index + 1)
+            else:
+                runs.append((key, index, index + 1))
+        return cls(runs)
+
+    @classmethod
+    def from_lengths(cls, keys: Sequence[str | None], lengths: Sequence[int]) -> Routing:
+        """Token runs of a packed row: segment i, of lengths[i] tokens, uses keys[i]."""
+        runs: list[tuple[str | None, int, int]] = []
+        start = 0
+        for key, length in zip(keys, lengths, strict=True):
+            if runs and runs[-1][0] == key:
+                runs[-1] = (key, runs[-1][1], start + length)
+            else:
+                runs.append((key, start, start + length))
+            start += length
+        return cls(runs)
+
+    @property
+    def keys(self) -> list[str | None]:
+        """The distinct keys, in order of first use."""
+        return list(dict.fromkeys(key for key, _, _ in self.runs))
+
+    def sizes(self, tokens: int) -> list[int]:
+        """Each segment's size in tokens, for a flattened input of `tokens` tokens."""
+        per_row = tokens // self.runs[-1][2]
+        return [(end - start) * per_row for _, start, end in self.runs]
+
+    def token_keys(self, tokens: int, device: torch.device) -> torch.Tensor:
+        """Per token, the index of its key in `keys` ([tokens] int64, on `device`)."""
+        cache_key = (tokens, str(device))
+        index = self._token_index.get(cache_key)
+        if index is None:
+            order = {key: i for i, key in enumerate(self.keys)}
+            ids = torch.tensor([order[key] for key, _, _ in self.runs], dtype=torch.long)
+            index = ids.repeat_interleave(torch.tensor(self.sizes(tokens))).to(device)
+            self._token_index[cache_key] = index
+        return index
+
+
+class RoutingContext:
+    """The routing in force, shared by every adapted layer of one model (set once per block)."""
+
+    def __init__(self) -> None:
+        self.routing: Routing | None = None
