@@ -111,6 +111,9 @@ def test_a_poisoned_request_joining_a_running_batch_fails_alone(poisoned: Any) -
 
     poisoned.sample_continuous([long], admit, deliver)
     assert len(got) == 5
+    [runtime] = poisoned._runtimes.values()
+    usage = runtime.decoder.usage()  # the failed request's blocks went back too
+    assert (usage.blocks_used, usage.blocks_reserved) == (0, 0)
     assert isinstance(got[id(bad)], EngineError)
     assert got[id(bad)].category == "user"
     for w in (long, *victims):
@@ -195,6 +198,9 @@ def test_a_chunked_prefill_that_raises_fails_only_its_request(
 
     poisoned.sample_continuous([long], admit, lambda w, r: got.setdefault(id(w), r))
     assert "prefill exploded" in str(got[id(culprit)])
+    [runtime] = poisoned._runtimes.values()
+    usage = runtime.decoder.usage()
+    assert (usage.blocks_used, usage.blocks_reserved) == (0, 0)
     for w in (long, *victims):
         _same(ok(got[id(w)]), alone[id(w)])
 
