@@ -158,6 +158,8 @@ def sample_rows(
     with its logprob (and top-k), hand it to the row's stream, and set the row's stop reason.
     Returns, per row, whether it goes on, or the error of its own work (a stop check that
     raises): that row's request fails alone, the other rows are unaffected."""
+    if not rows:  # every row of the step failed (non-finite logits)
+        return []
     temperature = torch.tensor([row.work.temperature for row in rows], device=logits.device)
     step_logprobs = torch.log_softmax(logits, dim=-1)
     chosen = _choose(logits, rows, temperature)
