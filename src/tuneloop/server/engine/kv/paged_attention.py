@@ -64,11 +64,19 @@ class KVPool:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
 
-    def layer(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(
+        self, index: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s pools, shaped like its keys and its values (they may differ in head
+        size: MLA's values are narrower than its keys)."""
         if index not in self.keys:
-            shape = (self.num_blocks * self.block_size, *like.shape[1:])
-            self.keys[index] = torch.empty(shape, dtype=self.dtype, device=self.device)
-            self.values[index] = torch.empty(shape, dtype=self.dtype, device=self.device)
+            slots = self.num_blocks * self.block_size
+            self.keys[index] = torch.empty(
+                (slots, *keys.shape[1:]), dtype=self.dtype, device=self.device
+            )
+            self.values[index] = torch.empty(
+                (slots, *values.shape[1:]), dtype=self.dtype, device=self.device
+            )
         return self.keys[index], self.values[index]
 
     def copy_block(self, source: int, target: int) -> None:
@@ -122,20 +130,28 @@ def _attend(
     scaling: float,
     softcap: float | None,
     causal: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA, [B, heads, Tq, d] x [B, kv_heads, Tk, d] (grouped-query: SDPA's own GQA, no copy
-    of the gathered keys per query head)."""
+    of the gathered keys per query head). `sinks` [heads]: a learned logit per head that joins
+    every query's softmax with no value (gpt-oss's attention sinks)."""
     groups = q.shape[1] // k.shape[1]
-    if softcap:  # not expressible in SDPA: the eager form
+    if softcap or sinks is not None:  # not expressible in SDPA: the eager form
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
         scores = torch.matmul(q, k.transpose(2, 3)) * scaling
-        scores = torch.tanh(scores / softcap) * softcap
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         if causal:
             mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+        scores = scores.float()
+        if sinks is None:
+            return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), v)
+        sink = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        return torch.matmul(probs.to(q.dtype), v)
     return torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=scaling, is_causal=causal, enable_gqa=groups > 1
     )
@@ -157,6 +173,7 @@ def _reference(
     scaling: float,
     softcap: float | None,
     window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[1, heads, N, d] -> [N, heads, d]."""
     q = query[0]  # [heads, N, d]
@@ -164,14 +181,16 @@ def _reference(
     d = step.decoding
     if d:
         # index_select of the flat slots: ~5x faster on CPU than indexing with the 2-D tensor
-        flat, shape = step.decode_slots.reshape(-1), (*step.decode_slots.shape, *k_pool.shape[1:])
-        keys = k_pool.index_select(0, flat).view(shape).permute(0, 2, 1, 3)  # [D, kv_heads, T, d]
-        values = v_pool.index_select(0, flat).view(shape).permute(0, 2, 1, 3)
+        flat, rows = step.decode_slots.reshape(-1), step.decode_slots.shape
+        keys = k_pool.index_select(0, flat).view(*rows, *k_pool.shape[1:]).permute(0, 2, 1, 3)
+        values = v_pool.index_select(0, flat).view(*rows, *v_pool.shape[1:]).permute(0, 2, 1, 3)
         mask = step.decode_mask
         if window:
             last = mask.sum(-1, keepdim=True).squeeze(-1) - 1  # [D, 1, 1] position of the query
             mask = _window(mask, last, window)
-        out = _attend(q[:, :d].transpose(0, 1)[:, :, None], keys, values, mask, scaling, softcap)
+        out = _attend(
+            q[:, :d].transpose(0, 1)[:, :, None], keys, values, mask, scaling, softcap, sinks=sinks
+        )
         pieces.append(out[:, :, 0])  # [D, heads, d]
     for chunk in step.prefills:
         keys = k_pool.index_select(0, chunk.slots).transpose(0, 1)[None]  # [1, kv_heads, ctx, d]
@@ -179,12 +198,12 @@ def _reference(
         cq = q[None, :, chunk.start : chunk.start + chunk.length]  # [1, heads, len, d]
         past = chunk.context - chunk.length
         if past == 0 and not window:
-            out = _attend(cq, keys, values, None, scaling, softcap, causal=True)
+            out = _attend(cq, keys, values, None, scaling, softcap, causal=True, sinks=sinks)
         else:
             positions = torch.arange(past, chunk.context, device=q.device)
             keys_at = torch.arange(chunk.context, device=q.device)
             mask = _window(keys_at[None, :] <= positions[:, None], positions, window)
-            out = _attend(cq, keys, values, mask, scaling, softcap)
+            out = _attend(cq, keys, values, mask, scaling, softcap, sinks=sinks)
         pieces.append(out[0].transpose(0, 1))  # [len, heads, d]
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
@@ -245,16 +264,20 @@ def paged_attention_forward(
         raise RuntimeError(f"{PAGED_ATTENTION} attention runs inside paged() only")
     layer = int(getattr(module, "layer_idx", 0))
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [N, kv_heads, d]
-    k_pool, v_pool = step.pool.layer(layer, k_new)
+    k_pool, v_pool = step.pool.layer(layer, k_new, v_new)
     k_pool.index_copy_(0, step.slot_mapping, k_new.to(k_pool.dtype))
     v_pool.index_copy_(0, step.slot_mapping, v_new.to(v_pool.dtype))
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     softcap = kwargs.get("softcap")
     window = kwargs.get("sliding_window")
-    if step.flash is not None:
+    # flash-attn's kernel has no attention sinks (gpt-oss) and wants keys and values of one
+    # head size (MLA's differ): those run on the reference.
+    sinks = kwargs.get("s_aux")
+    same_size = k_pool.shape[-1] == v_pool.shape[-1]
+    if step.flash is not None and sinks is None and same_size:
         out = _flash(query, step, k_pool, v_pool, scale, softcap, window)
     else:
-        out = _reference(query, step, k_pool, v_pool, scale, softcap, window)
+        out = _reference(query, step, k_pool, v_pool, scale, softcap, window, sinks)
     return out[None], None  # [1, N, heads, d], as transformers' attention functions return
 
 
