@@ -227,6 +227,26 @@ def test_a_recreated_sampler_never_reads_keys_of_its_old_weights(be) -> None:
 # ---- the block manager on its own ------------------------------------------------------------
 
 
+def test_stale_nans_in_the_pool_never_reach_a_decode_row(be) -> None:
+    """What a failed request left in its blocks (NaN, as a poisoned sampler writes) sits in
+    every slot nobody wrote since: decode rows of unequal lengths, padded to the longest, still
+    give exactly what they give alone."""
+    works = [sw("sA", seq(3, 21), max_tokens=6), sw("base", seq(11, 22), max_tokens=6, seed=3)]
+    alone = [ok(be.sample([w])[0]) for w in works]
+    [runtime] = be._runtimes.values()
+    runtime.decoder = None  # a fresh pool: no prompt above is cached in it
+    ok(be.sample([sw("base", seq(5, 23))])[0])  # its layers exist once written
+    pool = runtime.decoder.pool
+    for tensors in (pool.keys, pool.values):
+        for t in tensors.values():
+            t[: pool.pad_slot] = float("nan")
+    together = [ok(r) for r in be.sample(works)]
+    for mine, ref in zip(together, alone, strict=True):
+        assert mine.sequences[0].tokens == ref.sequences[0].tokens
+        assert_near(mine.sequences[0].logprobs, ref.sequences[0].logprobs, 1e-5, "lp")
+    idle(be)
+
+
 def test_block_manager_shares_copies_and_frees() -> None:
     bm = BlockManager(num_blocks=6, block_size=4)
     assert bm.reserve(5)
@@ -297,10 +317,14 @@ def test_paged_decoding_needs_no_per_architecture_code(tmp_path) -> None:
         llama.close()
 
 
-@pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, 30.0), (5, 30.0)])
-def test_reference_attention_equals_dense_attention(window: Any, softcap: Any) -> None:
+@pytest.mark.parametrize(
+    ("window", "softcap", "sinks"),
+    [(None, None, False), (5, None, False), (None, 30.0, False), (5, 30.0, False), (5, None, True)],
+)
+def test_reference_attention_equals_dense_attention(window: Any, softcap: Any, sinks: bool) -> None:
     """Decode rows and prefill chunks over scattered blocks, against eager attention on each
-    sequence's dense keys (sliding windows and logit softcapping, as Gemma uses)."""
+    sequence's dense keys (sliding windows and logit softcapping, as Gemma uses; attention
+    sinks, as gpt-oss uses)."""
     from tuneloop.server.engine.kv import paged_attention as pa
 
     gen = torch.Generator().manual_seed(0)
@@ -312,7 +336,10 @@ def test_reference_attention_equals_dense_attention(window: Any, softcap: Any) -
     layout = [(6, 1, [7, 2]), (2, 1, [5]), (5, 3, [0, 9]), (0, 6, [3, 11])]
     keys = [torch.randn(p + n, kv_heads, dim, generator=gen) for p, n, _ in layout]
     values = [torch.randn(p + n, kv_heads, dim, generator=gen) for p, n, _ in layout]
-    k_pool, v_pool = pool.layer(0, keys[0])
+    k_pool, v_pool = pool.layer(0, keys[0], values[0])
+    # Stale memory (a poisoned request's NaNs) in every slot nobody writes below: the padding
+    # of the decode rows reads the pad slot, and nothing masked reaches a result.
+    k_pool[: pool.pad_slot], v_pool[: pool.pad_slot] = float("nan"), float("nan")
 
     def slots(blocks: list[int], start: int, end: int) -> torch.Tensor:
         return torch.tensor(
@@ -325,7 +352,7 @@ def test_reference_attention_equals_dense_attention(window: Any, softcap: Any) -
     new_v = torch.cat([v[p:] for (p, _, _), v in zip(layout, values, strict=True)])
     n = new_k.shape[0]
     width = max(p + m for p, m, _ in layout[:2])
-    decode_slots = torch.zeros((2, width), dtype=torch.long)
+    decode_slots = torch.full((2, width), pool.pad_slot, dtype=torch.long)
     decode_mask = torch.zeros((2, 1, 1, width), dtype=torch.bool)
     for row, (p, m, blocks) in enumerate(layout[:2]):
         decode_slots[row, : p + m] = slots(blocks, 0, p + m)
@@ -343,6 +370,7 @@ def test_reference_attention_equals_dense_attention(window: Any, softcap: Any) -
         prefills,
     )
     query = torch.randn(1, heads, n, dim, generator=gen)
+    s_aux = torch.randn(heads, generator=gen) if sinks else None
     module = torch.nn.Module()
     out, _ = pa.paged_attention_forward(
         module,
@@ -354,6 +382,7 @@ def test_reference_attention_equals_dense_attention(window: Any, softcap: Any) -
         paged_step=step,
         sliding_window=window,
         softcap=softcap,
+        s_aux=s_aux,
     )
     start = 0
     for (past, new, _), k, v in zip(layout, keys, values, strict=True):
@@ -366,7 +395,12 @@ def test_reference_attention_equals_dense_attention(window: Any, softcap: Any) -
         pos = torch.arange(past, past + new)[:, None]
         key_pos = torch.arange(past + new)[None, :]
         allowed = (key_pos <= pos) & ((pos - key_pos < window) if window else True)
-        expected = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ vv
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        if s_aux is not None:  # a per-head logit in every softmax, with no value
+            sink = s_aux[:, None, None].expand(heads, new, 1)
+            expected = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1] @ vv
+        else:
+            expected = torch.softmax(scores, -1) @ vv
         assert_near(out[0, start : start + new].transpose(0, 1), expected, 1e-5, "attention")
         start += new
 

@@ -89,6 +89,8 @@ class ModelRunner:
         slots_of_rows = tables[:, :, None] * size + np.arange(size)  # [D, blocks, size]
         decode_slots = slots_of_rows.reshape(decoding, blocks * size)[:, :width]
         decode_mask = np.arange(width)[None, :] < contexts[:, None]
+        # Past a row's context: the zero pad slot, never a block's stale (maybe NaN) slots.
+        decode_slots = np.where(decode_mask, decode_slots, self.pool.pad_slot)
         flash = self._flash_metadata(work) if self.kernel else None
         step = PagedStep(
             self.pool,

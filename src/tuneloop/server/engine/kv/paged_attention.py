@@ -53,7 +53,10 @@ class KVPool:
 
     A layer's tensors are made at its first write, shaped like the keys it gets, so models
     whose layers differ in KV heads or head size need no description here. `torch.empty`: a
-    block's slots are always written before they are read.
+    block's slots are always written before they are read. One more slot, `pad_slot`, past the
+    blocks, is zeros and never written: the padding of decode rows gathered to the step's
+    longest context reads it, so that a masked position never reads stale memory (a NaN there
+    would leak through the attention's 0 x NaN into another request's row).
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class KVPool:
     ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device, self.dtype = device, dtype
+        self.pad_slot = num_blocks * block_size
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
 
@@ -70,13 +74,12 @@ class KVPool:
         """Layer `index`'s pools, shaped like its keys and its values (they may differ in head
         size: MLA's values are narrower than its keys)."""
         if index not in self.keys:
-            slots = self.num_blocks * self.block_size
-            self.keys[index] = torch.empty(
-                (slots, *keys.shape[1:]), dtype=self.dtype, device=self.device
-            )
-            self.values[index] = torch.empty(
-                (slots, *values.shape[1:]), dtype=self.dtype, device=self.device
-            )
+            for pools, like in ((self.keys, keys), (self.values, values)):
+                pool = torch.empty(
+                    (self.pad_slot + 1, *like.shape[1:]), dtype=self.dtype, device=self.device
+                )
+                pool[self.pad_slot] = 0
+                pools[index] = pool
         return self.keys[index], self.values[index]
 
     def copy_block(self, source: int, target: int) -> None:
@@ -115,7 +118,7 @@ class PagedStep:
     pool: KVPool
     slot_mapping: torch.Tensor  # [N] long: where each new token's key and value go
     decoding: int  # the first `decoding` tokens are decode rows, one token each
-    decode_slots: torch.Tensor  # [decoding, longest context] long (padding: slot 0)
+    decode_slots: torch.Tensor  # [decoding, longest context] long (padding: the pool's pad_slot)
     decode_mask: torch.Tensor  # [decoding, 1, 1, longest context] bool
     prefills: list[Prefill] = field(default_factory=list)
     # For the CUDA kernel: per sequence, in token order.
@@ -237,10 +240,11 @@ def _flash(
     assert kernel is not None
     assert step.flash is not None
     shape = (step.pool.num_blocks, step.pool.block_size, *k_pool.shape[1:])
+    blocks = slice(0, step.pool.pad_slot)  # the kernel reads through the block tables only
     return kernel(
         query[0].transpose(0, 1),  # [N, heads, d]
-        k_pool.view(shape),
-        v_pool.view(shape),
+        k_pool[blocks].view(shape),
+        v_pool[blocks].view(shape),
         softmax_scale=scaling,
         causal=True,
         window_size=(window - 1, 0) if window else (-1, -1),
