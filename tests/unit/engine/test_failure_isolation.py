@@ -90,6 +90,17 @@ def test_a_poisoned_sampler_fails_alone_in_a_shared_decode_batch(
         _same(ok(mine), ref)
 
 
+@pytest.mark.parametrize("poison", ["nan", "huge"])
+def test_a_step_whose_every_row_is_poisoned_answers_each_request(
+    poisoned: Any, poison: str
+) -> None:
+    """No row left to draw from: every request still gets its own user error."""
+    bad = [sw(poison, prompt(4, 15), num_samples=2, seed=1), sw(poison, prompt(6, 16), seed=2)]
+    for result in poisoned.sample(bad):
+        assert isinstance(result, EngineError)
+        assert (str(result), result.category) == (NON_FINITE_LOGITS, "user")
+
+
 def test_a_poisoned_request_joining_a_running_batch_fails_alone(poisoned: Any) -> None:
     """Continuous batching: the poisoned request joins mid-decode; the running and the other
     joining requests finish with what they get alone, each answered exactly once."""
