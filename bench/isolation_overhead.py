@@ -37,27 +37,25 @@ from engine import MODEL, RANK, SEED  # a sibling: a script's folder is on sys.p
 
 def _bare(enabled: bool) -> Any:
     """Take the guards out (enabled) or put them back; returns the originals to restore."""
-    from tuneloop.server.engine import optim, sampler, torch_backend
+    from tuneloop.server.engine import decoder, optim, training
 
     if not hasattr(_bare, "originals"):
         _bare.originals = (  # type: ignore[attr-defined]
-            torch_backend.TorchBackend._isolated_micro_batch,
+            training._isolated_micro_batch,
             optim.AdapterOptimizer._bounds_after,
-            sampler._nonfinite_rows,
+            decoder.nonfinite_rows,
         )
     isolated, bounds, rows = _bare.originals  # type: ignore[attr-defined]
     if enabled:
-        torch_backend.TorchBackend._isolated_micro_batch = (  # type: ignore[method-assign]
-            torch_backend.TorchBackend._run_micro_batch
-        )
+        training._isolated_micro_batch = training._run_micro_batch  # type: ignore[assignment]
         optim.AdapterOptimizer._bounds_after = (  # type: ignore[method-assign]
             lambda self, step, largest, b: (0.0, 0.0, 0.0)
         )
-        sampler._nonfinite_rows = lambda logits: []
+        decoder.nonfinite_rows = lambda logits: []
     else:
-        torch_backend.TorchBackend._isolated_micro_batch = isolated  # type: ignore[method-assign]
+        training._isolated_micro_batch = isolated
         optim.AdapterOptimizer._bounds_after = bounds  # type: ignore[method-assign]
-        sampler._nonfinite_rows = rows
+        decoder.nonfinite_rows = rows
 
 
 def main() -> int:

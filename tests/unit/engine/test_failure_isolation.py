@@ -28,8 +28,10 @@ from tests.unit.engine.conftest import (  # noqa: E402
     work,
 )
 from tests.unit.engine.test_sampler import prompt, sw  # noqa: E402
-from tuneloop.server.engine import sampler as sampler_module  # noqa: E402
+from tuneloop.server.engine import decoder as decoder_module  # noqa: E402
+from tuneloop.server.engine import training as training_module  # noqa: E402
 from tuneloop.server.engine.isolation import NON_FINITE_LOGITS, SKIPPED  # noqa: E402
+from tuneloop.server.engine.model_runner import ModelRunner  # noqa: E402
 from tuneloop.server.engine.types import EngineError, SampleResult, SampleWork  # noqa: E402
 
 TRAIN_DATA = [example(seq(12, 31)), example(seq(9, 32))]
@@ -88,6 +90,17 @@ def test_a_poisoned_sampler_fails_alone_in_a_shared_decode_batch(
         _same(ok(mine), ref)
 
 
+@pytest.mark.parametrize("poison", ["nan", "huge"])
+def test_a_step_whose_every_row_is_poisoned_answers_each_request(
+    poisoned: Any, poison: str
+) -> None:
+    """No row left to draw from: every request still gets its own user error."""
+    bad = [sw(poison, prompt(4, 15), num_samples=2, seed=1), sw(poison, prompt(6, 16), seed=2)]
+    for result in poisoned.sample(bad):
+        assert isinstance(result, EngineError)
+        assert (str(result), result.category) == (NON_FINITE_LOGITS, "user")
+
+
 def test_a_poisoned_request_joining_a_running_batch_fails_alone(poisoned: Any) -> None:
     """Continuous batching: the poisoned request joins mid-decode; the running and the other
     joining requests finish with what they get alone, each answered exactly once."""
@@ -109,6 +122,9 @@ def test_a_poisoned_request_joining_a_running_batch_fails_alone(poisoned: Any) -
 
     poisoned.sample_continuous([long], admit, deliver)
     assert len(got) == 5
+    [runtime] = poisoned._runtimes.values()
+    usage = runtime.decoder.usage()  # the failed request's blocks went back too
+    assert (usage.blocks_used, usage.blocks_reserved) == (0, 0)
     assert isinstance(got[id(bad)], EngineError)
     assert got[id(bad)].category == "user"
     for w in (long, *victims):
@@ -129,7 +145,7 @@ def test_an_exception_in_one_requests_stop_check_fails_it_alone(
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
         return decode(tokens)
 
-    monkeypatch.setattr(runtime, "decode", fragile)
+    monkeypatch.setattr(runtime.decoder, "decode", fragile)  # made by the runs above
     culprit = sw("good", prompt(4, 11), seed=5, stop_strings=("never",))
     results = poisoned.sample([victims[0], culprit, *victims[1:]])
     assert isinstance(results[1], EngineError)
@@ -142,20 +158,22 @@ def test_an_exception_in_one_requests_stop_check_fails_it_alone(
 def test_a_prefill_that_raises_is_run_again_request_by_request(
     poisoned: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Pre-processing: scoring the prompts raises whenever one request is among them; the
-    batch is run again request by request and only that request fails."""
+    """Pre-processing: scoring the prompts raises whenever one request is among them; only
+    that request fails, holding no KV block."""
     victims = _victims()
     alone = [ok(poisoned.sample([w])[0]) for w in victims]
     culprit = sw("good", prompt(7, 12), seed=6, prompt_logprobs=True)
-    score = sampler_module._score_prompts
+    score = decoder_module.score_prompts
 
     def fragile(model: Any, bank: Any, works: Any, *rest: Any) -> Any:
         if any(w is culprit for w in works):
             raise RuntimeError("scoring exploded")
         return score(model, bank, works, *rest)
 
-    monkeypatch.setattr(sampler_module, "_score_prompts", fragile)
+    monkeypatch.setattr(decoder_module, "score_prompts", fragile)
     results = poisoned.sample([victims[0], culprit, *victims[1:]])
+    [runtime] = poisoned._runtimes.values()
+    assert runtime.decoder.usage().blocks_reserved == 0
     assert isinstance(results[1], EngineError)
     assert "scoring exploded" in str(results[1])
     for mine, ref in zip([results[0], *results[2:]], alone, strict=True):
@@ -165,21 +183,22 @@ def test_a_prefill_that_raises_is_run_again_request_by_request(
 def test_a_chunked_prefill_that_raises_fails_only_its_request(
     poisoned: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A joining prefill (chunked, while rows decode) that raises for one request's prompt."""
+    """A joining prefill (chunked, while rows decode) that raises whenever one request's prompt
+    is in the step's forward pass: the step runs again in halves, and only that request fails."""
     poisoned.prefill_chunk = 2
     victims = _victims()
     long = sw("good", prompt(5, 13), max_tokens=16, seed=3)
     alone = {id(w): ok(poisoned.sample([w])[0]) for w in (long, *victims)}
     culprit = sw("base", prompt(8, 14), seed=9)
     culprit_prompt = culprit.prompt.tolist()
-    advance = sampler_module.DecodeBatch._advance
+    run = ModelRunner.run
 
-    def fragile(self: Any, prefill: Any, tokens: float) -> None:
-        if any(r.work.prompt.tolist() == culprit_prompt for r in prefill.requests):
+    def fragile(self: Any, work: Any) -> Any:
+        if any(item.seq.tokens == culprit_prompt for item in work):
             raise RuntimeError("prefill exploded")
-        advance(self, prefill, tokens)
+        return run(self, work)
 
-    monkeypatch.setattr(sampler_module.DecodeBatch, "_advance", fragile)
+    monkeypatch.setattr(ModelRunner, "run", fragile)
     steps = 0
     got: dict[int, Any] = {}
 
@@ -190,6 +209,9 @@ def test_a_chunked_prefill_that_raises_fails_only_its_request(
 
     poisoned.sample_continuous([long], admit, lambda w, r: got.setdefault(id(w), r))
     assert "prefill exploded" in str(got[id(culprit)])
+    [runtime] = poisoned._runtimes.values()
+    usage = runtime.decoder.usage()
+    assert (usage.blocks_used, usage.blocks_reserved) == (0, 0)
     for w in (long, *victims):
         _same(ok(got[id(w)]), alone[id(w)])
 
@@ -240,21 +262,19 @@ def _two_adapters_again(backend: Any) -> None:
 def test_an_exception_in_one_requests_loss_fails_it_alone(
     backend: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tuneloop.server.engine.torch_backend as tb
-
     _two_adapters(backend)
     good = work("A", TRAIN_DATA)
     [alone] = backend.forward_backward([good])
     alone_grads = grads(backend, "A")
     _two_adapters_again(backend)
-    compute = tb.datum_loss
+    compute = training_module.datum_loss
 
     def fragile(work: Any, lp: Any, inputs: Any, device: Any = None) -> Any:
         if "poison" in work.loss_config:
             raise ZeroDivisionError("loss exploded")
         return compute(dataclasses.replace(work, loss_config={}), lp, inputs, device)
 
-    monkeypatch.setattr(tb, "datum_loss", fragile)
+    monkeypatch.setattr(training_module, "datum_loss", fragile)
     bad = work("B", [example(seq(8, 34))], config={"poison": 1.0})
     results = backend.forward_backward([bad, good])
     assert isinstance(results[0], EngineError)

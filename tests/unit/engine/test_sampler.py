@@ -192,26 +192,31 @@ def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(trained) -> N
     assert [s.tokens for s in other_seed[0].sequences] != tokens
 
 
-def test_prompts_prefill_once_and_finished_rows_leave_the_batch(trained) -> None:
-    """A request's num_samples share one prefill row; a row that stops stops costing."""
-    model = trained._runtimes[TINY].model
-    shapes: list[tuple[int, int]] = []
-    hook = model.register_forward_pre_hook(
-        lambda _m, _a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+def step_tokens(be: Any) -> tuple[list[int], Any]:
+    """Tokens of each forward pass of the model's transformer body (a hook; remove it after)."""
+    decoder = be._runtimes[TINY].model.get_decoder()
+    seen: list[int] = []
+    hook = decoder.register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append(int(kw["input_ids"].shape[1])), with_kwargs=True
     )
+    return seen, hook
+
+
+def test_prompts_prefill_once_and_finished_rows_leave_the_batch(trained) -> None:
+    """A request's num_samples share one prefill; a row that stops stops costing."""
     p = prompt(5, 11)
     ref = sample(trained, [sw("sA", p, max_tokens=30, seed=8)])[0].sequences[0].tokens
-    shapes.clear()
     works = [
         sw("sA", p, num_samples=4, max_tokens=30, seed=8, stop_token_ids=(ref[3],)),
         sw("sB", prompt(9, 12), num_samples=2, max_tokens=20, seed=3),
     ]
+    seen, hook = step_tokens(trained)
     try:
         stopped, full = sample(trained, works)
     finally:
         hook.remove()
-    assert shapes[0] == (2, 9)  # one prefill row per request, not per sample
-    decode_rows = [rows for rows, width in shapes[1:]]
+    assert seen[0] == 5 + 9  # both prompts once, in one packed forward, not once per sample
+    decode_rows = seen[1:]
     # sample 0 (seed 8, as `ref`) stops at the first ref[3] it draws
     assert stopped.sequences[0].tokens == ref[: ref.index(ref[3]) + 1]
     lengths = [len(s.tokens) for s in (*stopped.sequences, *full.sequences)]
@@ -414,37 +419,48 @@ def test_a_request_over_the_kv_budget_waits_for_the_next_decode_batch(trained) -
     assert [s.tokens for s in again[0].sequences] == [s.tokens for s in alone.sequences]
 
 
-def _decode_batch(be: Any, sampler_id: str, chunk: int) -> Any:
-    from tuneloop.server.engine.sampler import DecodeBatch
+def _decoder(be: Any, sampler_id: str, chunk: int) -> Any:
+    """The paged decoder of the sampler's model, prefilling `chunk` prompt tokens per step."""
+    be.prefill_chunk = chunk
+    return be._decoder(be._samplers[sampler_id])
 
-    rt = be._samplers[sampler_id]
-    return DecodeBatch(rt.model, rt.bank, pad_id=rt.pad_id, decode=rt.decode, prefill_chunk=chunk)
+
+def _admit(be: Any, decoder: Any, work: SampleWork) -> Any:
+    key, namespace = be._route(work.sampler_id, be._samplers[work.sampler_id])
+    return decoder.admit(work, key, namespace)
 
 
 def _tokens(result: SampleResult) -> list[list[int]]:
     return [s.tokens for s in result.sequences]
 
 
+def _idle(be: Any) -> None:
+    """Every KV block of the model is back in the pool, none reserved."""
+    usage = be.kv_usage()[TINY]
+    assert (usage.blocks_used, usage.blocks_reserved) == (0, 0), usage
+
+
 def test_a_long_joining_prompt_is_prefilled_in_chunks_while_rows_keep_decoding(trained) -> None:
     running = sw("sA", prompt(3, 40), max_tokens=30, seed=1)
     joiner = sw("sB", prompt(24, 41), num_samples=2, max_tokens=3, seed=2)
-    alone = sample(trained, [joiner])[0]
-    batch = _decode_batch(trained, "sA", chunk=4)
-    [first] = batch.add([running], ["sA"])
-    batch.step()
-    [second] = batch.add([joiner], ["sB"])
-    assert batch.pending
+    decoder = _decoder(trained, "sA", chunk=4)
+    first = _admit(trained, decoder, running)
+    decoder.step()  # the short prompt, whole: nothing else decodes
+    second = _admit(trained, decoder, joiner)
+    assert decoder.joining
     assert not second.rows[0].tokens
     prefill_steps = 0
-    while batch.pending:
+    while decoder.joining:
         before = len(first.rows[0].tokens)
-        batch.step()
+        decoder.step()
         assert len(first.rows[0].tokens) == before + 1  # one token per step, never stalled
         prefill_steps += 1
-    assert prefill_steps == 6  # 24 prompt tokens, 4 per step (one prompt row)
+    assert prefill_steps == 6  # 24 prompt tokens, 4 per step, once for both samples
     results = {}
-    while len(batch):
-        results.update({id(req): res for req, res in batch.step()})
+    while len(decoder):
+        results.update({id(req): res for req, res in decoder.step()})
+    _idle(trained)
+    alone = sample(trained, [joiner])[0]
     assert _tokens(results[id(second)]) == _tokens(alone)
     assert_near(
         [s.logprobs for s in results[id(second)].sequences],
@@ -455,11 +471,9 @@ def test_a_long_joining_prompt_is_prefilled_in_chunks_while_rows_keep_decoding(t
     assert len(results[id(first)].sequences[0].tokens) == 30
 
 
-def test_requests_of_cancelled_samplers_leave_the_batch_wherever_they_are(
-    trained, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Dropped from the decode rows and from a joining prefill, whose other requests restart and
-    still get exactly what they get alone."""
+def test_requests_of_cancelled_samplers_leave_the_batch_wherever_they_are(trained) -> None:
+    """Dropped from the decoding rows and from a joining prefill; the other requests still get
+    exactly what they get alone, and the cancelled ones' blocks go back to the pool."""
     keep = sw("sA", prompt(4, 50), max_tokens=12, seed=1)
     decoding = sw("sB", prompt(4, 51), num_samples=2, max_tokens=40, seed=2)
     mixed = [sw("sA", prompt(9, 52), max_tokens=5, seed=3), sw("sB", prompt(6, 53), seed=4)]
@@ -467,13 +481,16 @@ def test_requests_of_cancelled_samplers_leave_the_batch_wherever_they_are(
     got: dict[int, Any] = {}
     steps = 0
     cancelled: frozenset[str] = frozenset()
+    joining_when_cancelled: list[int] = []
 
     def admit() -> list[SampleWork]:
         nonlocal steps, cancelled
         steps += 1
         if steps == 2:
-            return mixed  # prefilled a column per step: still joining at step 3
+            return mixed  # prefilled 2 tokens per step: still joining at step 3
         if steps == 3:
+            decoder = trained._runtimes[TINY].decoder
+            joining_when_cancelled.append(len(decoder.joining))
             cancelled = frozenset({"sB"})  # mid-prefill for mixed[1], mid-decode for `decoding`
         return []
 
@@ -481,24 +498,16 @@ def test_requests_of_cancelled_samplers_leave_the_batch_wherever_they_are(
         assert id(work) not in got
         got[id(work)] = result
 
-    from tuneloop.server.engine.sampler import DecodeBatch
-
-    restarted: list[int] = []
-    requeue = DecodeBatch._requeue
-    monkeypatch.setattr(
-        DecodeBatch,
-        "_requeue",
-        lambda self, kept, old: (restarted.append(len(kept)), requeue(self, kept, old))[1],
-    )
     trained.prefill_chunk = 2
     trained.sample_continuous([keep, decoding], admit, deliver, lambda: cancelled)
-    assert restarted == [1]  # mixed[0]'s prefill restarted without mixed[1]
+    assert joining_when_cancelled == [2]
     assert len(got) == 4
     for w in (decoding, mixed[1]):
         assert isinstance(got[id(w)], EngineError)
         assert "cancelled" in str(got[id(w)])
     for w in (keep, mixed[0]):
         assert _tokens(got[id(w)]) == _tokens(alone[id(w)])
+    _idle(trained)
     # a cancelled sampler's new requests are refused at the door
     late: list[Any] = []
     trained.sample_continuous(
@@ -507,52 +516,51 @@ def test_requests_of_cancelled_samplers_leave_the_batch_wherever_they_are(
     assert isinstance(late[0], EngineError)
 
 
-def test_a_far_longer_joiner_decodes_in_a_bucket_of_its_own(
-    trained, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Left-padding it into the running rows would stretch every row's cache to its length."""
-    from tuneloop.server.engine.sampler import DecodeBatch
-
+def test_a_far_longer_joiner_costs_its_own_blocks_only(trained) -> None:
+    """No padding: a 60-token prompt joining 4-token rows holds its own blocks, the short rows
+    keep theirs, and all decode in the same forward passes."""
     short = [sw("sA", prompt(4, 60 + i), max_tokens=16, seed=i) for i in range(3)]
     long = sw("sB", prompt(60, 70), max_tokens=4, seed=9)
     alone = {id(w): sample(trained, [w])[0] for w in (*short, long)}
-    batches: dict[int, list[int]] = {}
-    add = DecodeBatch.add
-
-    def spy(self: Any, works: Any, keys: Any, **kw: Any) -> Any:
-        batches.setdefault(id(self), []).extend(len(w.prompt) for w in works)
-        return add(self, works, keys, **kw)
-
-    monkeypatch.setattr(DecodeBatch, "add", spy)
+    trained._runtimes[TINY].decoder = None  # a fresh pool: no prefix cached from the above
+    trained.kv_block_size = 4
+    used: list[int] = []
     admitted = iter([[], [long]])
+
+    def admit() -> list[SampleWork]:
+        used.append(trained.kv_usage()[TINY].blocks_used)
+        return next(admitted, [])
+
+    seen, hook = step_tokens(trained)
     got: dict[int, Any] = {}
-    trained.sample_continuous(
-        short, lambda: next(admitted, []), lambda w, r: got.update({id(w): r})
-    )
-    assert sorted(batches.values()) == [[4, 4, 4], [60]]
+    try:
+        trained.sample_continuous(short, admit, lambda w, r: got.update({id(w): r}))
+    finally:
+        hook.remove()
     for w in (*short, long):
         assert _tokens(got[id(w)]) == _tokens(alone[id(w)])
-    # with one bucket allowed and no padding limit (the old behaviour) it joins the short rows
-    batches.clear()
-    trained.max_buckets, trained.pad_factor = 1, float("inf")
-    admitted = iter([[], [long]])
-    trained.sample_continuous(
-        short, lambda: next(admitted, []), lambda w, r: got.update({id(w): r})
-    )
-    assert list(batches.values()) == [[4, 4, 4, 60]]
-    assert _tokens(got[id(long)]) == _tokens(alone[id(long)])
+    # step 2 (after admit 2) prefills the long prompt with the 3 short rows' tokens
+    assert seen[2] == 3 + 60
+    # while both decode: 3 short rows of 4 + t tokens and the long row of 60 + t, blocks of 4
+    t = 2  # tokens each short row had sampled when the long prompt was scheduled
+    assert used[3] == 3 * -(-(4 + t + 1) // 4) + -(-(60 + 1) // 4)
+    _idle(trained)
 
 
-def test_cache_columns_that_only_a_departed_row_needed_are_dropped(trained) -> None:
-    batch = _decode_batch(trained, "sA", chunk=256)
+def test_a_row_that_stops_gives_its_blocks_back_at_once(trained) -> None:
+    trained.kv_block_size = 4
+    decoder = _decoder(trained, "sA", chunk=256)
     long = sw("sA", prompt(30, 80), max_tokens=1, seed=1)
     short = sw("sA", prompt(3, 81), max_tokens=6, seed=2)
-    batch.add([long, short], ["sA", "sA"])
-    assert batch.mask.shape[1] == 30
-    batch.step()  # the long request's only token: it leaves
-    assert len(batch.rows) == 1
-    assert batch.mask.shape[1] == 3 + 1  # the short row's prompt and its first token
+    _admit(trained, decoder, long)
+    _admit(trained, decoder, short)
+    decoder.step()  # both prompts
+    assert decoder.usage().blocks_used == 8 + 1
+    decoder.step()  # the long request's only token: it leaves
+    assert len(decoder.rows) == 1
+    assert decoder.usage().blocks_used == 1  # the short row's 3 prompt tokens and its first
     results = {}
-    while len(batch):
-        results.update({id(req.work): res for req, res in batch.step()})
+    while len(decoder):
+        results.update({id(req.work): res for req, res in decoder.step()})
+    _idle(trained)
     assert _tokens(results[id(short)]) == _tokens(sample(trained, [short])[0])

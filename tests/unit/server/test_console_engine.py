@@ -79,14 +79,14 @@ async def _wait(event: threading.Event) -> bool:
     return await asyncio.to_thread(event.wait, 30)
 
 
-def test_kv_tokens_in_use_while_a_decode_batch_runs(tmp_path: Path) -> None:
+def test_kv_cache_use_while_a_decode_batch_runs(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     from tuneloop.server.engine.torch_backend import TorchBackend
 
     backend = TorchBackend(["tuneloop/tiny-qwen3"], cache_dir=tmp_path / "cache", device="cpu")
     try:
         backend.create_sampler("s", "tuneloop/tiny-qwen3")
-        assert backend.kv_tokens_in_use() == 0
+        assert backend.kv_cache_use().tokens == 0
         assert isinstance(backend.sample_token_budget, int)
 
         def work(length: int, max_tokens: int) -> SampleWork:
@@ -96,11 +96,11 @@ def test_kv_tokens_in_use_while_a_decode_batch_runs(tmp_path: Path) -> None:
         short, long = work(4, 2), work(6, 12)
         seen: dict[int, int] = {}
         backend.sample_continuous(
-            [short, long], list, lambda w, _r: seen.update({id(w): backend.kv_tokens_in_use()})
+            [short, long], list, lambda w, _r: seen.update({id(w): backend.kv_cache_use().tokens})
         )
         # When the short request is answered the long one still holds its cache rows.
         assert seen[id(short)] >= len(long.prompt)
-        assert backend.kv_tokens_in_use() == 0  # none after the decode run
+        assert backend.kv_cache_use().tokens == 0  # none after the decode run
     finally:
         backend.close()
 

@@ -80,3 +80,28 @@ def training_token_budget(config: Any, dtype: torch.dtype, device: torch.device)
         per_token / 1e6,
     )
     return chosen
+
+
+# Share of the memory free when the sampler's KV pool is made (on a GPU) that the pool takes:
+# the rest is for training activations, the LM head's logits and the estimate's error.
+KV_SHARE = 0.3
+
+
+def kv_cache_blocks(
+    config: Any, dtype: torch.dtype, device: torch.device, block_size: int, token_budget: int
+) -> int:
+    """Blocks of the sampler's KV pool: on a GPU, KV_SHARE of the memory free now; elsewhere
+    the configured `token_budget` (a CPU's free memory is shared with everything else)."""
+    tokens = token_budget
+    if device.type == "cuda":
+        free = free_bytes(device)
+        if free is not None:
+            tokens = int(free * KV_SHARE) // kv_bytes_per_token(config, dtype)
+    blocks = max(1, tokens // block_size)
+    log.info(
+        "sampler KV cache: %d blocks of %d tokens (%.2f GB)",
+        blocks,
+        block_size,
+        blocks * block_size * kv_bytes_per_token(config, dtype) / 1e9,
+    )
+    return blocks

@@ -13,6 +13,7 @@ from typing import Any
 
 from tuneloop.server.api.console.curves import RunCurves
 from tuneloop.server.api.state import ServerState
+from tuneloop.server.engine.backend import ReportsKVCache
 
 __all__ = ["EngineState", "WorkerGroupState", "engine_state", "worker_group_state"]
 
@@ -87,8 +88,10 @@ def engine_state(state: ServerState, curves: RunCurves) -> EngineState:
         run = state.registry.training_run_any_tenant(run_id)
         name = run.base_model if run is not None else "(being created)"
         by_model[name] = by_model.get(name, 0) + waiting
-    kv = getattr(backend, "kv_tokens_in_use", None)
-    budget = getattr(backend, "sample_token_budget", None)
+    # The metrics' reading (counters of the KV pools, safe while a decode step runs); a
+    # backend with no KV cache (the fake one) reports a budget of 0.
+    kv = backend.kv_cache_use() if isinstance(backend, ReportsKVCache) else None
+    kv = kv if kv is not None and kv.token_budget else None
     return EngineState(
         backend=type(backend).__name__,
         models=sorted(state.models),
@@ -96,8 +99,8 @@ def engine_state(state: ServerState, curves: RunCurves) -> EngineState:
         training_waiting_by_run=by_run,
         samples_waiting=state.queue.queued_samples(),
         running=state.engine.running,
-        kv_tokens_in_use=int(kv()) if callable(kv) else None,
-        kv_token_budget=int(budget) if isinstance(budget, int) else None,
+        kv_tokens_in_use=kv.tokens if kv is not None else None,
+        kv_token_budget=kv.token_budget if kv is not None else None,
         tokens_per_s=curves.tokens_per_s(),
         futures_in_table=len(state.futures),
         workers=worker_group_state(backend),

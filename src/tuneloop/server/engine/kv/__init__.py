@@ -1,0 +1,1 @@
+"""The sampler's paged KV cache: a block pool, a block manager, paged attention."""

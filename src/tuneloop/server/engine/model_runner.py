@@ -1,0 +1,159 @@
+"""One forward pass of a sampling step over the paged KV cache (nano-vllm's ModelRunner).
+
+The scheduled work of a step (each decoding row's one new token, and a chunk of each joining
+prompt) is laid out end to end in one packed row with no padding; every token gets its slot in
+the pool from its sequence's block table. The model runs once, under the paged attention
+(kv/paged_attention.py) and the LoRA routing of the rows' adapters, and returns the logits of
+the last token of each sequence that asked for them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from tuneloop.server.engine.kv.paged_attention import KVPool, PagedStep, Prefill, paged
+from tuneloop.server.engine.kv.sequence import Sequence
+from tuneloop.server.engine.lora import AdapterBank, Routing
+
+__all__ = ["ModelRunner", "Scheduled"]
+
+
+@dataclass
+class Scheduled:
+    """A sequence's part of a step: its next `length` uncomputed tokens."""
+
+    seq: Sequence
+    length: int
+    wants_logits: bool  # the chunk ends at the sequence's last token
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, bank: AdapterBank, pool: KVPool, kernel: bool) -> None:
+        self.model, self.bank, self.pool, self.kernel = model, bank, pool, kernel
+        self.device = pool.device
+        self.forwards = 0  # forward passes run (tests count prefills with it)
+        self.tokens = 0  # tokens run through the model
+        # The routings of the last step, reused while the layout of adapters is the same: its
+        # stacked factors (grouped LoRA) cost more to rebuild every step than they save.
+        # One for the transformer body (all tokens), one for the head (one row per sequence).
+        self._body: dict[str, Any] = {}
+        self._head: dict[str, Any] = {}
+
+    @staticmethod
+    def _route(held: dict[str, Any], keys: list[str | None], lengths: list[int]) -> Routing:
+        layout = tuple(zip(keys, lengths, strict=True))
+        if held.get("layout") != layout:
+            held["layout"], held["routing"] = layout, Routing.from_lengths(keys, lengths)
+        routing: Routing = held["routing"]
+        return routing
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
+        size = self.pool.block_size
+        positions = np.arange(start, end)
+        return np.asarray(seq.table, dtype=np.int64)[positions // size] * size + positions % size
+
+    def _step(self, work: Seq[Scheduled]) -> tuple[PagedStep, list[int], list[int]]:
+        """The step's attention metadata, its tokens and their positions."""
+        size = self.pool.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[np.ndarray] = []
+        prefills: list[Prefill] = []
+        decoding = 0
+        for item in work:
+            seq, start = item.seq, item.seq.computed
+            end = start + item.length
+            tokens += seq.tokens[start:end]
+            positions += range(start, end)
+            slot_mapping.append(self._slots(seq, start, end))
+            if item.length == 1 and not prefills:
+                decoding += 1
+            else:
+                slots = torch.from_numpy(self._slots(seq, 0, end)).to(self.device)
+                prefills.append(Prefill(len(tokens) - item.length, item.length, slots, end))
+        # Decode rows: every row's slots, gathered to the longest context of the step.
+        contexts = np.array([i.seq.computed + 1 for i in work[:decoding]], dtype=np.int64)
+        width = int(contexts.max()) if decoding else 0
+        blocks = -(-width // size)
+        tables = np.zeros((decoding, blocks), dtype=np.int64)
+        for row, item in enumerate(work[:decoding]):
+            used = -(-int(contexts[row]) // size)
+            tables[row, :used] = item.seq.table[:used]
+        slots_of_rows = tables[:, :, None] * size + np.arange(size)  # [D, blocks, size]
+        decode_slots = slots_of_rows.reshape(decoding, blocks * size)[:, :width]
+        decode_mask = np.arange(width)[None, :] < contexts[:, None]
+        # Past a row's context: the zero pad slot, never a block's stale (maybe NaN) slots.
+        decode_slots = np.where(decode_mask, decode_slots, self.pool.pad_slot)
+        flash = self._flash_metadata(work) if self.kernel else None
+        step = PagedStep(
+            self.pool,
+            torch.from_numpy(np.concatenate(slot_mapping)).to(self.device),
+            decoding,
+            torch.from_numpy(np.ascontiguousarray(decode_slots)).to(self.device),
+            torch.from_numpy(decode_mask[:, None, None, :]).to(self.device),
+            prefills,
+            flash,
+        )
+        return step, tokens, positions
+
+    def _flash_metadata(self, work: Seq[Scheduled]) -> dict[str, Any]:
+        """The varlen kernel's view of the step: sequence boundaries and block tables."""
+        lengths = [i.length for i in work]
+        contexts = [i.seq.computed + i.length for i in work]
+        longest = max(len(i.seq.table) for i in work)
+        table = torch.zeros((len(work), longest), dtype=torch.int32)
+        for row, item in enumerate(work):
+            table[row, : len(item.seq.table)] = torch.as_tensor(item.seq.table, dtype=torch.int32)
+
+        def cumulative(values: list[int]) -> torch.Tensor:
+            return torch.tensor([0, *itertools.accumulate(values)], dtype=torch.int32)
+
+        return {
+            "cu_seqlens_q": cumulative(lengths).to(self.device),
+            "cu_seqlens_k": cumulative(contexts).to(self.device),
+            "max_seqlen_q": max(lengths),
+            "max_seqlen_k": max(contexts),
+            "block_table": table.to(self.device),
+        }
+
+    @torch.no_grad()
+    def run(self, work: Seq[Scheduled]) -> torch.Tensor:
+        """Run the step; returns fp32 logits [len(wanting), V] of the items that want them, in
+        order, and marks every item's tokens computed."""
+        step, tokens, positions = self._step(work)
+        ends = list(itertools.accumulate(i.length for i in work))
+        keep = [end - 1 for end, item in zip(ends, work, strict=True) if item.wants_logits]
+        keys = [i.seq.key for i in work]
+        body_routing = self._route(self._body, keys, [i.length for i in work])
+        decoder: nn.Module = self.model.get_decoder()  # type: ignore[operator]
+        with self.bank.using(body_routing), paged(self.model):
+            hidden = decoder(
+                input_ids=torch.tensor([tokens], device=self.device),
+                position_ids=torch.tensor([positions], device=self.device),
+                use_cache=False,
+                paged_step=step,
+            ).last_hidden_state[0]
+        self.forwards += 1
+        self.tokens += len(tokens)
+        for item in work:
+            item.seq.computed += item.length
+        if not keep:
+            return hidden.new_zeros((0, 0), dtype=torch.float32)
+        # The LM head runs on the last token of each sequence that wants logits, routed by those
+        # rows' adapters (an adapter may train the head too).
+        wanting = [k for k, item in zip(keys, work, strict=True) if item.wants_logits]
+        head_routing = self._route(self._head, wanting, [1] * len(wanting))
+        head: nn.Module = self.model.get_output_embeddings()  # type: ignore[operator]
+        with self.bank.using(head_routing):
+            logits = head(hidden[torch.tensor(keep, device=self.device)][None])[0].float()
+        softcap = getattr(self.model.config, "final_logit_softcapping", None)
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        return logits

@@ -1,0 +1,81 @@
+"""One resident base model with its adapter bank and, once it samples, its paged decoder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tuneloop.server.engine.decoder import Decoder
+from tuneloop.server.engine.kv.paged_attention import FLASH_BLOCK_SIZE, kernel_available
+from tuneloop.server.engine.lora import AdapterBank
+from tuneloop.server.engine.memory import kv_cache_blocks
+from tuneloop.server.engine.models import LoadedModel
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "Runtime"]
+
+# Tokens per KV block on the reference path: small blocks share more of a prompt between
+# samples and waste less at each sequence's end (vLLM's default); the CUDA kernel needs 256.
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass
+class Runtime:
+    loaded: LoadedModel
+    bank: AdapterBank
+    pad_id: int
+    packed: bool = False  # training batches packed end to end (see packing.py)
+    tokenizer: Any = None
+    decoder: Decoder | None = None  # made at the first sampling request: a KV pool is large
+
+    @property
+    def model(self) -> nn.Module:
+        return self.loaded.model
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.loaded.model.parameters()).device
+
+    def decode(self, tokens: list[int]) -> str:
+        if self.tokenizer is None:
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(
+                str(self.loaded.spec.tokenizer_dir / "tokenizer.json")
+            )
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=False))
+
+    def sampling_decoder(
+        self, token_budget: int, prefill_chunk: int, block_size: int | None = None
+    ) -> Decoder:
+        """This model's decoder, made on first use with a pool sized by the memory budget (and
+        made again, while idle, if the budget or block size asked for changed)."""
+        kernel = kernel_available(self.device, next(self.model.parameters()).dtype)
+        size = block_size or (FLASH_BLOCK_SIZE if kernel else DEFAULT_BLOCK_SIZE)
+        decoder = self.decoder
+        if (
+            decoder is not None
+            and not len(decoder)
+            and (decoder.budget, decoder.blocks.block_size) != (token_budget, size)
+        ):
+            decoder = None
+        if decoder is None:
+            param = next(self.model.parameters())
+            blocks = kv_cache_blocks(
+                self.model.config, param.dtype, param.device, size, token_budget
+            )
+            decoder = Decoder(
+                self.model,
+                self.bank,
+                num_blocks=blocks,
+                block_size=size,
+                pad_id=self.pad_id,
+                decode=self.decode,
+                kernel=kernel,
+            )
+            decoder.budget = token_budget
+            self.decoder = decoder
+        decoder.prefill_chunk = max(1, prefill_chunk)
+        return decoder
