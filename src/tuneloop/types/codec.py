@@ -245,6 +245,10 @@ def forward_backward_request_from_proto(
                 fmt = chunk.image.format
                 if fmt not in ("png", "jpeg"):
                     raise WireFormatError(f"{where}.format: must be png or jpeg", where)
+                if chunk.image.expected_tokens < 0:  # int32 on the wire: may be negative
+                    raise WireFormatError(
+                        f"{where}.expected_tokens: must be >= 0", f"{where}.expected_tokens"
+                    )
                 chunks.append(
                     ImageChunk(
                         data=base64.b64encode(chunk.image.data).decode(),

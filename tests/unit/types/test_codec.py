@@ -238,6 +238,16 @@ def test_ragged_tensor_bytes_name_the_field() -> None:
         decode_forward_backward_request(msg.SerializeToString())
 
 
+def test_a_negative_image_token_count_names_the_field() -> None:
+    # expected_tokens is an int32 on the wire; -1 once reached the pydantic model as a 500.
+    msg = official.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="cross_entropy")
+    image = msg.data.add().model_input.add().image
+    image.format, image.data, image.expected_tokens = "png", b"", -1
+    with pytest.raises(WireFormatError) as info:
+        decode_forward_backward_request(msg.SerializeToString())
+    assert info.value.field == "data[0].model_input[0].expected_tokens"
+
+
 # ---- compatibility with the official SDK's schema ---------------------------------------------
 
 
