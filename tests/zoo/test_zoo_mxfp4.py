@@ -111,7 +111,7 @@ def test_stored_bytes_and_the_footprint_agree_with_the_folder(
 
 
 def test_gpt_oss_20b_footprint_from_its_published_config() -> None:
-    """The figures docs/models.md states (config.json of openai/gpt-oss-20b, no weights)."""
+    """The figures docs/operations.md states (config.json of openai/gpt-oss-20b, no weights)."""
     from transformers import GptOssConfig
 
     config = GptOssConfig(
