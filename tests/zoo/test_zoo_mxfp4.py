@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.unit.engine.conftest import example, forward, ok, seq, train
+from tests.zoo.archs import published_config
 from tests.zoo.mxfp4 import EXPERT_PARAMETERS, dequantise, quantise, save_mxfp4
 from tuneloop.server.engine import merge, mxfp4
 from tuneloop.server.engine.models import load_model
@@ -112,13 +113,7 @@ def test_stored_bytes_and_the_footprint_agree_with_the_folder(
 
 def test_gpt_oss_20b_footprint_from_its_published_config() -> None:
     """The figures docs/operations.md states (config.json of openai/gpt-oss-20b, no weights)."""
-    from transformers import GptOssConfig
-
-    config = GptOssConfig(
-        vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
-        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
-        num_experts_per_tok=4, tie_word_embeddings=False,
-    )  # fmt: skip
+    config = published_config("gpt-oss-20b")
     bf16 = mxfp4.footprint(config, torch.bfloat16)
     # 24 layers x 32 experts x (2880 x 5760 gate_up + 2880 x 2880 down)
     assert bf16.expert_values == 24 * 32 * 3 * 2880 * 2880 == 19_110_297_600
