@@ -27,10 +27,13 @@ from typing import Any
 
 import torch
 
+from tuneloop.server.engine.types import EngineError
+
 __all__ = [
     "BLOCK_VALUES",
     "QUANTISED_PARAMETERS",
     "Footprint",
+    "Stored",
     "footprint",
     "from_pretrained_kwargs",
     "is_mxfp4",
@@ -152,8 +155,6 @@ def footprint(
 
 def log_dequantised(name: str, folder: Path, model: torch.nn.Module) -> None:
     """Log what dequantising `folder`'s MXFP4 experts cost; refuse a model left quantised."""
-    from tuneloop.server.engine.types import EngineError
-
     stored = stored_bytes(folder)
     values = nbytes = 0
     dtype = torch.float32
