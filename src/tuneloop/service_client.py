@@ -145,10 +145,25 @@ class ServiceClient:
         train_attn: bool = True,
         train_unembed: bool = True,
         user_metadata: dict[str, Any] | None = None,
+        *,
+        train_experts: bool | None = None,
     ) -> TrainingClient:
-        """Create a LoRA adapter on `base_model` and return its TrainingClient (blocks)."""
+        """Create a LoRA adapter on `base_model` and return its TrainingClient (blocks).
+
+        `train_mlp` covers dense MLPs and MoE experts alike (Tinker's meaning);
+        `train_experts`, a tuneloop extension, sets the experts apart: None follows `train_mlp`,
+        True / False trains them or not whatever `train_mlp` says. On a model without experts it
+        changes nothing. `get_info().model_data.lora_groups` says what the adapter covers.
+        """
         return self._start_lora(
-            base_model, rank, seed, train_mlp, train_attn, train_unembed, user_metadata
+            base_model,
+            rank,
+            seed,
+            train_mlp,
+            train_attn,
+            train_unembed,
+            user_metadata,
+            train_experts,
         ).result()
 
     async def create_lora_training_client_async(
@@ -160,9 +175,18 @@ class ServiceClient:
         train_attn: bool = True,
         train_unembed: bool = True,
         user_metadata: dict[str, Any] | None = None,
+        *,
+        train_experts: bool | None = None,
     ) -> TrainingClient:
         return await self._start_lora(
-            base_model, rank, seed, train_mlp, train_attn, train_unembed, user_metadata
+            base_model,
+            rank,
+            seed,
+            train_mlp,
+            train_attn,
+            train_unembed,
+            user_metadata,
+            train_experts,
         )
 
     def _start_lora(
@@ -174,15 +198,19 @@ class ServiceClient:
         train_attn: bool,
         train_unembed: bool,
         user_metadata: dict[str, Any] | None,
+        train_experts: bool | None,
     ) -> APIFuture[TrainingClient]:
-        if not (train_mlp or train_attn or train_unembed):
-            raise ValueError("one of train_mlp, train_attn, train_unembed must be True")
+        if not (train_mlp or train_attn or train_unembed or train_experts):
+            raise ValueError(
+                "one of train_mlp, train_attn, train_unembed, train_experts must be True"
+            )
         lora = LoraConfig(
             rank=rank,
             seed=seed,
             train_mlp=train_mlp,
             train_attn=train_attn,
             train_unembed=train_unembed,
+            train_experts=train_experts,  # None is left out of the body: the server's default
         )
         request = CreateModelRequest(
             session_id=self.session_id,

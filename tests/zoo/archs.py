@@ -17,7 +17,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["ARCHS", "DENSE", "MOE", "VOCAB", "build", "copy_tokenizer", "save"]
+__all__ = [
+    "ARCHS",
+    "DENSE",
+    "MOE",
+    "VOCAB",
+    "build",
+    "copy_tokenizer",
+    "published_config",
+    "save",
+]
 
 VOCAB = 259
 _TOKENIZER = Path(str(resources.files("tuneloop") / "assets" / "tokenizers" / "byte-level"))
@@ -117,3 +126,24 @@ def copy_tokenizer(folder: Path) -> None:
     """The byte-level tokenizer (vocabulary `VOCAB`) into a model folder."""
     for item in _TOKENIZER.iterdir():
         shutil.copy2(item, folder / item.name)
+
+
+def published_config(name: str) -> Any:
+    """The shapes of a released model (its config.json on the hub), built in code: for
+    estimates on the meta device, never for weights."""
+    import transformers as tf
+
+    if name == "gpt-oss-20b":
+        return tf.GptOssConfig(
+            vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+            num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+            num_experts_per_tok=4, tie_word_embeddings=False,
+        )  # fmt: skip
+    if name == "qwen3-30b-a3b":
+        return tf.Qwen3MoeConfig(
+            vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+            num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+            num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,
+            tie_word_embeddings=False,
+        )  # fmt: skip
+    raise KeyError(name)

@@ -50,6 +50,16 @@ def test_official_sdk_trains_samples_resumes_and_exports_a_zoo_model(
         service = tuneloop.ServiceClient(base_url=live.url, api_key=live.key)
         try:  # get_info: the groups this adapter covers and what it trains at its rank
             info = service.create_lora_training_client(folder, rank=4, seed=0).get_info()
+            # Our SDK's finer target: the experts apart from the dense MLPs.
+            without_experts = service.create_lora_training_client(
+                folder, rank=4, train_experts=False
+            ).get_info()
+            experts_only = None
+            if arch != "llama":
+                experts_only = service.create_lora_training_client(
+                    folder, rank=4, train_mlp=False, train_attn=False, train_unembed=False,
+                    train_experts=True,
+                ).get_info()  # fmt: skip
         finally:
             service.close()
         done = run_official(
@@ -63,6 +73,9 @@ def test_official_sdk_trains_samples_resumes_and_exports_a_zoo_model(
     assert ("experts" in groups) == (arch != "llama")
     assert float(capabilities["lora_coverage"]) >= 0.95  # type: ignore[arg-type]
     assert info.model_data.lora_groups == groups
+    assert without_experts.model_data.lora_groups == [g for g in groups if g != "experts"]
+    if experts_only is not None:
+        assert experts_only.model_data.lora_groups == ["experts"]
     per_rank = capabilities["lora_parameters_per_rank"]
     assert isinstance(per_rank, int)
     assert info.model_data.lora_trainable_parameters == 4 * per_rank

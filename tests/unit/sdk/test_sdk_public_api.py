@@ -58,7 +58,8 @@ SIGNATURES = {
     tuneloop.ServiceClient.create_lora_training_client: (
         "(self, base_model: 'str', rank: 'int' = 32, seed: 'int | None' = None, "
         "train_mlp: 'bool' = True, train_attn: 'bool' = True, train_unembed: 'bool' = True, "
-        "user_metadata: 'dict[str, Any] | None' = None) -> 'TrainingClient'"
+        "user_metadata: 'dict[str, Any] | None' = None, *, "
+        "train_experts: 'bool | None' = None) -> 'TrainingClient'"
     ),
     tuneloop.ServiceClient.create_training_client_from_state: (
         "(self, path: 'str') -> 'TrainingClient'"

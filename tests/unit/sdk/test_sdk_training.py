@@ -42,6 +42,37 @@ def test_create_lora_training_client_sends_create_model_and_get_info(service, se
         )
 
 
+def test_train_experts_is_sent_only_when_given(service, server):
+    """None (the default) leaves it out, so `train_mlp` covers the experts as in Tinker; a
+    value sets the experts apart, and experts alone are a valid target set."""
+    service.create_lora_training_client("moe", rank=4)
+    service.create_lora_training_client("moe", rank=4, train_experts=False)
+    service.create_lora_training_client(
+        "moe", rank=4, train_mlp=False, train_attn=False, train_unembed=False, train_experts=True
+    )
+    sent = [body["lora_config"] for body in server.bodies("/api/v1/create_model")]
+    assert "train_experts" not in sent[0]
+    assert sent[1]["train_experts"] is False
+    assert sent[1]["train_mlp"] is True
+    assert sent[2] == {
+        "rank": 4,
+        "train_unembed": False,
+        "train_mlp": False,
+        "train_attn": False,
+        "train_experts": True,
+    }
+    with pytest.raises(ValueError, match="train_experts"):
+        service.create_lora_training_client(
+            "x", train_mlp=False, train_attn=False, train_unembed=False, train_experts=False
+        )
+
+
+async def test_train_experts_reaches_the_body_from_the_async_call(service, server):
+    await service.create_lora_training_client_async("moe", train_mlp=False, train_experts=True)
+    [body] = server.bodies("/api/v1/create_model")
+    assert (body["lora_config"]["train_mlp"], body["lora_config"]["train_experts"]) == (False, True)
+
+
 def test_create_from_state_uses_create_via_load(service, server):
     tc = service.create_training_client_from_state_with_optimizer("tinker://r/weights/a")
     (body,) = server.bodies("/api/v1/load_weights")

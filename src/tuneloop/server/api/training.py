@@ -35,6 +35,7 @@ from tuneloop.server.api.taken_ids import (
 from tuneloop.server.api.validation import adam_step, decode_limits, forward_backward_work
 from tuneloop.server.api.zstd_body import DecompressedTooLargeError, decompress_bounded
 from tuneloop.server.engine.backend import Backend
+from tuneloop.server.engine.isolation import SKIPPED
 from tuneloop.server.engine.types import (
     AdapterSpec,
     EngineError,
@@ -385,8 +386,10 @@ async def optim_step(request: Request, state: State, tenant: Tenant) -> dict[str
     model_id = run.id
 
     async def finish(metrics: dict[str, float]) -> Outcome:
-        # Stored in the model's order (one writer thread), so a later save sees it counted.
-        await state.db_write(state.registry.advance_training_step, model_id)
+        # Stored in the model's order (one writer thread), so a later save sees it counted; a
+        # skipped step (non-finite) changed nothing, so it counts no step.
+        if not metrics.get(SKIPPED):
+            await state.db_write(state.registry.advance_training_step, model_id)
         return json_outcome({"metrics": metrics, "type": "optim_step"})
 
     return state.submit_training(

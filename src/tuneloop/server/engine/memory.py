@@ -105,3 +105,33 @@ def kv_cache_blocks(
         blocks * block_size * kv_bytes_per_token(config, dtype) / 1e9,
     )
     return blocks
+
+
+# A trained adapter parameter costs its fp32 value, its gradient and AdamW's two moments.
+ADAPTER_BYTES_PER_PARAMETER = 16
+
+
+def adapter_memory(
+    config: Any,
+    rank: int,
+    *,
+    train_attn: bool = True,
+    train_mlp: bool = True,
+    train_unembed: bool = True,
+    train_experts: bool | None = None,
+) -> tuple[int, int]:
+    """(parameters, bytes) of a rank-`rank` adapter with its gradients and AdamW state on a
+    model of `config`, built on the meta device (no weights), with the targets the engine
+    gives it (`lora/targets.py`: per-expert factors on fused MoE experts included)."""
+    from transformers import AutoModelForCausalLM
+
+    from tuneloop.server.engine.lora import AdapterBank, inject
+    from tuneloop.server.engine.types import AdapterSpec
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    spec = AdapterSpec(
+        "estimate", "", rank, 0, train_mlp, train_attn, train_unembed, train_experts=train_experts
+    )
+    parameters = AdapterBank(inject(model)).trainable_parameters(spec)
+    return parameters, parameters * ADAPTER_BYTES_PER_PARAMETER

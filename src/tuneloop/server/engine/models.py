@@ -7,6 +7,9 @@ Names, in the order they are tried:
    and cached as a plain HF folder under `cache_dir/models/`.
 3. A local folder holding an HF model.
 4. Anything else: a hub id, but only if it is already in the local HF cache.
+
+A folder whose experts ship in MXFP4 (GPT-OSS) loads them dequantised to the engine dtype
+(`mxfp4.py`), and the load log says what that costs.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 
 import torch
 
+from tuneloop.server.engine import mxfp4
 from tuneloop.server.engine.dtypes import choose_dtype
 from tuneloop.server.engine.lora import AdapterBank, inject
 from tuneloop.server.engine.types import EngineError, ModelSpec
@@ -219,10 +223,13 @@ def _hub_snapshot(repo_id: str) -> Path:
 def _from_folder(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
+    extra = mxfp4.from_pretrained_kwargs(folder)
     try:
-        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra)
     except (OSError, ValueError) as exc:  # no weights, not a causal LM, unknown architecture
         raise EngineError(f"cannot load a causal LM from {str(folder)!r}: {exc}", "user") from exc
+    if extra:
+        mxfp4.log_dequantised(str(folder), folder, model)
     return model
 
 
