@@ -207,3 +207,5 @@ class WeightsInfoResponse(ResponseBase):
     train_unembed: bool | None = None
     train_mlp: bool | None = None
     train_attn: bool | None = None
+    # Not in the official schema (its clients ignore it): None means the experts follow train_mlp.
+    train_experts: bool | None = None

@@ -222,3 +222,17 @@ async def test_saving_over_a_name_needs_overwrite(api: Api) -> None:
     assert again.json()["path"] == first.json()["path"]
     listed = (await api.get(f"training_runs/{model_id}/checkpoints")).json()["checkpoints"]
     assert [c["checkpoint_id"] for c in listed] == ["weights/w"]
+
+
+async def test_weights_info_reports_every_lora_target_group(api: Api) -> None:
+    session_id = await api.session()
+    lora = {"rank": 2, "train_attn": True, "train_mlp": True, "train_experts": False}
+    model_id = await create_model(api, session_id, 0, lora_config=lora)
+    saved = await api.result(
+        await api.post("save_weights", {"model_id": model_id, "path": "w", "seq_id": 1})
+    )
+    info = await api.post("weights_info", {"tinker_path": saved.json()["path"]})
+    assert info.status_code == 200, info.text
+    body = info.json()
+    assert (body["lora_rank"], body["train_attn"], body["train_mlp"]) == (2, True, True)
+    assert body["train_experts"] is False

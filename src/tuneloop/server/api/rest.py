@@ -204,6 +204,7 @@ async def weights_info(request: Request, state: State, tenant: Tenant) -> dict[s
         train_unembed=run.train_unembed,
         train_mlp=run.train_mlp,
         train_attn=run.train_attn,
+        train_experts=run.train_experts,
     ).model_dump()
 
 
