@@ -174,6 +174,7 @@ async def test_weights_info(api: Api) -> None:
         "train_unembed": True,
         "train_mlp": True,
         "train_attn": False,
+        "train_experts": None,
     }
 
 
