@@ -8,7 +8,7 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -25,12 +25,14 @@ from tuneloop.server.api.quotas import Quotas
 from tuneloop.server.api.restarts import LOAD, require_held
 from tuneloop.server.api.revocation import Revocations
 from tuneloop.server.api.stability import StabilityRecords
+from tuneloop.server.api.submission import TrainingSubmission, submit_training
 from tuneloop.server.api.traces import TraceRecorder
 from tuneloop.server.config import ServerConfig
+from tuneloop.server.engine.operations import DeleteAdapter, DeleteSampler
 from tuneloop.server.engine.types import ModelSpec
-from tuneloop.server.scheduler.futures import FutureTable, Outcome
+from tuneloop.server.scheduler.futures import FutureTable
 from tuneloop.server.scheduler.loop import EngineLoop, failure
-from tuneloop.server.scheduler.queue import Operation, OperationQueue, OpKind, SeqConflictError
+from tuneloop.server.scheduler.queue import OperationQueue
 from tuneloop.server.storage.audit import AuditLog
 from tuneloop.server.storage.clones import CloneCounters
 from tuneloop.server.storage.keys import KeyStore
@@ -349,15 +351,17 @@ class ServerState:
         for run in runs:
             for op in self.queue.forget_model(run):
                 self.futures.resolve(op.request_id, gone)
-            await self.engine.call(self.engine.backend.delete_adapter, run)
+            await self.engine.perform(DeleteAdapter(run))
         released = set(samplers)
-        for op in self.queue.drop_samples(lambda op: op.work.sampler_id not in released):
+        for op in self.queue.drop_samples(
+            lambda op: getattr(op.work, "sampler_id", None) not in released
+        ):
             self.futures.resolve(op.request_id, gone)
         # Requests already past the queue (a gathering or running decode batch) stop too.
         self.engine.cancel_samplers(released)
         self.feeds.forget_samplers(released)
         for sampler_id in samplers:
-            await self.engine.call(self.engine.backend.delete_sampler, sampler_id)
+            await self.engine.perform(DeleteSampler(sampler_id))
         # Their sample-retry records go too: the map would otherwise grow with every request.
         for key in [k for k in self.sample_submissions if k[0] in released]:
             del self.sample_submissions[key]
@@ -374,46 +378,9 @@ class ServerState:
             self.queue.skip(model_id, seq_id, digest)
             self.engine.notify()
 
-    def submit_training(
-        self,
-        tenant: str,
-        model_id: str,
-        seq_id: int,
-        kind: OpKind,
-        work: Any,
-        finish: Callable[[Any], Outcome | Awaitable[Outcome]],
-        body: bytes,
-        request_type: str,
-        digest: str | None = None,
-    ) -> dict[str, Any]:
-        """Queue one operation of a model's ordered stream; retries map to the first request.
-
-        `digest`: the body's fingerprint, if the caller computed it (off the event loop)."""
-        digest = digest if digest is not None else fingerprint(body)
-        try:
-            existing = self.queue.existing(model_id, seq_id, digest)
-        except SeqConflictError as exc:
-            raise ApiError(409, str(exc), "seq_id") from None
-        if existing is not None:
-            return {"request_id": existing, "model_id": model_id}
-        # A request that later, accepted requests of its model wait for is let in even at the
-        # limit: refusing it would leave them waiting, holding the very slots it waits for.
-        # So the tenant exceeds the limit by at most the number of those waiting requests.
-        if not self.queue.unblocks_waiting(model_id, seq_id):
-            self.quotas.check_inflight(tenant)
-        request_id = self.futures.create(tenant, request_type)
-        self.revocations.track(request_id)
-        self.traces.submitted(
-            request_id, model_id.partition(":")[0], request_type, model_id, seq_id
-        )
-        self.queue.submit_training(
-            Operation(request_id, kind, work, finish, model_id, seq_id, digest)
-        )
-        self.engine.notify(kind)
-        # Not awaited: nothing between the checks above and the queue may yield to another
-        # request (the caller's next step, e.g. marking a sampler pending, relies on that).
-        self.db_later(self.registry.touch_training_run, model_id)
-        return {"request_id": request_id, "model_id": model_id}
+    def submit_training(self, submission: TrainingSubmission) -> dict[str, Any]:
+        """Queue one operation of a model's ordered stream (api/submission.py)."""
+        return submit_training(self, submission)
 
 
 def get_state(request: Request) -> ServerState:

@@ -26,6 +26,7 @@ from tuneloop.server.api.packages import check_ttl
 from tuneloop.server.api.seq_guard import consumes_seq
 from tuneloop.server.api.stability import attach_stability
 from tuneloop.server.api.state import ServerState, fingerprint
+from tuneloop.server.api.submission import TrainingSubmission
 from tuneloop.server.api.taken_ids import (
     insert_new,
     is_retry,
@@ -34,13 +35,16 @@ from tuneloop.server.api.taken_ids import (
 )
 from tuneloop.server.api.validation import adam_step, decode_limits, forward_backward_work
 from tuneloop.server.api.zstd_body import DecompressedTooLargeError, decompress_bounded
-from tuneloop.server.engine.backend import Backend
-from tuneloop.server.engine.types import (
-    AdapterSpec,
-    EngineError,
-    ForwardBackwardResult,
-    lora_info,
+from tuneloop.server.engine.operations import (
+    CreateAdapter,
+    CreateSampler,
+    LoadAdapter,
+    LoadState,
+    OptimStep,
+    SaveSamplerWeights,
+    SaveState,
 )
+from tuneloop.server.engine.types import AdapterSpec, ForwardBackwardResult, lora_info
 from tuneloop.server.scheduler.futures import Outcome
 from tuneloop.server.storage.layout import TinkerPath, valid_name
 from tuneloop.server.storage.registry import (
@@ -146,14 +150,15 @@ async def create_model(request: Request, state: State, tenant: Tenant) -> dict[s
         return taken or json_outcome({"model_id": adapter.adapter_id, "type": "create_model"})
 
     return state.submit_training(
-        tenant,
-        adapter.adapter_id,
-        0,
-        "single",
-        lambda b: b.create_adapter(adapter),
-        finish,
-        raw,
-        "CreateModel",
+        TrainingSubmission(
+            tenant,
+            adapter.adapter_id,
+            0,
+            CreateAdapter(adapter),
+            finish,
+            "CreateModel",
+            fingerprint(raw),
+        )
     )
 
 
@@ -231,14 +236,6 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[s
             train_experts=source.train_experts,
         )
 
-        def create_and_load(backend: Backend) -> None:
-            backend.create_adapter(adapter)
-            try:
-                _load(backend, adapter.adapter_id, directory, body.optimizer, body.path)
-            except Exception:
-                backend.delete_adapter(adapter.adapter_id)
-                raise
-
         await refuse_taken_model(state, tenant, adapter.adapter_id, raw)
 
         async def finish_create(_r: None) -> Outcome:
@@ -253,14 +250,15 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[s
             return taken or json_outcome({**result, "model_id": adapter.adapter_id})
 
         return state.submit_training(
-            tenant,
-            adapter.adapter_id,
-            0,
-            "single",
-            create_and_load,
-            finish_create,
-            raw,
-            "LoadWeights",
+            TrainingSubmission(
+                tenant,
+                adapter.adapter_id,
+                0,
+                LoadAdapter(adapter, directory, body.optimizer, body.path),
+                finish_create,
+                "LoadWeights",
+                fingerprint(raw),
+            )
         )
 
     assert body.model_id is not None
@@ -280,27 +278,16 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[s
         return json_outcome({**result, "model_id": model_id})
 
     return state.submit_training(
-        tenant,
-        model_id,
-        body.seq_id,
-        "single",
-        lambda b: _load(b, model_id, directory, body.optimizer, body.path),
-        finish_load,
-        raw,
-        "LoadWeights",
+        TrainingSubmission(
+            tenant,
+            model_id,
+            body.seq_id,
+            LoadState(model_id, directory, body.optimizer, body.path),
+            finish_load,
+            "LoadWeights",
+            fingerprint(raw),
+        )
     )
-
-
-def _load(backend: Backend, model_id: str, directory: Path, optimizer: bool, path: str) -> None:
-    """Load a checkpoint's files; files deleted since the request was accepted (a DELETE racing
-    it, an expiry) are the caller's error, said as such, not a server failure."""
-    try:
-        backend.load_state(model_id, directory, optimizer=optimizer)
-    except OSError as exc:
-        raise EngineError(
-            f"checkpoint {path!r} was deleted, or its files are gone, before it loaded: {exc}",
-            "user",
-        ) from None
 
 
 async def _protobuf_body(request: Request, state: ServerState) -> bytes:
@@ -351,22 +338,31 @@ async def forward_backward(request: Request, state: State, tenant: Tenant) -> di
     except WireFormatError as exc:
         raise bad_request(str(exc), exc.field) from None
     if body.loss_fn == "custom":
-        work = custom_loss_work(body, spec, run.id, run.session_id, state.custom_losses, tenant)
+        work = await off_loop(
+            size,
+            custom_loss_work,
+            body,
+            spec,
+            run.id,
+            run.session_id,
+            state.custom_losses,
+            tenant,
+        )
     else:
         work = await off_loop(size, forward_backward_work, body, spec, run.id)
     if body.loss_fn == "stable_reinforce":
         work = attach_stability(work, body.data, state.stability, tenant)
     digest = await off_loop(size, fingerprint, raw)
     return state.submit_training(
-        tenant,
-        run.id,
-        body.seq_id,
-        "forward_backward",
-        work,
-        _fwdbwd_outcome,
-        raw,
-        "Forward" if body.forward_only else "ForwardBackward",
-        digest=digest,
+        TrainingSubmission(
+            tenant,
+            run.id,
+            body.seq_id,
+            work,
+            _fwdbwd_outcome,
+            "Forward" if body.forward_only else "ForwardBackward",
+            digest,
+        )
     )
 
 
@@ -390,14 +386,15 @@ async def optim_step(request: Request, state: State, tenant: Tenant) -> dict[str
         return json_outcome({"metrics": metrics, "type": "optim_step"})
 
     return state.submit_training(
-        tenant,
-        model_id,
-        _seq_id(body.seq_id),
-        "single",
-        lambda b: b.optim_step(model_id, step),
-        finish,
-        raw,
-        "OptimStep",
+        TrainingSubmission(
+            tenant,
+            model_id,
+            _seq_id(body.seq_id),
+            OptimStep(model_id, step),
+            finish,
+            "OptimStep",
+            fingerprint(raw),
+        )
     )
 
 
@@ -456,11 +453,6 @@ def _checkpoint_writer(
     return finish
 
 
-def _refuse_overwrite(directory: Path, target: TinkerPath) -> None:
-    if directory.exists():
-        raise EngineError(f"checkpoint {target} already exists (pass overwrite=True)", "user")
-
-
 @router.post("/save_weights", openapi_extra=json_body(SaveWeightsRequest))
 @consumes_seq
 async def save_weights(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
@@ -469,18 +461,14 @@ async def save_weights(request: Request, state: State, tenant: Tenant) -> dict[s
     seq_id = _seq_id(body.seq_id)
     check_ttl(body.ttl_seconds)
     target, directory = _checkpoint_target(state, tenant, run.id, "weights", body.path)
-    model_id = run.id
-
-    def work(backend: Backend) -> int:
-        if not body.overwrite:
-            _refuse_overwrite(directory, target)
-        return backend.save_state(model_id, directory, optimizer=True)
-
     finish = _checkpoint_writer(
         state, tenant, target, directory, "training", body.ttl_seconds, body.user_metadata
     )
+    work = SaveState(
+        run.id, directory, optimizer=True, overwrite=body.overwrite, target=str(target)
+    )
     return state.submit_training(
-        tenant, model_id, seq_id, "single", work, finish, raw, "SaveWeights"
+        TrainingSubmission(tenant, run.id, seq_id, work, finish, "SaveWeights", fingerprint(raw))
     )
 
 
@@ -506,13 +494,6 @@ async def save_weights_for_sampler(
                 await state.skip_rejected(tenant, model_id, seq_id, fingerprint(raw))
                 raise
 
-        def snapshot(backend: Backend) -> None:
-            try:
-                backend.create_sampler(sampler_id, base_model, adapter_id=model_id)
-            except BaseException:
-                state.pending_samplers.discard(sampler_id)
-                raise
-
         async def finish_snapshot(_r: None) -> Outcome:
             state.pending_samplers.discard(sampler_id)
             row = SamplerRow(
@@ -523,23 +504,22 @@ async def save_weights_for_sampler(
             )
 
         accepted = state.submit_training(
-            tenant,
-            model_id,
-            seq_id,
-            "single",
-            snapshot,
-            finish_snapshot,
-            raw,
-            "SaveWeightsForSampler",
+            TrainingSubmission(
+                tenant,
+                model_id,
+                seq_id,
+                CreateSampler(sampler_id, base_model, adapter_id=model_id),
+                finish_snapshot,
+                "SaveWeightsForSampler",
+                fingerprint(raw),
+                # A snapshot that failed leaves its sampler id free to be created again.
+                on_failure=lambda: state.pending_samplers.discard(sampler_id),
+            )
         )
         if not retry:
             state.pending_samplers.add(sampler_id)
         return accepted
     target, directory = _checkpoint_target(state, tenant, run.id, "sampler_weights", body.path)
-
-    def work(backend: Backend) -> int:
-        return backend.save_sampler_weights(model_id, directory)
-
     finish = _checkpoint_writer(
         state, tenant, target, directory, "sampler", body.ttl_seconds, body.user_metadata
     )
@@ -549,14 +529,15 @@ async def save_weights_for_sampler(
         return json_outcome({**saved, "type": "save_weights_for_sampler"})
 
     return state.submit_training(
-        tenant,
-        model_id,
-        seq_id,
-        "single",
-        work,
-        answer,
-        raw,
-        "SaveWeightsForSampler",
+        TrainingSubmission(
+            tenant,
+            model_id,
+            seq_id,
+            SaveSamplerWeights(model_id, directory),
+            answer,
+            "SaveWeightsForSampler",
+            fingerprint(raw),
+        )
     )
 
 
@@ -578,10 +559,6 @@ async def save_weights_external(request: Request, state: State, tenant: Tenant) 
     check_ttl(body.ttl_seconds)
     target, directory = _checkpoint_target(state, tenant, run.id, "external_weights", body.path)
     model_id = run.id
-
-    def work(backend: Backend) -> int:
-        return backend.save_sampler_weights(model_id, directory)
-
     finish = _checkpoint_writer(
         state, tenant, target, directory, "external", body.ttl_seconds, None
     )
@@ -593,5 +570,13 @@ async def save_weights_external(request: Request, state: State, tenant: Tenant) 
         )
 
     return state.submit_training(
-        tenant, model_id, seq_id, "single", work, answer, raw, "SaveWeightsExternal"
+        TrainingSubmission(
+            tenant,
+            model_id,
+            seq_id,
+            SaveSamplerWeights(model_id, directory),
+            answer,
+            "SaveWeightsExternal",
+            fingerprint(raw),
+        )
     )

@@ -10,11 +10,12 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from tuneloop.server.engine.backend import Backend, ContinuousSampling
 from tuneloop.server.engine.isolation import bisect_failures
-from tuneloop.server.engine.types import CANCELLED, EngineError
+from tuneloop.server.engine.operations import EngineOperation, run_operation
+from tuneloop.server.engine.types import CANCELLED, EngineError, ForwardBackwardWork, SampleWork
 from tuneloop.server.scheduler.futures import FutureTable, Outcome
 from tuneloop.server.scheduler.queue import Batch, Operation, OperationQueue
 
@@ -25,10 +26,16 @@ CONCURRENCY_MEMORY_S = 30.0
 # (a batch gathering, a decode batch) to see it. Sampler ids are never reused.
 CANCEL_MEMORY_S = 600.0
 T = TypeVar("T")
+W = TypeVar("W", ForwardBackwardWork, SampleWork)
 
 
 def failure(message: str, category: str = "server") -> Outcome:
     return Outcome.json({"error": message, "category": category}, failed=True)
+
+
+def _works(batch: Batch, _kind: type[W]) -> list[W]:
+    """The batch's operations as the one type its kind holds (the queue batches by kind)."""
+    return [cast(W, op.work) for op in batch.ops]
 
 
 def _execute(backend: Backend, batch: Batch) -> list[Any]:
@@ -36,13 +43,14 @@ def _execute(backend: Backend, batch: Batch) -> list[Any]:
     batch call that raises is run again in halves, so only the request that fails alone fails
     (engine/isolation.py)."""
     if batch.kind == "forward_backward":
-        return bisect_failures(backend.forward_backward, [op.work for op in batch.ops], batch.kind)
+        works = _works(batch, ForwardBackwardWork)
+        return bisect_failures(backend.forward_backward, works, batch.kind)
     if batch.kind == "sample":
-        return bisect_failures(backend.sample, [op.work for op in batch.ops], batch.kind)
+        return bisect_failures(backend.sample, _works(batch, SampleWork), batch.kind)
     results: list[Any] = []
     for op in batch.ops:
         try:
-            results.append(op.work(backend))
+            results.append(run_operation(backend, op.work))
         except EngineError as exc:
             results.append(exc)
         except Exception as exc:
@@ -149,6 +157,12 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._timed, lambda: fn(*args, **kwargs))
 
+    async def perform(self, op: EngineOperation) -> Any:
+        """Run one operation on the engine thread, between batches, outside any model's order
+        (creating a sampler from a checkpoint, freeing what a finished session held). Raises
+        what the backend raised."""
+        return await self.call(run_operation, self.backend, op)
+
     async def step(self) -> bool:
         batch = self.queue.next_batch()
         if batch is None:
@@ -252,7 +266,7 @@ class EngineLoop:
 
         def run() -> None:
             backend.sample_continuous(
-                [op.work for op in batch.ops], admit, deliver, lambda: self._cancelled
+                _works(batch, SampleWork), admit, deliver, lambda: self._cancelled
             )
 
         try:
@@ -279,7 +293,7 @@ class EngineLoop:
                 again.append(op)
         if not again:
             return
-        works = [op.work for op in again]
+        works = [cast(SampleWork, op.work) for op in again]
         loop = asyncio.get_running_loop()
         results = await loop.run_in_executor(
             self._executor, self._timed, bisect_failures, self.backend.sample, works, "sample"
@@ -290,6 +304,11 @@ class EngineLoop:
     @staticmethod
     def _outcome(op: Operation, result: Any) -> Outcome | Awaitable[Outcome]:
         if isinstance(result, EngineError):
+            if op.on_failure is not None:
+                try:
+                    op.on_failure()
+                except Exception:
+                    log.exception("on_failure hook failed for %s", op.request_id)
             return failure(str(result), result.category)
         try:
             return op.finish(result)

@@ -12,23 +12,39 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tuneloop.server.engine.operations import EngineOperation
+from tuneloop.server.engine.types import ForwardBackwardWork, SampleWork
 from tuneloop.server.scheduler.futures import Outcome
 
 OpKind = Literal["forward_backward", "single", "sample"]
 
 
+def kind_of(work: EngineOperation) -> OpKind:
+    """How an operation is batched: forward_backward and sample batch, the rest run alone."""
+    if isinstance(work, ForwardBackwardWork):
+        return "forward_backward"
+    if isinstance(work, SampleWork):
+        return "sample"
+    return "single"
+
+
 @dataclass(eq=False)
 class Operation:
+    """One queued request: the engine operation it asks for and how its answer is made."""
+
     request_id: str
-    kind: OpKind
-    # ForwardBackwardWork, SampleWork, or for "single" a callable run with the backend.
-    work: Any
+    kind: OpKind  # kind_of(work)
+    work: EngineOperation
     # Runs on the event loop after success: engine result -> wire outcome. One that records
     # storage returns an awaitable (its write on a thread); the future resolves after it.
     finish: Callable[[Any], Outcome | Awaitable[Outcome]]
     model_id: str | None = None
     seq_id: int | None = None
     fingerprint: str = ""
+    tenant: str = ""  # whose request: sampling is admitted round-robin by tenant
+    # Runs on the event loop when the engine failed the operation (e.g. to release a sampler
+    # id held for it); the failure itself is answered by the loop.
+    on_failure: Callable[[], None] | None = None
 
 
 class SeqConflictError(Exception):
