@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, assert_never
+from typing import Any, Protocol, assert_never, runtime_checkable
 
 from tuneloop.server.engine.backend import Backend
 from tuneloop.server.engine.types import (
@@ -36,6 +36,7 @@ __all__ = [
     "LoadAdapter",
     "LoadState",
     "OptimStep",
+    "RunsOperations",
     "SaveSamplerWeights",
     "SaveState",
     "SingleOperation",
@@ -196,8 +197,18 @@ def footprint(op: EngineOperation) -> Footprint:
             return op.footprint
 
 
+@runtime_checkable
+class RunsOperations(Protocol):
+    """A backend that takes operations as values (a worker group ships them to its ranks and
+    runs the one in flight again after a restart) instead of through its methods."""
+
+    def run_operation(self, op: SingleOperation) -> Any: ...
+
+
 def run_operation(backend: Backend, op: EngineOperation) -> Any:
     """Run one operation on `backend` (on the engine thread); its result, or EngineError."""
+    if isinstance(backend, RunsOperations) and not isinstance(op, ForwardBackwardWork | SampleWork):
+        return backend.run_operation(op)
     match op:
         case CreateAdapter(spec=spec):
             backend.create_adapter(spec)
