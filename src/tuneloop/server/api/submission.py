@@ -19,7 +19,7 @@ from tuneloop.server.scheduler.queue import Operation, SeqConflictError, kind_of
 if TYPE_CHECKING:
     from tuneloop.server.api.state import ServerState
 
-__all__ = ["TrainingSubmission", "submit_training"]
+__all__ = ["TrainingSubmission", "skip_rejected", "submit_training"]
 
 
 @dataclass(frozen=True)
@@ -76,3 +76,14 @@ def submit_training(state: ServerState, sub: TrainingSubmission) -> dict[str, An
     # request (the caller's next step, e.g. marking a sampler pending, relies on that).
     state.db_later(state.registry.touch_training_run, sub.model_id)
     return {"request_id": request_id, "model_id": sub.model_id}
+
+
+async def skip_rejected(
+    state: ServerState, tenant: str, model_id: str, seq_id: int, digest: str
+) -> None:
+    """A rejected training request still consumes its seq_id (the SDKs never reuse one).
+
+    `digest`: the rejected body's fingerprint."""
+    if seq_id >= 1 and await state.db(state.registry.training_run, model_id, tenant) is not None:
+        state.queue.skip(model_id, seq_id, digest)
+        state.engine.notify()
