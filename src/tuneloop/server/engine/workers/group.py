@@ -13,6 +13,10 @@ applied since (replayed, so accumulated gradients come back), every sampler. The
 in flight is then run again: its effects died with the group, so nothing is applied twice, and
 the request's future gets its result as if nothing happened. Only when the group cannot be
 restored (MAX_ATTEMPTS in a row) does the call fail, with a server error.
+
+Operations other than sampling arrive as values (`run_operation`) and travel to the ranks as
+such. The module runs past 400 lines because the life cycle, the recovery and each operation's
+bookkeeping in the snapshots share one lock and one snapshot, and read best together.
 """
 
 from __future__ import annotations
