@@ -256,7 +256,7 @@ class EngineLoop:
 
         def admit() -> list[Any]:
             queue = self.queue
-            if self._stopping or not (queue.queued_samples() or queue.queued_training()):
+            if self._stopping or not (queue.queued_samples() or queue.training_ready_hint()):
                 return []  # no thread hop
             reads = frozenset(getattr(op.work, "sampler_id", "") for op in ops.values())
             try:

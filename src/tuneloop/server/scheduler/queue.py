@@ -84,6 +84,10 @@ class OperationQueue:
         self._max_sample_batch = max_sample_batch
         self._turn = 0
         self._training_waiting = 0  # sum of the streams' pending, kept for queued_training()
+        # Whether some model's next operation is here, recomputed on the event loop after
+        # every change: the engine thread reads it between decode steps (a plain read) to
+        # skip asking the loop for work when there is none to give.
+        self._ready_hint = False
 
     # ---- submission -------------------------------------------------------------------------
 
@@ -111,6 +115,7 @@ class OperationQueue:
         if op.seq_id not in stream.pending:
             self._training_waiting += 1
         stream.pending[op.seq_id] = op
+        self._changed()
 
     def skip(self, model_id: str, seq_id: int, fingerprint: str) -> None:
         """Consume a seq_id whose request was rejected, so later ones still run."""
@@ -120,6 +125,7 @@ class OperationQueue:
         stream.seen[seq_id] = ("", fingerprint)
         stream.skipped.add(seq_id)
         stream.advance()
+        self._changed()
 
     def unblocks_waiting(self, model_id: str, seq_id: int) -> bool:
         """Whether accepted later operations of the model wait for `seq_id` to arrive."""
@@ -141,6 +147,13 @@ class OperationQueue:
     def queued_training(self) -> int:
         """How many training operations wait, ready or not (a plain read, as above)."""
         return self._training_waiting
+
+    def training_ready_hint(self) -> bool:
+        """`training_ready()` as of the queue's last change (a plain read, as above)."""
+        return self._ready_hint
+
+    def _changed(self) -> None:
+        self._ready_hint = bool(self._ready_runs())
 
     def waiting_by_model(self) -> dict[str, int]:
         """Training operations accepted and not yet run, per model id (the console's view)."""
@@ -181,6 +194,7 @@ class OperationQueue:
         if stream is None:
             return []
         self._training_waiting -= len(stream.pending)
+        self._changed()
         return list(stream.pending.values())
 
     def drop_samples(self, keep: Callable[[Operation], bool]) -> list[Operation]:
@@ -198,6 +212,7 @@ class OperationQueue:
                     stream.skipped.add(seq_id)
                     dropped.append(op)
             stream.advance()
+        self._changed()
         return dropped
 
     # ---- policy -----------------------------------------------------------------------------
@@ -265,6 +280,7 @@ class OperationQueue:
             self._training_waiting -= 1
             stream.next_seq = op.seq_id + 1
             stream.advance()
+        self._changed()
 
     def more_forward_backward(self, batch: Batch) -> None:
         """Add the forward_backward chunks of models that became ready since `batch` was cut."""
