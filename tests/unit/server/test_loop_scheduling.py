@@ -126,3 +126,19 @@ async def test_an_operation_on_what_the_batch_reads_waits_for_those_rows() -> No
     assert backend.events == ["sampler s at step 20", "batch ended at step 40"]
     assert await outcome(futures, later) == {"result": {"sampled": "t"}}
     await loop.stop()
+
+
+async def test_on_failure_runs_for_a_failed_operation_only() -> None:
+    """A failed operation's hook runs on the event loop (a snapshot frees its sampler id);
+    a successful one's does not."""
+    backend = DecodingBackend()
+    queue, futures = OperationQueue(), FutureTable()
+    loop = EngineLoop(backend, queue, futures)  # type: ignore[arg-type]
+    told: list[str] = []
+    for model in ("broken", "fine"):
+        o = _training(model, 0, OptimStep(model, STEP))
+        o.on_failure = lambda model=model: told.append(model)
+        submit(queue, futures, o)
+    assert await loop.step()
+    assert told == ["broken"]
+    await loop.stop()
