@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from tuneloop.server.engine.types import EngineError
+from tuneloop.server.engine.operations import OptimStep
+from tuneloop.server.engine.types import AdamStep, EngineError
 from tuneloop.server.scheduler.futures import FutureTable, Outcome
 from tuneloop.server.scheduler.loop import EngineLoop
 from tuneloop.server.scheduler.queue import (
@@ -200,8 +201,20 @@ class StubBackend:
         self.batches.append(list(batch))
         return [EngineError(f"bad {w}", "user") if w in self.fail else f"ok {w}" for w in batch]
 
+    def optim_step(self, adapter_id: str, step: AdamStep) -> Any:
+        """A single operation: its answer, or the failure its adapter id asks for."""
+        if adapter_id == "boom":
+            raise ValueError("disk full")
+        if adapter_id == "user_error":
+            raise EngineError("no such checkpoint", "user")
+        return step.learning_rate
+
     def close(self) -> None:
         self.closed = True
+
+
+def optim(adapter_id: str, learning_rate: float = 1.0) -> OptimStep:
+    return OptimStep(adapter_id, AdamStep(learning_rate, 0.9, 0.95, 1e-8, 0.0, 0.0))
 
 
 def submit(queue: OperationQueue, futures: FutureTable, o: Operation) -> str:
@@ -252,13 +265,7 @@ async def test_failing_single_operation_fails_only_itself() -> None:
     queue, futures = OperationQueue(), FutureTable()
     loop = EngineLoop(StubBackend(fail=set()), queue, futures)  # type: ignore[arg-type]
 
-    def boom(_backend: Any) -> None:
-        raise ValueError("disk full")
-
-    def user_error(_backend: Any) -> None:
-        raise EngineError("no such checkpoint", "user")
-
-    works = {"a": lambda _b: 1, "b": boom, "c": user_error, "d": lambda _b: 4}
+    works = {"a": optim("a", 1), "b": optim("boom"), "c": optim("user_error"), "d": optim("d", 4)}
     request_ids = {
         m: submit(queue, futures, Operation("", "single", w, finish, m, 0, "x"))
         for m, w in works.items()
@@ -300,8 +307,8 @@ async def test_a_failing_finish_fails_only_that_future() -> None:
     def bad_finish(_result: Any) -> Outcome:
         raise KeyError("registry row")
 
-    broken = submit(queue, futures, Operation("", "single", lambda _b: 1, bad_finish, "a", 0))
-    fine = submit(queue, futures, Operation("", "single", lambda _b: 2, finish, "b", 0))
+    broken = submit(queue, futures, Operation("", "single", optim("a", 1), bad_finish, "a", 0))
+    fine = submit(queue, futures, Operation("", "single", optim("b", 2), finish, "b", 0))
     assert await loop.step()
     assert (await outcome(futures, broken))["category"] == "server"
     assert await outcome(futures, fine) == {"result": 2}

@@ -18,6 +18,7 @@ from tuneloop.server.api.stability import StabilityRecords
 from tuneloop.server.api.state import ServerState, fingerprint
 from tuneloop.server.api.taken_ids import insert_new
 from tuneloop.server.api.validation import sample_work
+from tuneloop.server.engine.operations import CreateSampler, DeleteSampler
 from tuneloop.server.engine.types import EngineError, SampleResult
 from tuneloop.server.scheduler.futures import Outcome
 from tuneloop.server.scheduler.queue import Operation
@@ -119,9 +120,7 @@ async def _create_sampler(
     """Create the engine's sampler. A checkpoint deleted meanwhile (its row or its files) is
     the caller's 404 or 410, not the engine's error; no sampler is left behind then."""
     try:
-        await state.engine.call(
-            state.engine.backend.create_sampler, sampler_id, base_model, weights_dir=weights_dir
-        )
+        await state.engine.perform(CreateSampler(sampler_id, base_model, weights_dir=weights_dir))
     except (OSError, ValueError, EngineError) as exc:
         if model_path is None:
             raise
@@ -134,7 +133,7 @@ async def _create_sampler(
         raise _checkpoint_gone(model_path, f": {exc}") from None
     if model_path is not None and not await _still_readable(state, tenant, model_path):
         # Deleted while its weights were read: do not hand out a sampler of a deleted checkpoint.
-        await state.engine.call(state.engine.backend.delete_sampler, sampler_id)
+        await state.engine.perform(DeleteSampler(sampler_id))
         raise not_found(f"checkpoint {model_path!r}", "model_path")
 
 
@@ -225,6 +224,6 @@ async def asample(request: Request, state: State, tenant: Tenant) -> dict[str, A
     # The official SDK's clones number their seq_ids from CLONE_STRIDE * clone id.
     state.feeds.watch(request_id, sampler.id, (body.seq_id or 0) // CLONE_STRIDE)
     state.traces.submitted(request_id, sampler.session_id, "Sample", sampler.id, body.seq_id)
-    state.queue.submit_sample(Operation(request_id, "sample", work, outcome))
+    state.queue.submit_sample(Operation(request_id, "sample", work, outcome, tenant=tenant))
     state.engine.notify("sample")
     return {"request_id": request_id, "sample_sequence_ids": sequence_ids}

@@ -1,4 +1,11 @@
-"""Everything a request handler needs, built once by the app and reached through `get_state`."""
+"""Everything a request handler needs, built once by the app and reached through `get_state`.
+
+`ServerState` holds the collaborators (registry, queue, engine loop, futures, quotas, meter,
+...) and the database threads; the service steps are modules of their own, which its methods
+name: `session_liveness` (is a session alive, recording activity), `session_release`
+(freeing a finished or expired session), `checkpoint_lookup`, and `submission` (queueing a
+model's ordered operations).
+"""
 
 from __future__ import annotations
 
@@ -8,29 +15,31 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, TypeVar
 
 from fastapi import Request
 
+from tuneloop.server.api import checkpoint_lookup, session_liveness, session_release
+from tuneloop.server.api import submission as submission_module
 from tuneloop.server.api.auth_tokens import TokenIssuer
 from tuneloop.server.api.custom_loss_store import CustomLossStore
-from tuneloop.server.api.errors import ApiError, not_found
+from tuneloop.server.api.errors import ApiError
 from tuneloop.server.api.futures_feed import CompletionFeeds
 from tuneloop.server.api.metering import Meter
 from tuneloop.server.api.quotas import Quotas
-from tuneloop.server.api.restarts import LOAD, require_held
 from tuneloop.server.api.revocation import Revocations
+from tuneloop.server.api.session_release import EXPIRED
 from tuneloop.server.api.stability import StabilityRecords
+from tuneloop.server.api.submission import TrainingSubmission
 from tuneloop.server.api.traces import TraceRecorder
 from tuneloop.server.config import ServerConfig
 from tuneloop.server.engine.types import ModelSpec
-from tuneloop.server.scheduler.futures import FutureTable, Outcome
-from tuneloop.server.scheduler.loop import EngineLoop, failure
-from tuneloop.server.scheduler.queue import Operation, OperationQueue, OpKind, SeqConflictError
+from tuneloop.server.scheduler.futures import FutureTable
+from tuneloop.server.scheduler.loop import EngineLoop
+from tuneloop.server.scheduler.queue import OperationQueue
 from tuneloop.server.storage.audit import AuditLog
 from tuneloop.server.storage.clones import CloneCounters
 from tuneloop.server.storage.keys import KeyStore
@@ -43,14 +52,10 @@ from tuneloop.server.storage.registry import (
     SamplerRow,
     SessionRow,
     TrainingRunRow,
-    utcnow,
 )
 
 log = logging.getLogger(__name__)
-EXPIRED = "expired"  # the finish reason of a session that went silent past the TTL
-# Heartbeats and requests naming a session are its activity, written to its last_heartbeat
-# at most this often (or every quarter TTL, if shorter): not one database write per request.
-ACTIVITY_WRITE_S = 5.0
+__all__ = ["EXPIRED", "ServerState", "fingerprint", "get_state"]
 # Registry statements of request handlers run on these threads, never on the event loop: a
 # PostgreSQL round trip (or a SQLite fsync) there would hold every other tenant's request.
 # Fewer than the registry's pool (storage/registry.py POOL_SIZE), so none waits for a connection.
@@ -185,235 +190,44 @@ class ServerState:
             )
         return spec
 
+    # The service steps live in modules of their own; these are the names handlers call.
+
     async def live_session(self, session_id: str, tenant: str) -> SessionRow:
-        """The caller's unfinished, unexpired session; any request naming it is activity.
-
-        404 if it is not the caller's, 410 if it finished or expired. A session found silent
-        past the TTL expires here and now, before the periodic sweep would get to it.
-        """
-        row, expired = await self.db(self._session_activity, session_id, tenant)
-        return self._live(session_id, row, expired)
-
-    def _session_activity(self, session_id: str, tenant: str) -> tuple[SessionRow | None, bool]:
-        """On a database thread: the session's row after recording this request as its
-        activity, and whether it expired just now (its release is then the caller's)."""
-        row = self.registry.session(session_id, tenant)
-        if row is None or row.finished_at is not None:
-            return row, False
-        idle_s = (utcnow() - row.last_heartbeat).total_seconds()
-        ttl = self.config.session_ttl_s
-        if ttl and idle_s > ttl:
-            expired = self.registry.finish_session(session_id, EXPIRED)
-            return self.registry.session(session_id, tenant) or row, expired
-        if idle_s > min(ACTIVITY_WRITE_S, ttl / 4 if ttl else ACTIVITY_WRITE_S):
-            self.registry.touch_session(session_id)
-        return row, False
-
-    def _live(self, session_id: str, row: SessionRow | None, expired: bool) -> SessionRow:
-        """On the event loop: `_session_activity`'s answer as a row, a release or an error."""
-        if expired:
-            self._release_expired(session_id)
-        if row is None:
-            raise not_found(f"session {session_id!r}", "session_id")
-        if row.finished_at is not None:
-            if row.finish_reason == EXPIRED:
-                raise ApiError(
-                    410,
-                    f"session {session_id!r} expired: no heartbeat or request for more than "
-                    f"{self.config.session_ttl_s:g} s; its models and samplers were freed "
-                    "(saved checkpoints remain): start a new session",
-                    "session_id",
-                )
-            raise ApiError(410, f"session {session_id!r} is finished", "session_id")
-        return row
+        return await session_liveness.live_session(self, session_id, tenant)
 
     async def live_training_run(self, model_id: str, tenant: str) -> TrainingRunRow:
-        run, session = await self.db(self._run_activity, model_id, tenant)
-        if run is None:
-            raise not_found(f"model {model_id!r}", "model_id")
-        self._live(run.session_id, *session)
-        require_held(
-            run.created_at, self.futures.started_at, f"model {model_id!r}", "model_id", LOAD
-        )
-        return run
-
-    def _run_activity(
-        self, model_id: str, tenant: str
-    ) -> tuple[TrainingRunRow | None, tuple[SessionRow | None, bool]]:
-        """On a database thread: the run, and its session's `_session_activity` (one hop)."""
-        run = self.registry.training_run(model_id, tenant)
-        if run is None:
-            return None, (None, False)
-        return run, self._session_activity(run.session_id, tenant)
+        return await session_liveness.live_training_run(self, model_id, tenant)
 
     def sampler_activity(
         self, sampler_id: str, tenant: str
     ) -> tuple[SamplerRow | None, tuple[SessionRow | None, bool]]:
-        """On a database thread: the sampler, and its session's `_session_activity` (one hop:
-        sample requests are the most frequent); `check_live` then judges the session."""
-        sampler = self.registry.sampler(sampler_id, tenant)
-        if sampler is None:
-            return None, (None, False)
-        return sampler, self._session_activity(sampler.session_id, tenant)
+        return session_liveness.sampler_activity(self, sampler_id, tenant)
 
     def check_live(self, session_id: str, session: tuple[SessionRow | None, bool]) -> SessionRow:
-        """On the event loop: the session of `sampler_activity`, or its 404/410."""
-        return self._live(session_id, *session)
+        return session_liveness.check_live(self, session_id, session)
 
     async def checkpoint(
         self, tenant: str, path: str, field_name: str
     ) -> tuple[TinkerPath, CheckpointRow]:
-        """The caller's checkpoint at a tinker:// path; 400 if malformed, 404 if not theirs."""
-        try:
-            parsed = TinkerPath.parse(path)
-        except ValueError as exc:
-            raise ApiError(400, f"{field_name}: {exc}", field_name) from None
-        row = await self.db(self.registry.checkpoint, str(parsed), tenant)
-        if row is None:
-            raise not_found(f"checkpoint {path!r}", field_name)
-        return parsed, row
+        return await checkpoint_lookup.checkpoint(self, tenant, path, field_name)
 
     async def readable_checkpoint(
         self, tenant: str, path: str, field_name: str
     ) -> tuple[TinkerPath, CheckpointRow, TrainingRunRow]:
-        """A checkpoint the caller may read: its own, or one another tenant published; with
-        the training run that saved it. For reads only: writes go through `checkpoint`."""
-        try:
-            parsed = TinkerPath.parse(path)
-        except ValueError as exc:
-            raise ApiError(400, f"{field_name}: {exc}", field_name) from None
-        row, run = await self.db(self._readable, parsed, tenant, path, field_name)
-        return parsed, row, run
-
-    def _readable(
-        self, parsed: TinkerPath, tenant: str, path: str, field_name: str
-    ) -> tuple[CheckpointRow, TrainingRunRow]:
-        """On a database thread: `readable_checkpoint`'s rows (its audit record included)."""
-        row = self.registry.checkpoint(str(parsed), tenant)
-        if row is None:
-            found = self.registry.checkpoint_any_tenant(str(parsed))
-            if found is None or not self.publications.is_public(found):
-                raise not_found(f"checkpoint {path!r}", field_name)
-            row = found
-            self.audit.record_once(
-                ("read", row.tinker_path, tenant),
-                row.tenant,
-                "checkpoint_read",
-                tinker_path=row.tinker_path,
-                reader=tenant,
-            )
-        run = self.registry.training_run(row.training_run_id, row.tenant)
-        if run is None:
-            raise not_found(f"training run of {path!r}", field_name)
-        return row, run
-
-    def _release_expired(self, session_id: str) -> None:
-        """Free a session a request just found expired, in the background."""
-        log.info("session %s expired after %g s without activity", session_id, self.ttl_s)
-        task = asyncio.get_running_loop().create_task(self.release_session(session_id))
-        self.releases.add(task)
-        task.add_done_callback(self.releases.discard)
-
-    @property
-    def ttl_s(self) -> float:
-        return self.config.session_ttl_s
+        return await checkpoint_lookup.readable_checkpoint(self, tenant, path, field_name)
 
     async def expire_idle_sessions(self) -> list[str]:
-        """Expire every session silent for longer than the TTL (all tenants); their ids."""
-        if not self.ttl_s:
-            return []
-        silent_since = utcnow() - timedelta(seconds=self.ttl_s)
-        expired = []
-        for session_id in await self.db(self.registry.stale_sessions, silent_since):
-            if await self.db(self.registry.finish_session, session_id, EXPIRED):
-                log.info("session %s expired after %g s without activity", session_id, self.ttl_s)
-                await self.release_session(session_id)
-                expired.append(session_id)
-        return expired
+        return await session_release.expire_idle_sessions(self)
 
     async def release_session(self, session_id: str) -> None:
-        """Free a finished session's adapters and samplers; its checkpoints stay.
-
-        Work still queued for them fails with a clear error instead of running.
-        """
-        runs, samplers = await self.db(self.registry.session_children, session_id)
-        row = await self.db(self.registry.session_any_tenant, session_id)
-        if row is not None and row.finish_reason == EXPIRED:
-            why = (
-                f"session {session_id} expired (no heartbeat or request for more than "
-                f"{self.ttl_s:g} s), so its pending work was cancelled"
-            )
-        else:
-            why = f"session {session_id} is finished"
-        gone = failure(why, "user")
-        for run in runs:
-            for op in self.queue.forget_model(run):
-                self.futures.resolve(op.request_id, gone)
-            await self.engine.call(self.engine.backend.delete_adapter, run)
-        released = set(samplers)
-        for op in self.queue.drop_samples(lambda op: op.work.sampler_id not in released):
-            self.futures.resolve(op.request_id, gone)
-        # Requests already past the queue (a gathering or running decode batch) stop too.
-        self.engine.cancel_samplers(released)
-        self.feeds.forget_samplers(released)
-        for sampler_id in samplers:
-            await self.engine.call(self.engine.backend.delete_sampler, sampler_id)
-        # Their sample-retry records go too: the map would otherwise grow with every request.
-        for key in [k for k in self.sample_submissions if k[0] in released]:
-            del self.sample_submissions[key]
-        try:  # the session's usage is final now: write it, so readers see it at once
-            await self.meter.flush_async(self.registry)
-        except Exception:  # the periodic flush retries; finishing must not fail for this
-            log.exception("writing usage counts failed")
+        await session_release.release_session(self, session_id)
 
     async def skip_rejected(self, tenant: str, model_id: str, seq_id: int, digest: str) -> None:
-        """A rejected training request still consumes its seq_id (the SDKs never reuse one).
+        await submission_module.skip_rejected(self, tenant, model_id, seq_id, digest)
 
-        `digest`: the rejected body's fingerprint."""
-        if seq_id >= 1 and await self.db(self.registry.training_run, model_id, tenant) is not None:
-            self.queue.skip(model_id, seq_id, digest)
-            self.engine.notify()
-
-    def submit_training(
-        self,
-        tenant: str,
-        model_id: str,
-        seq_id: int,
-        kind: OpKind,
-        work: Any,
-        finish: Callable[[Any], Outcome | Awaitable[Outcome]],
-        body: bytes,
-        request_type: str,
-        digest: str | None = None,
-    ) -> dict[str, Any]:
-        """Queue one operation of a model's ordered stream; retries map to the first request.
-
-        `digest`: the body's fingerprint, if the caller computed it (off the event loop)."""
-        digest = digest if digest is not None else fingerprint(body)
-        try:
-            existing = self.queue.existing(model_id, seq_id, digest)
-        except SeqConflictError as exc:
-            raise ApiError(409, str(exc), "seq_id") from None
-        if existing is not None:
-            return {"request_id": existing, "model_id": model_id}
-        # A request that later, accepted requests of its model wait for is let in even at the
-        # limit: refusing it would leave them waiting, holding the very slots it waits for.
-        # So the tenant exceeds the limit by at most the number of those waiting requests.
-        if not self.queue.unblocks_waiting(model_id, seq_id):
-            self.quotas.check_inflight(tenant)
-        request_id = self.futures.create(tenant, request_type)
-        self.revocations.track(request_id)
-        self.traces.submitted(
-            request_id, model_id.partition(":")[0], request_type, model_id, seq_id
-        )
-        self.queue.submit_training(
-            Operation(request_id, kind, work, finish, model_id, seq_id, digest)
-        )
-        self.engine.notify(kind)
-        # Not awaited: nothing between the checks above and the queue may yield to another
-        # request (the caller's next step, e.g. marking a sampler pending, relies on that).
-        self.db_later(self.registry.touch_training_run, model_id)
-        return {"request_id": request_id, "model_id": model_id}
+    def submit_training(self, submission: TrainingSubmission) -> dict[str, Any]:
+        """Queue one operation of a model's ordered stream (api/submission.py)."""
+        return submission_module.submit_training(self, submission)
 
 
 def get_state(request: Request) -> ServerState:

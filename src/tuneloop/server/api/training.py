@@ -1,10 +1,15 @@
-"""Training routes: create/load a model, forward_backward, optim_step, save weights."""
+"""Training routes: create/load a model, forward_backward, optim_step, save weights.
+
+Each route validates its request and builds the typed engine operation it queues in the
+model's ordered stream (`submission.py`); what a success stores is in `training_finish.py`.
+The file runs past 400 lines because it holds every route of that one stream, whose checks
+(seq_id, liveness, taken ids, checkpoint targets) read best side by side.
+"""
 
 from __future__ import annotations
 
 import json
 import secrets
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,31 +31,36 @@ from tuneloop.server.api.packages import check_ttl
 from tuneloop.server.api.seq_guard import consumes_seq
 from tuneloop.server.api.stability import attach_stability
 from tuneloop.server.api.state import ServerState, fingerprint
+from tuneloop.server.api.submission import TrainingSubmission
 from tuneloop.server.api.taken_ids import (
     insert_new,
     is_retry,
     refuse_taken_model,
     refuse_taken_sampler,
 )
+from tuneloop.server.api.training_finish import (
+    checkpoint_target,
+    checkpoint_writer,
+    json_outcome,
+    register_run,
+)
 from tuneloop.server.api.validation import adam_step, decode_limits, forward_backward_work
 from tuneloop.server.api.zstd_body import DecompressedTooLargeError, decompress_bounded
-from tuneloop.server.engine.backend import Backend
 from tuneloop.server.engine.isolation import SKIPPED
-from tuneloop.server.engine.types import (
-    AdapterSpec,
-    EngineError,
-    ForwardBackwardResult,
-    lora_info,
+from tuneloop.server.engine.operations import (
+    CreateAdapter,
+    CreateSampler,
+    LoadAdapter,
+    LoadState,
+    OptimStep,
+    SaveSamplerWeights,
+    SaveState,
 )
+from tuneloop.server.engine.types import AdapterSpec, ForwardBackwardResult, lora_info
 from tuneloop.server.scheduler.futures import Outcome
-from tuneloop.server.storage.layout import TinkerPath, valid_name
 from tuneloop.server.storage.registry import (
     PACKAGE_KINDS,
-    CheckpointRow,
     SamplerRow,
-    TrainingRunRow,
-    lora_targets,
-    utcnow,
 )
 from tuneloop.types import (
     CreateModelRequest,
@@ -76,50 +86,9 @@ from tuneloop.types.codec import (
 router = APIRouter(prefix="/api/v1")
 
 
-def json_outcome(payload: dict[str, Any]) -> Outcome:
-    return Outcome.json(payload)  # never a NaN / Infinity literal
-
-
 def _model_id(session_id: str, model_seq_id: int) -> str:
     # The official SDK computes this itself on the create-from-checkpoint path (spec 2.8).
     return f"{session_id}:train:{model_seq_id}"
-
-
-async def _register_run(
-    state: ServerState,
-    tenant: str,
-    adapter: AdapterSpec,
-    session_id: str,
-    user_metadata: dict[str, Any] | None,
-    origin: CheckpointRow | None = None,
-) -> Outcome | None:
-    return await insert_new(state, _run_row(tenant, adapter, session_id, user_metadata, origin))
-
-
-def _run_row(
-    tenant: str,
-    adapter: AdapterSpec,
-    session_id: str,
-    user_metadata: dict[str, Any] | None,
-    origin: CheckpointRow | None,
-) -> TrainingRunRow:
-    return TrainingRunRow(
-        id=adapter.adapter_id,
-        tenant=tenant,
-        session_id=session_id,
-        base_model=adapter.base_model,
-        lora_rank=adapter.rank,
-        lora_seed=adapter.seed,
-        train_mlp=adapter.train_mlp,
-        train_attn=adapter.train_attn,
-        train_unembed=adapter.train_unembed,
-        train_experts=adapter.train_experts,
-        user_metadata=user_metadata,
-        # A run made from a package continues its step count, and the package is the
-        # parent of what the run saves.
-        training_step=(origin.training_step or 0) if origin is not None else 0,
-        parent_path=origin.tinker_path if origin is not None else None,
-    )
 
 
 @router.post("/create_model", openapi_extra=json_body(CreateModelRequest))
@@ -143,18 +112,19 @@ async def create_model(request: Request, state: State, tenant: Tenant) -> dict[s
     await refuse_taken_model(state, tenant, adapter.adapter_id, raw)
 
     async def finish(_result: None) -> Outcome:
-        taken = await _register_run(state, tenant, adapter, body.session_id, body.user_metadata)
+        taken = await register_run(state, tenant, adapter, body.session_id, body.user_metadata)
         return taken or json_outcome({"model_id": adapter.adapter_id, "type": "create_model"})
 
     return state.submit_training(
-        tenant,
-        adapter.adapter_id,
-        0,
-        "single",
-        lambda b: b.create_adapter(adapter),
-        finish,
-        raw,
-        "CreateModel",
+        TrainingSubmission(
+            tenant,
+            adapter.adapter_id,
+            0,
+            CreateAdapter(adapter),
+            finish,
+            "CreateModel",
+            fingerprint(raw),
+        )
     )
 
 
@@ -232,14 +202,6 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[s
             train_experts=source.train_experts,
         )
 
-        def create_and_load(backend: Backend) -> None:
-            backend.create_adapter(adapter)
-            try:
-                _load(backend, adapter.adapter_id, directory, body.optimizer, body.path)
-            except Exception:
-                backend.delete_adapter(adapter.adapter_id)
-                raise
-
         await refuse_taken_model(state, tenant, adapter.adapter_id, raw)
 
         async def finish_create(_r: None) -> Outcome:
@@ -248,20 +210,21 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[s
                 if body.user_metadata is not None or source.tenant != tenant
                 else source.user_metadata
             )
-            taken = await _register_run(
+            taken = await register_run(
                 state, tenant, adapter, body.session_id or "", metadata, origin=ckpt
             )
             return taken or json_outcome({**result, "model_id": adapter.adapter_id})
 
         return state.submit_training(
-            tenant,
-            adapter.adapter_id,
-            0,
-            "single",
-            create_and_load,
-            finish_create,
-            raw,
-            "LoadWeights",
+            TrainingSubmission(
+                tenant,
+                adapter.adapter_id,
+                0,
+                LoadAdapter(adapter, directory, body.optimizer, body.path),
+                finish_create,
+                "LoadWeights",
+                fingerprint(raw),
+            )
         )
 
     assert body.model_id is not None
@@ -281,27 +244,16 @@ async def load_weights(request: Request, state: State, tenant: Tenant) -> dict[s
         return json_outcome({**result, "model_id": model_id})
 
     return state.submit_training(
-        tenant,
-        model_id,
-        body.seq_id,
-        "single",
-        lambda b: _load(b, model_id, directory, body.optimizer, body.path),
-        finish_load,
-        raw,
-        "LoadWeights",
+        TrainingSubmission(
+            tenant,
+            model_id,
+            body.seq_id,
+            LoadState(model_id, directory, body.optimizer, body.path),
+            finish_load,
+            "LoadWeights",
+            fingerprint(raw),
+        )
     )
-
-
-def _load(backend: Backend, model_id: str, directory: Path, optimizer: bool, path: str) -> None:
-    """Load a checkpoint's files; files deleted since the request was accepted (a DELETE racing
-    it, an expiry) are the caller's error, said as such, not a server failure."""
-    try:
-        backend.load_state(model_id, directory, optimizer=optimizer)
-    except OSError as exc:
-        raise EngineError(
-            f"checkpoint {path!r} was deleted, or its files are gone, before it loaded: {exc}",
-            "user",
-        ) from None
 
 
 async def _protobuf_body(request: Request, state: ServerState) -> bytes:
@@ -352,22 +304,31 @@ async def forward_backward(request: Request, state: State, tenant: Tenant) -> di
     except WireFormatError as exc:
         raise bad_request(str(exc), exc.field) from None
     if body.loss_fn == "custom":
-        work = custom_loss_work(body, spec, run.id, run.session_id, state.custom_losses, tenant)
+        work = await off_loop(
+            size,
+            custom_loss_work,
+            body,
+            spec,
+            run.id,
+            run.session_id,
+            state.custom_losses,
+            tenant,
+        )
     else:
         work = await off_loop(size, forward_backward_work, body, spec, run.id)
     if body.loss_fn == "stable_reinforce":
         work = attach_stability(work, body.data, state.stability, tenant)
     digest = await off_loop(size, fingerprint, raw)
     return state.submit_training(
-        tenant,
-        run.id,
-        body.seq_id,
-        "forward_backward",
-        work,
-        _fwdbwd_outcome,
-        raw,
-        "Forward" if body.forward_only else "ForwardBackward",
-        digest=digest,
+        TrainingSubmission(
+            tenant,
+            run.id,
+            body.seq_id,
+            work,
+            _fwdbwd_outcome,
+            "Forward" if body.forward_only else "ForwardBackward",
+            digest,
+        )
     )
 
 
@@ -393,75 +354,16 @@ async def optim_step(request: Request, state: State, tenant: Tenant) -> dict[str
         return json_outcome({"metrics": metrics, "type": "optim_step"})
 
     return state.submit_training(
-        tenant,
-        model_id,
-        _seq_id(body.seq_id),
-        "single",
-        lambda b: b.optim_step(model_id, step),
-        finish,
-        raw,
-        "OptimStep",
+        TrainingSubmission(
+            tenant,
+            model_id,
+            _seq_id(body.seq_id),
+            OptimStep(model_id, step),
+            finish,
+            "OptimStep",
+            fingerprint(raw),
+        )
     )
-
-
-def _checkpoint_target(
-    state: ServerState, tenant: str, model_id: str, segment: str, name: str | None
-) -> tuple[TinkerPath, Path]:
-    if name is None or not valid_name(name):
-        raise bad_request(
-            "path: a name of letters, digits, '.', '_' or '-' (no '/'), at most 128", "path"
-        )
-    target = TinkerPath(model_id, segment, name)
-    return target, state.layout.checkpoint_dir(tenant, target)
-
-
-def _checkpoint_writer(
-    state: ServerState,
-    tenant: str,
-    target: TinkerPath,
-    directory: Path,
-    kind: str,
-    ttl_seconds: int | None,
-    user_metadata: dict[str, str] | None,
-) -> Any:
-    """The finish step of a save: register the files as the next version of package
-    `target.name`, with the run's model, LoRA config, origin and step as of this save."""
-
-    async def finish(size: int) -> Outcome:
-        await state.db_write(register, size)
-        return json_outcome({"path": str(target), "type": "save_weights"})
-
-    def register(size: int) -> None:  # on the writer thread
-        now = utcnow()
-        run = state.registry.training_run(target.training_run_id, tenant)
-        state.registry.register_package(
-            CheckpointRow(
-                tinker_path=str(target),
-                tenant=tenant,
-                training_run_id=target.training_run_id,
-                checkpoint_id=target.checkpoint_id,
-                checkpoint_type=kind,
-                directory=str(directory),
-                size_bytes=size,
-                created_at=now,
-                user_metadata=user_metadata,
-                expires_at=now + timedelta(seconds=ttl_seconds) if ttl_seconds else None,
-                name=target.name,
-                kind=PACKAGE_KINDS[kind],
-                base_model=run.base_model if run else None,
-                lora_rank=run.lora_rank if run else None,
-                lora_targets=lora_targets(run) if run else None,
-                parent_path=run.parent_path if run else None,
-                training_step=run.training_step if run else None,
-            )
-        )
-
-    return finish
-
-
-def _refuse_overwrite(directory: Path, target: TinkerPath) -> None:
-    if directory.exists():
-        raise EngineError(f"checkpoint {target} already exists (pass overwrite=True)", "user")
 
 
 @router.post("/save_weights", openapi_extra=json_body(SaveWeightsRequest))
@@ -471,19 +373,15 @@ async def save_weights(request: Request, state: State, tenant: Tenant) -> dict[s
     run = await state.live_training_run(body.model_id, tenant)
     seq_id = _seq_id(body.seq_id)
     check_ttl(body.ttl_seconds)
-    target, directory = _checkpoint_target(state, tenant, run.id, "weights", body.path)
-    model_id = run.id
-
-    def work(backend: Backend) -> int:
-        if not body.overwrite:
-            _refuse_overwrite(directory, target)
-        return backend.save_state(model_id, directory, optimizer=True)
-
-    finish = _checkpoint_writer(
+    target, directory = checkpoint_target(state, tenant, run.id, "weights", body.path)
+    finish = checkpoint_writer(
         state, tenant, target, directory, "training", body.ttl_seconds, body.user_metadata
     )
+    work = SaveState(
+        run.id, directory, optimizer=True, overwrite=body.overwrite, target=str(target)
+    )
     return state.submit_training(
-        tenant, model_id, seq_id, "single", work, finish, raw, "SaveWeights"
+        TrainingSubmission(tenant, run.id, seq_id, work, finish, "SaveWeights", fingerprint(raw))
     )
 
 
@@ -509,13 +407,6 @@ async def save_weights_for_sampler(
                 await state.skip_rejected(tenant, model_id, seq_id, fingerprint(raw))
                 raise
 
-        def snapshot(backend: Backend) -> None:
-            try:
-                backend.create_sampler(sampler_id, base_model, adapter_id=model_id)
-            except BaseException:
-                state.pending_samplers.discard(sampler_id)
-                raise
-
         async def finish_snapshot(_r: None) -> Outcome:
             state.pending_samplers.discard(sampler_id)
             row = SamplerRow(
@@ -526,24 +417,23 @@ async def save_weights_for_sampler(
             )
 
         accepted = state.submit_training(
-            tenant,
-            model_id,
-            seq_id,
-            "single",
-            snapshot,
-            finish_snapshot,
-            raw,
-            "SaveWeightsForSampler",
+            TrainingSubmission(
+                tenant,
+                model_id,
+                seq_id,
+                CreateSampler(sampler_id, base_model, adapter_id=model_id),
+                finish_snapshot,
+                "SaveWeightsForSampler",
+                fingerprint(raw),
+                # A snapshot that failed leaves its sampler id free to be created again.
+                on_failure=lambda: state.pending_samplers.discard(sampler_id),
+            )
         )
         if not retry:
             state.pending_samplers.add(sampler_id)
         return accepted
-    target, directory = _checkpoint_target(state, tenant, run.id, "sampler_weights", body.path)
-
-    def work(backend: Backend) -> int:
-        return backend.save_sampler_weights(model_id, directory)
-
-    finish = _checkpoint_writer(
+    target, directory = checkpoint_target(state, tenant, run.id, "sampler_weights", body.path)
+    finish = checkpoint_writer(
         state, tenant, target, directory, "sampler", body.ttl_seconds, body.user_metadata
     )
 
@@ -552,14 +442,15 @@ async def save_weights_for_sampler(
         return json_outcome({**saved, "type": "save_weights_for_sampler"})
 
     return state.submit_training(
-        tenant,
-        model_id,
-        seq_id,
-        "single",
-        work,
-        answer,
-        raw,
-        "SaveWeightsForSampler",
+        TrainingSubmission(
+            tenant,
+            model_id,
+            seq_id,
+            SaveSamplerWeights(model_id, directory),
+            answer,
+            "SaveWeightsForSampler",
+            fingerprint(raw),
+        )
     )
 
 
@@ -579,15 +470,9 @@ async def save_weights_external(request: Request, state: State, tenant: Tenant) 
             "age_encryption_recipients",
         )
     check_ttl(body.ttl_seconds)
-    target, directory = _checkpoint_target(state, tenant, run.id, "external_weights", body.path)
+    target, directory = checkpoint_target(state, tenant, run.id, "external_weights", body.path)
     model_id = run.id
-
-    def work(backend: Backend) -> int:
-        return backend.save_sampler_weights(model_id, directory)
-
-    finish = _checkpoint_writer(
-        state, tenant, target, directory, "external", body.ttl_seconds, None
-    )
+    finish = checkpoint_writer(state, tenant, target, directory, "external", body.ttl_seconds, None)
 
     async def answer(size: int) -> Outcome:
         saved = json.loads((await finish(size)).body)
@@ -596,5 +481,13 @@ async def save_weights_external(request: Request, state: State, tenant: Tenant) 
         )
 
     return state.submit_training(
-        tenant, model_id, seq_id, "single", work, answer, raw, "SaveWeightsExternal"
+        TrainingSubmission(
+            tenant,
+            model_id,
+            seq_id,
+            SaveSamplerWeights(model_id, directory),
+            answer,
+            "SaveWeightsExternal",
+            fingerprint(raw),
+        )
     )

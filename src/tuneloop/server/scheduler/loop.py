@@ -10,11 +10,12 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from tuneloop.server.engine.backend import Backend, ContinuousSampling
 from tuneloop.server.engine.isolation import bisect_failures
-from tuneloop.server.engine.types import CANCELLED, EngineError
+from tuneloop.server.engine.operations import EngineOperation, Footprint, run_operation
+from tuneloop.server.engine.types import CANCELLED, EngineError, ForwardBackwardWork, SampleWork
 from tuneloop.server.scheduler.futures import FutureTable, Outcome
 from tuneloop.server.scheduler.queue import Batch, Operation, OperationQueue
 
@@ -25,10 +26,16 @@ CONCURRENCY_MEMORY_S = 30.0
 # (a batch gathering, a decode batch) to see it. Sampler ids are never reused.
 CANCEL_MEMORY_S = 600.0
 T = TypeVar("T")
+W = TypeVar("W", ForwardBackwardWork, SampleWork)
 
 
 def failure(message: str, category: str = "server") -> Outcome:
     return Outcome.json({"error": message, "category": category}, failed=True)
+
+
+def _works(batch: Batch, _kind: type[W]) -> list[W]:
+    """The batch's operations as the one type its kind holds (the queue batches by kind)."""
+    return [cast(W, op.work) for op in batch.ops]
 
 
 def _execute(backend: Backend, batch: Batch) -> list[Any]:
@@ -36,19 +43,22 @@ def _execute(backend: Backend, batch: Batch) -> list[Any]:
     batch call that raises is run again in halves, so only the request that fails alone fails
     (engine/isolation.py)."""
     if batch.kind == "forward_backward":
-        return bisect_failures(backend.forward_backward, [op.work for op in batch.ops], batch.kind)
+        works = _works(batch, ForwardBackwardWork)
+        return bisect_failures(backend.forward_backward, works, batch.kind)
     if batch.kind == "sample":
-        return bisect_failures(backend.sample, [op.work for op in batch.ops], batch.kind)
-    results: list[Any] = []
-    for op in batch.ops:
-        try:
-            results.append(op.work(backend))
-        except EngineError as exc:
-            results.append(exc)
-        except Exception as exc:
-            log.exception("backend failed a single operation")
-            results.append(EngineError(f"{type(exc).__name__}: {exc}"))
-    return results
+        return bisect_failures(backend.sample, _works(batch, SampleWork), batch.kind)
+    return [_run_alone(backend, op) for op in batch.ops]
+
+
+def _run_alone(backend: Backend, op: Operation) -> Any:
+    """One operation that runs alone: its result, or its failure as an EngineError."""
+    try:
+        return run_operation(backend, op.work)
+    except EngineError as exc:
+        return exc
+    except Exception as exc:
+        log.exception("backend failed a single operation")
+        return EngineError(f"{type(exc).__name__}: {exc}")
 
 
 class EngineLoop:
@@ -149,6 +159,12 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._timed, lambda: fn(*args, **kwargs))
 
+    async def perform(self, op: EngineOperation) -> Any:
+        """Run one operation on the engine thread, between batches, outside any model's order
+        (creating a sampler from a checkpoint, freeing what a finished session held). Raises
+        what the backend raised."""
+        return await self.call(run_operation, self.backend, op)
+
     async def step(self) -> bool:
         batch = self.queue.next_batch()
         if batch is None:
@@ -214,16 +230,21 @@ class EngineLoop:
                 log.exception("on_success hook failed for %s", op.request_id)
         self.futures.resolve(op.request_id, outcome)
 
-    async def _take_joining_samples(self) -> list[Operation]:
-        """On the event loop: queued samples that may join the running decode batch. None while
-        training work is ready: it gets the engine once the running rows finish."""
-        if self.queue.training_ready():
-            return []
+    async def _take_joining(self, running: Footprint) -> tuple[list[Operation], list[Operation]]:
+        """On the event loop, between two decode steps of a batch reading `running`: the
+        training operations that may run now (each model's next one, where it runs alone and
+        touches nothing the batch reads: an optim_step or a save of an adapter need not wait
+        for unrelated sampling to end), and the queued samples that may join the batch. No
+        samples while other training work is ready: it gets the engine once the running rows
+        finish."""
+        singles = self.queue.take_singles(running)
+        if self.queue.blocks_sampling(running):
+            return singles, []
         self._arrivals["sample"] = 0
         ops = self.queue.take_samples(self.queue.max_sample_batch)
         if ops:
             self._overlap_seen_at["sample"] = time.monotonic()
-        return ops
+        return singles, ops
 
     async def _sample_continuously(self, batch: Batch) -> None:
         """Run a sampling batch that requests join while it decodes; each result is published
@@ -234,14 +255,20 @@ class EngineLoop:
         ops = {id(op.work): op for op in batch.ops}  # engine thread only, until it returns
 
         def admit() -> list[Any]:
-            if self._stopping or self.queue.queued_samples() == 0:  # no thread hop
-                return []
+            queue = self.queue
+            if self._stopping or not (queue.queued_samples() or queue.training_ready_hint()):
+                return []  # no thread hop
+            reads = frozenset(getattr(op.work, "sampler_id", "") for op in ops.values())
             try:
-                joining = asyncio.run_coroutine_threadsafe(self._take_joining_samples(), loop)
+                joining = asyncio.run_coroutine_threadsafe(
+                    self._take_joining(Footprint(reads=reads)), loop
+                )
                 # Bounded: a loop that is shutting down never runs the coroutine.
-                new_ops = joining.result(timeout=2.0)
+                singles, new_ops = joining.result(timeout=2.0)
             except (concurrent.futures.TimeoutError, RuntimeError):
                 return []
+            for op in singles:  # in their models' order, each done before the next is taken
+                loop.call_soon_threadsafe(self._publish, op, _run_alone(backend, op))
             ops.update((id(op.work), op) for op in new_ops)
             return [op.work for op in new_ops]
 
@@ -252,7 +279,7 @@ class EngineLoop:
 
         def run() -> None:
             backend.sample_continuous(
-                [op.work for op in batch.ops], admit, deliver, lambda: self._cancelled
+                _works(batch, SampleWork), admit, deliver, lambda: self._cancelled
             )
 
         try:
@@ -279,7 +306,7 @@ class EngineLoop:
                 again.append(op)
         if not again:
             return
-        works = [op.work for op in again]
+        works = [cast(SampleWork, op.work) for op in again]
         loop = asyncio.get_running_loop()
         results = await loop.run_in_executor(
             self._executor, self._timed, bisect_failures, self.backend.sample, works, "sample"
@@ -290,6 +317,11 @@ class EngineLoop:
     @staticmethod
     def _outcome(op: Operation, result: Any) -> Outcome | Awaitable[Outcome]:
         if isinstance(result, EngineError):
+            if op.on_failure is not None:
+                try:
+                    op.on_failure()
+                except Exception:
+                    log.exception("on_failure hook failed for %s", op.request_id)
             return failure(str(result), result.category)
         try:
             return op.finish(result)

@@ -1,34 +1,54 @@
 """Operations and the queues that order them.
 
 Training operations of one model run strictly in seq_id order (creation is seq 0); early
-arrivals wait, retries of the same (model_id, seq_id) map to the first request. Sampling
-operations carry no order and batch freely.
+arrivals wait, retries of the same (model_id, seq_id) map to the first request. Models are
+independent streams: one model's operation never waits for another model's. Sampling
+operations carry no order and batch freely; they are admitted round-robin by tenant
+(`fair_queue.py`). Each operation's `Footprint` (engine/operations.py) says what it touches,
+so a training operation that touches nothing a running sampling batch reads may run between
+its decode steps (`take_singles`) instead of waiting for the batch to end.
 """
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tuneloop.server.engine.operations import EngineOperation, Footprint, footprint
+from tuneloop.server.engine.types import ForwardBackwardWork, SampleWork
+from tuneloop.server.scheduler.fair_queue import RoundRobin
 from tuneloop.server.scheduler.futures import Outcome
 
 OpKind = Literal["forward_backward", "single", "sample"]
 
 
+def kind_of(work: EngineOperation) -> OpKind:
+    """How an operation is batched: forward_backward and sample batch, the rest run alone."""
+    if isinstance(work, ForwardBackwardWork):
+        return "forward_backward"
+    if isinstance(work, SampleWork):
+        return "sample"
+    return "single"
+
+
 @dataclass(eq=False)
 class Operation:
+    """One queued request: the engine operation it asks for and how its answer is made."""
+
     request_id: str
-    kind: OpKind
-    # ForwardBackwardWork, SampleWork, or for "single" a callable run with the backend.
-    work: Any
+    kind: OpKind  # kind_of(work)
+    work: EngineOperation
     # Runs on the event loop after success: engine result -> wire outcome. One that records
     # storage returns an awaitable (its write on a thread); the future resolves after it.
     finish: Callable[[Any], Outcome | Awaitable[Outcome]]
     model_id: str | None = None
     seq_id: int | None = None
     fingerprint: str = ""
+    tenant: str = ""  # whose request: sampling is admitted round-robin by tenant
+    # Runs on the event loop when the engine failed the operation (e.g. to release a sampler
+    # id held for it); the failure itself is answered by the loop.
+    on_failure: Callable[[], None] | None = None
 
 
 class SeqConflictError(Exception):
@@ -60,9 +80,14 @@ class Batch:
 class OperationQueue:
     def __init__(self, max_sample_batch: int = 64) -> None:
         self._streams: dict[str, _Stream] = {}
-        self._samples: collections.deque[Operation] = collections.deque()
+        self._samples: RoundRobin[Operation] = RoundRobin(lambda op: op.tenant)
         self._max_sample_batch = max_sample_batch
         self._turn = 0
+        self._training_waiting = 0  # sum of the streams' pending, kept for queued_training()
+        # Whether some model's next operation is here, recomputed on the event loop after
+        # every change: the engine thread reads it between decode steps (a plain read) to
+        # skip asking the loop for work when there is none to give.
+        self._ready_hint = False
 
     # ---- submission -------------------------------------------------------------------------
 
@@ -87,7 +112,10 @@ class OperationQueue:
         assert op.seq_id is not None
         stream = self._streams.setdefault(op.model_id, _Stream())
         stream.seen[op.seq_id] = (op.request_id, op.fingerprint)
+        if op.seq_id not in stream.pending:
+            self._training_waiting += 1
         stream.pending[op.seq_id] = op
+        self._changed()
 
     def skip(self, model_id: str, seq_id: int, fingerprint: str) -> None:
         """Consume a seq_id whose request was rejected, so later ones still run."""
@@ -97,6 +125,7 @@ class OperationQueue:
         stream.seen[seq_id] = ("", fingerprint)
         stream.skipped.add(seq_id)
         stream.advance()
+        self._changed()
 
     def unblocks_waiting(self, model_id: str, seq_id: int) -> bool:
         """Whether accepted later operations of the model wait for `seq_id` to arrive."""
@@ -107,12 +136,24 @@ class OperationQueue:
         self._samples.append(op)
 
     def take_samples(self, limit: int) -> list[Operation]:
-        """Up to `limit` more queued sampling operations, oldest first."""
-        return [self._samples.popleft() for _ in range(min(limit, len(self._samples)))]
+        """Up to `limit` more queued sampling operations: one per tenant in turn, each
+        tenant's oldest first."""
+        return self._samples.take(limit)
 
     def queued_samples(self) -> int:
         """How many sampling operations wait (a plain read: safe from the engine thread)."""
         return len(self._samples)
+
+    def queued_training(self) -> int:
+        """How many training operations wait, ready or not (a plain read, as above)."""
+        return self._training_waiting
+
+    def training_ready_hint(self) -> bool:
+        """`training_ready()` as of the queue's last change (a plain read, as above)."""
+        return self._ready_hint
+
+    def _changed(self) -> None:
+        self._ready_hint = bool(self._ready_runs())
 
     def waiting_by_model(self) -> dict[str, int]:
         """Training operations accepted and not yet run, per model id (the console's view)."""
@@ -122,6 +163,27 @@ class OperationQueue:
         """Whether some model has a training-side operation ready to run now."""
         return bool(self._ready_runs())
 
+    def take_singles(self, running: Footprint) -> list[Operation]:
+        """Each model's next operation, where it runs alone (not a forward_backward) and
+        touches nothing `running` writes or reads: it may run now, between the steps of the
+        batch that `running` describes, instead of waiting for that batch to end."""
+        ready = [
+            run[0]
+            for _stream, run in self._ready_runs()
+            if run[0].kind == "single" and not footprint(run[0].work).conflicts(running)
+        ]
+        self._take(ready)
+        return ready
+
+    def blocks_sampling(self, running: Footprint) -> bool:
+        """Whether training work is ready that cannot run between the steps of a sampling
+        batch reading `running`: a forward_backward, or an operation that touches what the
+        batch reads. New samples then wait, so that the batch ends and training gets its turn."""
+        return any(
+            run[0].kind != "single" or footprint(run[0].work).conflicts(running)
+            for _stream, run in self._ready_runs()
+        )
+
     @property
     def max_sample_batch(self) -> int:
         return self._max_sample_batch
@@ -129,12 +191,14 @@ class OperationQueue:
     def forget_model(self, model_id: str) -> list[Operation]:
         """Drop a model's stream; return its pending operations so their futures can fail."""
         stream = self._streams.pop(model_id, None)
-        return list(stream.pending.values()) if stream else []
+        if stream is None:
+            return []
+        self._training_waiting -= len(stream.pending)
+        self._changed()
+        return list(stream.pending.values())
 
     def drop_samples(self, keep: Callable[[Operation], bool]) -> list[Operation]:
-        dropped = [op for op in self._samples if not keep(op)]
-        self._samples = collections.deque(op for op in self._samples if keep(op))
-        return dropped
+        return self._samples.remove(lambda op: not keep(op))
 
     def drop_requests(self, request_ids: Collection[str]) -> list[Operation]:
         """Take these operations out of the queue unrun (their API key was revoked). A dropped
@@ -144,9 +208,11 @@ class OperationQueue:
             for seq_id, op in list(stream.pending.items()):
                 if op.request_id in request_ids:
                     del stream.pending[seq_id]
+                    self._training_waiting -= 1
                     stream.skipped.add(seq_id)
                     dropped.append(op)
             stream.advance()
+        self._changed()
         return dropped
 
     # ---- policy -----------------------------------------------------------------------------
@@ -182,16 +248,14 @@ class OperationQueue:
         if fwdbwd:
             candidates.append(Batch("forward_backward", fwdbwd))
         if self._samples:
-            take = min(len(self._samples), self._max_sample_batch)
-            candidates.append(Batch("sample", [self._samples.popleft() for _ in range(take)]))
+            candidates.append(Batch("sample", []))  # taken below, only if chosen
         if not candidates:
             return None
         self._turn += 1
         chosen = candidates[self._turn % len(candidates)]
-        for other in candidates:
-            if other is not chosen and other.kind == "sample":
-                self._samples.extendleft(reversed(other.ops))  # put back, keep their order
-        if chosen.kind != "sample":
+        if chosen.kind == "sample":
+            chosen.ops.extend(self._samples.take(self._max_sample_batch))
+        else:
             self._take(chosen.ops)
         return chosen
 
@@ -213,8 +277,10 @@ class OperationQueue:
             assert op.seq_id is not None
             stream = self._streams[op.model_id]
             del stream.pending[op.seq_id]
+            self._training_waiting -= 1
             stream.next_seq = op.seq_id + 1
             stream.advance()
+        self._changed()
 
     def more_forward_backward(self, batch: Batch) -> None:
         """Add the forward_backward chunks of models that became ready since `batch` was cut."""

@@ -27,6 +27,7 @@ from pathlib import Path
 from tuneloop.server.api.errors import ApiError, bad_request
 from tuneloop.server.api.restarts import require_held
 from tuneloop.server.api.state import ServerState
+from tuneloop.server.engine.operations import CreateSampler, DeleteSampler
 from tuneloop.server.engine.types import EngineError, ModelSpec
 from tuneloop.server.scheduler.loop import EngineLoop
 from tuneloop.server.storage.registry import MERGED_KIND
@@ -160,10 +161,9 @@ class SamplerCache:
     async def _create(self, key: tuple[str, str], target: Target) -> _Entry:
         digest = hashlib.sha256("\0".join(key).encode()).hexdigest()[:20]
         sampler_id = f"{SESSION}:{digest}"
-        backend = self.engine.backend
         try:
-            await self.engine.call(
-                backend.create_sampler, sampler_id, target.spec.name, weights_dir=target.weights_dir
+            await self.engine.perform(
+                CreateSampler(sampler_id, target.spec.name, weights_dir=target.weights_dir)
             )
         except EngineError as exc:
             status = 400 if exc.category == "user" else 500
@@ -184,9 +184,7 @@ class SamplerCache:
         idle = [k for k, e in self._entries.items() if e.users == 0]
         for key in idle[: max(0, len(self._entries) - self.limit)]:
             entry = self._entries.pop(key)
-            task = asyncio.ensure_future(
-                self.engine.call(self.engine.backend.delete_sampler, entry.sampler_id)
-            )
+            task = asyncio.ensure_future(self.engine.perform(DeleteSampler(entry.sampler_id)))
             self._deleting.add(task)
             task.add_done_callback(self._deleting.discard)
 
@@ -194,4 +192,4 @@ class SamplerCache:
         await asyncio.gather(*self._deleting, return_exceptions=True)
         entries, self._entries = list(self._entries.values()), collections.OrderedDict()
         for entry in entries:
-            await self.engine.call(self.engine.backend.delete_sampler, entry.sampler_id)
+            await self.engine.perform(DeleteSampler(entry.sampler_id))

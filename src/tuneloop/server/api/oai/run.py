@@ -111,7 +111,9 @@ class Generation:
             request_id = state.futures.create(self.tenant, "Sample")
             state.revocations.track(request_id, self.cancel_key)
             self.request_ids.append(request_id)
-            state.queue.submit_sample(Operation(request_id, "sample", work, self._finisher(p)))
+            state.queue.submit_sample(
+                Operation(request_id, "sample", work, self._finisher(p), tenant=self.tenant)
+            )
         state.engine.notify("sample")
 
     @property

@@ -13,6 +13,10 @@ applied since (replayed, so accumulated gradients come back), every sampler. The
 in flight is then run again: its effects died with the group, so nothing is applied twice, and
 the request's future gets its result as if nothing happened. Only when the group cannot be
 restored (MAX_ATTEMPTS in a row) does the call fail, with a server error.
+
+Operations other than sampling arrive as values (`run_operation`) and travel to the ranks as
+such. The module runs past 400 lines because the life cycle, the recovery and each operation's
+bookkeeping in the snapshots share one lock and one snapshot, and read best together.
 """
 
 from __future__ import annotations
@@ -24,8 +28,20 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, assert_never
 
+from tuneloop.server.engine.operations import (
+    CreateAdapter,
+    CreateSampler,
+    DeleteAdapter,
+    DeleteSampler,
+    LoadAdapter,
+    LoadState,
+    OptimStep,
+    SaveSamplerWeights,
+    SaveState,
+    SingleOperation,
+)
 from tuneloop.server.engine.types import (
     AdamStep,
     AdapterSpec,
@@ -232,21 +248,6 @@ class WorkerGroupBackend:
     def models(self) -> Sequence[ModelSpec]:
         return list(self._models)
 
-    def create_adapter(self, spec: AdapterSpec) -> None:
-        def op() -> None:
-            self._all("create_adapter", spec)
-            factors, optimizer = self._one("adapter_state", spec.adapter_id)
-            self._snap.set_adapter(spec, factors, optimizer)
-
-        self._run(op)
-
-    def delete_adapter(self, adapter_id: str) -> None:
-        def op() -> None:
-            self._all("delete_adapter", adapter_id)
-            self._snap.remove_adapter(adapter_id)
-
-        self._run(op)
-
     def forward_backward(
         self, batch: Sequence[ForwardBackwardWork]
     ) -> list[ForwardBackwardResult | EngineError]:
@@ -293,52 +294,105 @@ class WorkerGroupBackend:
             )
         return ordered
 
-    def optim_step(self, adapter_id: str, step: AdamStep) -> dict[str, float]:
-        def op() -> dict[str, float]:
-            replies = self._call(
-                {r: Call("optim_step", (adapter_id, step, r == 0)) for r in range(self.size)}
-            )
-            failures = [r for r in replies.values() if isinstance(r, Failure)]
-            if failures:
-                if any(f.traceback for f in failures):  # a bug, ranks may differ: restore
-                    self._recover("a failed optim_step")
-                else:  # the ranks refused alike (a non-finite gradient): the gradients are gone
-                    self._snap.drop_pending(adapter_id)
-                _value(failures[0])
-            metrics, (factors, optimizer) = replies[0]
-            self._snap.stepped(adapter_id, factors, optimizer)
-            return dict(metrics)
+    # Every operation but sampling travels to the ranks as its value (engine/operations.py):
+    # the call in flight when a worker dies is that value, run again on the restored group.
 
-        return self._run(op)
+    def run_operation(self, op: SingleOperation) -> Any:
+        """Run `op` on the group; if a worker dies, restore the group and run it again."""
+        return self._run(lambda: self._perform(op))
+
+    def _perform(self, op: SingleOperation) -> Any:
+        match op:
+            case CreateAdapter(spec=spec) | LoadAdapter(spec=spec):
+                self._all("operation", op)
+                factors, optimizer = self._one("adapter_state", spec.adapter_id)
+                self._snap.set_adapter(spec, factors, optimizer)
+                return None
+            case DeleteAdapter(adapter_id=adapter_id):
+                self._all("operation", op)
+                self._snap.remove_adapter(adapter_id)
+                return None
+            case OptimStep():
+                return self._optim_step(op)
+            case SaveState():
+                size = int(self._one("operation", op))
+                if op.optimizer:
+                    self._snap.saved(op.adapter_id, op.directory)
+                return size
+            case SaveSamplerWeights():
+                return int(self._one("operation", op))
+            case LoadState():
+                return self._load_state(op)
+            case CreateSampler():
+                self._all("operation", op)
+                record = SamplerRecord(op.base_model)
+                if op.adapter_id is not None:  # the adapter's snapshot is its current state
+                    source = self._snap.adapters[op.adapter_id]
+                    record = SamplerRecord(op.base_model, source.spec, source.factors)
+                elif op.weights_dir is not None:
+                    spec, factors = self._one("sampler_state", op.sampler_id)
+                    record = SamplerRecord(op.base_model, spec, factors)
+                self._snap.samplers[op.sampler_id] = record
+                return None
+            case DeleteSampler(sampler_id=sampler_id):
+                self._all("operation", op)
+                self._snap.samplers.pop(sampler_id, None)
+                return None
+            case _:
+                assert_never(op)
+
+    def _optim_step(self, op: OptimStep) -> dict[str, float]:
+        replies = self._call(
+            {r: Call("optim_step", (op.adapter_id, op.step, r == 0)) for r in range(self.size)}
+        )
+        failures = [r for r in replies.values() if isinstance(r, Failure)]
+        if failures:
+            if any(f.traceback for f in failures):  # a bug, ranks may differ: restore
+                self._recover("a failed optim_step")
+            else:  # the ranks refused alike (a non-finite gradient): the gradients are gone
+                self._snap.drop_pending(op.adapter_id)
+            _value(failures[0])
+        metrics, (factors, optimizer) = replies[0]
+        self._snap.stepped(op.adapter_id, factors, optimizer)
+        return dict(metrics)
+
+    def _load_state(self, op: LoadState) -> None:
+        record = self._snap.adapters.get(op.adapter_id)
+        if record is None:
+            raise EngineError(f"no adapter {op.adapter_id!r}", "user")
+        try:
+            self._all("operation", op)
+        except EngineError:
+            # A checkpoint that does not fit may have been copied in part: back to before.
+            self._all("restore_adapter", record.spec, record.factors, record.optimizer)
+            self._snap.drop_pending(op.adapter_id)
+            raise
+        factors, state = self._one("adapter_state", op.adapter_id)
+        self._snap.set_adapter(record.spec, factors, state)
+
+    # The Backend protocol's methods, as operations.
+
+    def create_adapter(self, spec: AdapterSpec) -> None:
+        self.run_operation(CreateAdapter(spec))
+
+    def delete_adapter(self, adapter_id: str) -> None:
+        self.run_operation(DeleteAdapter(adapter_id))
+
+    def optim_step(self, adapter_id: str, step: AdamStep) -> dict[str, float]:
+        metrics: dict[str, float] = self.run_operation(OptimStep(adapter_id, step))
+        return metrics
 
     def save_state(self, adapter_id: str, directory: Path, *, optimizer: bool) -> int:
-        def op() -> int:
-            size = int(self._one("save_state", adapter_id, directory, optimizer))
-            if optimizer:
-                self._snap.saved(adapter_id, directory)
-            return size
-
-        return self._run(op)
+        op = SaveState(adapter_id, directory, optimizer, overwrite=True, target=str(directory))
+        size: int = self.run_operation(op)
+        return size
 
     def save_sampler_weights(self, adapter_id: str, directory: Path) -> int:
-        return self._run(lambda: int(self._one("save_sampler_weights", adapter_id, directory)))
+        size: int = self.run_operation(SaveSamplerWeights(adapter_id, directory))
+        return size
 
     def load_state(self, adapter_id: str, directory: Path, *, optimizer: bool) -> None:
-        def op() -> None:
-            record = self._snap.adapters.get(adapter_id)
-            if record is None:
-                raise EngineError(f"no adapter {adapter_id!r}", "user")
-            try:
-                self._all("load_state", adapter_id, directory, optimizer)
-            except EngineError:
-                # A checkpoint that does not fit may have been copied in part: back to before.
-                self._all("restore_adapter", record.spec, record.factors, record.optimizer)
-                self._snap.drop_pending(adapter_id)
-                raise
-            factors, state = self._one("adapter_state", adapter_id)
-            self._snap.set_adapter(record.spec, factors, state)
-
-        self._run(op)
+        self.run_operation(LoadState(adapter_id, directory, optimizer, str(directory)))
 
     def create_sampler(
         self,
@@ -348,25 +402,10 @@ class WorkerGroupBackend:
         adapter_id: str | None = None,
         weights_dir: Path | None = None,
     ) -> None:
-        def op() -> None:
-            self._all("create_sampler", sampler_id, base_model, adapter_id, weights_dir)
-            record = SamplerRecord(base_model)
-            if adapter_id is not None:  # the adapter's snapshot is its current state
-                source = self._snap.adapters[adapter_id]
-                record = SamplerRecord(base_model, source.spec, source.factors)
-            elif weights_dir is not None:
-                spec, factors = self._one("sampler_state", sampler_id)
-                record = SamplerRecord(base_model, spec, factors)
-            self._snap.samplers[sampler_id] = record
-
-        self._run(op)
+        self.run_operation(CreateSampler(sampler_id, base_model, adapter_id, weights_dir))
 
     def delete_sampler(self, sampler_id: str) -> None:
-        def op() -> None:
-            self._all("delete_sampler", sampler_id)
-            self._snap.samplers.pop(sampler_id, None)
-
-        self._run(op)
+        self.run_operation(DeleteSampler(sampler_id))
 
     def sample(self, batch: Sequence[SampleWork]) -> list[SampleResult | EngineError]:
         def op() -> list[SampleResult | EngineError]:

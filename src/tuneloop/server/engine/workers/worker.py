@@ -20,6 +20,12 @@ import torch
 import torch.distributed as dist
 
 from tuneloop.server.engine.isolation import bisect_failures
+from tuneloop.server.engine.operations import (
+    DeleteAdapter,
+    LoadState,
+    SingleOperation,
+    run_operation,
+)
 from tuneloop.server.engine.types import (
     AdamStep,
     AdapterSpec,
@@ -115,12 +121,11 @@ class WorkerRuntime:
     def do_hello(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "device": str(self.device), "models": self.backend.models()}
 
-    def do_create_adapter(self, spec: AdapterSpec) -> None:
-        self.backend.create_adapter(spec)
-
-    def do_delete_adapter(self, adapter_id: str) -> None:
-        self._before.pop(adapter_id, None)
-        self.backend.delete_adapter(adapter_id)
+    def do_operation(self, op: SingleOperation) -> Any:
+        """An operation the same on every rank (optim_step, which all-reduces, has its own)."""
+        if isinstance(op, DeleteAdapter | LoadState):  # its gradients are gone
+            self._before.pop(op.adapter_id, None)
+        return run_operation(self.backend, op)
 
     def do_restore_adapter(
         self, spec: AdapterSpec, factors: dict[str, torch.Tensor], optimizer: dict[str, Any]
@@ -170,23 +175,6 @@ class WorkerRuntime:
         metrics = self.backend.optim_step(adapter_id, step)
         return metrics, (self.do_adapter_state(adapter_id) if return_state else None)
 
-    def do_save_state(self, adapter_id: str, directory: Path, optimizer: bool) -> int:
-        return self.backend.save_state(adapter_id, directory, optimizer=optimizer)
-
-    def do_save_sampler_weights(self, adapter_id: str, directory: Path) -> int:
-        return self.backend.save_sampler_weights(adapter_id, directory)
-
-    def do_load_state(self, adapter_id: str, directory: Path, optimizer: bool) -> None:
-        self._before.pop(adapter_id, None)
-        self.backend.load_state(adapter_id, directory, optimizer=optimizer)
-
-    def do_create_sampler(
-        self, sampler_id: str, base_model: str, adapter_id: str | None, weights_dir: Path | None
-    ) -> None:
-        self.backend.create_sampler(
-            sampler_id, base_model, adapter_id=adapter_id, weights_dir=weights_dir
-        )
-
     def do_restore_sampler(
         self,
         sampler_id: str,
@@ -202,9 +190,6 @@ class WorkerRuntime:
     def do_sampler_state(self, sampler_id: str) -> Any:
         """The spec and factors of a sampler with an adapter (None: the base model alone)."""
         return _cpu(self.backend.sampler_state(sampler_id))
-
-    def do_delete_sampler(self, sampler_id: str) -> None:
-        self.backend.delete_sampler(sampler_id)
 
     def do_sample(self, works: Sequence[SampleWork]) -> list[SampleResult | ItemError]:
         # A decode batch that raises is run again in halves: only a request failing alone fails.

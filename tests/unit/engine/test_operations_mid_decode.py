@@ -1,0 +1,88 @@
+"""Operations that touch nothing a decode batch reads run between its steps on the real torch
+engine, and change nothing the batch draws: its tokens are those it draws alone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tests.unit.engine.conftest import TINY, adam, adapter_spec, example, ok, seq, work
+from tuneloop.server.engine.operations import CreateAdapter, CreateSampler, OptimStep, SaveState
+from tuneloop.server.engine.types import SampleWork
+from tuneloop.server.scheduler.futures import FutureTable, Outcome
+from tuneloop.server.scheduler.loop import EngineLoop
+from tuneloop.server.scheduler.queue import Operation, OperationQueue, kind_of
+
+
+def _long_sample(sampler_id: str) -> SampleWork:
+    return SampleWork(
+        sampler_id=sampler_id,
+        prompt=seq(12, 7),
+        num_samples=2,
+        max_tokens=120,
+        temperature=1.0,
+        top_k=-1,
+        top_p=1.0,
+        seed=11,
+        stop_token_ids=(),
+        stop_strings=(),
+    )
+
+
+def _finish(result: Any) -> Outcome:
+    return Outcome(json.dumps({"ok": True}).encode(), "application/json")
+
+
+async def test_training_operations_run_mid_decode_and_leave_its_draw_unchanged(
+    backend: Any, tmp_path: Path
+) -> None:
+    backend.create_adapter(adapter_spec("x"))
+    ok(backend.forward_backward([work("x", [example(seq(16, 3))])])[0])
+    backend.create_sampler("sx", TINY, adapter_id="x")
+    [alone] = backend.sample([_long_sample("sx")])
+    reference = [s.tokens for s in ok(alone).sequences]
+
+    queue, futures = OperationQueue(), FutureTable()
+    loop = EngineLoop(backend, queue, futures)
+    sampled: list[Any] = []
+    long = futures.create("t", "Sample")
+    queue.submit_sample(Operation(long, "sample", _long_sample("sx"), sampled.append))
+    step = asyncio.create_task(loop.step())
+    for _ in range(2000):  # bounded: the batch starts within a few ms
+        if loop.running is not None:
+            break
+        await asyncio.sleep(0.005)
+    assert loop.running is not None
+    ops = [
+        ("x", 1, OptimStep("x", adam())),
+        ("x", 2, SaveState("x", tmp_path / "saved", True, False, "tinker://x/weights/saved")),
+        ("x", 3, CreateSampler("sx2", TINY, adapter_id="x")),
+        ("y", 0, CreateAdapter(adapter_spec("y"))),
+    ]
+    queue.skip("x", 0, "")  # x was created above, outside the queue
+    ids = []
+    for model, seq_id, op in ops:
+        request_id = futures.create("t", "op")
+        queue.submit_training(
+            Operation(request_id, kind_of(op), op, _finish, model, seq_id, f"{model}{seq_id}")
+        )
+        ids.append(request_id)
+    loop.notify("single")
+    for request_id in ids:
+        answer = await asyncio.wait_for(futures.wait(request_id, "t", 30.0), 30.0)
+        assert answer is not None
+        assert json.loads(answer.body) == {"ok": True}, answer.body
+        assert not step.done(), "answered only after the decode batch ended"
+    assert await step
+    assert [s.tokens for s in sampled[0].sequences] == reference
+    assert (tmp_path / "saved").is_dir()
+    # The snapshot taken mid-decode is of the stepped adapter, not of the one sampled.
+    assert set(backend.sampler_state("sx2")[1]) == set(backend.sampler_state("sx")[1])
+    stepped = backend.sampler_state("sx2")[1]
+    frozen = backend.sampler_state("sx")[1]
+    assert any(not np.allclose(stepped[k].numpy(), frozen[k].numpy()) for k in stepped)
+    await loop.stop()

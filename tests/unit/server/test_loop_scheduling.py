@@ -1,0 +1,144 @@
+"""The engine loop runs an operation that touches nothing a running decode batch reads between
+its steps (an optim_step or save of adapter X does not wait for sampler S's long batch), and
+holds one that does touch it until the batch ends."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tests.unit.server.test_scheduler import finish, outcome, submit
+from tuneloop.server.engine.operations import CreateAdapter, CreateSampler, OptimStep
+from tuneloop.server.engine.types import AdamStep, AdapterSpec, EngineError
+from tuneloop.server.scheduler.futures import FutureTable
+from tuneloop.server.scheduler.loop import EngineLoop
+from tuneloop.server.scheduler.queue import Operation, OperationQueue
+
+STEP = AdamStep(1e-3, 0.9, 0.95, 1e-8, 0.0, 1.0)
+
+
+class Work:
+    """A sampling request of `sampler_id` that takes `steps` decode steps."""
+
+    def __init__(self, sampler_id: str, steps: int) -> None:
+        self.sampler_id, self.steps = sampler_id, steps
+        self.cancel_key = None
+        self.on_token = None
+
+
+class DecodingBackend:
+    """Decodes in 10 ms steps and logs what the engine thread did, step by step."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.steps = 0
+
+    def create_adapter(self, spec: AdapterSpec) -> None:
+        self.events.append(f"create {spec.adapter_id} at step {self.steps}")
+
+    def optim_step(self, adapter_id: str, step: AdamStep) -> dict[str, float]:
+        self.events.append(f"optim {adapter_id} at step {self.steps}")
+        if adapter_id == "broken":
+            raise EngineError("no adapter 'broken'", "user")
+        return {"optim/lr": step.learning_rate}
+
+    def create_sampler(self, sampler_id: str, base_model: str, **_kw: Any) -> None:
+        self.events.append(f"sampler {sampler_id} at step {self.steps}")
+
+    def sample_continuous(
+        self,
+        batch: Sequence[Work],
+        admit: Callable[[], Sequence[Work]],
+        deliver: Callable[[Work, Any], None],
+        cancelled: Callable[[], Any] = frozenset,
+    ) -> None:
+        left = {id(w): [w, w.steps] for w in batch}
+        while left:
+            time.sleep(0.01)
+            self.steps += 1
+            for key, (work, n) in list(left.items()):
+                if n <= 1:
+                    del left[key]
+                    deliver(work, {"sampled": work.sampler_id})
+                else:
+                    left[key][1] = n - 1
+            for work in admit():
+                left[id(work)] = [work, work.steps]
+        self.events.append(f"batch ended at step {self.steps}")
+
+    def close(self) -> None:
+        pass
+
+
+def _spec(adapter_id: str) -> AdapterSpec:
+    return AdapterSpec(adapter_id, "base", 4, 0)
+
+
+def _training(model: str, seq: int, work: Any) -> Operation:
+    return Operation("", "single", work, finish, model, seq, f"{model}/{seq}")
+
+
+async def test_an_optim_step_of_x_is_not_held_behind_a_long_batch_of_sampler_s() -> None:
+    backend = DecodingBackend()
+    queue, futures = OperationQueue(), FutureTable()
+    loop = EngineLoop(backend, queue, futures)  # type: ignore[arg-type]
+    long = submit(queue, futures, Operation("", "sample", Work("s", 60), finish))  # type: ignore[arg-type]
+    step = asyncio.create_task(loop.step())
+    await asyncio.sleep(0.05)  # decoding
+    created = submit(queue, futures, _training("x", 0, CreateAdapter(_spec("x"))))
+    stepped = submit(queue, futures, _training("x", 1, OptimStep("x", STEP)))
+    failing = submit(queue, futures, _training("broken", 0, OptimStep("broken", STEP)))
+    loop.notify("single")
+    answered = await asyncio.wait_for(futures.wait(stepped, "t", 5.0), 5.0)
+    assert answered is not None
+    assert not step.done()  # answered while the long request still decodes
+    assert await outcome(futures, created) == {"result": None}
+    assert await outcome(futures, stepped) == {"result": {"optim/lr": 1e-3}}
+    # A failure there is its own request's, as anywhere.
+    assert await outcome(futures, failing) == {"error": "no adapter 'broken'", "category": "user"}
+    assert await step
+    assert await outcome(futures, long) == {"result": {"sampled": "s"}}
+    of_x = [e for e in backend.events if " x " in e]
+    assert [e.split(" ")[0] for e in of_x] == ["create", "optim"]
+    create_at, optim_at = (int(e.rsplit(" ", 1)[1]) for e in of_x)
+    assert create_at < optim_at < 60  # in x's order, and both during the batch
+    assert backend.events[-1] == "batch ended at step 60"
+    await loop.stop()
+
+
+async def test_an_operation_on_what_the_batch_reads_waits_for_those_rows() -> None:
+    backend = DecodingBackend()
+    queue, futures = OperationQueue(), FutureTable()
+    loop = EngineLoop(backend, queue, futures)  # type: ignore[arg-type]
+    for work in (Work("s", 20), Work("u", 40)):
+        submit(queue, futures, Operation("", "sample", work, finish))  # type: ignore[arg-type]
+    step = asyncio.create_task(loop.step())
+    await asyncio.sleep(0.05)
+    # Re-creating the sampler being read must not happen under its running rows.
+    clash = submit(queue, futures, _training("x", 0, CreateSampler("s", "base", adapter_id="x")))
+    later = submit(queue, futures, Operation("", "sample", Work("t", 1), finish))  # type: ignore[arg-type]
+    assert await step
+    assert await outcome(futures, clash) == {"result": None}
+    # It ran once s's rows were done (step 20), while u's still decoded; the sample that
+    # arrived after it did not join before it.
+    assert backend.events == ["sampler s at step 20", "batch ended at step 40"]
+    assert await outcome(futures, later) == {"result": {"sampled": "t"}}
+    await loop.stop()
+
+
+async def test_on_failure_runs_for_a_failed_operation_only() -> None:
+    """A failed operation's hook runs on the event loop (a snapshot frees its sampler id);
+    a successful one's does not."""
+    backend = DecodingBackend()
+    queue, futures = OperationQueue(), FutureTable()
+    loop = EngineLoop(backend, queue, futures)  # type: ignore[arg-type]
+    told: list[str] = []
+    for model in ("broken", "fine"):
+        o = _training(model, 0, OptimStep(model, STEP))
+        o.on_failure = lambda model=model: told.append(model)
+        submit(queue, futures, o)
+    assert await loop.step()
+    assert told == ["broken"]
+    await loop.stop()
