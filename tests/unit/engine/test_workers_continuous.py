@@ -231,6 +231,26 @@ def test_sample_in_batches_takes_in_what_queued() -> None:
     assert len(drive.answers) == 4
 
 
+def test_a_caller_that_raises_leaves_the_group_usable(
+    group: Any, single: Any, samplers: Any
+) -> None:
+    """deliver() raising mid-session propagates, and the ranks are not left in the session:
+    the next calls are answered as usual."""
+    drive = Drive()
+
+    def failing(w: SampleWork, result: SampleResult | EngineError) -> None:
+        raise RuntimeError("the caller broke")
+
+    works = [_work("base", 90 + i, max_tokens=30) for i in range(3)]
+    with pytest.raises(RuntimeError, match="the caller broke"):
+        group.sample_continuous(works, drive.admit, failing, drive.cancelled)
+    [sampled] = group.sample([works[0]])
+    _assert_same(sampled, _alone(single, [works[0]])[0])
+    drive.run(group, works[1:])
+    for w, want in zip(works[1:], _alone(single, works[1:]), strict=True):
+        _assert_same(drive.answers[id(w)], want)
+
+
 def test_a_rank_killed_while_it_decodes(group: Any, single: Any, samplers: Any) -> None:
     """Rank 0 is SIGKILLed on the third token of the streamed request it decodes: that one
     gets an error, every other request (on either rank, and one that joins after the death)

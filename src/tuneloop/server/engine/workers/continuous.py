@@ -19,6 +19,7 @@ and a key is forgotten when it is answered.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -107,6 +108,14 @@ class GroupContinuousRun:
                     for key in list(self.requests):
                         self._answer(key, error)
                     return
+            except BaseException:
+                # The caller's admit() or deliver() raised: the ranks are still in the session
+                # and would read the next call as a session message. A restarted (and restored)
+                # group is back to plain calls; the caller answers what is left.
+                log.warning("continuous sampling interrupted; restarting the worker group")
+                with contextlib.suppress(Exception):
+                    self.recover("an interrupted sampling session")
+                raise
 
     # ---- requests ---------------------------------------------------------------------------
 
