@@ -5,7 +5,8 @@ request, in order, before the request's answer, equal to the answer); requests t
 the ranks decode are answered; every result equals what one process gives the same seeded
 request (samples do not depend on what shares the batch or the rank); cancellation reaches the
 ranks; a rank SIGKILLed while it decodes leaves every request answered exactly once: the ones
-that had not streamed with their undisturbed result, a streamed one with an error.
+that had not streamed with their undisturbed result, a streamed one with an error. A group of
+Ray actors (no pipe to stream on) samples whole batches in turn, with the same results.
 """
 
 from __future__ import annotations
@@ -297,3 +298,34 @@ def test_a_rank_killed_while_it_decodes(group: Any, single: Any, samplers: Any) 
     again, w = Drive(), _work("snap", 80, max_tokens=6)
     again.run(group, [w])
     _assert_same(again.answers[id(w)], _alone(single, [w])[0])
+
+
+@pytest.mark.slow  # a private Ray and its actors: tens of seconds on a shared machine
+def test_a_group_of_ray_actors_samples_whole_batches(single: Any, tmp_path: Any) -> None:
+    """Ray actors have no pipe to stream on: `sample_continuous` samples whole batches in turn
+    (joining requests included), answers whole, and equals one process."""
+    ray = pytest.importorskip("ray")
+    from tuneloop.server.engine.workers.build import worker_group
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        group = worker_group(
+            (TINY,), workers=2, cache_dir=tmp_path / "cache", device="cpu", ray_address="local"
+        )
+        try:
+            group.create_sampler("ray-base", TINY)
+            single.create_sampler("ray-single", TINY)
+            drive = Drive()
+            first = [drive.streamed(_work("ray-base", 100 + i, max_tokens=6)) for i in range(3)]
+            joining = [_work("ray-base", 110, max_tokens=4)]
+            drive.joining = {1: joining}
+            drive.run(group, first)
+            everything = [*first, *joining]
+            mine = [replace(w, sampler_id="ray-single") for w in everything]
+            for w, want in zip(everything, _alone(single, mine), strict=True):
+                _assert_same(drive.answers[id(w)], want)
+                assert drive.tokens(w) == []
+        finally:
+            group.close()
+    finally:
+        ray.shutdown()

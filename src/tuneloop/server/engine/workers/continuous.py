@@ -152,6 +152,8 @@ class GroupContinuousRun:
     def _place(self, size: int) -> dict[int, Admit]:
         """Each unplaced request onto the least-loaded rank, largest first (ties: the lowest
         rank), as one admission per rank; cancelled ones answered here."""
+        if not self.unplaced:  # the common case, every POLL_S
+            return {}
         gone = self.cancelled()
         keys, self.unplaced = self.unplaced, []
         live = [r for r in range(size) if r not in self.left]
