@@ -214,6 +214,27 @@ def test_cancellation_reaches_the_ranks(group: Any, single: Any, samplers: Any) 
         _assert_same(drive.answers[id(w)], want)
 
 
+def test_large_messages_both_ways_at_once(group: Any, single: Any, samplers: Any) -> None:
+    """Answers larger than a pipe's buffer (top-k prompt logprobs of long prompts) while an
+    admission larger than one (many long prompts) goes the other way: neither side waits on
+    the other for ever."""
+    drive = Drive()
+
+    def long(i: int, **kw: Any) -> SampleWork:
+        return replace(_work("base", 120 + i, max_tokens=1), prompt=seq(1500, 900 + i), **kw)
+
+    talkative = [long(i, prompt_logprobs=True, topk_prompt_logprobs=20) for i in range(4)]
+    many = [long(10 + i) for i in range(40)]  # 40 x 1500 int64 tokens: ~480 kB admitted at once
+    drive.joining = {1: many}
+    drive.run(group, talkative)
+    assert len(drive.answers) == len(talkative) + len(many)
+    want = _alone(single, talkative[:1])[0]
+    got = ok(drive.answers[id(talkative[0])])
+    assert got.topk_prompt_logprobs is not None
+    assert len(got.topk_prompt_logprobs) == 1500
+    _assert_same(got, want)
+
+
 def test_sample_in_batches_takes_in_what_queued() -> None:
     """The path of workers without pipes: whole batches in turn, cancelled ones answered."""
     batches: list[list[str]] = []

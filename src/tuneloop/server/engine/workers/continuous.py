@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
+import threading
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -47,6 +49,8 @@ log = logging.getLogger(__name__)
 # The longest the group waits on the ranks before it asks the engine for joining requests
 # again (the engine's admit() costs nothing while the queue is empty).
 POLL_S = 0.01
+# How long the end of a session waits for its last messages to be sent.
+CLOSE_S = 5.0
 Link = tuple[Connection, Any]  # a rank's pipe and its process sentinel
 Deliver = Callable[[SampleWork, SampleResult | EngineError], None]
 
@@ -90,6 +94,7 @@ class GroupContinuousRun:
         self.next_key = 0
         self.left: set[int] = set()  # ranks that left the session (answered its call early)
         self.sent: Collection[str] = frozenset()  # the cancelled ids the ranks know
+        self.outbox: _Outbox  # the running session's (a new one per session)
 
     def run(self, batch: Sequence[SampleWork]) -> None:
         self._add(batch)
@@ -100,7 +105,6 @@ class GroupContinuousRun:
                 return
             except WorkerDiedError as exc:
                 log.warning("%s during continuous sampling; restarting the worker group", exc)
-                self._salvage(links, exc.rank)
                 self._lost(exc)
                 try:
                     self.recover(str(exc))
@@ -186,6 +190,18 @@ class GroupContinuousRun:
 
     def _session(self, links: list[Link]) -> None:
         self.left, self.sent = set(), frozenset()
+        self.outbox = _Outbox()
+        try:
+            self._decode(links)
+        except WorkerDiedError as exc:
+            # Reading what the living ranks sent also frees a send of the outbox stuck on one.
+            self._salvage(links, exc.rank)
+            raise
+        finally:
+            self.outbox.close()
+
+    def _decode(self, links: list[Link]) -> None:
+        _send = self.outbox.put
         first = self._place(len(links))
         for rank, (conn, _) in enumerate(links):
             _send(rank, conn, Call("sample_continuous", (first.get(rank, Admit(())),)))
@@ -254,7 +270,7 @@ class GroupContinuousRun:
         waiting: dict[Any, int] = {}
         for rank, (conn, _) in enumerate(links):
             if rank not in self.left:
-                _send(rank, conn, Stop())
+                self.outbox.put(rank, conn, Stop())
                 waiting[conn] = rank
         sentinels = {links[rank][1]: rank for rank in waiting.values()}
         while waiting:
@@ -284,11 +300,38 @@ class GroupContinuousRun:
                 continue
 
 
-def _send(rank: int, conn: Connection, message: Any) -> None:
-    try:
-        send(conn, message)
-    except (OSError, ValueError) as exc:  # a closed pipe: the worker is gone
-        raise WorkerDiedError(rank, str(exc)) from None
+class _Outbox:
+    """Sends a session's messages to the ranks in order, on a thread of its own. The engine
+    thread then never waits on a send and keeps reading: a large admission one way and a large
+    answer the other way through full pipes would otherwise wait on each other for ever (the
+    rank reads only between its decode steps)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[int, Connection, Any] | None] = queue.SimpleQueue()
+        self.failed: dict[int, str] = {}  # rank -> why a send to it failed (it is gone)
+        self._thread = threading.Thread(target=self._run, name="sampling-outbox", daemon=True)
+        self._thread.start()
+
+    def put(self, rank: int, conn: Connection, message: Any) -> None:
+        if rank in self.failed:
+            raise WorkerDiedError(rank, self.failed[rank])
+        self._queue.put((rank, conn, message))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            rank, conn, message = item
+            if rank in self.failed:
+                continue
+            try:
+                send(conn, message)
+            except (OSError, ValueError) as exc:  # a closed pipe: its sentinel tells the rest
+                self.failed[rank] = str(exc)
+
+    def close(self) -> None:
+        """Done once what was queued is sent; a send stuck on a rank that no longer reads ends
+        when the group is restarted (its pipes close), so the wait is bounded."""
+        self._queue.put(None)
+        self._thread.join(timeout=CLOSE_S)
 
 
 def sample_in_batches(
