@@ -235,6 +235,35 @@ def test_large_messages_both_ways_at_once(group: Any, single: Any, samplers: Any
     _assert_same(got, want)
 
 
+def test_a_poisoned_sampler_fails_alone(
+    group: Any, single: Any, samplers: Any, tmp_path: Any
+) -> None:
+    """A sampler whose weights overflow the logits, decoding continuously next to others on
+    both ranks (one of its requests streamed): its requests fail alone, as user errors, and
+    the others get what one process gives them."""
+    from safetensors.torch import load_file, save_file
+
+    from tuneloop.server.engine.checkpoints import ADAPTER_FILE
+    from tuneloop.server.engine.isolation import NON_FINITE_LOGITS
+
+    group.save_sampler_weights("ad", tmp_path / "huge")
+    factors = load_file(str(tmp_path / "huge" / ADAPTER_FILE))
+    save_file({k: v * 1e30 for k, v in factors.items()}, str(tmp_path / "huge" / ADAPTER_FILE))
+    group.create_sampler("huge", TINY, weights_dir=tmp_path / "huge")
+    drive = Drive()
+    bad = [_work("huge", 130), drive.streamed(_work("huge", 131))]
+    good = [_work("snap", 132 + i, n=2, max_tokens=8) for i in range(3)]
+    drive.joining = {2: [bad[1]]}
+    drive.run(group, [good[0], bad[0], good[1], good[2]])
+    for w in bad:
+        answer = drive.answers[id(w)]
+        assert isinstance(answer, EngineError)
+        assert answer.category == "user"
+        assert str(answer) == NON_FINITE_LOGITS
+    for w, want in zip(good, _alone(single, good), strict=True):
+        _assert_same(drive.answers[id(w)], want)
+
+
 def test_sample_in_batches_takes_in_what_queued() -> None:
     """The path of workers without pipes: whole batches in turn, cancelled ones answered."""
     batches: list[list[str]] = []
