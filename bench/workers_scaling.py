@@ -13,7 +13,16 @@ Then recovery: a worker SIGKILLed while a forward_backward call is running; time
 to the death being seen (detect), to the group being whole again with the adapter restored and
 its gradients replayed (restored), and to the interrupted call's answer (answered).
 
+Sampling on the same 2-worker group (with --sample-requests N, default 0: skipped): N seeded
+requests (prompts of 16-48 tokens, 8-64 new tokens each, run to max_tokens) arriving one every
+--sample-gap-ms, served (rounds alternating) with continuous batching (`sample_continuous`:
+each rank decodes its share, arrivals join at once) and as before it, whole batches in turn
+(`continuous.sample_in_batches`: arrivals wait for the running batch). Reported: sampled
+tokens/s over the whole run, mean and p90 latency from arrival to answer, and the ratios.
+--skip-training runs the sampling part alone.
+
     python bench/workers_scaling.py [--model NAME] [--rows 8] [--tokens 256] [--rounds 3]
+        [--sample-requests 32] [--sample-gap-ms 50] [--skip-training]
 """
 
 from __future__ import annotations
@@ -61,6 +70,96 @@ def step(backend: Any, work: list[Any]) -> float:
     return time.perf_counter() - start
 
 
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as info:
+        for line in info:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def arrivals(requests: int, gap_s: float, vocab: int, seed: int) -> list[tuple[float, Any]]:
+    from tuneloop.server.engine.types import SampleWork
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(requests):
+        prompt = rng.integers(0, vocab, int(rng.integers(16, 49))).astype(np.int64)
+        max_tokens = int(rng.integers(8, 65))
+        work = SampleWork("bench-base", prompt, 1, max_tokens, 1.0, -1, 1.0, i, (), ())
+        out.append((i * gap_s, work))
+    return out
+
+
+def serve_arrivals(group: Any, workload: list[tuple[float, Any]], continuous: bool) -> dict:
+    """Serve requests as they arrive; continuous batching or whole batches in turn."""
+    from tuneloop.server.engine.types import EngineError
+    from tuneloop.server.engine.workers.continuous import sample_in_batches
+
+    pending = list(workload)
+    answered: dict[int, float] = {}
+    tokens = 0
+    start = time.monotonic()
+
+    def admit() -> list[Any]:
+        now = time.monotonic() - start
+        out = []
+        while pending and pending[0][0] <= now:
+            out.append(pending.pop(0)[1])
+        return out
+
+    def deliver(work: Any, result: Any) -> None:
+        nonlocal tokens
+        if isinstance(result, EngineError):
+            raise result
+        answered[id(work)] = time.monotonic() - start
+        tokens += sum(len(s.tokens) for s in result.sequences)
+
+    while pending:
+        time.sleep(max(0.0, pending[0][0] - (time.monotonic() - start)))
+        first = admit()
+        if continuous:
+            group.sample_continuous(first, admit, deliver, frozenset)
+        else:
+            sample_in_batches(group.sample, first, admit, deliver, frozenset)
+    wall = time.monotonic() - start
+    latencies = [answered[id(w)] - at for at, w in workload]
+    return {
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "latency_mean_s": float(np.mean(latencies)),
+        "latency_p90_s": float(np.percentile(latencies, 90)),
+    }
+
+
+def sampling(group: Any, vocab: int, args: argparse.Namespace) -> dict[str, Any]:
+    group.create_sampler("bench-base", args.model)
+    serve_arrivals(group, arrivals(4, 0.0, vocab, 0), True)  # warm-up
+    runs: dict[str, list[dict[str, float]]] = {"continuous": [], "whole_batches": []}
+    for round_ in range(args.rounds):
+        workload = arrivals(args.sample_requests, args.sample_gap_ms / 1000, vocab, round_ + 1)
+        order = (
+            ("continuous", "whole_batches") if round_ % 2 == 0 else ("whole_batches", "continuous")
+        )
+        for mode in order:
+            runs[mode].append(serve_arrivals(group, workload, mode == "continuous"))
+    median = {
+        mode: {k: float(np.median([r[k] for r in rs])) for k in rs[0]} for mode, rs in runs.items()
+    }
+    return {
+        "requests": args.sample_requests,
+        "gap_ms": args.sample_gap_ms,
+        "runs": {m: [{k: round(v, 3) for k, v in r.items()} for r in rs] for m, rs in runs.items()},
+        "median": {m: {k: round(v, 3) for k, v in r.items()} for m, r in median.items()},
+        "throughput_ratio_continuous_vs_whole": round(
+            median["continuous"]["tokens_per_s"] / median["whole_batches"]["tokens_per_s"], 3
+        ),
+        "mean_latency_ratio_whole_vs_continuous": round(
+            median["whole_batches"]["latency_mean_s"] / median["continuous"]["latency_mean_s"], 3
+        ),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=DEFAULT)
@@ -70,7 +169,30 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "tuneloop")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--sample-requests", type=int, default=0)
+    parser.add_argument("--sample-gap-ms", type=float, default=50.0)
+    parser.add_argument("--skip-training", action="store_true")
     args = parser.parse_args()
+    print("cpu:", cpu_model(), "| load:", os.getloadavg(), flush=True)
+    if args.skip_training:
+        from tuneloop.server.engine.workers.build import worker_group
+
+        with tempfile.TemporaryDirectory() as state:
+            group = worker_group(
+                (args.model,),
+                workers=2,
+                cache_dir=args.cache_dir,
+                device="cpu",
+                state_dir=Path(state),
+            )
+            vocab = group.models()[0].vocab_size
+            report = {"model": args.model, "sampling": sampling(group, vocab, args)}
+            group.close()
+        report["load_after"] = list(os.getloadavg())
+        print(json.dumps(report, indent=1))
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=1))
+        return
 
     import torch
 
@@ -134,6 +256,7 @@ def main() -> None:
             "answer_s": answered[-1] - group.last_restored_at,
             "kill_to_answer_s": answered[-1] - killed_at,
         }
+        sampled = sampling(group, vocab, args) if args.sample_requests else None
         group.close()
     report = {
         "model": args.model,
@@ -148,6 +271,8 @@ def main() -> None:
         ),
         "recovery": {k: round(v, 2) for k, v in recovery.items()},
         "killed_during_a_call": in_flight,
+        "sampling": sampled,
+        "load_after": list(os.getloadavg()),
     }
     print(json.dumps(report, indent=1))
     if args.json:

@@ -5,6 +5,8 @@ parallel: each forward_backward batch is sharded by tokens across the ranks, eac
 accumulates the loss-sum gradients of its shard, and optim_step all-reduces (sums) them before
 every rank applies the same AdamW step, so the adapters stay identical with no weights sent.
 Sampling requests are split across the ranks by cost; every sampler exists on every rank.
+Continuous sampling (`sample_continuous`) runs each rank's own continuous batching on its share,
+admits joining requests to the least-loaded rank and streams tokens back (continuous.py).
 
 Recovery: a worker that dies is seen at once (its process sentinel; a watchdog notices one
 that dies between calls within a second). The whole group is then restarted and restored from
@@ -26,7 +28,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, assert_never
 
@@ -51,6 +53,11 @@ from tuneloop.server.engine.types import (
     ModelSpec,
     SampleResult,
     SampleWork,
+)
+from tuneloop.server.engine.workers.continuous import (
+    GroupContinuousRun,
+    Streams,
+    sample_in_batches,
 )
 from tuneloop.server.engine.workers.placement import Placement
 from tuneloop.server.engine.workers.protocol import Call, Failure, WorkerDiedError, engine_item
@@ -426,6 +433,39 @@ class WorkerGroupBackend:
             return [results[i] for i in range(len(batch))]
 
         return self._run(op)
+
+    def sample_continuous(
+        self,
+        batch: Sequence[SampleWork],
+        admit: Callable[[], Sequence[SampleWork]],
+        deliver: Callable[[SampleWork, SampleResult | EngineError], None],
+        cancelled: Callable[[], Collection[str]] = frozenset,
+    ) -> None:
+        """`ContinuousSampling` over the ranks (continuous.py): each decodes its share with
+        continuous batching, tokens and answers are told as they arrive, and a rank's death is
+        recovered from as in any call. Workers without pipes (Ray) sample whole batches."""
+        with self._lock:
+            try:
+                if self._placement is None:
+                    self._recover("a failed restart")
+                elif dead := self._placement.dead():
+                    self._recover(f"worker {dead[0]} died")
+            except EngineError as exc:
+                for work in batch:
+                    deliver(work, exc)
+                return
+            if not isinstance(self._placement, Streams):
+                sample_in_batches(self.sample, batch, admit, deliver, cancelled)
+                return
+            run = GroupContinuousRun(
+                self._links, self._recover, admit, deliver, cancelled, MAX_ATTEMPTS
+            )
+            run.run(batch)
+
+    def _links(self) -> list[Any]:
+        if not isinstance(self._placement, Streams):
+            raise WorkerDiedError(0, "no running group")
+        return self._placement.links()
 
 
 def _value(reply: Any) -> Any:

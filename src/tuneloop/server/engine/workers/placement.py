@@ -150,6 +150,11 @@ class LocalPlacement:
     def dead(self) -> list[int]:
         return [rank for rank, proc in enumerate(self._procs) if not proc.is_alive()]
 
+    def links(self) -> list[tuple[Connection, Any]]:
+        """Each rank's pipe and process sentinel, for the asynchronous messages of a sampling
+        session (workers/continuous.py); valid until stop()."""
+        return [(conn, proc.sentinel) for conn, proc in zip(self._conns, self._procs, strict=True)]
+
     def pids(self) -> list[int]:
         return list(self._pids)
 

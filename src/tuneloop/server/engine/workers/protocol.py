@@ -3,6 +3,11 @@
 A call names a `WorkerRuntime` method with its arguments; the reply is the method's value or a
 `Failure`. Everything crosses the pipe pickled; engine errors are carried as `ItemError` values
 because an unpickled `EngineError` would lose its category (pickling keeps only `args`).
+
+One call, `sample_continuous`, opens a session of asynchronous messages before its reply
+(workers/continuous.py): the group sends `Admit`, `Cancel` and finally `Stop`; the rank sends
+`Tokens` and `Answer` as they happen, then the call's reply once it has stopped. Outside a session
+the pipe carries calls and replies only, so every other call is unchanged.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
-from tuneloop.server.engine.types import EngineError
+from tuneloop.server.engine.types import EngineError, SampleResult, SampleWork, TopkRow
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,52 @@ class WorkerDiedError(Exception):
     def __init__(self, rank: int, detail: str = "") -> None:
         super().__init__(f"worker {rank} died{': ' + detail if detail else ''}")
         self.rank = rank
+
+
+# ---- a continuous sampling session (see continuous.py) -----------------------------------------
+
+
+@dataclass(frozen=True)
+class Admit:
+    """Group -> rank: requests joining the rank's decode batch, each under the session's key
+    for it. `streamed` holds the keys whose tokens the rank sends as they are drawn (the hook
+    itself stays in the server process: `SampleWork` is pickled without it)."""
+
+    works: tuple[tuple[int, SampleWork], ...]
+    streamed: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Group -> rank: every sampler id and cancel key cancelled so far (the whole set, sent
+    when it changes)."""
+
+    ids: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Group -> rank: the session ends (sent once nothing is outstanding on the rank); the
+    rank answers the `sample_continuous` call and goes back to plain calls."""
+
+
+# (key, sample index, token, logprob, top-k row or None)
+TokenEvent = tuple[int, int, int, float, TopkRow]
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Rank -> group: the tokens of streamed requests drawn in one decode step, in order."""
+
+    events: tuple[TokenEvent, ...]
+
+
+@dataclass(frozen=True)
+class Answer:
+    """Rank -> group: the one answer of the request under `key` (a result or its error)."""
+
+    key: int
+    value: SampleResult | ItemError
 
 
 def engine_item(value: Any) -> Any:

@@ -35,7 +35,15 @@ from tuneloop.server.engine.types import (
     SampleResult,
     SampleWork,
 )
-from tuneloop.server.engine.workers.protocol import Call, Failure, ItemError, receive, send
+from tuneloop.server.engine.workers.protocol import (
+    Admit,
+    Call,
+    Failure,
+    ItemError,
+    receive,
+    send,
+)
+from tuneloop.server.engine.workers.rank_session import RankSession
 
 log = logging.getLogger(__name__)
 # A collective waits this long for a peer before failing: a dead peer is normally seen at once
@@ -196,6 +204,16 @@ class WorkerRuntime:
         results = bisect_failures(self.backend.sample, list(works), "sample") if works else []
         return [ItemError.of(r) if isinstance(r, EngineError) else r for r in results]
 
+    # A local worker's pipe (process_main sets it): a continuous sampling session speaks on it
+    # between the call and its reply. Ray actors have none (their group samples whole batches).
+    conn: Connection | None = None
+
+    def do_sample_continuous(self, first: Admit) -> None:
+        """Continuous batching on this rank until the group sends `Stop` (rank_session.py)."""
+        if self.conn is None:
+            raise EngineError("continuous sampling needs a worker process's pipe")
+        RankSession(self.backend, self.conn).serve(first)
+
 
 def process_main(
     conn: Connection, settings: WorkerSettings, rank: int, size: int, init_method: str
@@ -207,6 +225,7 @@ def process_main(
         failure = ItemError(f"worker {rank} failed to start: {exc}", "server")
         send(conn, Failure(failure, traceback.format_exc()))
         raise
+    runtime.conn = conn
     send(conn, runtime.handle(Call("hello")))
     try:
         while True:
