@@ -15,9 +15,12 @@ fresh schema, dropped after), else SQLite.
 Side by side in one run, alternating over `--rounds`: the server as shipped (bodies over 256 KiB
 decoded, validated and hashed on a worker thread; registry statements on database threads), the
 same server with its registry calls made on the event loop (`db_inline`, as before), and with
-the body threshold raised past any body too (`inline`: everything on the event loop). With
-`--slow-callbacks` the server logs every event-loop callback that ran over 10 ms (asyncio debug
-mode, which costs time itself), and the report lists what they were.
+the body threshold raised past any body too (`inline`: everything on the event loop); and
+without the garbage-collector measures of api/large_body.py (`no_gc_tuning`: no heap frozen at
+startup, no collections paused while a large body decodes), without the parse in pieces of
+types/proto_pieces.py (`whole_parse`), or without both (`before`). With `--slow-callbacks` the
+server logs every event-loop callback that ran over 10 ms (asyncio debug mode, which costs time
+itself), and the report lists what they were; with `--gc-log` every garbage collection over 3 ms.
 
     python bench/event_loop.py [--bodies 3] [--rounds 2] [--db-url postgresql://...] [--json out]
 """
@@ -65,9 +68,14 @@ DB_INLINE = (
 )
 # Without the garbage-collector measures of api/large_body.py (no freeze, no pause).
 NO_GC_TUNING = "import tuneloop.server.api.large_body as lb; lb.ENABLED = False"
+# A large body parsed in one call, not in pieces (types/proto_pieces.py).
+WHOLE_PARSE = "import tuneloop.types.proto_pieces as pp; pp.PIECE_BYTES = 2**62"
 VARIANTS = {
     "shipped": "",
     "no_gc_tuning": NO_GC_TUNING,
+    "whole_parse": WHOLE_PARSE,
+    # Both: the server as it was before them.
+    "before": NO_GC_TUNING + "; " + WHOLE_PARSE,
     "db_inline": DB_INLINE,
     "inline": DB_INLINE + "; import tuneloop.server.api.deps as deps; deps.OFF_LOOP_BYTES = 2**62",
 }
