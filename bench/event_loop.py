@@ -15,9 +15,12 @@ fresh schema, dropped after), else SQLite.
 Side by side in one run, alternating over `--rounds`: the server as shipped (bodies over 256 KiB
 decoded, validated and hashed on a worker thread; registry statements on database threads), the
 same server with its registry calls made on the event loop (`db_inline`, as before), and with
-the body threshold raised past any body too (`inline`: everything on the event loop). With
-`--slow-callbacks` the server logs every event-loop callback that ran over 10 ms (asyncio debug
-mode, which costs time itself), and the report lists what they were.
+the body threshold raised past any body too (`inline`: everything on the event loop); and
+without the garbage-collector measures of api/large_body.py (`no_gc_tuning`: no heap frozen at
+startup, no collections paused while a large body decodes), without the parse in pieces of
+types/proto_pieces.py (`whole_parse`), or without both (`before`). With `--slow-callbacks` the
+server logs every event-loop callback that ran over 10 ms (asyncio debug mode, which costs time
+itself), and the report lists what they were; with `--gc-log` every garbage collection over 3 ms.
 
     python bench/event_loop.py [--bodies 3] [--rounds 2] [--db-url postgresql://...] [--json out]
 """
@@ -63,8 +66,16 @@ DB_INLINE = (
     "exec('async def _inline(self, fn, *args):\\n    return fn(*args)', vars(st)); "
     "st.ServerState.db = st.ServerState.db_write = st._inline"
 )
+# Without the garbage-collector measures of api/large_body.py (no freeze, no pause).
+NO_GC_TUNING = "import tuneloop.server.api.large_body as lb; lb.ENABLED = False"
+# A large body parsed in one call, not in pieces (types/proto_pieces.py).
+WHOLE_PARSE = "import tuneloop.types.proto_pieces as pp; pp.PIECE_BYTES = 2**62"
 VARIANTS = {
     "shipped": "",
+    "no_gc_tuning": NO_GC_TUNING,
+    "whole_parse": WHOLE_PARSE,
+    # Both: the server as it was before them.
+    "before": NO_GC_TUNING + "; " + WHOLE_PARSE,
     "db_inline": DB_INLINE,
     "inline": DB_INLINE + "; import tuneloop.server.api.deps as deps; deps.OFF_LOOP_BYTES = 2**62",
 }
@@ -79,6 +90,21 @@ SLOW_CALLBACKS = (
     # uvicorn's runner turns debug off again: keep it on.
     "_set_debug = be.BaseEventLoop.set_debug; "
     "be.BaseEventLoop.set_debug = lambda self, enabled: _set_debug(self, True)"
+)
+# Every garbage collection over 3 ms is logged, with its generation.
+GC_LOG = "exec({code!r})".format(
+    code=(
+        "import gc, time\n"
+        "_gc_started = [0.0]\n"
+        "def _gc_timed(phase, info):\n"
+        "    if phase == 'start':\n"
+        "        _gc_started[0] = time.perf_counter()\n"
+        "        return\n"
+        "    took = time.perf_counter() - _gc_started[0]\n"
+        "    if took > 0.003:\n"
+        "        print(f'gc generation {info[\"generation\"]} took {took:.4f} s', flush=True)\n"
+        "gc.callbacks.append(_gc_timed)\n"
+    )
 )
 LAUNCH = (
     "import sys, runpy; {prelude}; sys.argv = ['tuneloop', *sys.argv[1:]]; "
@@ -112,13 +138,14 @@ def postgres_schema(base_url: str) -> Iterator[str]:
 
 @contextlib.contextmanager
 def serve(
-    data_dir: Path, variant: str, db_url: str | None, log: list[str], slow: bool
+    data_dir: Path, variant: str, db_url: str | None, log: list[str], slow: bool, gc_log: bool
 ) -> Iterator[str]:
     args = ["serve", "--host", "127.0.0.1", "--port", "0", "--data-dir", str(data_dir)]
     args += ["--backend", "fake", "--long-poll-s", "1", "--parent-pid", str(os.getpid())]
     if db_url is not None:
         args += ["--db-url", db_url]
-    prelude = "; ".join(p for p in (VARIANTS[variant], SLOW_CALLBACKS if slow else "") if p)
+    preludes = (VARIANTS[variant], SLOW_CALLBACKS if slow else "", GC_LOG if gc_log else "")
+    prelude = "; ".join(p for p in preludes if p)
     command = [sys.executable, "-u", "-c", LAUNCH.format(prelude=prelude or "pass"), *args]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -256,12 +283,24 @@ def slow_callbacks(log: list[str]) -> dict[str, Any]:
     }
 
 
-def measure(variant: str, bodies: int, db_url: str | None, slow: bool) -> dict[str, Any]:
+def gc_pauses(log: list[str]) -> dict[str, Any]:
+    """The garbage collections over 3 ms: how many of each generation, the longest."""
+    found = [re.search(r"gc generation (\d) took (\d+\.\d+) s", line) for line in log]
+    times = [(int(m[1]), float(m[2])) for m in found if m]
+    return {
+        "n_by_generation": dict(collections.Counter(g for g, _ in times)),
+        "longest_ms": [round(t * 1000, 1) for _, t in sorted(times, key=lambda x: -x[1])[:5]],
+    }
+
+
+def measure(
+    variant: str, bodies: int, db_url: str | None, slow: bool, gc_log: bool
+) -> dict[str, Any]:
     log: list[str] = []
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory())
         url_db = stack.enter_context(postgres_schema(db_url)) if db_url else None
-        url = stack.enter_context(serve(Path(tmp), variant, url_db, log, slow))
+        url = stack.enter_context(serve(Path(tmp), variant, url_db, log, slow, gc_log))
         key_a, key_b = create_key(Path(tmp), "a"), create_key(Path(tmp), "b")
         key_c = create_key(Path(tmp), "c")
         with httpx.Client(base_url=url, timeout=120) as a, httpx.Client(base_url=url) as b:
@@ -308,6 +347,7 @@ def measure(variant: str, bodies: int, db_url: str | None, slow: bool) -> dict[s
         "b_retrieve_future_all": summary([e - s for s, e in polls]),
         "c_training_steps": c_steps,
         **({"slow_callbacks": slow_callbacks(log)} if slow else {}),
+        **({"collections_over_3ms": gc_pauses(log)} if gc_log else {}),
     }
 
 
@@ -319,11 +359,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="variants alternate, round by round")
     parser.add_argument("--db-url", help="a PostgreSQL server for the registry (else SQLite)")
     parser.add_argument("--slow-callbacks", action="store_true")
+    parser.add_argument("--gc-log", action="store_true", help="log collections over 3 ms")
     args = parser.parse_args()
     runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in args.variants}
     for _ in range(args.rounds):
         for variant in args.variants:
-            runs[variant].append(measure(variant, args.bodies, args.db_url, args.slow_callbacks))
+            runs[variant].append(
+                measure(variant, args.bodies, args.db_url, args.slow_callbacks, args.gc_log)
+            )
     results = {
         "cpu": cpu_model(),
         "cores": os.cpu_count(),

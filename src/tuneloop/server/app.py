@@ -27,8 +27,9 @@ from tuneloop.server.api import (
     sessions,
     training,
 )
-from tuneloop.server.api.deps import off_loop
+from tuneloop.server.api.deps import OFF_LOOP_BYTES, off_loop
 from tuneloop.server.api.errors import error_response_for, install
+from tuneloop.server.api.large_body import collector_paused
 from tuneloop.server.api.metering import Meter, record_completed, usage_of
 from tuneloop.server.api.metrics import Metrics
 from tuneloop.server.api.metrics import router as metrics_router
@@ -143,7 +144,11 @@ class BodyLimit:
         if not too_large:
             # Joining a large body copies it: on a worker thread (bytes.join drops the GIL).
             body = await off_loop(size, b"".join, chunks)
-            await self.app(scope, _replay(body, receive), send)
+            # A large training body's decoding runs without garbage collections, which would
+            # hold every other request (see large_body.py); those handlers return once queued.
+            large = deferred and size >= OFF_LOOP_BYTES
+            with collector_paused() if large else contextlib.nullcontext():
+                await self.app(scope, _replay(body, receive), send)
         elif deferred:
             scope.setdefault("state", {})["body_too_large"] = True
             head = b""  # only the first bytes: not a copy of up to the whole limit

@@ -16,6 +16,7 @@ from google.protobuf.message import DecodeError
 from tuneloop.types import proto
 from tuneloop.types.datum import Datum
 from tuneloop.types.model_input import EncodedTextChunk, ImageChunk, ModelInput
+from tuneloop.types.proto_pieces import parse_in_pieces
 from tuneloop.types.provenance import PromptProvenanceSpan, ProvenanceSpan, SampledProvenanceSpan
 from tuneloop.types.sampling import TOPK_SENTINEL, SampledSequence, SampleResponse, TopkRow
 from tuneloop.types.tensor import TensorData, TensorDtype
@@ -207,7 +208,7 @@ def parse_forward_backward_request(body: bytes) -> Any:
     limits `forward_backward_request_from_proto` then checks)."""
     msg = proto.ForwardBackwardRequestProto()
     try:
-        msg.ParseFromString(body)
+        parse_in_pieces(msg, body)  # a large body: no one call holds the GIL for long
     except DecodeError as exc:
         raise WireFormatError(f"malformed ForwardBackwardRequest protobuf: {exc}", "body") from exc
     return msg

@@ -305,7 +305,12 @@ def run_server(
 
     async def startup(sockets: Any = None) -> None:
         await original_startup(sockets=sockets)
-        if server.started:  # with --port 0 the OS picks the port: print the bound one
+        if server.started:
+            from tuneloop.server.api.large_body import freeze_startup_heap
+
+            # What startup built is kept out of later garbage collections: a full collection
+            # walking it held the event loop for 60-190 ms (see api/large_body.py).
+            freeze_startup_heap()  # with --port 0 the OS picks the port: print the bound one
             bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else config.port
             state = getattr(app.state, "tuneloop", None)
             for spec in state.models.values() if state is not None else ():
