@@ -7,7 +7,10 @@ from pathlib import Path
 
 from tuneloop.server.engine.workers.group import WorkerGroupBackend
 from tuneloop.server.engine.workers.placement import LocalPlacement, Placement
-from tuneloop.server.engine.workers.worker import WorkerSettings
+from tuneloop.server.engine.workers.worker import WorkerRuntime, WorkerSettings
+
+# --shard-weights: "none" (every worker a full replica) or "fsdp" (weights sharded, FSDP2).
+SHARD_MODES = ("none", "fsdp")
 
 
 def worker_group(
@@ -21,9 +24,20 @@ def worker_group(
     ray_cpus: float = 1.0,
     ray_gpus: float = 0.0,
     state_dir: Path | None = None,
+    shard_weights: str = "none",
 ) -> WorkerGroupBackend:
     """A local group of `workers` processes (one per GPU, else sharing the CPU cores), or
-    with `ray_address` one Ray actor per worker."""
+    with `ray_address` one Ray actor per worker. `shard_weights="fsdp"`: the base weights are
+    sharded across the workers (sharded_group.py), after checking that they fit."""
+    if shard_weights not in SHARD_MODES:
+        raise ValueError(f"--shard-weights must be one of {', '.join(SHARD_MODES)}")
+    group_class: type[WorkerGroupBackend] = WorkerGroupBackend
+    runtime_class: type[WorkerRuntime] = WorkerRuntime
+    if shard_weights == "fsdp":
+        from tuneloop.server.engine.workers.sharded_group import ShardedGroupBackend
+        from tuneloop.server.engine.workers.sharded_runtime import ShardedWorkerRuntime
+
+        group_class, runtime_class = ShardedGroupBackend, ShardedWorkerRuntime
     if ray_address is not None:
         from tuneloop.server.engine.workers.ray_placement import RayPlacement, import_ray
 
@@ -34,10 +48,15 @@ def worker_group(
 
         def make() -> Placement:
             return RayPlacement(
-                ray_settings, workers, ray_address, num_cpus=ray_cpus, num_gpus=ray_gpus
+                ray_settings,
+                workers,
+                ray_address,
+                num_cpus=ray_cpus,
+                num_gpus=ray_gpus,
+                runtime_class=runtime_class,
             )
 
-        return WorkerGroupBackend(make, state_dir=state_dir)
+        return group_class(make, state_dir=state_dir)
     import torch
 
     gpus = torch.cuda.device_count() if device in (None, "cuda") else 0
@@ -52,4 +71,6 @@ def worker_group(
         threads=max(1, (cores or 1) // workers),
         gpus_per_host=gpus,
     )
-    return WorkerGroupBackend(lambda: LocalPlacement(settings, workers), state_dir=state_dir)
+    return group_class(
+        lambda: LocalPlacement(settings, workers, runtime_class), state_dir=state_dir
+    )
