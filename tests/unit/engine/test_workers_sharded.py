@@ -53,16 +53,39 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def group(tmp_path_factory: pytest.TempPathFactory, moe: str) -> Iterator[Any]:
+def tied(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Llama whose LM head is its input embedding (as SmolLM2's): that matrix stays
+    whole on every rank."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.zoo.archs import _COMMON, copy_tokenizer
+
+    folder = tmp_path_factory.mktemp("zoo") / "tied_llama"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**{**_COMMON, "tie_word_embeddings": True}))
+    model.save_pretrained(folder)
+    copy_tokenizer(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def models(moe: str, tied: str) -> dict[str, str]:
+    return {"dense": TINY, "moe": moe, "tied": tied}
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory: pytest.TempPathFactory, models: dict[str, str]) -> Iterator[Any]:
     """One 2-rank sharded group for the module (starting one costs seconds)."""
     from tuneloop.server.engine.workers.build import worker_group
 
     root = tmp_path_factory.mktemp("sharded")
     g = worker_group(
-        (TINY, moe),
+        tuple(models.values()),
         workers=2,
         cache_dir=root / "cache",
         device="cpu",
+        dtype="float32",  # the folders would load in the CPU's fastest dtype, bf16 on some
         state_dir=root / "state",
         shard_weights="fsdp",
     )
@@ -71,10 +94,11 @@ def group(tmp_path_factory: pytest.TempPathFactory, moe: str) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory: pytest.TempPathFactory, moe: str) -> Iterator[Any]:
+def single(tmp_path_factory: pytest.TempPathFactory, models: dict[str, str]) -> Iterator[Any]:
     from tuneloop.server.engine.torch_backend import TorchBackend
 
-    be = TorchBackend([TINY, moe], cache_dir=tmp_path_factory.mktemp("single"), device="cpu")
+    cache = tmp_path_factory.mktemp("single")
+    be = TorchBackend(list(models.values()), cache_dir=cache, device="cpu", dtype=torch.float32)
     yield be
     be.close()
 
@@ -151,16 +175,19 @@ def _compare(got: dict[str, Any], want: dict[str, Any]) -> None:
         assert_near([g[k] for k in sorted(g)], [w[k] for k in sorted(w)], TOL, "weights")
 
 
-def test_each_rank_holds_half_of_the_base_weights(group: Any, moe: str) -> None:
+def test_each_rank_holds_half_of_the_base_weights(group: Any, models: dict[str, str]) -> None:
     reports = group.memory()
     assert [r["rank"] for r in reports] == [0, 1]
-    for model in (TINY, moe):
-        per_rank = [r["models"][model] for r in reports]
-        total = per_rank[0]["weights_total"]
-        for m in per_rank:
-            assert m["weights_replicated"] == 0  # untied heads: everything is sharded
+    for which, model in models.items():
+        for m in (r["models"][model] for r in reports):
+            total, replicated = m["weights_total"], m["weights_replicated"]
+            if which == "tied":  # the embedding (= the head) is whole on every rank
+                assert replicated == 259 * 64 * 4
+            else:
+                assert replicated == 0
+            half = replicated + (total - replicated) / 2
             # FSDP2 pads each weight's dim 0 to a multiple of 2: at most a row per tensor
-            assert total / 2 <= m["weights"] <= total / 2 * 1.02, (model, m, total)
+            assert half <= m["weights"] <= half * 1.02, (model, m)
             assert m["kv_cache"] > 0
     one = group.memory()[0]["models"][TINY]
     group.create_adapter(_spec("mem-a", TINY, 0))
@@ -171,11 +198,11 @@ def test_each_rank_holds_half_of_the_base_weights(group: Any, moe: str) -> None:
     group.delete_adapter("mem-a")
 
 
-@pytest.mark.parametrize("which", ["dense", "moe"])
+@pytest.mark.parametrize("which", ["dense", "moe", "tied"])
 def test_sharded_training_equals_one_process(
-    group: Any, single: Any, moe: str, which: str, tmp_path: Path
+    group: Any, single: Any, models: dict[str, str], which: str, tmp_path: Path
 ) -> None:
-    model = TINY if which == "dense" else moe
+    model = models[which]
     got = _train(group, f"g{which}-", model, 2, tmp_path / "group")
     want = _train(single, f"s{which}-", model, 2, tmp_path / "single")
     _compare(got, want)
@@ -289,3 +316,48 @@ def test_a_rank_killed_during_a_training_loop(group: Any, single: Any) -> None:
     _wait_for(lambda: group.generation > generation)
     assert len(got) == steps
     assert_near(got, want, TOL, "losses and grad norms", relative=True)
+
+
+def test_a_group_that_cannot_fit_is_refused_with_the_numbers(tmp_path: Path) -> None:
+    from tuneloop.server.engine.workers.build import worker_group
+
+    with pytest.raises(ValueError, match=r"each rank needs [\d.,]+ MiB and has 8\.0 MiB") as caught:
+        worker_group(
+            (TINY,),
+            workers=2,
+            cache_dir=tmp_path,
+            device="cpu",
+            shard_weights="fsdp",
+            rank_memory=8 * 2**20,
+        )
+    message = str(caught.value)
+    for part in ("weights", "adapter", "optimizer", "KV cache", "activations", "--workers"):
+        assert part in message
+
+
+def test_the_plan_halves_the_weights_and_counts_the_tied_embedding_once(tied: str) -> None:
+    from tuneloop.server.engine.parallel.plan import check_fits, meta_model, plan_model
+
+    model = meta_model(tied, Path("unused"))
+    one, two = (plan_model(tied, model, n, torch.float32, 1024) for n in (1, 2))
+    embedding = 259 * 64 * 4
+    assert one.weights == one.weights_total  # 1 rank: everything, the tied matrix once
+    assert two.replicated == embedding
+    assert two.weights == pytest.approx(embedding + (one.weights_total - embedding) / 2, rel=0.02)
+    assert (two.adapter, two.kv_cache) == (one.adapter, one.kv_cache)
+    assert "1/2 of" in check_fits([two], two.need)  # exactly enough fits
+    with pytest.raises(ValueError, match="do not fit"):
+        check_fits([two], two.need - 1)
+
+
+def test_shard_weights_needs_a_group(tmp_path: Path) -> None:
+    from tuneloop.server.config import ServerConfig
+
+    with pytest.raises(ValueError, match="--workers 2"):
+        ServerConfig(tmp_path, backend="torch", shard_weights="fsdp")
+    with pytest.raises(ValueError, match="none or fsdp"):
+        ServerConfig(tmp_path, backend="torch", workers=2, shard_weights="tp")
+    assert (
+        ServerConfig(tmp_path, backend="torch", workers=2, shard_weights="fsdp").shard_weights
+        == "fsdp"
+    )

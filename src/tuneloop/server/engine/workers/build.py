@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -9,6 +10,7 @@ from tuneloop.server.engine.workers.group import WorkerGroupBackend
 from tuneloop.server.engine.workers.placement import LocalPlacement, Placement
 from tuneloop.server.engine.workers.worker import WorkerRuntime, WorkerSettings
 
+log = logging.getLogger(__name__)
 # --shard-weights: "none" (every worker a full replica) or "fsdp" (weights sharded, FSDP2).
 SHARD_MODES = ("none", "fsdp")
 
@@ -25,10 +27,13 @@ def worker_group(
     ray_gpus: float = 0.0,
     state_dir: Path | None = None,
     shard_weights: str = "none",
+    rank_memory: int | None = None,
 ) -> WorkerGroupBackend:
     """A local group of `workers` processes (one per GPU, else sharing the CPU cores), or
     with `ray_address` one Ray actor per worker. `shard_weights="fsdp"`: the base weights are
-    sharded across the workers (sharded_group.py), after checking that they fit."""
+    sharded across the workers (sharded_group.py), after checking that they fit in each
+    rank's memory (`rank_memory` bytes; None: the device's, or this host's shared by its
+    ranks)."""
     if shard_weights not in SHARD_MODES:
         raise ValueError(f"--shard-weights must be one of {', '.join(SHARD_MODES)}")
     group_class: type[WorkerGroupBackend] = WorkerGroupBackend
@@ -38,6 +43,7 @@ def worker_group(
         from tuneloop.server.engine.workers.sharded_runtime import ShardedWorkerRuntime
 
         group_class, runtime_class = ShardedGroupBackend, ShardedWorkerRuntime
+        _check_sharded_fit(models, workers, cache_dir, device, dtype, ray_address, rank_memory)
     if ray_address is not None:
         from tuneloop.server.engine.workers.ray_placement import RayPlacement, import_ray
 
@@ -74,3 +80,45 @@ def worker_group(
     return group_class(
         lambda: LocalPlacement(settings, workers, runtime_class), state_dir=state_dir
     )
+
+
+def _check_sharded_fit(
+    models: tuple[str, ...],
+    workers: int,
+    cache_dir: Path,
+    device: str | None,
+    dtype: str | None,
+    ray_address: str | None,
+    rank_memory: int | None,
+) -> None:
+    """Refuse (ValueError, with the numbers) a sharded group whose ranks cannot hold the models;
+    log the per-rank plan of one that can."""
+    import torch
+
+    from tuneloop.server.engine.models import MAX_SPEC_CONTEXT, default_dtype
+    from tuneloop.server.engine.parallel.plan import (
+        check_fits,
+        meta_model,
+        plan_model,
+        rank_capacity,
+    )
+    from tuneloop.server.engine.torch_backend import DEFAULT_SAMPLE_TOKEN_BUDGET
+
+    cuda = device in (None, "cuda") and torch.cuda.is_available()
+    target = torch.device("cuda:0" if cuda else (device or "cpu"))
+    # A GPU's KV pool takes a share of what is free: reserve one full-context sequence.
+    kv_tokens = MAX_SPEC_CONTEXT if cuda else DEFAULT_SAMPLE_TOKEN_BUDGET
+    named = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    plans = [
+        plan_model(
+            name,
+            meta_model(name, cache_dir),
+            workers,
+            named[dtype] if dtype else default_dtype(name, target),
+            kv_tokens,
+        )
+        for name in models
+    ]
+    if rank_memory is None and ray_address is None:  # Ray ranks are elsewhere: not checked
+        rank_memory = rank_capacity(target, 1 if cuda else workers)
+    log.warning("sharded worker group plan:\n%s", check_fits(plans, rank_memory))
