@@ -286,7 +286,7 @@ def main() -> None:
         f"(+{comm['replicated_bytes'] / MIB:.0f} MiB replicated)"
     )
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+        args.json.write_text(json.dumps(report, indent=2, default=str))
 
 
 if __name__ == "__main__":

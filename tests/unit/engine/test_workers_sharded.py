@@ -189,6 +189,11 @@ def test_each_rank_holds_half_of_the_base_weights(group: Any, models: dict[str, 
             # FSDP2 pads each weight's dim 0 to a multiple of 2: at most a row per tensor
             assert half <= m["weights"] <= half * 1.02, (model, m)
             assert m["kv_cache"] > 0
+    # No other reference keeps a whole weight alive: every live tensor of a rank (shards,
+    # buffers, nothing sampled yet) is about half the weights, not the weights and a half.
+    total = sum(m["weights_total"] for m in reports[0]["models"].values())
+    for live in group.live_tensor_bytes():
+        assert live < 0.6 * total, (live, total)
     one = group.memory()[0]["models"][TINY]
     group.create_adapter(_spec("mem-a", TINY, 0))
     after = group.memory()[0]["models"][TINY]
@@ -250,6 +255,40 @@ def test_sharded_sampling_equals_one_process(group: Any, single: Any, moe: str, 
     for g, w in zip(got, want, strict=True):
         assert_near([s.logprobs for s in g.sequences], [s.logprobs for s in w.sequences], TOL)
         assert_near(g.prompt_logprobs[1:], w.prompt_logprobs[1:], TOL, "prompt logprobs")
+
+
+def test_continuous_sampling_admits_and_cancels_as_one_process(group: Any, single: Any) -> None:
+    """The scheduler's continuous entry point: requests admitted after the first batch are
+    sampled too, a cancelled sampler's request is answered with the cancellation, and every
+    result is one process's."""
+    from tuneloop.server.engine.types import CANCELLED, EngineError
+
+    def run(be: Any, prefix: str) -> dict[int, Any]:
+        be.create_sampler(prefix + "base", TINY)
+        be.create_sampler(prefix + "gone", TINY)
+        first = [SampleWork(prefix + "base", seq(5, 1), 2, 4, 1.0, -1, 1.0, 3, (), ())]
+        later = [
+            SampleWork(prefix + "base", seq(7, 2), 1, 5, 1.0, -1, 1.0, 4, (), ()),
+            SampleWork(prefix + "gone", seq(6, 3), 1, 5, 1.0, -1, 1.0, 5, (), ()),
+        ]
+        queue = [later]
+        got: dict[int, Any] = {}
+        index = {id(w): i for i, w in enumerate(first + later)}
+        be.sample_continuous(
+            first,
+            lambda: queue.pop() if queue else [],
+            lambda w, r: got.update({index[id(w)]: r}),
+            lambda: {prefix + "gone"},
+        )
+        return got
+
+    got, want = run(group, "cc-"), run(single, "ccs-")
+    assert sorted(got) == sorted(want) == [0, 1, 2]
+    for result in (got[2], want[2]):
+        assert isinstance(result, EngineError)
+        assert str(result) == CANCELLED
+    for i in (0, 1):
+        assert [s.tokens for s in ok(got[i]).sequences] == [s.tokens for s in ok(want[i]).sequences]
 
 
 def test_checkpoints_cross_group_sizes(group: Any, single: Any, tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from tuneloop.server.engine.types import (
+    CANCELLED,
     EngineError,
     ForwardBackwardResult,
     ForwardBackwardWork,
@@ -66,6 +67,10 @@ class ShardedGroupBackend(WorkerGroupBackend):
         reports: list[dict[str, Any]] = self._run(lambda: self._all("memory"))
         self.rank_memory = reports
         return reports
+
+    def live_tensor_bytes(self) -> list[int]:
+        """Per rank, the bytes of every live tensor (weights, factors, KV pools, buffers)."""
+        return [int(n) for n in self._run(lambda: self._all("live_tensor_bytes"))]
 
     def _same_on_all(self, method: str, *args: Any) -> Any:
         """`method` on every rank with the same arguments; rank 0's reply (a rank that failed
@@ -116,7 +121,7 @@ class ShardedGroupBackend(WorkerGroupBackend):
             live = [w for w in waiting if not w.cancelled_by(gone)]
             for work in waiting:
                 if work.cancelled_by(gone):
-                    deliver(work, EngineError("the sampling request was cancelled", "user"))
+                    deliver(work, EngineError(CANCELLED, "user"))
             for work, result in zip(live, self.sample(live) if live else [], strict=True):
                 deliver(work, result)
             waiting = list(admit())

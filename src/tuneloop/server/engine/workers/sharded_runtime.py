@@ -16,6 +16,9 @@ weights to the rank's device as it shards them, so the device never holds the wh
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import os
 from typing import Any
 
@@ -33,7 +36,7 @@ from tuneloop.server.engine.workers.worker import (
     worker_device,
 )
 
-__all__ = ["ShardedWorkerRuntime", "rank_memory"]
+__all__ = ["ShardedWorkerRuntime", "live_tensor_bytes", "rank_memory"]
 
 
 def _bytes(tensor: torch.Tensor | None) -> int:
@@ -56,6 +59,26 @@ def rank_memory(model: nn.Module) -> dict[str, int]:
         else:
             weights += _bytes(param)
     return {"weights": weights, "adapters": adapters, "optimizer": optimizer}
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every storage a live tensor of this process holds (each storage once): the
+    check that no reference keeps a whole weight alive beside its shard."""
+    gc.collect()
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            local = obj.to_local() if hasattr(obj, "to_local") else obj
+            storage = local.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _release_freed_heap() -> None:
+    """Return the whole weights' freed host memory to the OS: glibc keeps large freed heaps
+    mapped, so the process's resident set would still show every rank the full model."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class ShardedWorkerRuntime(WorkerRuntime):
@@ -92,6 +115,8 @@ class ShardedWorkerRuntime(WorkerRuntime):
                 )
                 for name, model in self.backend.resident_models().items():
                     self.sharded[name] = shard_model(model, mesh)
+                gc.collect()
+                _release_freed_heap()
             dist.barrier()
         if self.device.type != "cpu":
             self.backend.device = self.device
@@ -123,6 +148,9 @@ class ShardedWorkerRuntime(WorkerRuntime):
             memory["weights_replicated"] = self.sharded[name].replicated_bytes
             out["models"][name] = memory
         return out
+
+    def do_live_tensor_bytes(self) -> int:
+        return live_tensor_bytes()
 
     def do_optim_step(
         self, adapter_id: str, step: AdamStep, return_state: bool
