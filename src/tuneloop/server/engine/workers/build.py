@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 from tuneloop.server.engine.workers.group import WorkerGroupBackend
 from tuneloop.server.engine.workers.placement import LocalPlacement, Placement
@@ -43,6 +44,7 @@ def worker_group(
         from tuneloop.server.engine.workers.sharded_runtime import ShardedWorkerRuntime
 
         group_class, runtime_class = ShardedGroupBackend, ShardedWorkerRuntime
+        dtype = _sharded_dtype(models, device, dtype)
         _check_sharded_fit(models, workers, cache_dir, device, dtype, ray_address, rank_memory)
     if ray_address is not None:
         from tuneloop.server.engine.workers.ray_placement import RayPlacement, import_ray
@@ -82,12 +84,32 @@ def worker_group(
     )
 
 
+def _target(device: str | None) -> Any:
+    import torch
+
+    cuda = device in (None, "cuda") and torch.cuda.is_available()
+    return torch.device("cuda:0" if cuda else (device or "cpu"))
+
+
+def _sharded_dtype(models: tuple[str, ...], device: str | None, dtype: str | None) -> str:
+    """The one dtype every rank loads: a shard's all-gather needs the same dtype everywhere,
+    and the per-device default is a timed probe (dtypes.py) that two busy processes could
+    answer differently. Decided here once, the first model's default unless one was asked."""
+    if dtype is not None:
+        return dtype
+    import torch
+
+    from tuneloop.server.engine.models import default_dtype
+
+    return "bfloat16" if default_dtype(models[0], _target(device)) == torch.bfloat16 else "float32"
+
+
 def _check_sharded_fit(
     models: tuple[str, ...],
     workers: int,
     cache_dir: Path,
     device: str | None,
-    dtype: str | None,
+    dtype: str,
     ray_address: str | None,
     rank_memory: int | None,
 ) -> None:
@@ -95,7 +117,7 @@ def _check_sharded_fit(
     log the per-rank plan of one that can."""
     import torch
 
-    from tuneloop.server.engine.models import MAX_SPEC_CONTEXT, default_dtype
+    from tuneloop.server.engine.models import MAX_SPEC_CONTEXT
     from tuneloop.server.engine.parallel.plan import (
         check_fits,
         meta_model,
@@ -104,8 +126,8 @@ def _check_sharded_fit(
     )
     from tuneloop.server.engine.torch_backend import DEFAULT_SAMPLE_TOKEN_BUDGET
 
-    cuda = device in (None, "cuda") and torch.cuda.is_available()
-    target = torch.device("cuda:0" if cuda else (device or "cpu"))
+    target = _target(device)
+    cuda = target.type == "cuda"
     # A GPU's KV pool takes a share of what is free: reserve one full-context sequence.
     kv_tokens = MAX_SPEC_CONTEXT if cuda else DEFAULT_SAMPLE_TOKEN_BUDGET
     named = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -114,7 +136,7 @@ def _check_sharded_fit(
             name,
             meta_model(name, cache_dir),
             workers,
-            named[dtype] if dtype else default_dtype(name, target),
+            named[dtype],
             kv_tokens,
         )
         for name in models
