@@ -15,7 +15,7 @@ communication per step, counted by wrapping torch.distributed's collectives insi
 of a sharded group (bytes each rank receives: (N-1)/N of what an all-gather produces).
 
     PYTHONPATH=src python bench/sharded.py [--model NAME] [--rows 4] [--tokens 128] \
-        [--samples 4] [--new 32] [--rounds 3] [--json out.json]
+        [--samples 4] [--new 32] [--rounds 3] [--dtype bfloat16|float32] [--json out.json]
 """
 
 from __future__ import annotations
@@ -137,7 +137,9 @@ def _counted_collectives() -> dict[str, int]:
     return counts
 
 
-def _comm_rank(rank: int, size: int, port: int, model: str, cache: str, out: str) -> None:
+def _comm_rank(
+    rank: int, size: int, port: int, model: str, cache: str, out: str, dtype: str
+) -> None:
     """One rank of a bare sharded model: collectives counted over one training step (forward,
     backward, optim step) and one decode step of the benchmark's shapes."""
     import torch
@@ -152,7 +154,8 @@ def _comm_rank(rank: int, size: int, port: int, model: str, cache: str, out: str
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
     )
-    backend = TorchBackend([model], cache_dir=Path(cache), device="cpu")
+    named = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    backend = TorchBackend([model], cache_dir=Path(cache), device="cpu", dtype=named[dtype])
     info = shard_model(backend.resident_models()[model], init_device_mesh("cpu", (size,)))
     backend.create_adapter(AdapterSpec("bench", model, 16, 0))
     vocab = backend.models()[0].vocab_size
@@ -180,14 +183,14 @@ def _comm_rank(rank: int, size: int, port: int, model: str, cache: str, out: str
     dist.destroy_process_group()
 
 
-def communication(model: str, cache: Path) -> dict[str, Any]:
+def communication(model: str, cache: Path, dtype: str) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
     from tuneloop.server.engine.workers.placement import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "comm.json")
-        mp.spawn(_comm_rank, args=(2, free_port(), model, str(cache), out), nprocs=2)
+        mp.spawn(_comm_rank, args=(2, free_port(), model, str(cache), out, dtype), nprocs=2)
         result: dict[str, Any] = json.loads(Path(out).read_text())
     return result
 
@@ -202,10 +205,20 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "tuneloop")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
     import torch
+
+    from tuneloop.server.engine.models import default_dtype
+
+    # One dtype for every setting: the default is a timed probe that each process runs for
+    # itself, and on a busy machine they can disagree (seen: fp32 in two settings, bf16 in one).
+    if args.dtype is None:
+        chosen = default_dtype(args.model, torch.device("cpu"))
+        args.dtype = "bfloat16" if chosen == torch.bfloat16 else "float32"
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
 
     from tuneloop.server.engine.parallel.fsdp import local_bytes
     from tuneloop.server.engine.torch_backend import TorchBackend
@@ -219,7 +232,9 @@ def main() -> None:
     report: dict[str, Any] = {"cpu": cpu_model(), "args": vars(args) | {"cache_dir": None}}
     with tempfile.TemporaryDirectory() as state:
         sides: dict[str, Any] = {
-            "one process": TorchBackend([args.model], cache_dir=args.cache_dir, device="cpu")
+            "one process": TorchBackend(
+                [args.model], cache_dir=args.cache_dir, device="cpu", dtype=dtype
+            )
         }
         for name, mode in (("2 replicated", "none"), ("2 sharded", "fsdp")):
             sides[name] = worker_group(
@@ -227,6 +242,7 @@ def main() -> None:
                 workers=2,
                 cache_dir=args.cache_dir,
                 device="cpu",
+                dtype=args.dtype,
                 state_dir=Path(state) / mode,
                 shard_weights=mode,
             )
@@ -275,7 +291,7 @@ def main() -> None:
         print(f"| {name} | {train:.1f} | {sample:.1f} | {weights} MiB | {resident} MiB |")
         rows[name] = {"train_tokens_s": train, "sample_tokens_s": sample, **memory[name]}
     report["results"] = rows
-    comm = communication(args.model, args.cache_dir)
+    comm = communication(args.model, args.cache_dir, args.dtype)
     report["communication"] = comm
     print(
         f"\nsharded communication per rank (2 ranks): training step (1 x 64 tokens) "
