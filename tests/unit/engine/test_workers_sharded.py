@@ -238,9 +238,11 @@ def _samples(be: Any, samplers: tuple[str, str]) -> list[Any]:
     return [ok(r) for r in be.sample(works)]
 
 
-@pytest.mark.parametrize("which", ["dense", "moe"])
-def test_sharded_sampling_equals_one_process(group: Any, single: Any, moe: str, which: str) -> None:
-    model = TINY if which == "dense" else moe
+@pytest.mark.parametrize("which", ["dense", "moe", "tied"])
+def test_sharded_sampling_equals_one_process(
+    group: Any, single: Any, models: dict[str, str], which: str
+) -> None:
+    model = models[which]
     for be, p in ((group, f"gs{which}-"), (single, f"ss{which}-")):
         for i in range(2):  # two tenants' trained snapshots, sampled in one batch
             be.create_adapter(_spec(f"{p}{i}", model, 3 + i))
