@@ -77,6 +77,7 @@ def build_backend(config: ServerConfig) -> Backend:
                 ray_cpus=config.ray_cpus_per_worker,
                 ray_gpus=config.ray_gpus_per_worker,
                 state_dir=config.data_dir / "workers",
+                shard_weights=config.shard_weights,
             )
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, None: None}[config.dtype]
         return TorchBackend(

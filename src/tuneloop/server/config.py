@@ -60,6 +60,9 @@ class ServerConfig:
     # Resources of each worker's Ray actor (a fraction shares a device between workers).
     ray_cpus_per_worker: float = 1.0
     ray_gpus_per_worker: float = 0.0
+    # "fsdp": the worker group shards the base weights across its workers (FSDP2) instead of
+    # each holding a replica, for models larger than one device.
+    shard_weights: str = "none"
     # A deployment (`tuneloop deploy`): only the OpenAI-compatible routes, no training routes.
     openai_only: bool = False
     # GET /metrics answers only `Authorization: Bearer <metrics_token>` when set; unset, the
@@ -86,6 +89,10 @@ class ServerConfig:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if (self.workers > 1 or self.ray_address is not None) and self.backend != "torch":
             raise ValueError("--workers > 1 and --ray-address need the torch backend")
+        if self.shard_weights not in ("none", "fsdp"):
+            raise ValueError(f"shard_weights must be none or fsdp, got {self.shard_weights!r}")
+        if self.shard_weights != "none" and self.workers < 2 and self.ray_address is None:
+            raise ValueError("--shard-weights needs a worker group: --workers 2 or more")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
         if self.tokenizer_id not in ("path", "name"):

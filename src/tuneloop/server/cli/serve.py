@@ -48,6 +48,11 @@ class DtypeName(StrEnum):
     float32 = "float32"
 
 
+class ShardWeights(StrEnum):
+    none = "none"
+    fsdp = "fsdp"
+
+
 def serve(
     host: HostOption = "127.0.0.1",
     port: PortOption = 8000,
@@ -151,6 +156,18 @@ def serve(
             ),
         ),
     ] = 1,
+    shard_weights: Annotated[
+        ShardWeights,
+        typer.Option(
+            help=(
+                "fsdp: shard the base model's weights across the workers (FSDP2) instead of"
+                " a full replica per worker, for a model larger than one device; every worker"
+                " then runs every batch. E.g. a model that needs 4 GPUs: --workers 4"
+                " --shard-weights fsdp (or --ray-address auto --ray-gpus-per-worker 1 across"
+                " nodes). Refused at start, with the numbers, when the workers cannot hold it."
+            ),
+        ),
+    ] = ShardWeights.none,
     ray_address: Annotated[
         str | None,
         typer.Option(
@@ -252,16 +269,18 @@ def serve(
             ray_address=ray_address,
             ray_cpus_per_worker=ray_cpus_per_worker,
             ray_gpus_per_worker=ray_gpus_per_worker,
+            shard_weights=shard_weights.value,
             metrics_token=metrics_token,
             log_format=log_format.value if log_format is not None else None,
             jwt=jwt or None,
             jwt_ttl_s=jwt_ttl_s,
             tokenizer_id=tokenizer_id.value if tokenizer_id is not None else None,
         )
+        app = create_app(config)  # a sharded group that does not fit is refused here
     except ValueError as exc:  # settings that do not go together: a usage error, not a traceback
         fail(str(exc), EXIT_USAGE)
     run_server(
-        create_app(config),
+        app,
         config,
         parent_pid=parent_pid,
         header_timeout_s=header_timeout_s,

@@ -110,6 +110,10 @@ class TorchBackend:
     def models(self) -> Sequence[ModelSpec]:
         return [rt.loaded.spec for rt in self._runtimes.values()]
 
+    def resident_models(self) -> dict[str, nn.Module]:
+        """Each loaded base model's module (a sharded worker group shards them in place)."""
+        return {name: rt.model for name, rt in self._runtimes.items()}
+
     def _runtime(self, base_model: str) -> Runtime:
         runtime = self._runtimes.get(base_model)
         if runtime is None:

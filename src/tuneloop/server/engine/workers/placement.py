@@ -19,12 +19,13 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
 from tuneloop.server.engine.workers.protocol import Call, Failure, WorkerDiedError, receive, send
-from tuneloop.server.engine.workers.worker import WorkerSettings, process_main
+from tuneloop.server.engine.workers.worker import WorkerRuntime, WorkerSettings, process_main
 
 # What a worker imports before it can load a model (seconds of a restart on a busy CPU), done
 # once in the fork server so that each worker process starts with them loaded.
 PRELOAD = [
     "tuneloop.server.engine.workers.worker",
+    "tuneloop.server.engine.workers.sharded_runtime",
     "tuneloop.server.engine.torch_backend",
     "transformers.models.llama.modeling_llama",
     "transformers.models.qwen3.modeling_qwen3",
@@ -90,9 +91,15 @@ class LocalPlacement:
     """N processes on this machine (`worker_context`), rendezvous on 127.0.0.1 at a free
     port."""
 
-    def __init__(self, settings: WorkerSettings, size: int) -> None:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        size: int,
+        runtime_class: type[WorkerRuntime] = WorkerRuntime,
+    ) -> None:
         self.settings = settings
         self.size = size
+        self.runtime_class = runtime_class  # ShardedWorkerRuntime for a sharded group
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         self._pids: list[int] = []
@@ -104,7 +111,7 @@ class LocalPlacement:
             parent, child = context.Pipe()
             proc = context.Process(
                 target=process_main,
-                args=(child, self.settings, rank, self.size, init_method),
+                args=(child, self.settings, rank, self.size, init_method, self.runtime_class),
                 name=f"tuneloop-worker-{rank}",
                 daemon=True,  # never outlives the server process
             )

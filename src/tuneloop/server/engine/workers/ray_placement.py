@@ -41,8 +41,15 @@ class WorkerActor:
         host = ray.util.get_node_ip_address()
         return host, free_port(host)
 
-    def start(self, settings: WorkerSettings, rank: int, size: int, init_method: str) -> bytes:
-        self.runtime = WorkerRuntime(settings, rank, size, init_method)
+    def start(
+        self,
+        settings: WorkerSettings,
+        rank: int,
+        size: int,
+        init_method: str,
+        runtime_class: type[WorkerRuntime] = WorkerRuntime,
+    ) -> bytes:
+        self.runtime = runtime_class(settings, rank, size, init_method)
         return pickle.dumps(self.runtime.handle(Call("hello")))
 
     def handle(self, call: bytes) -> bytes:
@@ -64,7 +71,9 @@ class RayPlacement:
         *,
         num_cpus: float = 1.0,
         num_gpus: float = 0.0,
+        runtime_class: type[WorkerRuntime] = WorkerRuntime,
     ) -> None:
+        self.runtime_class = runtime_class  # ShardedWorkerRuntime for a sharded group
         self.settings = settings
         self.size = size
         self.address = address
@@ -86,7 +95,9 @@ class RayPlacement:
         init_method = f"tcp://{host}:{port}"
         hellos = self._get(
             {
-                rank: a.start.remote(self.settings, rank, self.size, init_method)
+                rank: a.start.remote(
+                    self.settings, rank, self.size, init_method, self.runtime_class
+                )
                 for rank, a in enumerate(self._actors)
             },
             START_TIMEOUT_S,

@@ -216,11 +216,16 @@ class WorkerRuntime:
 
 
 def process_main(
-    conn: Connection, settings: WorkerSettings, rank: int, size: int, init_method: str
+    conn: Connection,
+    settings: WorkerSettings,
+    rank: int,
+    size: int,
+    init_method: str,
+    runtime_class: type[WorkerRuntime] = WorkerRuntime,
 ) -> None:
     """A local worker process: build, say hello, then answer calls until the pipe closes."""
     try:
-        runtime = WorkerRuntime(settings, rank, size, init_method)
+        runtime = runtime_class(settings, rank, size, init_method)
     except BaseException as exc:
         failure = ItemError(f"worker {rank} failed to start: {exc}", "server")
         send(conn, Failure(failure, traceback.format_exc()))
