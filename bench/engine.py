@@ -37,6 +37,8 @@ through OMP_NUM_THREADS, in the server process.
 
     python bench/machine_peak.py --threads 2 --json peak.json
     python bench/engine.py [--dtype float32|bfloat16] [--peak-json peak.json] [--json out.json]
+    python bench/engine.py --dtype bfloat16 --hf-dtype bfloat16 --sdk tinker --no-sampling
+                                                            # the official SDK, training only
     python bench/engine.py --quick                          # smoke run, minutes
     python bench/engine.py --random-init tiny --quick       # smoke run of the random-init path
     python bench/engine.py --device cuda --random-init qwen3-1.7b --dtype bfloat16
