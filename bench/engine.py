@@ -37,6 +37,8 @@ through OMP_NUM_THREADS, in the server process.
 
     python bench/machine_peak.py --threads 2 --json peak.json
     python bench/engine.py [--dtype float32|bfloat16] [--peak-json peak.json] [--json out.json]
+    python bench/engine.py --dtype bfloat16 --hf-dtype bfloat16 --sdk tinker --no-sampling
+                                                            # the official SDK, training only
     python bench/engine.py --quick                          # smoke run, minutes
     python bench/engine.py --random-init tiny --quick       # smoke run of the random-init path
     python bench/engine.py --device cuda --random-init qwen3-1.7b --dtype bfloat16
@@ -197,6 +199,17 @@ def train_flops(stats: dict[str, Any], rows: list[list[int]]) -> float:
     return total
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (platform.processor() is often empty)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def sync(device: torch.device) -> None:
     """CUDA calls return before the work is done; the clock must not stop before it is."""
     if device.type == "cuda":
@@ -303,6 +316,53 @@ class ServerColumn:
 
     def close(self) -> None:
         self.service.close()
+
+
+class TinkerColumn(ServerColumn):
+    """The official `tinker` SDK against the same server: what a Tinker user runs."""
+
+    def __init__(self, url: str, key: str, pid: int, model: str) -> None:
+        import tinker
+
+        os.environ.setdefault("TINKER_TELEMETRY", "0")
+        self.pid = pid
+        self.types = tinker.types
+        self.service: Any = tinker.ServiceClient(base_url=url, api_key=key)
+        self.training: Any = self.service.create_lora_training_client(
+            base_model=model, rank=RANK, seed=SEED
+        ).result()
+        self.sampler = None
+
+    def _datum(self, row: list[int]) -> Any:
+        return self.types.Datum(
+            model_input=self.types.ModelInput.from_ints(row[:-1]),
+            loss_fn_inputs={"target_tokens": row[1:]},
+        )
+
+    def train_step(self, rows: list[list[int]]) -> None:
+        fb = self.training.forward_backward([self._datum(r) for r in rows], "cross_entropy")
+        step = self.training.optim_step(
+            self.types.AdamParams(learning_rate=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS)
+        )
+        fb.result()
+        step.result()
+
+    def forward_backward_one(self, row: list[int]) -> None:
+        self.training.forward_backward([self._datum(row)], "cross_entropy").result()
+
+    def freeze_sampler(self) -> None:
+        self.sampler = self.training.save_weights_and_get_sampling_client()
+
+    def sample(self, prompts: list[list[int]], n: int, new: int) -> int:
+        params = self.types.SamplingParams(max_tokens=new, stop=[], temperature=1.0, seed=SEED)
+        futures = [
+            self.sampler.sample(self.types.ModelInput.from_ints(p), n, params)  # type: ignore[attr-defined]
+            for p in prompts
+        ]
+        return sum(len(s.tokens) for f in futures for s in f.result().sequences)
+
+    def close(self) -> None:
+        pass  # the official client holds no resource to release here
 
 
 class EngineColumn:
@@ -466,13 +526,19 @@ def with_ratios(result: dict[str, dict[str, float]], against: str) -> dict[str, 
     return out
 
 
-def add_mfu(result: dict[str, Any], flops: float, peak_tflops: float) -> None:
-    """Per column: model TFLOP/s over its timed steps and the fraction of the matmul peak."""
-    for r in result.values():
+def add_mfu(
+    result: dict[str, Any],
+    flops: float,
+    peak_tflops: float,
+    peaks: dict[str, float] | None = None,
+) -> None:
+    """Per column: model TFLOP/s over its timed steps and the fraction of the matmul peak (at
+    the column's own dtype: `peaks` names the columns that run at another one)."""
+    for name, r in result.items():
         if isinstance(r, dict) and "seconds" in r:
             achieved = flops / r["seconds"] / 1e12
             r["model_tflops_per_s"] = round(achieved, 4)
-            r["mfu"] = round(achieved / peak_tflops, 4)
+            r["mfu"] = round(achieved / (peaks or {}).get(name, peak_tflops), 4)
 
 
 def add_bandwidth(
@@ -562,6 +628,20 @@ def main() -> int:
         action="store_true",
         help="smoke run: 1 step of 64-128 tokens, 8 prompts x 4 samples x 8 new tokens",
     )
+    parser.add_argument(
+        "--sdk",
+        choices=("tuneloop", "tinker"),
+        default="tuneloop",
+        help="the client of the server column: ours, or the official tinker SDK",
+    )
+    parser.add_argument(
+        "--hf-dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="the transformers + PEFT column's dtype (default: --dtype), to compare each "
+        "side at its own best dtype",
+    )
+    parser.add_argument("--no-sampling", action="store_true", help="training columns only")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.quick:  # every code path on a fraction of the work; the numbers mean nothing
@@ -602,11 +682,14 @@ def main() -> int:
         real = sum(len(r) - 1 for b in batches for r in b)
         padded = sum(len(b) * (max(len(r) for r in b) - 1) for b in batches)
 
-        hf = HFColumn(folder, pad_id, device, dtype)
+        hf_dtype = DTYPES[args.hf_dtype or args.dtype]
+        hf = HFColumn(folder, pad_id, device, hf_dtype)
         stats = hf.stats
         report: dict[str, Any] = {
             "model": f"random-init {args.random_init}" if args.random_init else model,
             "dtype": args.dtype,
+            "hf_peft_dtype": args.hf_dtype or args.dtype,
+            "server_sdk": args.sdk,
             "device": args.device,
             "lora": {
                 "rank": RANK,
@@ -619,6 +702,8 @@ def main() -> int:
             "torch_threads": torch.get_num_threads(),
             "cpus": os.cpu_count(),
             "machine": platform.processor() or platform.machine(),
+            "cpu_model": cpu_model(),
+            "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
             "torch": torch.__version__,
             "machine_peak": {
                 "source": str(args.peak_json) if args.peak_json else "measured at start (quick)",
@@ -656,7 +741,8 @@ def main() -> int:
             )
             tail: list[str] = []
             threading.Thread(target=drain, args=(server.process.stdout, tail), daemon=True).start()
-            remote = ServerColumn(server.url, server.key, server.process.pid, model)
+            client = TinkerColumn if args.sdk == "tinker" else ServerColumn
+            remote = client(server.url, server.key, server.process.pid, model)
             stack.callback(remote.close)
             report["server_rss_mib_idle"] = rss_mib(server.process.pid)
         columns: list[Any] = [c for c in (remote, engine, hf) if c is not None]
@@ -672,7 +758,16 @@ def main() -> int:
         timed_flops = sum(train_flops(stats, b) for b in timed)
         per_token = timed_flops / sum(trained_tokens(b) for b in timed)
         report["training"]["model_flops_per_trained_token"] = round(per_token)
-        add_mfu(report["training"], timed_flops, peak_tflops)
+        hf_peak = float(peak["matmul_tflops"][args.hf_dtype or args.dtype])
+        add_mfu(report["training"], timed_flops, peak_tflops, {"hf_peft": hf_peak})
+        report["load_average_after_training"] = [round(x, 2) for x in os.getloadavg()]
+        if args.no_sampling:
+            report["wall_s"] = round(time.perf_counter() - started, 1)
+            print(json.dumps(report, indent=2))
+            if args.json:
+                args.json.write_text(json.dumps(report, indent=2))
+            print_summary(report)
+            return 0
 
         if remote is not None:
             report["server_rss_mib_after_training"] = rss_mib(remote.pid)
@@ -740,8 +835,11 @@ def print_summary(report: dict[str, Any]) -> None:
         f"{peak['matmul_tflops'][report['dtype']]:.3f} TFLOP/s, read {peak['read_gb_per_s']} GB/s",
         file=sys.stderr,
     )
+    print(f"{report['cpu_model']}; load average {report['load_average_at_start']}", file=sys.stderr)
     for section, extra in (("training", "mfu"), ("sampling", "bandwidth_fraction")):
-        result = report[section]
+        result = report.get(section)
+        if result is None:  # --no-sampling
+            continue
         row = "  ".join(
             f"{name} {r['tok_per_s']:.1f} tok/s ({extra} {r[extra]:.3f})"
             for name, r in result.items()
@@ -751,9 +849,10 @@ def print_summary(report: dict[str, Any]) -> None:
         print(f"{section:9s} {row}   ratio vs hf_peft: {ratios}", file=sys.stderr)
     lat = report.get("server_forward_backward_1_datum")
     if lat:
+        rss = report.get("server_rss_mib_end", report.get("server_rss_mib_after_training"))
         print(
             f"server forward_backward, 1 datum of {lat['tokens']} tokens: p50 {lat['p50_ms']} ms; "
-            f"server RSS {report['server_rss_mib_end']}; "
+            f"server RSS {rss}; "
             f"padding {report['data']['padding_fraction']}",
             file=sys.stderr,
         )

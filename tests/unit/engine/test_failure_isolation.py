@@ -267,14 +267,14 @@ def test_an_exception_in_one_requests_loss_fails_it_alone(
     [alone] = backend.forward_backward([good])
     alone_grads = grads(backend, "A")
     _two_adapters_again(backend)
-    compute = training_module.datum_loss
+    compute = training_module.batch_losses
 
-    def fragile(work: Any, lp: Any, inputs: Any, device: Any = None) -> Any:
+    def fragile(work: Any, lps: Any, inputs: Any, device: Any = None) -> Any:
         if "poison" in work.loss_config:
             raise ZeroDivisionError("loss exploded")
-        return compute(dataclasses.replace(work, loss_config={}), lp, inputs, device)
+        return compute(dataclasses.replace(work, loss_config={}), lps, inputs, device)
 
-    monkeypatch.setattr(training_module, "datum_loss", fragile)
+    monkeypatch.setattr(training_module, "batch_losses", fragile)
     bad = work("B", [example(seq(8, 34))], config={"poison": 1.0})
     results = backend.forward_backward([bad, good])
     assert isinstance(results[0], EngineError)

@@ -285,3 +285,38 @@ def test_models_with_layers_it_cannot_adapt_are_refused_by_name() -> None:
     with pytest.raises(EngineError, match=r"Linear \(e\.g\. block\.other\.weight\)") as info:
         inject(model)
     assert info.value.category == "user"
+
+
+def test_bf16_activations_multiply_bf16_casts_and_train_the_fp32_masters() -> None:
+    """Mixed precision: on a bf16 model the products run in bf16 from fp32 masters, each
+    layer's cast is made once per routed block, and the gradients land in fp32 as the fp32
+    computation's to bf16 rounding."""
+    model, bank = make()
+    bank.create(adapter_spec("a", rank=2, seed=1), CPU)
+    randomise(bank, "a", 1)
+    x = torch.randn(4, 3, 6)
+    with bank.routed(["a"] * 4):
+        model(x).square().sum().backward()
+    fp32_grads = [p.grad.clone() for p in bank.parameters("a")]  # type: ignore[union-attr]
+    for p in bank.parameters("a"):
+        p.grad = None
+    model.to(torch.bfloat16)
+    for p in bank.parameters("a"):  # the masters stay fp32 whatever the base weights are
+        p.data = p.data.float()
+    with bank.routed(["a"] * 4):
+        out = model(x.bfloat16())
+        routing = bank.injected.context.routing
+        assert routing is not None
+        casts = dict(routing.cast)
+        assert len(casts) == len(bank.module_names(bank.specs["a"]))
+        assert {t.dtype for pair in casts.values() for t in pair} == {torch.bfloat16}
+        model(x.bfloat16())  # a second pass in the block reuses the casts
+        assert all(routing.cast[k][0] is casts[k][0] for k in casts)
+        out.float().square().sum().backward()
+    assert out.dtype == torch.bfloat16
+    for p, want in zip(bank.parameters("a"), fp32_grads, strict=True):
+        assert p.dtype == torch.float32
+        assert p.grad is not None
+        assert p.grad.dtype == torch.float32
+        scale = want.abs().max().item()
+        assert (p.grad - want).abs().max().item() <= 0.05 * scale

@@ -89,7 +89,11 @@ def check_dense(be: Any, works: list[SampleWork], results: list[Any]) -> None:
         reference = dense_reference(be, work)
         assert [s.tokens for s in ok(result).sequences] == [t for t, _ in reference]
         assert_near(
-            [s.logprobs for s in result.sequences], [lp for _, lp in reference], 1e-5, "paged"
+            [s.logprobs for s in result.sequences],
+            [lp for _, lp in reference],
+            1e-5,
+            "paged",
+            relative=True,  # float32 rounding grows with |logprob| (up to ~9 here)
         )
 
 

@@ -4,7 +4,9 @@ bf16 weights halve the bytes every matmul and decode step reads; where the hardw
 bf16 natively (GPU tensor cores, CPU matrix units such as AMX) they are also several times faster
 to multiply. Where it does not (CPUs without bf16 instructions) bf16 is emulated and slower than
 fp32. So on a CPU a short timed matmul decides: bf16 only if it beats fp32 by a clear margin.
-LoRA factors, optimizer state, losses and logprobs stay fp32 whatever this picks.
+Mixed precision on top of it, as mixed-precision trainers do: LoRA factors are fp32 masters with
+fp32 AdamW state, their products run in this dtype (lora/slots.py), the LM head runs in it with
+its log-softmax accumulated in fp32 (logprobs.py), and losses and their sums are fp32.
 
 The probe runs in a child process: on a CPU without bf16 instructions, one emulated bf16 matmul
 left the server's own fp32 work ~1.6x slower for the rest of its life (measured: sampling 27 vs

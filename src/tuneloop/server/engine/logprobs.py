@@ -6,6 +6,9 @@ the backward pass. Here the head runs over chunks of positions, each under activ
 checkpointing, so only one chunk's logits exist at a time, forward and backward. A batch whose
 logits are small enough runs in one piece without the recompute: on SmolLM2 the head is ~40 % of
 a training step, and recomputing it costs a third more of that.
+
+The head runs in the engine dtype (bf16 on machines with bf16 matrix units) and only its
+log-softmax is fp32 (`_TargetLogprobs`: fused, in row pieces, the logsumexp accumulated in fp32).
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from torch.utils.checkpoint import checkpoint
 
 # Logit elements per chunk (x4 bytes in fp32): 16M = 64 MB, a few x that with log_softmax.
 LOGIT_ELEMENTS_PER_CHUNK = 1 << 24
-# Up to this many logit elements (256 MB in fp32; kept with their log-softmax for the backward
-# pass) the head runs in one piece with no recompute: 8 x 128 tokens x 49k vocab is 50M.
+# Up to this many logit elements (128 MB in bf16, 256 MB in fp32: the logits are all the fused
+# log-softmax keeps for the backward pass) the head runs in one piece with no recompute:
+# 8 x 128 tokens x 49k vocab is 50M.
 LOGIT_ELEMENTS_UNCHUNKED = 1 << 26
 
 
@@ -43,13 +47,78 @@ def pad_targets(targets: Sequence[np.ndarray], width: int, device: torch.device)
     return out.to(device)
 
 
+# Rows of logits upcast to fp32 at a time inside the fused log-softmax (x 4 bytes x vocab):
+# 4M elements = 16 MB, so the fp32 copy of a chunk stays in cache-sized pieces and a
+# [tokens, vocab] fp32 copy of the logits never exists.
+_FP32_ELEMENTS_PER_PIECE = 1 << 22
+
+
+def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    x = logits.float()
+    return torch.tanh(x / softcap) * softcap if softcap else x
+
+
+class _TargetLogprobs(torch.autograd.Function):
+    """log_softmax(logits)[targets] in fp32 from logits in the engine dtype, fused.
+
+    Forward: row pieces of the logits upcast to fp32, log-softmax (the logsumexp accumulates
+    in fp32) and gather, exactly `log_softmax(logits.float()).gather(...)` piece by piece.
+    Backward: d logits = g_k at the targets - (sum_k g_k) x softmax, from the saved logits in
+    their own dtype (half the bytes in bf16) instead of a kept fp32 log-softmax output and the
+    full-size zero tensor a gather's backward scatters into.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        flat, flat_targets = (
+            logits.reshape(-1, logits.shape[-1]),
+            targets.reshape(-1, targets.shape[-1]),
+        )
+        out = torch.empty(flat_targets.shape, dtype=torch.float32, device=logits.device)
+        step = max(1, _FP32_ELEMENTS_PER_PIECE // flat.shape[-1])
+        for start in range(0, flat.shape[0], step):
+            piece = torch.log_softmax(_capped(flat[start : start + step], softcap), dim=-1)
+            out[start : start + step] = piece.gather(-1, flat_targets[start : start + step])
+        ctx.save_for_backward(logits, targets)
+        ctx.softcap = softcap  # type: ignore[attr-defined]
+        return out.view(targets.shape)
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None]:
+        logits, targets = ctx.saved_tensors  # type: ignore[attr-defined]
+        softcap = ctx.softcap  # type: ignore[attr-defined]
+        flat, flat_targets = (
+            logits.reshape(-1, logits.shape[-1]),
+            targets.reshape(-1, targets.shape[-1]),
+        )
+        flat_grad = grad.reshape(flat_targets.shape).float()
+        out = torch.empty_like(flat)
+        step = max(1, _FP32_ELEMENTS_PER_PIECE // flat.shape[-1])
+        for start in range(0, flat.shape[0], step):
+            x = _capped(flat[start : start + step], softcap)
+            g = flat_grad[start : start + step]
+            d = torch.softmax(x, dim=-1).mul_(-g.sum(-1, keepdim=True))
+            d.scatter_add_(-1, flat_targets[start : start + step], g)
+            if softcap:
+                d.mul_(1 - (x / softcap).square())  # d/dz of tanh(z / c) * c
+            out[start : start + step] = d
+        return out.view(logits.shape), None, None
+
+
 def _head_logprobs(
     head: nn.Module, softcap: float | None, hidden: torch.Tensor, targets: torch.Tensor
 ) -> torch.Tensor:
-    logits = head(hidden).float()  # [B, c, V]
-    if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets)  # [B, c, K]
+    """The head in the engine dtype, its log-softmax in fp32 ([B, c, K] float32)."""
+    logits = head(hidden)  # [B, c, V]
+    result: torch.Tensor = _TargetLogprobs.apply(logits, targets, softcap)
+    return result
 
 
 def _hidden_and_head(

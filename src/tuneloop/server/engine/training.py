@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +33,7 @@ from tuneloop.server.engine.logprobs import (
     pad_targets,
     target_logprobs,
 )
-from tuneloop.server.engine.losses import datum_loss
+from tuneloop.server.engine.losses import batch_losses
 from tuneloop.server.engine.packing import packed_positions, packed_segments
 from tuneloop.server.engine.runtime import Runtime
 from tuneloop.server.engine.types import EngineError, ForwardBackwardResult, ForwardBackwardWork
@@ -268,7 +267,8 @@ def _run_micro_batch(
         torch.set_grad_enabled(needs_grad),
     ):
         all_lp = target_logprobs(runtime.model, input_ids, lengths, targets, positions)
-        row_losses: list[tuple[int, torch.Tensor]] = []
+        views: list[torch.Tensor] = []
+        by_work: dict[int, list[int]] = {}
         for i, row in enumerate(micro):
             target = row.inputs["target_tokens"]
             batch_row, start = offsets[i]
@@ -277,28 +277,58 @@ def _run_micro_batch(
                 start : start + len(row.tokens),
                 : (1 if target.ndim == 1 else target.shape[1]),
             ]
-            lp = lp[:, 0] if target.ndim == 1 else lp
-            work = works[row.work_index]
+            views.append(lp[:, 0] if target.ndim == 1 else lp)
+            by_work.setdefault(row.work_index, []).append(i)
+        # Every request's datums in one pass each (losses.batch_losses), then one copy to the
+        # host for every loss value and logprob of the micro-batch, where a per-datum float()
+        # and .cpu() waited on the device twice per datum.
+        per_work: dict[int, tuple[torch.Tensor, list[dict[str, float]]]] = {}
+        for wi, members in by_work.items():
             try:
-                loss, extra = datum_loss(work, lp, row.inputs, device)
+                per_work[wi] = batch_losses(
+                    works[wi],
+                    [views[i] for i in members],
+                    [micro[i].inputs for i in members],
+                    device,
+                )
             except EngineError as exc:  # e.g. an unknown loss: fails this request only
-                failed.setdefault(row.work_index, exc)
+                failed.setdefault(wi, exc)
+        host = (
+            torch.cat(
+                [vec.detach().to(torch.float32) for vec, _ in per_work.values()]
+                + [lp.detach().to(torch.float32).reshape(-1) for lp in views]
+            )
+            .cpu()
+            .numpy()
+        )
+        values: dict[int, np.ndarray] = {}
+        at = 0
+        for wi, (vec, _) in per_work.items():
+            values[wi], at = host[at : at + vec.shape[0]], at + vec.shape[0]
+        row_lp: list[np.ndarray] = []
+        for lp in views:
+            size = lp.numel()
+            row_lp.append(host[at : at + size].reshape(tuple(lp.shape)))
+            at += size
+        total: list[torch.Tensor] = []
+        for wi, (vec, metrics) in per_work.items():
+            work = works[wi]
+            if wi in failed:  # in an earlier micro-batch of this request
                 continue
-            value = float(loss.detach())
-            if not math.isfinite(value):
+            if not np.isfinite(values[wi]).all():
                 failed.setdefault(
-                    row.work_index,
+                    wi,
                     EngineError(f"the {work.loss_fn} loss is not finite for this request", "user"),
                 )
                 continue
-            losses[row.work_index] += value
-            sums = metric_sums[row.work_index]
-            for key, metric in extra.items():
-                sums[key] = sums.get(key, 0.0) + metric
-            logprobs[row.work_index].append(lp.detach().float().cpu().numpy())
+            losses[wi] += sum(float(v) for v in values[wi])
+            sums = metric_sums[wi]
+            for extra in metrics:
+                for key, metric in extra.items():
+                    sums[key] = sums.get(key, 0.0) + metric
+            logprobs[wi].extend(row_lp[i] for i in by_work[wi])
             if not work.forward_only:
-                row_losses.append((row.work_index, loss))
-        total = [loss for wi, loss in row_losses if wi not in failed]
+                total.append(vec.sum())
         if needs_grad and total:
             # Backward inside the routing block: checkpointed LM-head chunks recompute
             # through the same adapters.

@@ -153,7 +153,8 @@ class LoRAExperts(nn.Module):
         routing = self._context.routing
         keys = routing.keys if routing is not None and routing.runs else []
         factors = {
-            name: [module.lookup(key) for key in keys] for name, module in self.factors_of.items()
+            name: [module.lookup_as(key, hidden_states.dtype) for key in keys]
+            for name, module in self.factors_of.items()
         }
         if routing is None or all(f is None for per in factors.values() for f in per):
             return self.base(hidden_states, top_k_index, top_k_weights)

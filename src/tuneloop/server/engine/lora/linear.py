@@ -46,7 +46,9 @@ class LoRALinear(Slotted):
         routing = self._context.routing
         if routing is None or not routing.runs:
             return out
-        factors: list[Factors | None] = [self.lookup(key) for key, _, _ in routing.runs]
+        factors: list[Factors | None] = [
+            self.lookup_as(key, out.dtype) for key, _, _ in routing.runs
+        ]
         if all(f is None for f in factors):
             return out
         flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])

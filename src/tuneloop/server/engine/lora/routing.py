@@ -27,6 +27,9 @@ class Routing:
     stacked: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = field(
         default_factory=dict
     )
+    # (layer, slot) -> its factors in the compute dtype (bf16 activations: bf16 products), cast
+    # once per routed block from the fp32 masters; autograd carries the gradients back to them.
+    cast: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # (tokens, device) -> per-token segment index, built once per routed block as well.
     _token_index: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
 

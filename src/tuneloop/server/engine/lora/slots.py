@@ -66,6 +66,29 @@ class Slotted(nn.Module):
             return None  # the base model alone, or an adapter that does not target this layer
         return self.lora_A[slot], self.lora_B[slot], self.scales[slot]
 
+    def lookup_as(
+        self, key: str | None, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """`lookup`'s factors in `dtype`, the activations' (mixed precision, as autocast does it).
+
+        The factors stay fp32 masters, trained by an fp32 AdamW; the products run in the
+        engine dtype, so on bf16 weights the LoRA matmuls use the bf16 matrix units, and no
+        activation is copied to fp32 and back per layer. The cast is made once per routed block
+        (every layer call of a forward pass, the checkpointed LM-head recompute and a whole
+        decode loop share it) and is part of the graph: gradients reach the fp32 masters.
+        """
+        found = self.lookup(key)
+        if found is None or found[0].dtype == dtype:
+            return found
+        a, b, scale = found
+        routing = self._context.routing
+        slot = self._slot_of[key]  # type: ignore[index]  # lookup found it
+        cache = routing.cast if routing is not None else {}
+        pair = cache.get((id(self), slot))
+        if pair is None or pair[0].dtype != dtype:
+            pair = cache[(id(self), slot)] = (a.to(dtype), b.to(dtype))
+        return pair[0], pair[1], scale
+
 
 class FactorView(Mapping[str, tuple[nn.Parameter, nn.Parameter, float]]):
     """key -> (A, B, scale) of one layer, read through the bank's slot table."""
