@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -108,7 +107,7 @@ def main() -> int:
         for k in medians["after"]
     }
     report = {
-        "cpu": platform.processor() or _cpu(),
+        "cpu": _cpu(),
         "config": {k: str(v) for k, v in vars(args).items()},
         "median_ms": medians,
         "before_over_after_median": ratios,
