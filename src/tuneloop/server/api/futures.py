@@ -46,6 +46,8 @@ async def retrieve_future(request: Request, state: State, tenant: Tenant) -> Res
                 raise request_lost(body.request_id) from None
             raise not_found(f"request {body.request_id!r}", "request_id") from None
         if not state.revocations.key_still_valid(key):
+            # Its queued work is dropped before the caller hears of the revocation.
+            state.revocations.check()
             raise ApiError(401, "invalid or revoked API key", "X-API-Key")
         if outcome is not None or time.monotonic() >= deadline:
             break

@@ -50,7 +50,11 @@ def submit_training(state: ServerState, sub: TrainingSubmission) -> dict[str, An
     # A request that later, accepted requests of its model wait for is let in even at the
     # limit: refusing it would leave them waiting, holding the very slots it waits for.
     # So the tenant exceeds the limit by at most the number of those waiting requests.
-    if not state.queue.unblocks_waiting(sub.model_id, sub.seq_id):
+    if state.queue.unblocks_waiting(sub.model_id, sub.seq_id):
+        # Work queued behind this request runs as soon as it lands: drop a revoked key's first,
+        # not at the next periodic check (revocation.py), so it can never run.
+        state.revocations.check()
+    else:
         state.quotas.check_inflight(sub.tenant)
     request_id = state.futures.create(sub.tenant, sub.request_type)
     state.revocations.track(request_id)
