@@ -71,3 +71,37 @@ def test_group_on_ray_trains_like_one_process(local_ray: Any, backend: Any, tmp_
         assert_near(read_factors(tmp_path / "saved"), params(backend, "r"), 1e-4, "weights")
     finally:
         group.close()
+
+
+def test_a_sharded_group_on_ray_trains_like_one_process(local_ray: Any, tmp_path: Path) -> None:
+    """`--shard-weights fsdp` placed by Ray: the actors run the sharded runtime, and training
+    equals one process at the same dtype."""
+    from tuneloop.server.engine.torch_backend import TorchBackend
+    from tuneloop.server.engine.workers.build import worker_group
+
+    backend = TorchBackend([TINY], cache_dir=tmp_path / "one", device="cpu", dtype=torch.float32)
+
+    group = worker_group(
+        (TINY,),
+        workers=2,
+        cache_dir=tmp_path / "cache",
+        device="cpu",
+        dtype="float32",
+        ray_address="local",
+        shard_weights="fsdp",
+    )
+    try:
+        assert len(set(group.worker_pids())) == 2
+        data = [example(seq(n, 40 + n)) for n in (33, 8, 21)]
+        losses = []
+        for be in (group, backend):
+            be.create_adapter(adapter_spec("r", rank=4, seed=1))
+            for _ in range(2):
+                losses.append(ok(be.forward_backward([work("r", data)])[0]).metrics["loss:sum"])
+                be.optim_step("r", adam(1e-2))
+        assert_near(losses[:2], losses[2:], 1e-5, "loss sums", relative=True)
+        group.save_state("r", tmp_path / "saved", optimizer=False)
+        assert_near(read_factors(tmp_path / "saved"), params(backend, "r"), 1e-4, "weights")
+    finally:
+        group.close()
+        backend.close()
