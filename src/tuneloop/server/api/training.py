@@ -78,6 +78,8 @@ from tuneloop.types import (
     WireFormatError,
 )
 from tuneloop.types.codec import (
+    DecodeLimits,
+    ForwardBackwardRequest,
     encode_forward_backward_output,
     forward_backward_request_from_proto,
     parse_forward_backward_request,
@@ -273,6 +275,10 @@ async def _protobuf_body(request: Request, state: ServerState) -> bytes:
     return raw
 
 
+def _request_arrays(msg: Any, limits: DecodeLimits) -> ForwardBackwardRequest:
+    return forward_backward_request_from_proto(msg, limits, token_arrays=True)
+
+
 def _fwdbwd_outcome(result: ForwardBackwardResult) -> Outcome:
     output = ForwardBackwardOutput(
         loss_fn_output_type="ArrayRecord",
@@ -300,7 +306,7 @@ async def forward_backward(request: Request, state: State, tenant: Tenant) -> di
         run = await state.live_training_run(msg.model_id, tenant)
         spec = state.model_spec(run.base_model)
         limits = decode_limits(spec, state.config.max_request_bytes)
-        body = await off_loop(size, forward_backward_request_from_proto, msg, limits)
+        body = await off_loop(size, _request_arrays, msg, limits)
     except WireFormatError as exc:
         raise bad_request(str(exc), exc.field) from None
     if body.loss_fn == "custom":
