@@ -17,6 +17,12 @@ import zstandard
 from fastapi import APIRouter, Request
 
 from tuneloop.server.api.custom_losses import custom_loss_work
+from tuneloop.server.api.decode_pool import (
+    PROCESS_BYTES,
+    DecodedBody,
+    model_id_of,
+    spans_as_data,
+)
 from tuneloop.server.api.deps import (
     State,
     Tenant,
@@ -56,7 +62,12 @@ from tuneloop.server.engine.operations import (
     SaveSamplerWeights,
     SaveState,
 )
-from tuneloop.server.engine.types import AdapterSpec, ForwardBackwardResult, lora_info
+from tuneloop.server.engine.types import (
+    AdapterSpec,
+    ForwardBackwardResult,
+    ForwardBackwardWork,
+    lora_info,
+)
 from tuneloop.server.scheduler.futures import Outcome
 from tuneloop.server.storage.registry import (
     PACKAGE_KINDS,
@@ -298,9 +309,15 @@ def _fwdbwd_outcome(result: ForwardBackwardResult) -> Outcome:
 @consumes_seq
 async def forward_backward(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     raw = await _protobuf_body(request, state)
+    size = len(raw)
+    if size >= PROCESS_BYTES:
+        model_id = await off_loop(size, model_id_of, raw)
+        if model_id is not None:
+            decoded = await _decode_in_process(state, tenant, raw, model_id)
+            if decoded is not None:
+                return decoded
     # Decoding, checking and hashing a large body take a worker thread, not the event loop,
     # which meanwhile answers other requests (measured in bench/bench_event_loop.py).
-    size = len(raw)
     try:
         msg = await off_loop(size, parse_forward_backward_request, raw)
         run = await state.live_training_run(msg.model_id, tenant)
@@ -325,14 +342,49 @@ async def forward_backward(request: Request, state: State, tenant: Tenant) -> di
     if body.loss_fn == "stable_reinforce":
         work = attach_stability(work, body.data, state.stability, tenant)
     digest = await off_loop(size, fingerprint, raw)
+    return _submit_fwdbwd(state, tenant, run.id, body.seq_id, work, digest)
+
+
+async def _decode_in_process(
+    state: ServerState, tenant: str, raw: bytes, model_id: str
+) -> dict[str, Any] | None:
+    """A large body decoded in the server's decoding process (api/decode_pool.py): the answer,
+    or None for a body the worker thread decodes (a custom loss)."""
+    try:
+        run = await state.live_training_run(model_id, tenant)
+    except ApiError:
+        # A malformed body says so first, as where the body is parsed before the lookup.
+        try:
+            await off_loop(len(raw), parse_forward_backward_request, raw)
+        except WireFormatError as exc:
+            raise bad_request(str(exc), exc.field) from None
+        raise
+    spec = state.model_spec(run.base_model)
+    decoded = await state.decoder.decode(raw, spec, state.config.max_request_bytes, run.id)
+    if not isinstance(decoded, DecodedBody):
+        return None
+    work = decoded.work
+    if decoded.spans is not None:
+        work = attach_stability(work, spans_as_data(decoded.spans), state.stability, tenant)
+    return _submit_fwdbwd(state, tenant, run.id, decoded.seq_id, work, decoded.digest)
+
+
+def _submit_fwdbwd(
+    state: ServerState,
+    tenant: str,
+    model_id: str,
+    seq_id: int,
+    work: ForwardBackwardWork,
+    digest: str,
+) -> dict[str, Any]:
     return state.submit_training(
         TrainingSubmission(
             tenant,
-            run.id,
-            body.seq_id,
+            model_id,
+            seq_id,
             work,
             _fwdbwd_outcome,
-            "Forward" if body.forward_only else "ForwardBackward",
+            "Forward" if work.forward_only else "ForwardBackward",
             digest,
         )
     )
