@@ -70,13 +70,16 @@ DB_INLINE = (
 NO_GC_TUNING = "import tuneloop.server.api.large_body as lb; lb.ENABLED = False"
 # A large body parsed in one call, not in pieces (types/proto_pieces.py).
 WHOLE_PARSE = "import tuneloop.types.proto_pieces as pp; pp.PIECE_BYTES = 2**62"
-# Token chunks decoded into Python lists of ints, as before they were arrays.
+# Large bodies decoded on a worker thread, not in the decoding process (api/decode_pool.py).
+THREAD = "import tuneloop.server.api.training as tr; tr.PROCESS_BYTES = 2**62"
+# On the thread, with token chunks decoded into Python lists of ints, as before they were arrays.
 TOKEN_LISTS = (
-    "import tuneloop.server.api.training as tr, tuneloop.types.codec as cd; "
+    THREAD + "; import tuneloop.types.codec as cd; "
     "tr._request_arrays = cd.forward_backward_request_from_proto"
 )
 VARIANTS = {
     "shipped": "",
+    "thread": THREAD,
     "token_lists": TOKEN_LISTS,
     "no_gc_tuning": NO_GC_TUNING,
     "whole_parse": WHOLE_PARSE,
