@@ -17,11 +17,11 @@ import pytest
 
 import tuneloop.server.api.training as training
 from tests.unit.server.harness import Api, datum, decode_output
-from tuneloop.server.api.decode_pool import DecodePool, decode_job, model_id_of
+from tuneloop.server.api.decode_pool import DecodePool, decode_job, routing_fields
 from tuneloop.types import proto
 from tuneloop.types.codec import ForwardBackwardRequest, encode_forward_backward_request
 from tuneloop.types.model_input import ImageChunk, ModelInput
-from tuneloop.types.proto_pieces import last_string_field
+from tuneloop.types.proto_pieces import last_string_fields
 from tuneloop.types.provenance import PromptProvenanceSpan
 
 PROTO = {"content-type": "application/x-protobuf"}
@@ -196,17 +196,30 @@ async def test_a_child_that_dies_is_a_503_to_retry_and_the_next_body_a_fresh_chi
     assert (await api.result(retried)).status_code == 200
 
 
-def test_the_model_id_is_read_from_the_framing_as_a_parse_reads_it() -> None:
+def test_the_model_id_and_loss_are_read_from_the_framing_as_a_parse_reads_them() -> None:
     body = _body("first:train:0", 1, _data(datums=3, tokens=4))
-    assert model_id_of(body) == "first:train:0"
+    assert routing_fields(body) == ("first:train:0", "cross_entropy")
     # A later occurrence wins, as in a parse.
-    again = proto.ForwardBackwardRequestProto(model_id="second:train:0").SerializeToString()
+    again = proto.ForwardBackwardRequestProto(
+        model_id="second:train:0", loss_fn="custom"
+    ).SerializeToString()
     parsed = proto.ForwardBackwardRequestProto.FromString(body + again)
-    assert model_id_of(body + again) == parsed.model_id == "second:train:0"
-    assert model_id_of(b"\xff\xff") is None  # a varint that never ends
-    assert model_id_of(body[:-3]) is None  # a field past the end
-    assert model_id_of(b"\x0a\x02\xff\xfe") is None  # not UTF-8
-    assert last_string_field(b"", 1) is None
+    assert routing_fields(body + again) == (parsed.model_id, parsed.loss_fn)
+    assert parsed.model_id == "second:train:0"
+    no_loss = proto.ForwardBackwardRequestProto(model_id="m").SerializeToString()
+    assert routing_fields(no_loss) == ("m", "")
+    assert routing_fields(b"\xff\xff") is None  # a varint that never ends
+    assert routing_fields(body[:-3]) is None  # a field past the end
+    assert routing_fields(b"\x0a\x02\xff\xfe") is None  # not UTF-8
+    assert routing_fields(b"") is None  # no model_id
+    assert last_string_fields(b"", (1,)) == {}
+
+
+async def test_a_custom_loss_body_is_decoded_on_the_thread(api: Api, in_child: None) -> None:
+    model_id = await api.model(await api.session())
+    refused = await _post(api, _body(model_id, 1, _data(), "custom"))
+    assert refused.status_code == 400, refused.text  # no custom loss was created
+    assert not _decoder(api).started
 
 
 async def test_the_pool_starts_on_the_first_large_body_and_closes_with_the_server(

@@ -20,7 +20,7 @@ import hashlib
 import multiprocessing
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
@@ -40,7 +40,7 @@ from tuneloop.types.codec import (
 )
 from tuneloop.types.datum import Datum
 from tuneloop.types.model_input import ModelInput
-from tuneloop.types.proto_pieces import last_string_field
+from tuneloop.types.proto_pieces import last_string_fields
 from tuneloop.types.provenance import ProvenanceSpan
 
 # Bodies from this size on are decoded in the child. Below it a worker thread holds the GIL
@@ -92,13 +92,18 @@ class _Refusal:
 CUSTOM = "custom"  # a custom loss: its work needs the server's loss store, decoded in-process
 
 
-_MODEL_ID = proto.ForwardBackwardRequestProto.DESCRIPTOR.fields_by_name["model_id"].number
+_FIELDS = proto.ForwardBackwardRequestProto.DESCRIPTOR.fields_by_name
+_MODEL_ID, _LOSS_FN = _FIELDS["model_id"].number, _FIELDS["loss_fn"].number
 
 
-def model_id_of(raw: bytes) -> str | None:
-    """The body's model_id, read from its framing without parsing it (None: only a parse can
-    tell); the handler looks the model up before the child decodes for that model."""
-    return last_string_field(raw, _MODEL_ID)
+def routing_fields(raw: bytes) -> tuple[str, str] | None:
+    """The body's model_id and loss_fn, read from its framing without parsing it (None: only a
+    parse can tell): the handler looks the model up before the child decodes for that model,
+    and decodes a custom loss's body on its thread."""
+    found = last_string_fields(raw, (_MODEL_ID, _LOSS_FN))
+    if found is None or _MODEL_ID not in found:
+        return None
+    return found[_MODEL_ID], found.get(_LOSS_FN, "")
 
 
 def _buf(shared: SharedMemory) -> memoryview:
@@ -199,6 +204,16 @@ def _unpack(answer: _Answer) -> DecodedBody:
     return DecodedBody(work, answer.seq_id, answer.digest, answer.spans)
 
 
+def _free_answer(job: Future[Any]) -> None:
+    if job.cancelled() or job.exception() is not None:
+        return
+    answer = job.result()
+    if isinstance(answer, _Answer) and answer.block is not None:
+        block = SharedMemory(answer.block)
+        block.close()
+        block.unlink()
+
+
 class DecodePool:
     """The server's decoding processes: started lazily, restarted after a death, closed with it."""
 
@@ -235,18 +250,22 @@ class DecodePool:
 
     async def decode(
         self, raw: bytes, spec: ModelSpec, max_request_bytes: int, adapter_id: str
-    ) -> DecodedBody | str:
-        """The body's work (or `CUSTOM`); an ApiError naming the field, or a 503 to retry."""
+    ) -> DecodedBody | None:
+        """The body's work (None for a custom loss's); an ApiError naming the field, or a 503
+        to retry."""
         shared = SharedMemory(create=True, size=max(len(raw), 1))
         try:
             await run_in_threadpool(_copy, _buf(shared), memoryview(raw))
             executor = self._pool()
             try:
-                answer = await asyncio.wrap_future(
-                    executor.submit(
-                        self._job, shared.name, len(raw), spec, max_request_bytes, adapter_id
-                    )
+                job = executor.submit(
+                    self._job, shared.name, len(raw), spec, max_request_bytes, adapter_id
                 )
+                answer = await asyncio.wrap_future(job)
+            except asyncio.CancelledError:
+                # The client went away mid-decode: the child still answers; free its block.
+                job.add_done_callback(_free_answer)
+                raise
             except BrokenProcessPool:
                 self._discard(executor)
                 raise ApiError(
@@ -261,7 +280,7 @@ class DecodePool:
         if isinstance(answer, _Refusal):
             raise ApiError(answer.status, answer.detail, answer.field)
         if isinstance(answer, str):
-            return answer
+            return None
         return await run_in_threadpool(_unpack, answer)
 
     def close(self) -> None:
@@ -283,6 +302,6 @@ __all__ = [
     "DecodePool",
     "DecodedBody",
     "decode_job",
-    "model_id_of",
+    "routing_fields",
     "spans_as_data",
 ]

@@ -18,9 +18,9 @@ from fastapi import APIRouter, Request
 
 from tuneloop.server.api.custom_losses import custom_loss_work
 from tuneloop.server.api.decode_pool import (
+    CUSTOM,
     PROCESS_BYTES,
-    DecodedBody,
-    model_id_of,
+    routing_fields,
     spans_as_data,
 )
 from tuneloop.server.api.deps import (
@@ -311,11 +311,11 @@ async def forward_backward(request: Request, state: State, tenant: Tenant) -> di
     raw = await _protobuf_body(request, state)
     size = len(raw)
     if size >= PROCESS_BYTES:
-        model_id = await off_loop(size, model_id_of, raw)
-        if model_id is not None:
-            decoded = await _decode_in_process(state, tenant, raw, model_id)
-            if decoded is not None:
-                return decoded
+        routing = await off_loop(size, routing_fields, raw)
+        if routing is not None and routing[1] != CUSTOM:
+            answer = await _decode_in_process(state, tenant, raw, routing[0])
+            if answer is not None:
+                return answer
     # Decoding, checking and hashing a large body take a worker thread, not the event loop,
     # which meanwhile answers other requests (measured in bench/bench_event_loop.py).
     try:
@@ -349,7 +349,7 @@ async def _decode_in_process(
     state: ServerState, tenant: str, raw: bytes, model_id: str
 ) -> dict[str, Any] | None:
     """A large body decoded in the server's decoding process (api/decode_pool.py): the answer,
-    or None for a body the worker thread decodes (a custom loss)."""
+    or None for a custom loss's body, which the worker thread decodes."""
     try:
         run = await state.live_training_run(model_id, tenant)
     except ApiError:
@@ -361,7 +361,7 @@ async def _decode_in_process(
         raise
     spec = state.model_spec(run.base_model)
     decoded = await state.decoder.decode(raw, spec, state.config.max_request_bytes, run.id)
-    if not isinstance(decoded, DecodedBody):
+    if decoded is None:
         return None
     work = decoded.work
     if decoded.spans is not None:
