@@ -17,6 +17,7 @@ import pytest
 
 import tuneloop.server.api.training as training
 from tests.unit.server.harness import Api, datum, decode_output
+from tuneloop.server.api import decode_pool
 from tuneloop.server.api.decode_pool import DecodePool, decode_job, routing_fields
 from tuneloop.types import proto
 from tuneloop.types.codec import ForwardBackwardRequest, encode_forward_backward_request
@@ -237,3 +238,27 @@ async def test_the_pool_starts_on_the_first_large_body_and_closes_with_the_serve
     for pid in children:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+async def test_no_shared_block_outlives_its_request(
+    api: Api, in_child: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The body's block and the child's answer block are unlinked once the request is done,
+    accepted or refused."""
+    names: list[str] = []
+
+    class Recorded(decode_pool.SharedMemory):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            names.append(self.name)
+
+    monkeypatch.setattr(decode_pool, "SharedMemory", Recorded)
+    model_id = await api.model(await api.session())
+    assert (await api.result(await _post(api, _body(model_id, 1, _data())))).status_code == 200
+    bad = _data()
+    bad[-1].loss_fn_inputs["target_tokens"].values[-1] = 10**6
+    assert (await _post(api, _body(model_id, 2, bad))).status_code == 400
+    assert len(names) == 3  # the two bodies' blocks, and the accepted body's answer block
+    for name in names:
+        with pytest.raises(FileNotFoundError):
+            decode_pool.SharedMemory(name)
