@@ -16,6 +16,7 @@ client retries, never a hang; the next body starts a fresh pool.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import multiprocessing
 import threading
@@ -275,7 +276,10 @@ class DecodePool:
                     headers={"retry-after": "1"},
                 ) from None
         finally:
-            shared.close()
+            # A request cancelled mid-copy leaves the copying thread a view: the mapping then
+            # goes with that view; the name goes now.
+            with contextlib.suppress(BufferError):
+                shared.close()
             shared.unlink()
         if isinstance(answer, _Refusal):
             raise ApiError(answer.status, answer.detail, answer.field)
