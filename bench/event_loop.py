@@ -70,8 +70,17 @@ DB_INLINE = (
 NO_GC_TUNING = "import tuneloop.server.api.large_body as lb; lb.ENABLED = False"
 # A large body parsed in one call, not in pieces (types/proto_pieces.py).
 WHOLE_PARSE = "import tuneloop.types.proto_pieces as pp; pp.PIECE_BYTES = 2**62"
+# Large bodies decoded on a worker thread, not in the decoding process (api/decode_pool.py).
+THREAD = "import tuneloop.server.api.training as tr; tr.PROCESS_BYTES = 2**62"
+# On the thread, with token chunks decoded into Python lists of ints, as before they were arrays.
+TOKEN_LISTS = (
+    THREAD + "; import tuneloop.types.codec as cd; "
+    "tr._request_arrays = cd.forward_backward_request_from_proto"
+)
 VARIANTS = {
     "shipped": "",
+    "thread": THREAD,
+    "token_lists": TOKEN_LISTS,
     "no_gc_tuning": NO_GC_TUNING,
     "whole_parse": WHOLE_PARSE,
     # Both: the server as it was before them.
@@ -110,6 +119,10 @@ LAUNCH = (
     "import sys, runpy; {prelude}; sys.argv = ['tuneloop', *sys.argv[1:]]; "
     "runpy.run_module('tuneloop', run_name='__main__')"
 )
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
 
 
 def cpu_model() -> str:
@@ -345,6 +358,9 @@ def measure(
         # retrieve_future alone (the measure): during A's bodies, and over the whole run.
         "b_retrieve_future_while_a_body": summary([e - s for s, e in polls if overlaps((s, e))]),
         "b_retrieve_future_all": summary([e - s for s, e in polls]),
+        # The noise floor: the machine's own load, with no body in the server.
+        "b_retrieve_future_idle": summary([e - s for s, e in polls if not overlaps((s, e))]),
+        "uptime": uptime(),
         "c_training_steps": c_steps,
         **({"slow_callbacks": slow_callbacks(log)} if slow else {}),
         **({"collections_over_3ms": gc_pauses(log)} if gc_log else {}),

@@ -256,6 +256,7 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
             await asyncio.gather(*state.releases, return_exceptions=True)
             await engine.stop()
             await state.close_db_threads()
+            await asyncio.to_thread(state.decoder.close)  # the decoding process, if started
             curves.close()
             meter.flush(registry)  # the engine is stopped: these are the last counts
             registry.close()

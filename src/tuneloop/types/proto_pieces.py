@@ -72,6 +72,40 @@ def piece_ends(body: bytes, piece_bytes: int = PIECE_BYTES) -> list[int]:
     return ends
 
 
+def last_string_fields(body: bytes, numbers: tuple[int, ...]) -> dict[int, str] | None:
+    """The values a parse would give the top-level string fields `numbers` (each its last
+    occurrence; absent ones are left out), read by scanning the framing only. None where the
+    framing does not scan (MAX_FIELDS, a group) or a value is not UTF-8: only a parse can tell."""
+    at, fields = 0, 0
+    found: dict[int, tuple[int, int]] = {}
+    size = len(body)
+    try:
+        while at < size:
+            fields += 1
+            if fields > MAX_FIELDS:
+                return None
+            key, at = _varint(body, at)
+            wire_type = key & 7
+            if wire_type == 0:
+                _, at = _varint(body, at)
+            elif wire_type == 1:
+                at += 8
+            elif wire_type == 2:
+                length, start = _varint(body, at)
+                at = start + length
+                if key >> 3 in numbers:
+                    found[key >> 3] = (start, at)
+            elif wire_type == 5:
+                at += 4
+            else:
+                return None
+            if at > size or key >> 3 == 0:
+                return None
+        return {number: body[a:b].decode() for number, (a, b) in found.items()}
+    except ValueError:  # a bad varint, or not UTF-8 (UnicodeDecodeError)
+        return None
+
+
 def parse_in_pieces(message: Any, body: bytes, piece_bytes: int = PIECE_BYTES) -> None:
     """`message.ParseFromString(body)`, merged from pieces of about `piece_bytes`."""
     if len(body) < 2 * piece_bytes:
@@ -93,4 +127,4 @@ def parse_in_pieces(message: Any, body: bytes, piece_bytes: int = PIECE_BYTES) -
         message.ParseFromString(body)  # the whole body's error, as it always read
 
 
-__all__ = ["MAX_FIELDS", "PIECE_BYTES", "parse_in_pieces", "piece_ends"]
+__all__ = ["MAX_FIELDS", "PIECE_BYTES", "last_string_fields", "parse_in_pieces", "piece_ends"]

@@ -26,6 +26,7 @@ from tuneloop.server.api import checkpoint_lookup, session_liveness, session_rel
 from tuneloop.server.api import submission as submission_module
 from tuneloop.server.api.auth_tokens import TokenIssuer
 from tuneloop.server.api.custom_loss_store import CustomLossStore
+from tuneloop.server.api.decode_pool import DecodePool
 from tuneloop.server.api.errors import ApiError
 from tuneloop.server.api.futures_feed import CompletionFeeds
 from tuneloop.server.api.metering import Meter
@@ -86,6 +87,8 @@ class ServerState:
     # stable_reinforce: what sampling recorded per sequence_id (record_stability_info).
     stability: StabilityRecords = field(default_factory=StabilityRecords)
     custom_losses: CustomLossStore = field(default_factory=CustomLossStore)
+    # Large forward_backward bodies are decoded in its process (api/decode_pool.py).
+    decoder: DecodePool = field(default_factory=DecodePool)
     # Releases of sessions found expired by a request (held so they are not garbage collected).
     releases: set[asyncio.Task[None]] = field(default_factory=set)
     # Sampler ids being created (by create_sampling_session or a queued snapshot): a second

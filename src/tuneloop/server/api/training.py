@@ -17,6 +17,12 @@ import zstandard
 from fastapi import APIRouter, Request
 
 from tuneloop.server.api.custom_losses import custom_loss_work
+from tuneloop.server.api.decode_pool import (
+    CUSTOM,
+    PROCESS_BYTES,
+    routing_fields,
+    spans_as_data,
+)
 from tuneloop.server.api.deps import (
     State,
     Tenant,
@@ -56,7 +62,12 @@ from tuneloop.server.engine.operations import (
     SaveSamplerWeights,
     SaveState,
 )
-from tuneloop.server.engine.types import AdapterSpec, ForwardBackwardResult, lora_info
+from tuneloop.server.engine.types import (
+    AdapterSpec,
+    ForwardBackwardResult,
+    ForwardBackwardWork,
+    lora_info,
+)
 from tuneloop.server.scheduler.futures import Outcome
 from tuneloop.server.storage.registry import (
     PACKAGE_KINDS,
@@ -78,6 +89,8 @@ from tuneloop.types import (
     WireFormatError,
 )
 from tuneloop.types.codec import (
+    DecodeLimits,
+    ForwardBackwardRequest,
     encode_forward_backward_output,
     forward_backward_request_from_proto,
     parse_forward_backward_request,
@@ -273,6 +286,10 @@ async def _protobuf_body(request: Request, state: ServerState) -> bytes:
     return raw
 
 
+def _request_arrays(msg: Any, limits: DecodeLimits) -> ForwardBackwardRequest:
+    return forward_backward_request_from_proto(msg, limits, token_arrays=True)
+
+
 def _fwdbwd_outcome(result: ForwardBackwardResult) -> Outcome:
     output = ForwardBackwardOutput(
         loss_fn_output_type="ArrayRecord",
@@ -292,15 +309,21 @@ def _fwdbwd_outcome(result: ForwardBackwardResult) -> Outcome:
 @consumes_seq
 async def forward_backward(request: Request, state: State, tenant: Tenant) -> dict[str, Any]:
     raw = await _protobuf_body(request, state)
+    size = len(raw)
+    if size >= PROCESS_BYTES:
+        routing = await off_loop(size, routing_fields, raw)
+        if routing is not None and routing[1] != CUSTOM:
+            answer = await _decode_in_process(state, tenant, raw, routing[0])
+            if answer is not None:
+                return answer
     # Decoding, checking and hashing a large body take a worker thread, not the event loop,
     # which meanwhile answers other requests (measured in bench/bench_event_loop.py).
-    size = len(raw)
     try:
         msg = await off_loop(size, parse_forward_backward_request, raw)
         run = await state.live_training_run(msg.model_id, tenant)
         spec = state.model_spec(run.base_model)
         limits = decode_limits(spec, state.config.max_request_bytes)
-        body = await off_loop(size, forward_backward_request_from_proto, msg, limits)
+        body = await off_loop(size, _request_arrays, msg, limits)
     except WireFormatError as exc:
         raise bad_request(str(exc), exc.field) from None
     if body.loss_fn == "custom":
@@ -319,14 +342,49 @@ async def forward_backward(request: Request, state: State, tenant: Tenant) -> di
     if body.loss_fn == "stable_reinforce":
         work = attach_stability(work, body.data, state.stability, tenant)
     digest = await off_loop(size, fingerprint, raw)
+    return _submit_fwdbwd(state, tenant, run.id, body.seq_id, work, digest)
+
+
+async def _decode_in_process(
+    state: ServerState, tenant: str, raw: bytes, model_id: str
+) -> dict[str, Any] | None:
+    """A large body decoded in the server's decoding process (api/decode_pool.py): the answer,
+    or None for a custom loss's body, which the worker thread decodes."""
+    try:
+        run = await state.live_training_run(model_id, tenant)
+    except ApiError:
+        # A malformed body says so first, as where the body is parsed before the lookup.
+        try:
+            await off_loop(len(raw), parse_forward_backward_request, raw)
+        except WireFormatError as exc:
+            raise bad_request(str(exc), exc.field) from None
+        raise
+    spec = state.model_spec(run.base_model)
+    decoded = await state.decoder.decode(raw, spec, state.config.max_request_bytes, run.id)
+    if decoded is None:
+        return None
+    work = decoded.work
+    if decoded.spans is not None:
+        work = attach_stability(work, spans_as_data(decoded.spans), state.stability, tenant)
+    return _submit_fwdbwd(state, tenant, run.id, decoded.seq_id, work, decoded.digest)
+
+
+def _submit_fwdbwd(
+    state: ServerState,
+    tenant: str,
+    model_id: str,
+    seq_id: int,
+    work: ForwardBackwardWork,
+    digest: str,
+) -> dict[str, Any]:
     return state.submit_training(
         TrainingSubmission(
             tenant,
-            run.id,
-            body.seq_id,
+            model_id,
+            seq_id,
             work,
             _fwdbwd_outcome,
-            "Forward" if body.forward_only else "ForwardBackward",
+            "Forward" if work.forward_only else "ForwardBackward",
             digest,
         )
     )

@@ -27,32 +27,35 @@ MAX_DATUMS_PER_REQUEST = 4096
 
 
 def tokens_of(model_input: ModelInput, spec: ModelSpec, field: str) -> np.ndarray:
-    tokens: list[int] = []
+    """The input's tokens as one int64 array, checked against the model's vocabulary and
+    context length. A chunk's tokens may be a list of ints (JSON) or an int32 array (a protobuf
+    body decoded with `token_arrays`): arrays are joined without a Python int per token."""
+    parts: list[np.ndarray] = []
+    count = 0
     for j, chunk in enumerate(model_input.chunks):
         if not isinstance(chunk, EncodedTextChunk):
             raise bad_request(
                 f"{field}.chunks[{j}]: {chunk.type} chunks are not supported by {spec.name}",
                 f"{field}.chunks[{j}]",
             )
-        tokens.extend(chunk.tokens)
-        if len(tokens) > spec.max_context_length:  # before the array is built
+        count += len(chunk.tokens)
+        if count > spec.max_context_length:  # before the array is built
             raise bad_request(
                 f"{field}: more than {spec.max_context_length} tokens exceed the context length",
                 field,
             )
-    if not tokens:
+        tokens = chunk.tokens
+        parts.append(
+            tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens, dtype=np.int64)
+        )
+    if not count:
         raise bad_request(f"{field}: must hold at least one token", field)
-    array = np.asarray(tokens, dtype=np.int64)
+    array = parts[0].astype(np.int64) if len(parts) == 1 else np.concatenate(parts, dtype=np.int64)
     bad = np.flatnonzero((array < 0) | (array >= spec.vocab_size))
     if bad.size:
         raise bad_request(
             f"{field}: token id {int(array[bad[0]])} at position {int(bad[0])} is outside the "
             f"vocabulary [0, {spec.vocab_size})",
-            field,
-        )
-    if array.size > spec.max_context_length:
-        raise bad_request(
-            f"{field}: {array.size} tokens exceed the context length {spec.max_context_length}",
             field,
         )
     return array
