@@ -77,9 +77,8 @@ def _attention(previous: bool) -> Iterator[None]:
 def _adamw(previous: bool, backend: Any) -> Iterator[None]:
     adamw = backend._adapters["a"].optimizer._adamw
     keep = [dict(g) for g in adamw.param_groups]
-    if previous:
-        for group in adamw.param_groups:
-            group["foreach"] = False
+    for group in adamw.param_groups:
+        group["foreach"] = not previous  # previous: single-tensor; current: the foreach candidate
     try:
         yield
     finally:
@@ -205,6 +204,12 @@ def main() -> int:
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             train_step(batches[1])
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        # where the zero fills and the batched matmuls come from: their shapes name them
+        events = prof.key_averages(group_by_input_shape=True)
+        picked = [e for e in events if e.key in ("aten::fill_", "aten::bmm")]
+        for event in sorted(picked, key=lambda e: -e.self_cpu_time_total)[:12]:
+            ms = event.self_cpu_time_total / 1e3
+            print(f"{event.key} {event.input_shapes} x{event.count}: {ms:.0f} ms")
         return 0
 
     switch: Callable[[bool], Any] = (
@@ -222,6 +227,8 @@ def main() -> int:
     prev, cur = (statistics.median(times[k]) * 1e3 for k in ("previous", "current"))
     print(f"cpu: {cpu_model()}  dtype {args.dtype}  threads {args.threads}  variant {args.variant}")
     print(f"ms/token: previous {prev:.3f}  current {cur:.3f}  speedup {prev / cur:.3f}x")
+    for name, values in times.items():
+        print(f"  {name} per step: " + " ".join(f"{v * 1e3:.2f}" for v in values))
     print("load:", os.getloadavg())
     return 0
 

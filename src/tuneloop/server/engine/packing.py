@@ -7,9 +7,10 @@ so that it never crosses a boundary. Everything else in a transformer works toke
 packed row gives each sequence exactly the hidden states it gets on its own.
 
 Attention is a transformers attention function registered under `PACKED_ATTENTION`: inside
-`packed_segments(lengths)` it runs SDPA (causal) on each sequence's slice; outside it, it is plain
-SDPA with the usual mask, so sampling (padded prompts, KV cache) is unchanged. Per-sequence SDPA
-costs sum(len^2) instead of the (sum len)^2 a block-diagonal mask over the packed row would.
+`packed_segments(lengths)` it runs SDPA (causal) on each sequence's piece of one split of
+q/k/v; outside it, it is plain SDPA with the usual mask, so sampling (padded prompts, KV cache)
+is unchanged. Per-sequence SDPA costs sum(len^2) instead of the (sum len)^2 a block-diagonal
+mask over the packed row would.
 """
 
 from __future__ import annotations
