@@ -7,9 +7,10 @@ so that it never crosses a boundary. Everything else in a transformer works toke
 packed row gives each sequence exactly the hidden states it gets on its own.
 
 Attention is a transformers attention function registered under `PACKED_ATTENTION`: inside
-`packed_segments(lengths)` it runs SDPA (causal) on each sequence's slice; outside it, it is plain
-SDPA with the usual mask, so sampling (padded prompts, KV cache) is unchanged. Per-sequence SDPA
-costs sum(len^2) instead of the (sum len)^2 a block-diagonal mask over the packed row would.
+`packed_segments(lengths)` it runs SDPA (causal) on each sequence's piece of one split of
+q/k/v; outside it, it is plain SDPA with the usual mask, so sampling (padded prompts, KV cache)
+is unchanged. Per-sequence SDPA costs sum(len^2) instead of the (sum len)^2 a block-diagonal
+mask over the packed row would.
 """
 
 from __future__ import annotations
@@ -43,20 +44,18 @@ def _packed_sdpa(
     lengths: list[int] | None = getattr(_state, "lengths", None)
     if lengths is None or query.shape[2] != sum(lengths) or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    pieces = []
-    start = 0
-    for length in lengths:
-        end = start + length
-        out, _ = sdpa_attention_forward(
-            module,
-            query[:, :, start:end],
-            key[:, :, start:end],
-            value[:, :, start:end],
-            None,
-            **{**kwargs, "is_causal": True},
+    # One split per tensor, not a slice per sequence: a slice's backward writes its gradient
+    # into a zero-filled tensor of the full packed size (sequences x full-size fills and adds
+    # per layer), a split's backward concatenates the pieces' gradients once.
+    pieces = [
+        sdpa_attention_forward(module, q, k, v, None, **{**kwargs, "is_causal": True})[0]
+        for q, k, v in zip(
+            query.split(lengths, dim=2),
+            key.split(lengths, dim=2),
+            value.split(lengths, dim=2),
+            strict=True,
         )
-        pieces.append(out)  # [1, len, heads, dim]
-        start = end
+    ]  # each [1, len, heads, dim]
     return torch.cat(pieces, dim=1), None
 
 

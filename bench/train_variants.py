@@ -1,0 +1,237 @@
+"""Training step A/B: one engine in-process, two variants of one piece, alternated step by step.
+
+Runs forward_backward + optim_step of SmolLM2-135M (rank-32 LoRA on every linear layer and the
+LM head, batches of 8 sequences of 64-256 tokens, as bench/engine.py) on one `TorchBackend`,
+switching a single piece between its previous and current implementation before every step, so
+that machine noise hits both alike. Prints the median step time of each, their ratio, the CPU
+model and the load. `--profile` prints the top ops of one step of the current variant instead.
+
+    python bench/train_variants.py --variant attention [--steps 6] [--dtype bfloat16]
+    python bench/train_variants.py --variant adamw
+    python bench/train_variants.py --profile
+    python bench/train_variants.py --micro          # each piece alone, 422 AdamW tensors and
+                                                    # one layer's packed attention fwd+bwd
+
+`--variant adamw` compares torch's single-tensor AdamW (previous) with foreach=True (current);
+the engine keeps single-tensor, as the numbers in docs/benchmarks.md say why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine import ALPHA, BETAS, EPS, LR, MODEL, RANK, SEED, cpu_model, make_batches
+
+
+def _split_free_sdpa(module: Any, query: Any, key: Any, value: Any, mask: Any, **kw: Any) -> Any:
+    """The packed attention as it was: per-sequence slices of q/k/v (zero-filled gradients)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from tuneloop.server.engine import packing
+
+    lengths = getattr(packing._state, "lengths", None)
+    if lengths is None or query.shape[2] != sum(lengths) or query.shape[0] != 1:
+        return sdpa_attention_forward(module, query, key, value, mask, **kw)
+    pieces, start = [], 0
+    for length in lengths:
+        end = start + length
+        out, _ = sdpa_attention_forward(
+            module,
+            query[:, :, start:end],
+            key[:, :, start:end],
+            value[:, :, start:end],
+            None,
+            **{**kw, "is_causal": True},
+        )
+        pieces.append(out)
+        start = end
+    return torch.cat(pieces, dim=1), None
+
+
+@contextmanager
+def _attention(previous: bool) -> Iterator[None]:
+    from transformers import AttentionInterface
+
+    from tuneloop.server.engine import packing
+
+    if previous:
+        AttentionInterface.register(packing.PACKED_ATTENTION, _split_free_sdpa)
+    try:
+        yield
+    finally:
+        AttentionInterface.register(packing.PACKED_ATTENTION, packing._packed_sdpa)
+
+
+@contextmanager
+def _adamw(previous: bool, backend: Any) -> Iterator[None]:
+    adamw = backend._adapters["a"].optimizer._adamw
+    keep = [dict(g) for g in adamw.param_groups]
+    for group in adamw.param_groups:
+        group["foreach"] = not previous  # previous: single-tensor; current: the foreach candidate
+    try:
+        yield
+    finally:
+        for group, old in zip(adamw.param_groups, keep, strict=True):
+            group["foreach"] = old["foreach"]
+
+
+def _micro_attention(repeats: int) -> str:
+    """One layer's packed attention (SmolLM2: 9 query heads, 3 KV heads, dim 64) fwd+bwd."""
+    from types import SimpleNamespace
+
+    from tuneloop.server.engine import packing
+
+    lengths = [int(n) for n in np.random.default_rng(SEED).integers(64, 257, 8)]
+    total = sum(lengths)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
+
+    def once(fn: Callable[..., Any]) -> float:
+        q, k, v = (
+            torch.randn(1, h, total, 64, dtype=torch.bfloat16, requires_grad=True)
+            for h in (9, 3, 3)
+        )
+        begin = time.perf_counter()
+        with packing.packed_segments(lengths):
+            out, _ = fn(module, q, k, v, None, dropout=0.0, scaling=0.125)
+            out.float().sum().backward()
+        return time.perf_counter() - begin
+
+    times: dict[str, list[float]] = {"slices": [], "split": []}
+    for i in range(repeats):
+        for name in ("slices", "split") if i % 2 == 0 else ("split", "slices"):
+            fn = _split_free_sdpa if name == "slices" else packing._packed_sdpa
+            times[name].append(once(fn))
+    a, b = (statistics.median(times[k]) * 1e3 for k in ("slices", "split"))
+    return (
+        f"attention fwd+bwd over {total} tokens: slices {a:.1f} ms, split {b:.1f} ms, {a / b:.2f}x"
+    )
+
+
+def _micro_adamw(repeats: int) -> str:
+    """AdapterOptimizer.step over SmolLM2's 422 rank-32 LoRA tensors, single vs foreach."""
+    from tuneloop.server.engine.optim import AdapterOptimizer
+    from tuneloop.server.engine.types import AdamStep
+
+    hidden, inter, kv, vocab = 576, 1536, 192, 49152
+    shapes: list[tuple[int, int]] = []
+    for _ in range(30):
+        for fan_in, fan_out in [(hidden, hidden), (hidden, kv), (hidden, kv), (hidden, hidden)]:
+            shapes += [(RANK, fan_in), (fan_out, RANK)]
+        for fan_in, fan_out in [(hidden, inter), (hidden, inter), (inter, hidden)]:
+            shapes += [(RANK, fan_in), (fan_out, RANK)]
+    shapes += [(RANK, hidden), (vocab, RANK)]
+    step = AdamStep(LR, BETAS[0], BETAS[1], EPS, 0.01, 1.0)
+    params, optims = {}, {}
+    for name in ("single", "foreach"):
+        gen = torch.Generator().manual_seed(SEED)
+        params[name] = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.01) for s in shapes]
+        optims[name] = AdapterOptimizer(params[name])
+        for group in optims[name]._adamw.param_groups:
+            group["foreach"] = name == "foreach"
+    times: dict[str, list[float]] = {"single": [], "foreach": []}
+    for i in range(repeats):
+        for name in ("single", "foreach") if i % 2 == 0 else ("foreach", "single"):
+            gen = torch.Generator().manual_seed(SEED + 1 + i)
+            for p in params[name]:
+                p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+            begin = time.perf_counter()
+            optims[name].step(step)
+            times[name].append(time.perf_counter() - begin)
+    same = all(torch.equal(a, b) for a, b in zip(params["single"], params["foreach"], strict=True))
+    a, b = (statistics.median(times[k]) * 1e3 for k in ("single", "foreach"))
+    return (
+        f"AdamW step over {len(shapes)} tensors: single {a:.1f} ms, foreach {b:.1f} ms, "
+        f"{a / b:.2f}x, bit-equal {same}"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--variant", choices=["attention", "adamw"], default="attention")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per variant")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--micro", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.micro:
+        print(f"cpu: {cpu_model()}  threads {args.threads}  load {os.getloadavg()}")
+        print(_micro_attention(30))
+        print(_micro_adamw(12))
+        print("load:", os.getloadavg())
+        return 0
+
+    from tuneloop.server.engine import models
+    from tuneloop.server.engine import types as t
+    from tuneloop.server.engine.torch_backend import TorchBackend
+
+    cache = Path(os.environ.get("TUNELOOP_CACHE", tempfile.gettempdir())) / "tuneloop-bench"
+    cache.mkdir(parents=True, exist_ok=True)
+    models._smollm2_folder(cache)
+    dtype = getattr(torch, args.dtype)
+    backend = TorchBackend([MODEL], cache_dir=cache, device="cpu", dtype=dtype)
+    backend.create_adapter(t.AdapterSpec("a", MODEL, rank=RANK, seed=SEED, alpha=ALPHA))
+    step = t.AdamStep(LR, BETAS[0], BETAS[1], EPS, 0.0, 0.0)
+    stream = list(np.random.default_rng(SEED).integers(100, 40000, 200_000))
+    batches = make_batches(stream, args.steps + 2, 8, 64, 256)
+
+    def train_step(rows: list[list[int]]) -> None:
+        examples = tuple(
+            t.Example(np.asarray(r[:-1]), {"target_tokens": np.asarray(r[1:])}) for r in rows
+        )
+        work = t.ForwardBackwardWork("a", examples, "cross_entropy", {}, False)
+        (result,) = backend.forward_backward([work])
+        if isinstance(result, Exception):
+            raise result
+        backend.optim_step("a", step)
+
+    train_step(batches[0])  # warm-up (AdamW state, first-call costs)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            train_step(batches[1])
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        # where the zero fills and the batched matmuls come from: their shapes name them
+        events = prof.key_averages(group_by_input_shape=True)
+        picked = [e for e in events if e.key in ("aten::fill_", "aten::bmm")]
+        for event in sorted(picked, key=lambda e: -e.self_cpu_time_total)[:12]:
+            ms = event.self_cpu_time_total / 1e3
+            print(f"{event.key} {event.input_shapes} x{event.count}: {ms:.0f} ms")
+        return 0
+
+    switch: Callable[[bool], Any] = (
+        _attention if args.variant == "attention" else (lambda p: _adamw(p, backend))
+    )
+    times: dict[str, list[float]] = {"previous": [], "current": []}
+    train_step(batches[1])
+    for i in range(args.steps):
+        for name in ("previous", "current") if i % 2 == 0 else ("current", "previous"):
+            rows = batches[2 + i]  # the same batch for both variants of a pair
+            with switch(name == "previous"):
+                begin = time.perf_counter()
+                train_step(rows)
+                times[name].append((time.perf_counter() - begin) / sum(len(r) for r in rows))
+    prev, cur = (statistics.median(times[k]) * 1e3 for k in ("previous", "current"))
+    print(f"cpu: {cpu_model()}  dtype {args.dtype}  threads {args.threads}  variant {args.variant}")
+    print(f"ms/token: previous {prev:.3f}  current {cur:.3f}  speedup {prev / cur:.3f}x")
+    for name, values in times.items():
+        print(f"  {name} per step: " + " ".join(f"{v * 1e3:.2f}" for v in values))
+    print("load:", os.getloadavg())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
