@@ -50,6 +50,29 @@ def backend(tmp_path: Path) -> Iterator[Any]:
     be.close()
 
 
+@pytest.fixture(scope="module")
+def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One 2-rank worker group of the tiny model per test module (starting one costs seconds)."""
+    from tuneloop.server.engine.workers.build import worker_group
+
+    root = tmp_path_factory.mktemp("group")
+    g = worker_group(
+        (TINY,), workers=2, cache_dir=root / "cache", device="cpu", state_dir=root / "state"
+    )
+    yield g
+    g.close()
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The one-process engine a module's worker group is compared with."""
+    from tuneloop.server.engine.torch_backend import TorchBackend
+
+    be = TorchBackend([TINY], cache_dir=tmp_path_factory.mktemp("single"), device="cpu")
+    yield be
+    be.close()
+
+
 def adapter_spec(adapter_id: str, rank: int = 4, seed: int = 0, **kw: Any) -> Any:
     from tuneloop.server.engine.types import AdapterSpec
 

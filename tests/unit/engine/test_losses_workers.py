@@ -5,7 +5,6 @@ Tolerances as in test_workers_group (float32 sums in another order)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,18 +31,6 @@ from tuneloop.server.engine.types import ForwardBackwardWork  # noqa: E402
 
 TOL = 1e-5
 WEIGHT_TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from tuneloop.server.engine.workers.build import worker_group
-
-    root = tmp_path_factory.mktemp("group")
-    g = worker_group(
-        (TINY,), workers=2, cache_dir=root / "cache", device="cpu", state_dir=root / "state"
-    )
-    yield g
-    g.close()
 
 
 def _custom_work(adapter: str) -> Any:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -42,27 +42,6 @@ from tuneloop.server.engine.types import (  # noqa: E402
 from tuneloop.server.engine.workers.continuous import sample_in_batches  # noqa: E402
 
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from tuneloop.server.engine.workers.build import worker_group
-
-    root = tmp_path_factory.mktemp("group")
-    g = worker_group(
-        (TINY,), workers=2, cache_dir=root / "cache", device="cpu", state_dir=root / "state"
-    )
-    yield g
-    g.close()
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from tuneloop.server.engine.torch_backend import TorchBackend
-
-    be = TorchBackend([TINY], cache_dir=tmp_path_factory.mktemp("single"), device="cpu")
-    yield be
-    be.close()
 
 
 @pytest.fixture(scope="module")

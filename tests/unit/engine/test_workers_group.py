@@ -19,7 +19,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,28 +44,6 @@ from tuneloop.server.engine.workers.sharding import shard_batch  # noqa: E402
 
 TOL = 1e-5
 WEIGHT_TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """One 2-rank group for the module (starting one costs seconds)."""
-    from tuneloop.server.engine.workers.build import worker_group
-
-    root = tmp_path_factory.mktemp("group")
-    g = worker_group(
-        (TINY,), workers=2, cache_dir=root / "cache", device="cpu", state_dir=root / "state"
-    )
-    yield g
-    g.close()
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from tuneloop.server.engine.torch_backend import TorchBackend
-
-    be = TorchBackend([TINY], cache_dir=tmp_path_factory.mktemp("single"), device="cpu")
-    yield be
-    be.close()
 
 
 def _batch(step: int, adapters: tuple[str, ...]) -> list[Any]:
