@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -32,15 +31,10 @@ from typing import Any
 
 import numpy as np
 
-DEFAULT = "HuggingFaceTB/SmolLM2-135M-Instruct"
+from workers_scaling import DEFAULT, batch, cpu_model  # a sibling: a script's folder is on sys.path
+from workers_scaling import step as train_step
+
 MIB = 2**20
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def rss(pid: int) -> int:
@@ -48,22 +42,6 @@ def rss(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
-
-
-def batch(rows: int, tokens: int, vocab: int, seed: int) -> list[Any]:
-    from tuneloop.server.engine.types import Example, ForwardBackwardWork
-
-    rng = np.random.default_rng(seed)
-    examples = []
-    for _ in range(rows):
-        sequence = rng.integers(0, vocab, tokens + 1).astype(np.int64)
-        examples.append(
-            Example(
-                sequence[:-1],
-                {"target_tokens": sequence[1:], "weights": np.ones(tokens, np.float32)},
-            )
-        )
-    return [ForwardBackwardWork("bench", tuple(examples), "cross_entropy", {}, False)]
 
 
 def samples(n: int, prompt: int, new: int, vocab: int, seed: int) -> list[Any]:
@@ -85,17 +63,6 @@ def samples(n: int, prompt: int, new: int, vocab: int, seed: int) -> list[Any]:
         )
         for i in range(n)
     ]
-
-
-def train_step(backend: Any, work: list[Any]) -> float:
-    from tuneloop.server.engine.types import AdamStep, EngineError
-
-    start = time.perf_counter()
-    [result] = backend.forward_backward(work)
-    if isinstance(result, EngineError):
-        raise result
-    backend.optim_step("bench", AdamStep(1e-4, 0.9, 0.999, 1e-8, 0.0, 1.0))
-    return time.perf_counter() - start
 
 
 def sample_step(backend: Any, works: list[Any]) -> tuple[float, int]:
