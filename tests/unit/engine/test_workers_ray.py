@@ -58,19 +58,24 @@ def test_group_on_ray_trains_like_one_process(local_ray: Any, backend: Any, tmp_
         (TINY,), workers=2, cache_dir=tmp_path / "cache", device="cpu", ray_address="local"
     )
     try:
-        assert len(set(group.worker_pids())) == 2
-        data = [example(seq(n, 40 + n)) for n in (33, 8, 21, 12)]
-        losses = []
-        for be in (group, backend):
-            be.create_adapter(adapter_spec("r", rank=4, seed=1))
-            for _ in range(2):
-                losses.append(ok(be.forward_backward([work("r", data)])[0]).metrics["loss:sum"])
-                be.optim_step("r", adam(1e-2))
-        assert_near(losses[:2], losses[2:], 1e-5, "loss sums", relative=True)
-        group.save_state("r", tmp_path / "saved", optimizer=False)
-        assert_near(read_factors(tmp_path / "saved"), params(backend, "r"), 1e-4, "weights")
+        _trains_like(group, backend, tmp_path, (33, 8, 21, 12))
     finally:
         group.close()
+
+
+def _trains_like(group: Any, backend: Any, tmp_path: Path, lengths: tuple[int, ...]) -> None:
+    """Two steps on the group and on one process: the same losses and the same saved factors."""
+    assert len(set(group.worker_pids())) == 2
+    data = [example(seq(n, 40 + n)) for n in lengths]
+    losses = []
+    for be in (group, backend):
+        be.create_adapter(adapter_spec("r", rank=4, seed=1))
+        for _ in range(2):
+            losses.append(ok(be.forward_backward([work("r", data)])[0]).metrics["loss:sum"])
+            be.optim_step("r", adam(1e-2))
+    assert_near(losses[:2], losses[2:], 1e-5, "loss sums", relative=True)
+    group.save_state("r", tmp_path / "saved", optimizer=False)
+    assert_near(read_factors(tmp_path / "saved"), params(backend, "r"), 1e-4, "weights")
 
 
 def test_a_sharded_group_on_ray_trains_like_one_process(local_ray: Any, tmp_path: Path) -> None:
@@ -91,17 +96,7 @@ def test_a_sharded_group_on_ray_trains_like_one_process(local_ray: Any, tmp_path
         shard_weights="fsdp",
     )
     try:
-        assert len(set(group.worker_pids())) == 2
-        data = [example(seq(n, 40 + n)) for n in (33, 8, 21)]
-        losses = []
-        for be in (group, backend):
-            be.create_adapter(adapter_spec("r", rank=4, seed=1))
-            for _ in range(2):
-                losses.append(ok(be.forward_backward([work("r", data)])[0]).metrics["loss:sum"])
-                be.optim_step("r", adam(1e-2))
-        assert_near(losses[:2], losses[2:], 1e-5, "loss sums", relative=True)
-        group.save_state("r", tmp_path / "saved", optimizer=False)
-        assert_near(read_factors(tmp_path / "saved"), params(backend, "r"), 1e-4, "weights")
+        _trains_like(group, backend, tmp_path, (33, 8, 21))
     finally:
         group.close()
         backend.close()
