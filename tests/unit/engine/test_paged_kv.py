@@ -20,23 +20,9 @@ from tests.unit.engine.conftest import (  # noqa: E402
     seq,
     train,
 )
+from tests.unit.engine.test_sampler import sw  # noqa: E402
 from tuneloop.server.engine.kv.block_manager import BlockManager  # noqa: E402
 from tuneloop.server.engine.types import EngineError, SampleWork  # noqa: E402
-
-
-def sw(sampler_id: str, tokens: Any, **kw: Any) -> SampleWork:
-    args: dict[str, Any] = {
-        "num_samples": 1,
-        "max_tokens": 8,
-        "temperature": 1.0,
-        "top_k": -1,
-        "top_p": 1.0,
-        "seed": 0,
-        "stop_token_ids": (),
-        "stop_strings": (),
-    }
-    args.update(kw)
-    return SampleWork(sampler_id, np.asarray(tokens, dtype=np.int64), **args)
 
 
 @pytest.fixture
