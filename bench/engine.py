@@ -417,7 +417,14 @@ class HFColumn:
 
     name = "hf_peft"
 
-    def __init__(self, folder: Path, pad_id: int, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        folder: Path,
+        pad_id: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        merge_for_sampling: bool = True,
+    ):
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
@@ -433,6 +440,7 @@ class HFColumn:
         self.optimizer = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
         self.pad_id = pad_id
         self.device = device
+        self.merge_for_sampling = merge_for_sampling
 
     def cpu_seconds(self) -> float:
         return time.process_time()
@@ -454,6 +462,8 @@ class HFColumn:
 
     def freeze_sampler(self) -> None:
         self.model.eval()
+        if self.merge_for_sampling:  # what a user serving the trained adapter would run
+            self.model = self.model.merge_and_unload()
 
     @torch.no_grad()
     def sample(self, prompts: list[list[int]], n: int, new: int) -> int:
@@ -642,6 +652,13 @@ def main() -> int:
         "side at its own best dtype",
     )
     parser.add_argument("--no-sampling", action="store_true", help="training columns only")
+    parser.add_argument(
+        "--hf-sampling",
+        choices=("merged", "peft"),
+        default="merged",
+        help="the transformers column samples with the adapter merged into the weights "
+        "(default) or through PEFT's unmerged LoRA layers",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.quick:  # every code path on a fraction of the work; the numbers mean nothing
@@ -683,12 +700,13 @@ def main() -> int:
         padded = sum(len(b) * (max(len(r) for r in b) - 1) for b in batches)
 
         hf_dtype = DTYPES[args.hf_dtype or args.dtype]
-        hf = HFColumn(folder, pad_id, device, hf_dtype)
+        hf = HFColumn(folder, pad_id, device, hf_dtype, args.hf_sampling == "merged")
         stats = hf.stats
         report: dict[str, Any] = {
             "model": f"random-init {args.random_init}" if args.random_init else model,
             "dtype": args.dtype,
             "hf_peft_dtype": args.hf_dtype or args.dtype,
+            "hf_sampling": args.hf_sampling,
             "server_sdk": args.sdk,
             "device": args.device,
             "lora": {
