@@ -1,5 +1,7 @@
 """Operations that touch nothing a decode batch reads run between its steps on the real torch
-engine, and change nothing the batch draws: its tokens are those it draws alone."""
+engine (forward_backward passes included), and change nothing the batch draws: its tokens are
+those it draws alone; a worker group, whose ranks are inside their decode sessions, runs them
+after the batch instead."""
 
 from __future__ import annotations
 
@@ -10,7 +12,17 @@ from typing import Any
 
 import numpy as np
 
-from tests.unit.engine.conftest import TINY, adam, adapter_spec, example, ok, seq, work
+from tests.unit.engine.conftest import (
+    TINY,
+    adam,
+    adapter_spec,
+    example,
+    forward,
+    max_diff,
+    ok,
+    seq,
+    work,
+)
 from tuneloop.server.engine.operations import CreateAdapter, CreateSampler, OptimStep, SaveState
 from tuneloop.server.engine.types import SampleWork
 from tuneloop.server.scheduler.futures import FutureTable, Outcome
@@ -37,6 +49,14 @@ def _finish(result: Any) -> Outcome:
     return Outcome(json.dumps({"ok": True}).encode(), "application/json")
 
 
+def _keeping(results: list[Any]) -> Any:
+    def finish(result: Any) -> Outcome:
+        results.append(result)
+        return _finish(result)
+
+    return finish
+
+
 async def test_training_operations_run_mid_decode_and_leave_its_draw_unchanged(
     backend: Any, tmp_path: Path
 ) -> None:
@@ -45,6 +65,8 @@ async def test_training_operations_run_mid_decode_and_leave_its_draw_unchanged(
     backend.create_sampler("sx", TINY, adapter_id="x")
     [alone] = backend.sample([_long_sample("sx")])
     reference = [s.tokens for s in ok(alone).sequences]
+    trained = example(seq(20, 5))
+    before = forward(backend, "x", [trained])  # forward-only: accumulates nothing
 
     queue, futures = OperationQueue(), FutureTable()
     loop = EngineLoop(backend, queue, futures)
@@ -58,17 +80,20 @@ async def test_training_operations_run_mid_decode_and_leave_its_draw_unchanged(
         await asyncio.sleep(0.005)
     assert loop.running is not None
     ops = [
-        ("x", 1, OptimStep("x", adam())),
-        ("x", 2, SaveState("x", tmp_path / "saved", True, False, "tinker://x/weights/saved")),
-        ("x", 3, CreateSampler("sx2", TINY, adapter_id="x")),
+        ("x", 1, work("x", [trained])),  # a training pass between two decode steps
+        ("x", 2, OptimStep("x", adam())),
+        ("x", 3, SaveState("x", tmp_path / "saved", True, False, "tinker://x/weights/saved")),
+        ("x", 4, CreateSampler("sx2", TINY, adapter_id="x")),
         ("y", 0, CreateAdapter(adapter_spec("y"))),
     ]
     queue.skip("x", 0, "")  # x was created above, outside the queue
     ids = []
+    passes: list[Any] = []
     for model, seq_id, op in ops:
         request_id = futures.create("t", "op")
+        done = _finish if kind_of(op) != "forward_backward" else _keeping(passes)
         queue.submit_training(
-            Operation(request_id, kind_of(op), op, _finish, model, seq_id, f"{model}{seq_id}")
+            Operation(request_id, kind_of(op), op, done, model, seq_id, f"{model}{seq_id}")
         )
         ids.append(request_id)
     loop.notify("single")
@@ -77,6 +102,8 @@ async def test_training_operations_run_mid_decode_and_leave_its_draw_unchanged(
         assert answer is not None
         assert json.loads(answer.body) == {"ok": True}, answer.body
         assert not step.done(), "answered only after the decode batch ended"
+    # The pass saw the adapter as it was: its logprobs are the forward's before it.
+    assert max_diff(passes[0].logprobs, before) < 1e-6
     assert await step
     assert [s.tokens for s in sampled[0].sequences] == reference
     assert (tmp_path / "saved").is_dir()
@@ -86,3 +113,38 @@ async def test_training_operations_run_mid_decode_and_leave_its_draw_unchanged(
     frozen = backend.sampler_state("sx")[1]
     assert any(not np.allclose(stepped[k].numpy(), frozen[k].numpy()) for k in stepped)
     await loop.stop()
+
+
+async def test_a_worker_group_runs_training_queued_mid_decode_after_the_batch(
+    group: Any, single: Any
+) -> None:
+    """The ranks are inside their decode sessions: what is queued waits for the batch to end,
+    new samples with it, and then runs; the batch draws what one process draws alone."""
+    for be in (group, single):
+        be.create_adapter(adapter_spec("gx"))
+        be.create_sampler("gsx", TINY, adapter_id="gx")
+    [alone] = single.sample([_long_sample("gsx")])
+    queue, futures = OperationQueue(), FutureTable()
+    loop = EngineLoop(group, queue, futures)
+    assert not loop.scheduler.train_between_steps
+    sampled: list[Any] = []
+    long = futures.create("t", "Sample")
+    queue.submit_sample(Operation(long, "sample", _long_sample("gsx"), sampled.append))
+    step = asyncio.create_task(loop.step())
+    for _ in range(2000):  # bounded: the batch starts within a few ms
+        if loop.running is not None:
+            break
+        await asyncio.sleep(0.005)
+    queue.skip("gx", 0, "")  # created above, outside the queue
+    stepped = futures.create("t", "op")
+    queue.submit_training(
+        Operation(stepped, "single", OptimStep("gx", adam()), _finish, "gx", 1, "gx1")
+    )
+    loop.notify("single")
+    assert await asyncio.wait_for(step, 60.0)
+    assert [s.tokens for s in sampled[0].sequences] == [s.tokens for s in ok(alone).sequences]
+    assert await loop.step()  # the optim_step, now that the ranks are free
+    answer = await asyncio.wait_for(futures.wait(stepped, "t", 30.0), 30.0)
+    assert answer is not None
+    assert json.loads(answer.body) == {"ok": True}, answer.body
+    # Not loop.stop(): it would close the module's shared group and engine.

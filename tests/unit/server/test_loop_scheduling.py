@@ -31,6 +31,8 @@ class Work:
 class DecodingBackend:
     """Decodes in 10 ms steps and logs what the engine thread did, step by step."""
 
+    trains_between_decode_steps = True
+
     def __init__(self) -> None:
         self.events: list[str] = []
         self.steps = 0

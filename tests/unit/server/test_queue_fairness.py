@@ -14,6 +14,7 @@ from tuneloop.server.engine.operations import (
     footprint,
 )
 from tuneloop.server.engine.types import AdamStep
+from tuneloop.server.scheduler.admission import EngineScheduler
 from tuneloop.server.scheduler.fair_queue import RoundRobin
 from tuneloop.server.scheduler.futures import Outcome
 from tuneloop.server.scheduler.queue import Operation, OperationQueue
@@ -31,10 +32,11 @@ def sample(tenant: str, name: str) -> Operation:
 
 def test_one_tenants_single_sample_runs_in_the_first_batch_behind_anothers_flood() -> None:
     queue = OperationQueue(max_sample_batch=8)
+    sched = EngineScheduler(queue)
     for i in range(1000):
         queue.submit_sample(sample("flood", f"f{i}"))
     queue.submit_sample(sample("lone", "l0"))
-    batch = queue.next_batch()
+    batch = sched.next_batch()
     assert batch is not None
     names = [op.request_id for op in batch.ops]
     assert len(names) == 8
@@ -91,19 +93,3 @@ def test_footprints_say_what_conflicts() -> None:
     snapshot = footprint(CreateSampler("sampler-t", "base", adapter_id="adapter-x"))
     assert snapshot.conflicts(footprint(OptimStep("adapter-x", STEP)))
     assert not snapshot.conflicts(footprint(OptimStep("adapter-y", STEP)))
-
-
-def test_take_singles_takes_each_models_next_operation_unless_it_conflicts() -> None:
-    queue = OperationQueue()
-    ops = {
-        "x": OptimStep("x", STEP),
-        "y": CreateSampler("running", "base", adapter_id="y"),  # re-creates what is read
-    }
-    for model, work in ops.items():
-        queue.submit_training(Operation(model, "single", work, finish, model, 0, model))
-    queue.submit_training(Operation("x1", "forward_backward", "fb", finish, "x", 1, "x1"))  # type: ignore[arg-type]
-    running = Footprint(reads=frozenset({"running"}))
-    assert [o.request_id for o in queue.take_singles(running)] == ["x"]
-    assert queue.blocks_sampling(running)  # y's op waits for the batch, and x's next is a fb
-    assert queue.take_singles(running) == []  # x's forward_backward never runs mid-batch
-    assert queue.queued_training() == 2

@@ -11,6 +11,7 @@ import httpx
 
 from tests.unit.server.harness import Api, datum, serve
 from tuneloop.server.api.revocation import CALLER_KEY, CHECK_S, REVOKED, Revocations
+from tuneloop.server.scheduler.admission import EngineScheduler
 from tuneloop.server.scheduler.futures import FutureTable, Outcome
 from tuneloop.server.scheduler.queue import Operation, OperationQueue
 from tuneloop.server.storage.keys import key_hash
@@ -84,12 +85,13 @@ async def test_queued_and_running_sampling_of_a_revoked_key_stops(tmp_path: Path
 
 def test_drop_requests_consumes_training_seq_ids() -> None:
     queue = OperationQueue()
+    sched = EngineScheduler(queue)
 
     def op(request_id: str, seq_id: int) -> Operation:
         return Operation(request_id, "single", None, lambda r: r, "m", seq_id, request_id)
 
     queue.submit_training(op("create", 0))
-    batch = queue.next_batch()
+    batch = sched.next_batch()
     assert batch is not None
     assert [o.request_id for o in batch.ops] == ["create"]
     for request_id, seq_id in (("b", 2), ("c", 3)):
@@ -99,7 +101,7 @@ def test_drop_requests_consumes_training_seq_ids() -> None:
     assert sorted(o.request_id for o in dropped) == ["b", "s"]
     queue.submit_training(op("a", 1))
     order = []
-    while (batch := queue.next_batch()) is not None:
+    while (batch := sched.next_batch()) is not None:
         order += [o.request_id for o in batch.ops]
     assert order == ["a", "c"]  # seq 2 stepped over, nothing waits for it
 

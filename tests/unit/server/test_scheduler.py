@@ -11,6 +11,7 @@ import pytest
 
 from tuneloop.server.engine.operations import OptimStep
 from tuneloop.server.engine.types import AdamStep, EngineError
+from tuneloop.server.scheduler.admission import EngineScheduler
 from tuneloop.server.scheduler.futures import FutureTable, Outcome
 from tuneloop.server.scheduler.loop import EngineLoop
 from tuneloop.server.scheduler.queue import (
@@ -42,8 +43,9 @@ def ids(batch: Batch | None) -> list[str]:
 
 
 def drain(queue: OperationQueue) -> list[Batch]:
+    sched = EngineScheduler(queue)
     out = []
-    while (batch := queue.next_batch()) is not None:
+    while (batch := sched.next_batch()) is not None:
         out.append(batch)
     return out
 
@@ -53,24 +55,26 @@ def drain(queue: OperationQueue) -> list[Batch]:
 
 def test_early_arrivals_wait_for_their_turn() -> None:
     queue = OperationQueue()
+    sched = EngineScheduler(queue)
     queue.submit_training(op("m", 2, "single"))
     queue.submit_training(op("m", 1))
-    assert queue.next_batch() is None  # seq 0 (creation) has not arrived
+    assert sched.next_batch() is None  # seq 0 (creation) has not arrived
     assert not queue.has_work()
     queue.submit_training(op("m", 0, "single"))
     assert queue.has_work()
-    assert ids(queue.next_batch()) == ["m/0"]
-    assert ids(queue.next_batch()) == ["m/1"]
-    assert ids(queue.next_batch()) == ["m/2"]
-    assert queue.next_batch() is None
+    assert ids(sched.next_batch()) == ["m/0"]
+    assert ids(sched.next_batch()) == ["m/1"]
+    assert ids(sched.next_batch()) == ["m/2"]
+    assert sched.next_batch() is None
 
 
 def test_a_gap_blocks_only_its_own_model() -> None:
     queue = OperationQueue()
+    sched = EngineScheduler(queue)
     for o in (op("a", 0, "single"), op("a", 2, "single"), op("b", 0, "single")):
         queue.submit_training(o)
-    assert ids(queue.next_batch()) == ["a/0", "b/0"]
-    assert queue.next_batch() is None
+    assert ids(sched.next_batch()) == ["a/0", "b/0"]
+    assert sched.next_batch() is None
     queue.submit_training(op("a", 1, "single"))
     assert [ids(b) for b in drain(queue)] == [["a/1"], ["a/2"]]
 
@@ -99,9 +103,10 @@ def test_dedup_and_conflict() -> None:
 
 def test_consecutive_forward_backward_chunks_and_model_heads_share_one_batch() -> None:
     queue = OperationQueue()
+    sched = EngineScheduler(queue)
     for model in ("a", "b", "c"):
         queue.submit_training(op(model, 0, "single"))
-    assert ids(queue.next_batch()) == ["a/0", "b/0", "c/0"]  # one engine trip for all singles
+    assert ids(sched.next_batch()) == ["a/0", "b/0", "c/0"]  # one engine trip for all singles
     for o in (
         op("a", 1),
         op("a", 2),
@@ -112,14 +117,14 @@ def test_consecutive_forward_backward_chunks_and_model_heads_share_one_batch() -
         op("c", 2),  # not ready: c's seq 1 is missing
     ):
         queue.submit_training(o)
-    batch = queue.next_batch()
+    batch = sched.next_batch()
     assert batch is not None
     assert batch.kind == "forward_backward"
     assert ids(batch) == ["a/1", "a/2", "a/3", "b/1"]
     # a's optim step is next; the chunk after it does not jump the queue.
-    assert ids(queue.next_batch()) == ["a/4"]
-    assert ids(queue.next_batch()) == ["a/5"]
-    assert queue.next_batch() is None
+    assert ids(sched.next_batch()) == ["a/4"]
+    assert ids(sched.next_batch()) == ["a/5"]
+    assert sched.next_batch() is None
 
 
 def test_samples_batch_up_to_the_limit_in_order() -> None:

@@ -88,6 +88,11 @@ class ContinuousSampling(Protocol):
 
         Requests of the sampler ids `cancelled()` names (checked once per step) leave the batch
         and are answered with an error: their session is gone, so they stop costing compute.
+
+        A backend whose class sets `trains_between_decode_steps = True` may be called, from
+        inside `admit()`, for training work that touches nothing the batch reads (an
+        optim_step, a forward_backward of another adapter); without it, such work waits for
+        the batch to end.
         """
         ...
 
@@ -99,6 +104,12 @@ class KVCacheUse:
     tokens: int  # cache tokens held by running decode batches: rows x cache length
     token_budget: int  # the most one decode run may hold
     bytes: int  # memory of the held tokens: keys and values, every layer, at the model's dtype
+    # What admission reads (scheduler/admission.py), of the pool decoding now; 0: no pool.
+    block_size: int = 0
+    total_blocks: int = 0
+    free_blocks: int = 0  # neither referenced nor promised to an admitted request
+    running: int = 0  # rows decoding or prefilling
+    waiting: int = 0  # requests handed to the engine that wait for blocks
 
 
 @runtime_checkable

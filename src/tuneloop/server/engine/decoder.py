@@ -44,7 +44,12 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine.isolation import NON_FINITE_LOGITS, alone_error
-from tuneloop.server.engine.kv.block_manager import BlockManager, KVUsage, blocks_for
+from tuneloop.server.engine.kv.block_manager import (
+    BlockManager,
+    KVUsage,
+    blocks_for,
+    worst_case_blocks,
+)
 from tuneloop.server.engine.kv.paged_attention import KVPool
 from tuneloop.server.engine.kv.sequence import Sequence
 from tuneloop.server.engine.lora import AdapterBank
@@ -139,15 +144,6 @@ class Decoder:
 
     # ---- admission ----------------------------------------------------------------------------
 
-    def _worst_case(self, work: SampleWork, fresh_prompt_blocks: int) -> int:
-        """Blocks a request may take: its uncached prompt blocks, each sample's growth (the last
-        sampled token is never written), and a copy of the shared last prompt block for all
-        samples but one."""
-        size, prompt = self.blocks.block_size, len(work.prompt)
-        grow = blocks_for(prompt + work.max_tokens - 1, size) - blocks_for(prompt, size)
-        copies = (work.num_samples - 1) if prompt % size else 0
-        return fresh_prompt_blocks + work.num_samples * grow + copies
-
     def admit(self, work: SampleWork, key: str | None, namespace: str) -> RunningRequest | None:
         """Start prefilling `work` if its worst case fits the free blocks (None: not now).
 
@@ -159,7 +155,7 @@ class Decoder:
         # At least the last prompt token is computed: its logits give the first sample.
         usable = digests[: (len(prompt) - 1) // size]
         found = self.blocks.cached_prefix(usable, prompt)
-        need = self._worst_case(work, blocks_for(len(prompt), size) - len(found))
+        need = worst_case_blocks(len(prompt), work.num_samples, work.max_tokens, size, len(found))
         from_free = self.blocks.cost(found)  # cached blocks nobody holds: they leave the free list
         need += from_free
         # The prompt (and a first block for each sample) must fit; the growth may not, when

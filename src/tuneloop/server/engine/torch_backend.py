@@ -8,7 +8,7 @@ paged decoder (decoder.py), requests joining while it decodes (sampling_run.py).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,11 @@ def _device(name: str | None) -> torch.device:
 
 
 class TorchBackend:
+    # Training work may run between the decode steps of a sampling batch: the model, its
+    # adapter bank and the KV pool are this process's, and a decode step carries no state in
+    # them from one step to the next but the pool (scheduler/admission.py).
+    trains_between_decode_steps = True
+
     def __init__(
         self,
         models: Sequence[str],
@@ -104,6 +109,8 @@ class TorchBackend:
         # Bumped whenever a sampler id gets new factors: the prefix cache's namespace, so that
         # a re-created sampler never finds keys computed with another adapter's weights.
         self._versions: dict[str, int] = {}
+        # The continuous run decoding now (engine thread writes; kv_cache_use reads its counts).
+        self._run: ContinuousRun | None = None
 
     # ---- models and adapters ----------------------------------------------------------------
 
@@ -287,9 +294,15 @@ class TorchBackend:
         error.
         """
         waiting = list(batch)
-        while waiting:
-            run = ContinuousRun(self._samplers.get, self._decoder, self._route, deliver, cancelled)
-            waiting = run.run(waiting, admit)
+        try:
+            while waiting:
+                run = ContinuousRun(
+                    self._samplers.get, self._decoder, self._route, deliver, cancelled
+                )
+                self._run = run
+                waiting = run.run(waiting, admit)
+        finally:
+            self._run = None
 
     def _decoder(self, runtime: Runtime) -> Decoder:
         return runtime.sampling_decoder(
@@ -304,8 +317,10 @@ class TorchBackend:
         return sampler_id, f"{sampler_id}#{self._versions.get(sampler_id, 0)}"
 
     def kv_cache_use(self) -> KVCacheUse:
-        """Tokens (blocks in use x block size) and bytes the sampling KV pools hold now, and
-        their capacity; counters only, safe to read from another thread while a step runs."""
+        """Tokens (blocks in use x block size) and bytes the sampling KV pools hold now, their
+        capacity, and the block counts admission reads: of the pool decoding now (or of the
+        first model's, between runs). Counters only, safe to read from another thread while a
+        step runs."""
         tokens = held = 0
         capacity = 0
         for runtime in list(self._runtimes.values()):
@@ -317,7 +332,21 @@ class TorchBackend:
             tokens += in_use
             held += in_use * kv_bytes_per_token(runtime.model.config, decoder.pool.dtype)
             capacity += blocks.num_blocks * blocks.block_size
-        return KVCacheUse(tokens, capacity or self.sample_token_budget, held)
+        use = KVCacheUse(tokens, capacity or self.sample_token_budget, held)
+        run = self._run
+        pools = [r.decoder for r in list(self._runtimes.values()) if r.decoder is not None]
+        decoding = run.decoder if run is not None else (pools[0] if pools else None)
+        if decoding is None:  # nothing sampled yet: no pool to count
+            return use
+        pool = decoding.blocks
+        return replace(
+            use,
+            block_size=pool.block_size,
+            total_blocks=pool.num_blocks,
+            free_blocks=pool.available(),
+            running=len(decoding),
+            waiting=len(run.waiting) if run is not None else 0,
+        )
 
     def kv_usage(self) -> dict[str, KVUsage]:
         """Per base model that has sampled, its KV pool's blocks (used, reserved, cached)."""

@@ -47,6 +47,11 @@ class RoundRobin(Generic[T]):
         fifo.append(item)
         self._size += 1
 
+    def peek(self) -> T | None:
+        """The item `take(1)` would return, left in place."""
+        fifos = self._fresh or self._served
+        return next(iter(fifos.values()))[0] if fifos else None
+
     def take(self, limit: int) -> list[T]:
         """Up to `limit` items, one per key in turn, each key's oldest first."""
         out: list[T] = []

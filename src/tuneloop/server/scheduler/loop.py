@@ -12,10 +12,11 @@ from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, cast
 
-from tuneloop.server.engine.backend import Backend, ContinuousSampling
+from tuneloop.server.engine.backend import Backend, ContinuousSampling, ReportsKVCache
 from tuneloop.server.engine.isolation import bisect_failures
 from tuneloop.server.engine.operations import EngineOperation, Footprint, run_operation
 from tuneloop.server.engine.types import CANCELLED, EngineError, ForwardBackwardWork, SampleWork
+from tuneloop.server.scheduler.admission import EngineScheduler, Joining
 from tuneloop.server.scheduler.futures import FutureTable, Outcome
 from tuneloop.server.scheduler.queue import Batch, Operation, OperationQueue
 
@@ -84,6 +85,11 @@ class EngineLoop:
         self._arrivals = {"sample": 0, "forward_backward": 0}
         self._overlap_seen_at = {"sample": -math.inf, "forward_backward": -math.inf}
         self.queue = queue
+        self.scheduler = EngineScheduler(
+            queue,
+            backend.kv_cache_use if isinstance(backend, ReportsKVCache) else lambda: None,
+            train_between_steps=bool(getattr(backend, "trains_between_decode_steps", False)),
+        )
         self.futures = futures
         # One engine thread: the backend is never called concurrently, so it needs no locks.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -166,18 +172,13 @@ class EngineLoop:
         return await self.call(run_operation, self.backend, op)
 
     async def step(self) -> bool:
-        batch = self.queue.next_batch()
+        batch = self.scheduler.next_batch()
         if batch is None:
             return False
         recent = time.monotonic() - self._overlap_seen_at.get(batch.kind, -math.inf)
         if self.gather_s > 0 and recent < CONCURRENCY_MEMORY_S:
             await asyncio.sleep(self.gather_s)
-            if batch.kind == "sample":
-                batch.ops.extend(
-                    self.queue.take_samples(self.queue.max_sample_batch - len(batch.ops))
-                )
-            else:
-                self.queue.more_forward_backward(batch)
+            self.scheduler.gather_more(batch)
         if batch.kind in self._arrivals:
             self._arrivals[batch.kind] = 0
         self._drop_cancelled(batch)
@@ -230,21 +231,13 @@ class EngineLoop:
                 log.exception("on_success hook failed for %s", op.request_id)
         self.futures.resolve(op.request_id, outcome)
 
-    async def _take_joining(self, running: Footprint) -> tuple[list[Operation], list[Operation]]:
-        """On the event loop, between two decode steps of a batch reading `running`: the
-        training operations that may run now (each model's next one, where it runs alone and
-        touches nothing the batch reads: an optim_step or a save of an adapter need not wait
-        for unrelated sampling to end), and the queued samples that may join the batch. No
-        samples while other training work is ready: it gets the engine once the running rows
-        finish."""
-        singles = self.queue.take_singles(running)
-        if self.queue.blocks_sampling(running):
-            return singles, []
-        self._arrivals["sample"] = 0
-        ops = self.queue.take_samples(self.queue.max_sample_batch)
-        if ops:
+    async def _between_steps(self, running: Footprint) -> Joining:
+        """On the event loop, between two decode steps: what the scheduler lets run now."""
+        joining = self.scheduler.between_steps(running)
+        if joining.samples:
+            self._arrivals["sample"] = 0
             self._overlap_seen_at["sample"] = time.monotonic()
-        return singles, ops
+        return joining
 
     async def _sample_continuously(self, batch: Batch) -> None:
         """Run a sampling batch that requests join while it decodes; each result is published
@@ -260,17 +253,21 @@ class EngineLoop:
                 return []  # no thread hop
             reads = frozenset(getattr(op.work, "sampler_id", "") for op in ops.values())
             try:
-                joining = asyncio.run_coroutine_threadsafe(
-                    self._take_joining(Footprint(reads=reads)), loop
+                asked = asyncio.run_coroutine_threadsafe(
+                    self._between_steps(Footprint(reads=reads)), loop
                 )
                 # Bounded: a loop that is shutting down never runs the coroutine.
-                singles, new_ops = joining.result(timeout=2.0)
+                joining = asked.result(timeout=2.0)
             except (concurrent.futures.TimeoutError, RuntimeError):
                 return []
-            for op in singles:  # in their models' order, each done before the next is taken
+            for op in joining.singles:  # in their models' order, each before the next is taken
                 loop.call_soon_threadsafe(self._publish, op, _run_alone(backend, op))
-            ops.update((id(op.work), op) for op in new_ops)
-            return [op.work for op in new_ops]
+            if joining.training:  # several models' forward_backward chunks in one pass
+                training = Batch("forward_backward", joining.training)
+                for op, result in zip(training.ops, _execute(backend, training), strict=True):
+                    loop.call_soon_threadsafe(self._publish, op, result)
+            ops.update((id(op.work), op) for op in joining.samples)
+            return [op.work for op in joining.samples]
 
         def deliver(work: Any, result: Any) -> None:
             op = ops.pop(id(work), None)

@@ -4,9 +4,8 @@ Training operations of one model run strictly in seq_id order (creation is seq 0
 arrivals wait, retries of the same (model_id, seq_id) map to the first request. Models are
 independent streams: one model's operation never waits for another model's. Sampling
 operations carry no order and batch freely; they are admitted round-robin by tenant
-(`fair_queue.py`). Each operation's `Footprint` (engine/operations.py) says what it touches,
-so a training operation that touches nothing a running sampling batch reads may run between
-its decode steps (`take_singles`) instead of waiting for the batch to end.
+(`fair_queue.py`). The queue only holds and orders; what runs when is decided by the
+engine scheduler (admission.py).
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tuneloop.server.engine.operations import EngineOperation, Footprint, footprint
+from tuneloop.server.engine.operations import EngineOperation
 from tuneloop.server.engine.types import ForwardBackwardWork, SampleWork
 from tuneloop.server.scheduler.fair_queue import RoundRobin
 from tuneloop.server.scheduler.futures import Outcome
@@ -82,7 +81,6 @@ class OperationQueue:
         self._streams: dict[str, _Stream] = {}
         self._samples: RoundRobin[Operation] = RoundRobin(lambda op: op.tenant)
         self._max_sample_batch = max_sample_batch
-        self._turn = 0
         self._training_waiting = 0  # sum of the streams' pending, kept for queued_training()
         # Whether some model's next operation is here, recomputed on the event loop after
         # every change: the engine thread reads it between decode steps (a plain read) to
@@ -135,6 +133,10 @@ class OperationQueue:
     def submit_sample(self, op: Operation) -> None:
         self._samples.append(op)
 
+    def peek_sample(self) -> Operation | None:
+        """The request `take_samples(1)` would hand out next."""
+        return self._samples.peek()
+
     def take_samples(self, limit: int) -> list[Operation]:
         """Up to `limit` more queued sampling operations: one per tenant in turn, each
         tenant's oldest first."""
@@ -153,7 +155,7 @@ class OperationQueue:
         return self._ready_hint
 
     def _changed(self) -> None:
-        self._ready_hint = bool(self._ready_runs())
+        self._ready_hint = bool(self.ready_runs())
 
     def waiting_by_model(self) -> dict[str, int]:
         """Training operations accepted and not yet run, per model id (the console's view)."""
@@ -161,28 +163,7 @@ class OperationQueue:
 
     def training_ready(self) -> bool:
         """Whether some model has a training-side operation ready to run now."""
-        return bool(self._ready_runs())
-
-    def take_singles(self, running: Footprint) -> list[Operation]:
-        """Each model's next operation, where it runs alone (not a forward_backward) and
-        touches nothing `running` writes or reads: it may run now, between the steps of the
-        batch that `running` describes, instead of waiting for that batch to end."""
-        ready = [
-            run[0]
-            for _stream, run in self._ready_runs()
-            if run[0].kind == "single" and not footprint(run[0].work).conflicts(running)
-        ]
-        self._take(ready)
-        return ready
-
-    def blocks_sampling(self, running: Footprint) -> bool:
-        """Whether training work is ready that cannot run between the steps of a sampling
-        batch reading `running`: a forward_backward, or an operation that touches what the
-        batch reads. New samples then wait, so that the batch ends and training gets its turn."""
-        return any(
-            run[0].kind != "single" or footprint(run[0].work).conflicts(running)
-            for _stream, run in self._ready_runs()
-        )
+        return bool(self.ready_runs())
 
     @property
     def max_sample_batch(self) -> int:
@@ -215,9 +196,9 @@ class OperationQueue:
         self._changed()
         return dropped
 
-    # ---- policy -----------------------------------------------------------------------------
+    # ---- what is ready ----------------------------------------------------------------------
 
-    def _ready_runs(self) -> list[tuple[_Stream, list[Operation]]]:
+    def ready_runs(self) -> list[list[Operation]]:
         """Per model, the run of consecutive ready operations starting at next_seq."""
         runs = []
         for stream in self._streams.values():
@@ -228,41 +209,13 @@ class OperationQueue:
                     run.append(stream.pending[seq])
                 seq += 1
             if run:
-                runs.append((stream, run))
+                runs.append(run)
         return runs
 
-    def next_batch(self) -> Batch | None:
-        """Pick the next batch, taking turns between training and sampling so neither starves.
-
-        Training: the leading forward_backward chunks of every model that has them share one
-        batch (several adapters and tenants in one pass); otherwise each model's next single
-        operation (optim_step, save, load, create) runs, all of them in one engine trip.
-        """
-        candidates: list[Batch] = []
-        fwdbwd = self._leading_forward_backward()
-        single = [
-            run[0] for _stream, run in self._ready_runs() if run[0].kind != "forward_backward"
-        ]
-        if single:
-            candidates.append(Batch("single", single))
-        if fwdbwd:
-            candidates.append(Batch("forward_backward", fwdbwd))
-        if self._samples:
-            candidates.append(Batch("sample", []))  # taken below, only if chosen
-        if not candidates:
-            return None
-        self._turn += 1
-        chosen = candidates[self._turn % len(candidates)]
-        if chosen.kind == "sample":
-            chosen.ops.extend(self._samples.take(self._max_sample_batch))
-        else:
-            self._take(chosen.ops)
-        return chosen
-
-    def _leading_forward_backward(self, skip: set[str] | None = None) -> list[Operation]:
+    def leading_forward_backward(self, skip: set[str | None] | None = None) -> list[Operation]:
         """The leading run of forward_backward chunks of every model (but those in `skip`)."""
         out: list[Operation] = []
-        for _stream, run in self._ready_runs():
+        for run in self.ready_runs():
             if skip and run[0].model_id in skip:
                 continue
             for op in run:
@@ -271,7 +224,8 @@ class OperationQueue:
                 out.append(op)
         return out
 
-    def _take(self, ops: list[Operation]) -> None:
+    def take(self, ops: list[Operation]) -> None:
+        """Take ready training operations out to run (each its model's next, in order)."""
         for op in ops:
             assert op.model_id is not None
             assert op.seq_id is not None
@@ -282,16 +236,10 @@ class OperationQueue:
             stream.advance()
         self._changed()
 
-    def more_forward_backward(self, batch: Batch) -> None:
-        """Add the forward_backward chunks of models that became ready since `batch` was cut."""
-        more = self._leading_forward_backward({op.model_id for op in batch.ops if op.model_id})
-        self._take(more)
-        batch.ops.extend(more)
-
     def queued(self) -> list[Operation]:
         """Every operation waiting: each model's training ones, then the samples (metrics)."""
         training = [op for stream in self._streams.values() for op in stream.pending.values()]
         return training + list(self._samples)
 
     def has_work(self) -> bool:
-        return bool(self._samples) or bool(self._ready_runs())
+        return bool(self._samples) or bool(self.ready_runs())

@@ -27,11 +27,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["BlockManager", "KVUsage", "blocks_for"]
+__all__ = ["BlockManager", "KVUsage", "blocks_for", "worst_case_blocks"]
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
+
+
+def worst_case_blocks(
+    prompt: int, num_samples: int, max_tokens: int, block_size: int, cached: int = 0
+) -> int:
+    """Blocks a request may take: its prompt blocks but the `cached` ones found, each sample's
+    growth (the last sampled token is never written), and a copy of the shared last prompt
+    block for all samples but one."""
+    grow = blocks_for(prompt + max_tokens - 1, block_size) - blocks_for(prompt, block_size)
+    copies = (num_samples - 1) if prompt % block_size else 0
+    return blocks_for(prompt, block_size) - cached + num_samples * grow + copies
 
 
 @dataclass(frozen=True)
