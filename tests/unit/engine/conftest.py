@@ -195,3 +195,16 @@ def assert_near(a: Any, b: Any, atol: float, what: str = "", *, relative: bool =
     print(f"[diff] {what}: {diff:.3g} (tol {tol:.3g}, max |b| {max_abs(b):.3g})")
     assert diff <= tol, f"{what}: max abs diff {diff:.3g} > {tol:.3g}"
     return diff
+
+
+async def stepping(loop: Any) -> Any:
+    """Start the engine loop's next batch as a task; return it once the batch runs."""
+    import asyncio
+
+    step = asyncio.create_task(loop.step())
+    for _ in range(2000):  # bounded: the batch starts within a few ms
+        if loop.running is not None:
+            break
+        await asyncio.sleep(0.005)
+    assert loop.running is not None
+    return step

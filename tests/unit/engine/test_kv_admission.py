@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.unit.engine.conftest import TINY, ok, seq
+from tests.unit.engine.conftest import TINY, ok, seq, stepping
 from tuneloop.server.engine.kv.block_manager import worst_case_blocks
 from tuneloop.server.engine.types import SampleWork
 from tuneloop.server.scheduler.futures import FutureTable, Outcome
@@ -58,12 +58,7 @@ async def test_a_lone_tenant_gets_freed_blocks_before_a_flood_drains(tmp_path: P
         for i, name in enumerate(flood):
             request_id = futures.create("t", "Sample")
             queue.submit_sample(Operation(request_id, "sample", _work(i), finish(name), tenant="A"))
-        step = asyncio.create_task(loop.step())
-        for _ in range(2000):  # bounded: the batch starts within a few ms
-            if loop.running is not None:
-                break
-            await asyncio.sleep(0.005)
-        assert loop.running is not None
+        step = await stepping(loop)
         lone = futures.create("t", "Sample")
         queue.submit_sample(Operation(lone, "sample", lone_work, finish("b"), tenant="B"))
         assert await asyncio.wait_for(step, 120.0)

@@ -21,6 +21,7 @@ from tests.unit.engine.conftest import (
     max_diff,
     ok,
     seq,
+    stepping,
     work,
 )
 from tuneloop.server.engine.operations import CreateAdapter, CreateSampler, OptimStep, SaveState
@@ -73,12 +74,7 @@ async def test_training_operations_run_mid_decode_and_leave_its_draw_unchanged(
     sampled: list[Any] = []
     long = futures.create("t", "Sample")
     queue.submit_sample(Operation(long, "sample", _long_sample("sx"), sampled.append))
-    step = asyncio.create_task(loop.step())
-    for _ in range(2000):  # bounded: the batch starts within a few ms
-        if loop.running is not None:
-            break
-        await asyncio.sleep(0.005)
-    assert loop.running is not None
+    step = await stepping(loop)
     ops = [
         ("x", 1, work("x", [trained])),  # a training pass between two decode steps
         ("x", 2, OptimStep("x", adam())),
@@ -130,11 +126,7 @@ async def test_a_worker_group_runs_training_queued_mid_decode_after_the_batch(
     sampled: list[Any] = []
     long = futures.create("t", "Sample")
     queue.submit_sample(Operation(long, "sample", _long_sample("gsx"), sampled.append))
-    step = asyncio.create_task(loop.step())
-    for _ in range(2000):  # bounded: the batch starts within a few ms
-        if loop.running is not None:
-            break
-        await asyncio.sleep(0.005)
+    step = await stepping(loop)
     queue.skip("gx", 0, "")  # created above, outside the queue
     stepped = futures.create("t", "op")
     queue.submit_training(
