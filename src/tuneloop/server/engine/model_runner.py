@@ -38,6 +38,10 @@ class ModelRunner:
     def __init__(self, model: nn.Module, bank: AdapterBank, pool: KVPool, kernel: bool) -> None:
         self.model, self.bank, self.pool, self.kernel = model, bank, pool, kernel
         self.device = pool.device
+        # Whether a step whose rows all use one frozen adapter runs on its merged weights
+        # (`AdapterBank.merged`): one matmul per layer instead of the base's plus two LoRA
+        # products. Set by the runtime; off, every step computes the LoRA products.
+        self.merge_lone_adapter = False
         self.forwards = 0  # forward passes run (tests count prefills with it)
         self.tokens = 0  # tokens run through the model
         # The routings of the last step, reused while the layout of adapters is the same: its
@@ -46,12 +50,15 @@ class ModelRunner:
         self._body: dict[str, Any] = {}
         self._head: dict[str, Any] = {}
 
-    @staticmethod
-    def _route(held: dict[str, Any], keys: list[str | None], lengths: list[int]) -> Routing:
+    def _route(self, held: dict[str, Any], keys: list[str | None], lengths: list[int]) -> Routing:
         layout = tuple(zip(keys, lengths, strict=True))
         if held.get("layout") != layout:
-            held["layout"], held["routing"] = layout, Routing.from_lengths(keys, lengths)
-        routing: Routing = held["routing"]
+            routing = Routing.from_lengths(keys, lengths)
+            lone = routing.keys
+            if self.merge_lone_adapter and len(lone) == 1 and lone[0] is not None:
+                routing.merged = self.bank.merged(lone[0])
+            held["layout"], held["routing"] = layout, routing
+        routing = held["routing"]
         return routing
 
     def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:

@@ -48,7 +48,11 @@ class Runtime:
         return str(self.tokenizer.decode(tokens, skip_special_tokens=False))
 
     def sampling_decoder(
-        self, token_budget: int, prefill_chunk: int, block_size: int | None = None
+        self,
+        token_budget: int,
+        prefill_chunk: int,
+        block_size: int | None = None,
+        merge_lone_adapter: bool = False,
     ) -> Decoder:
         """This model's decoder, made on first use with a pool sized by the memory budget (and
         made again, while idle, if the budget or block size asked for changed)."""
@@ -78,4 +82,5 @@ class Runtime:
             decoder.budget = token_budget
             self.decoder = decoder
         decoder.prefill_chunk = max(1, prefill_chunk)
+        decoder.runner.merge_lone_adapter = merge_lone_adapter
         return decoder

@@ -72,6 +72,7 @@ class TorchBackend:
         sample_token_budget: int = DEFAULT_SAMPLE_TOKEN_BUDGET,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         kv_block_size: int | None = None,
+        merge_lone_adapter: bool | None = None,
     ) -> None:
         self.device = _device(device)
         self.dtype = dtype  # None: per model, the measured fastest (dtypes.py)
@@ -83,6 +84,11 @@ class TorchBackend:
         # Prompt tokens a joining request prefills per decode step (decoder.py).
         self.prefill_chunk = prefill_chunk
         self.kv_block_size = kv_block_size  # None: 16 tokens, 256 with the CUDA kernel
+        # A decode step whose rows all sample one adapter snapshot runs on that adapter's
+        # merged weights (model_runner.py). None: where the weights are not fp32, whose results
+        # agree with a forward pass only to their rounding anyway; at fp32 the LoRA products
+        # are kept, so a request's tokens are bit for bit the same whatever shares its batch.
+        self.merge_lone_adapter = merge_lone_adapter
         self._runtimes: dict[str, Runtime] = {}
         for name in models:
             loaded = load_model(
@@ -305,8 +311,11 @@ class TorchBackend:
             self._run = None
 
     def _decoder(self, runtime: Runtime) -> Decoder:
+        merge = self.merge_lone_adapter
+        if merge is None:
+            merge = next(runtime.model.parameters()).dtype != torch.float32
         return runtime.sampling_decoder(
-            self.sample_token_budget, self.prefill_chunk, self.kv_block_size
+            self.sample_token_budget, self.prefill_chunk, self.kv_block_size, merge
         )
 
     def _route(self, sampler_id: str, runtime: Runtime) -> tuple[str | None, str]:

@@ -18,9 +18,11 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine.lora.experts import EXPERT_PARAMETERS, ExpertFactors
+from tuneloop.server.engine.lora.linear import LoRALinear
 from tuneloop.server.engine.lora.routing import Routing
 from tuneloop.server.engine.lora.slots import Slotted
 from tuneloop.server.engine.lora.targets import Injected, groups_of
+from tuneloop.server.engine.memory import free_bytes
 from tuneloop.server.engine.types import AdapterSpec, EngineError
 
 __all__ = ["AdapterBank", "peft_keys", "peft_targets"]
@@ -68,6 +70,11 @@ def peft_targets(keys: Collection[str]) -> tuple[list[str], list[str]]:
     return sorted(modules), sorted(parameters)
 
 
+# The most of a device's free memory (where it can be read: a GPU) a merged copy of the
+# targeted weights may take; past it, decode steps keep the LoRA products.
+MERGED_SHARE = 0.25
+
+
 class AdapterBank:
     """The LoRA factors of every adapter and sampler snapshot on one base model."""
 
@@ -77,6 +84,8 @@ class AdapterBank:
         self.specs: dict[str, AdapterSpec] = {}
         self._slot_of = injected.slot_of  # shared with every layer
         self._trainable: set[str] = set()
+        # One frozen key's merged linear weights (`merged`), kept while it is sampled.
+        self._merged: tuple[str, dict[int, torch.Tensor]] | None = None
 
     # ---- slots --------------------------------------------------------------------------
 
@@ -171,6 +180,7 @@ class AdapterBank:
 
     def load(self, key: str, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy factors in place (trainable adapters keep their Parameter objects)."""
+        self._forget_merged(key)
         for name, module, a, b in list(self._layers(key)):
             new_a, new_b = self._read(name, module, tensors)
             if new_a.shape != a.shape or new_b.shape != b.shape:
@@ -200,7 +210,40 @@ class AdapterBank:
             )
         self.specs[key] = spec
 
+    def merged(self, key: str) -> dict[int, torch.Tensor] | None:
+        """Layer id -> its base weight with `key`'s LoRA delta merged in (scale * B @ A, added
+        in fp32, rounded once to the weight's dtype), for the linear layers `key` targets;
+        None for a trainable adapter (its factors change under it). Expert layers keep their
+        LoRA products. The weights of the last key asked for are kept (one copy of the
+        targeted weights): a sampler's decode batches reuse them until it is deleted."""
+        if key in self._trainable or key not in self.specs:
+            return None
+        if self._merged is not None and self._merged[0] == key:
+            return self._merged[1]
+        self._merged = None  # the previous key's go first: never two copies at once
+        slot = self._slot_of[key]
+        layers = [(m, a, b) for _, m, a, b in self._layers(key) if isinstance(m, LoRALinear)]
+        if not layers:
+            return None
+        need = sum(m.base.weight.numel() * m.base.weight.element_size() for m, _, _ in layers)
+        free = free_bytes(layers[0][0].base.weight.device)
+        if free is not None and need > MERGED_SHARE * free:
+            return None  # a large model on a full device: keep the LoRA products
+        weights: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for module, a, b in layers:
+                w = module.base.weight
+                delta = (b.float() @ a.float()).mul_(module.scales[slot])
+                weights[id(module)] = delta.add_(w.float()).to(w.dtype)
+        self._merged = (key, weights)
+        return weights
+
+    def _forget_merged(self, key: str) -> None:
+        if self._merged is not None and self._merged[0] == key:
+            self._merged = None
+
     def delete(self, key: str) -> None:
+        self._forget_merged(key)
         slot = self._slot_of.pop(key, None)
         if slot is not None:
             for module in self.modules.values():

@@ -6,6 +6,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
+from torch.nn import functional
 
 from tuneloop.server.engine.lora.ops import Factors, add_lora
 from tuneloop.server.engine.lora.routing import RoutingContext
@@ -42,8 +43,11 @@ class LoRALinear(Slotted):
         return (rank, self.in_features), (self.out_features, rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
         routing = self._context.routing
+        merged = routing.merged.get(id(self)) if routing is not None and routing.merged else None
+        if merged is not None:
+            return functional.linear(x, merged, self.base.bias)
+        out = self.base(x)
         if routing is None or not routing.runs:
             return out
         factors: list[Factors | None] = [

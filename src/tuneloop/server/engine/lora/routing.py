@@ -30,6 +30,10 @@ class Routing:
     # (layer, slot) -> its factors in the compute dtype (bf16 activations: bf16 products), cast
     # once per routed block from the fp32 masters; autograd carries the gradients back to them.
     cast: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # Layer id -> its weight with the one adapter of the block merged in (`AdapterBank.merged`):
+    # set by a decode step whose rows all use one frozen adapter; those layers then run one
+    # matmul and no LoRA products.
+    merged: dict[int, torch.Tensor] | None = None
     # (tokens, device) -> per-token segment index, built once per routed block as well.
     _token_index: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
 

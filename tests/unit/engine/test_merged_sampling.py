@@ -1,0 +1,81 @@
+"""A decode batch whose rows all sample one adapter snapshot runs on its merged weights: the
+same tokens and, to rounding, the same logprobs as with the LoRA products; mixed batches,
+trainable adapters and the base model keep the products."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tests.unit.engine.conftest import TINY, adapter_spec, bank, ok, train  # noqa: E402
+from tests.unit.engine.test_sampler import TRAIN_DATA, prompt, sequence_logprobs, sw  # noqa: E402
+from tuneloop.server.engine.lora import linear  # noqa: E402
+
+
+@pytest.fixture
+def products(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the LoRA products the linear layers compute."""
+    calls = [0]
+    original = linear.add_lora
+
+    def counting(*args: Any) -> Any:
+        calls[0] += 1
+        return original(*args)
+
+    monkeypatch.setattr(linear, "add_lora", counting)
+    return calls
+
+
+def _trained(backend: Any) -> Any:
+    backend.create_adapter(adapter_spec("A", rank=4, seed=1))
+    backend.create_adapter(adapter_spec("B", rank=8, seed=2))
+    train(backend, "A", TRAIN_DATA, 3, lr=2e-2)
+    train(backend, "B", TRAIN_DATA[1:], 3, lr=2e-2)
+    backend.create_sampler("sA", TINY, adapter_id="A")
+    backend.create_sampler("sB", TINY, adapter_id="B")
+    return backend
+
+
+def test_a_lone_snapshot_samples_on_merged_weights_like_with_its_products(
+    backend: Any, products: list[int]
+) -> None:
+    be = _trained(backend)
+    # (no prompt logprobs: those are scored by a forward pass of their own, with the products)
+    works = [sw("sA", prompt(5, 1), num_samples=3, seed=4, max_tokens=10)]
+    assert be.merge_lone_adapter is None  # fp32 weights: products unless asked
+    products[0] = 0
+    with_products = ok(be.sample(works)[0])
+    assert products[0] > 0
+    be.merge_lone_adapter = True
+    products[0] = 0
+    merged = ok(be.sample(works)[0])
+    assert products[0] == 0  # every adapted linear layer ran one matmul
+    for a, b in zip(with_products.sequences, merged.sequences, strict=True):
+        assert a.tokens == b.tokens
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        # and they are the forward pass's
+        forward = sequence_logprobs(be, "A", works[0].prompt, b.tokens)[len(works[0].prompt) - 1 :]
+        np.testing.assert_allclose(b.logprobs, forward, atol=1e-4)
+    held = bank(be).merged("sA")
+    assert held is not None
+    assert held is bank(be).merged("sA")  # kept for the sampler's next batches
+    be.delete_sampler("sA")
+    assert bank(be)._merged is None  # freed with its sampler
+
+
+def test_mixed_batches_and_trainable_adapters_keep_the_products(
+    backend: Any, products: list[int]
+) -> None:
+    be = _trained(backend)
+    be.merge_lone_adapter = True
+    products[0] = 0
+    alone = [ok(r) for r in be.sample([sw("sA", prompt(4, 2), seed=1)])]
+    assert products[0] == 0
+    mixed = [ok(r) for r in be.sample([sw("sA", prompt(4, 2), seed=1), sw("sB", prompt(6, 3))])]
+    assert products[0] > 0  # two adapters share the steps: no merged weights
+    assert alone[0].sequences[0].tokens == mixed[0].sequences[0].tokens
+    assert bank(be).merged("A") is None  # a trainable adapter's factors change under it
