@@ -1,5 +1,5 @@
-"""A real `tuneloop serve --workers 2` (2 gloo ranks, the tiny model): the OpenAI endpoint
-streams from a worker group.
+"""A real `tuneloop serve --workers 2` (2 gloo ranks, the tiny model), replicated and with
+`--shard-weights fsdp`: the OpenAI endpoint streams from a worker group of either kind.
 
 What must hold: the SSE chunks of a long completion arrive while it is generated, not at its
 end (a short request sent once the first chunk arrived is answered before the stream's last
@@ -26,15 +26,18 @@ PROMPT = [72, 101, 108, 108, 111, 44]
 LONG = 200
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    root: Path = tmp_path_factory.mktemp("workers-stream")
+@pytest.fixture(scope="module", params=["none", "fsdp"])
+def live(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
+    root: Path = tmp_path_factory.mktemp(f"workers-stream-{request.param}")
     before = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # the server's torch: a shared 2-core machine
     try:
         with live_server(
             root / "data",
             *("--workers", "2", "--device", "cpu", "--cache-dir", str(root / "cache")),
+            *("--shard-weights", request.param),
             backend="torch",
             models=(TINY,),
         ) as server:

@@ -1,5 +1,9 @@
 """Continuous batching in a worker group of 2 gloo ranks on the CPU (real worker processes).
 
+Every test that takes a group runs twice: on a replicated group (each rank decodes its share)
+and on a sharded one (FSDP2: every rank decodes every request, admissions and cancellations
+decided for all ranks at each step).
+
 What must hold: tokens stream across the process boundary (each hook sees every token of its
 request, in order, before the request's answer, equal to the answer); requests that join while
 the ranks decode are answered; every result equals what one process gives the same seeded
@@ -13,7 +17,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -42,6 +46,35 @@ from tuneloop.server.engine.types import (  # noqa: E402
 from tuneloop.server.engine.workers.continuous import sample_in_batches  # noqa: E402
 
 TOL = 1e-5
+
+
+@pytest.fixture(scope="module", params=["replicated", "sharded"])
+def group(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    from tuneloop.server.engine.workers.build import worker_group
+
+    root = tmp_path_factory.mktemp(request.param)
+    g = worker_group(
+        (TINY,),
+        workers=2,
+        cache_dir=root / "cache",
+        device="cpu",
+        state_dir=root / "state",
+        shard_weights="fsdp" if request.param == "sharded" else "none",
+    )
+    yield g
+    g.close()
+
+
+@pytest.fixture(scope="module")
+def single(group: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One process per group: `samplers` trains the same adapter on both."""
+    from tuneloop.server.engine.torch_backend import TorchBackend
+
+    be = TorchBackend([TINY], cache_dir=tmp_path_factory.mktemp("single"), device="cpu")
+    yield be
+    be.close()
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +207,25 @@ def test_requests_joining_mid_decode_are_answered(group: Any, single: Any, sampl
         _assert_same(drive.answers[id(w)], ok(drive1.answers[id(w)]))
 
 
+def test_a_joining_request_joins_the_running_batch(group: Any, single: Any, samplers: Any) -> None:
+    """A short request that arrives while a long one decodes is answered before the long one
+    ends (it joined the running batch, not the next one), the long one streams meanwhile, and
+    both equal one process's seeded answers."""
+    drive = Drive()
+    running = drive.streamed(_work("snap", 140, max_tokens=48))
+    joiner = _work("base", 141, n=2, max_tokens=3)
+    drive.joining = {2: [joiner]}
+    drive.run(group, [running])
+    for w, want in zip([running, joiner], _alone(single, [running, joiner]), strict=True):
+        _assert_same(drive.answers[id(w)], want)
+    assert len(ok(drive.answers[id(running)]).sequences[0].tokens) == 48  # no early EOS
+    answers = [e[1] for e in drive.events if e[0] == "answer"]
+    assert answers == [id(joiner), id(running)]
+    joined = drive.events.index(("answer", id(joiner), drive.answers[id(joiner)]))
+    told = [i for i, e in enumerate(drive.events) if e[0] == "token"]
+    assert told[0] < joined < told[-1]  # streamed before, during and after the joiner ran
+
+
 def test_cancellation_reaches_the_ranks(group: Any, single: Any, samplers: Any) -> None:
     group.create_sampler("doomed", TINY)
     drive = Drive(cancel_at=4, cancel=frozenset({"doomed"}))
@@ -284,7 +336,9 @@ def test_a_caller_that_raises_leaves_the_group_usable(
 def test_a_rank_killed_while_it_decodes(group: Any, single: Any, samplers: Any) -> None:
     """Rank 0 is SIGKILLed on the third token of the streamed request it decodes: that one
     gets an error, every other request (on either rank, and one that joins after the death)
-    its undisturbed result, each exactly once; the group is restored and samples again."""
+    its undisturbed result, each exactly once; the group is restored and samples again. In a
+    sharded group every rank decodes all four: rank 1 fails its collectives with rank 0 gone,
+    and those errors must not be told as the requests' own."""
     drive = Drive()
     restarts, pids = group.restarts, group.worker_pids()
     killed: list[int] = []
@@ -295,8 +349,8 @@ def test_a_rank_killed_while_it_decodes(group: Any, single: Any, samplers: Any) 
             killed.append(pids[0])
             os.kill(pids[0], signal.SIGKILL)
 
-    # placed largest first onto the least-loaded rank: victim (65) -> 0, pair (50) -> 1,
-    # medium (35) -> 1, short (25) -> 0, next to the victim
+    # replicated, placed largest first onto the least-loaded rank: victim (65) -> 0,
+    # pair (50) -> 1, medium (35) -> 1, short (25) -> 0, next to the victim
     victim = replace(_work("snap", 70, max_tokens=60, plen=5), on_token=kill_on_third)
     victim = replace(victim, prompt=seq(5, 470))
     pair = replace(_work("base", 71, n=2, max_tokens=20), prompt=seq(5, 471))
@@ -330,7 +384,7 @@ def test_a_rank_killed_while_it_decodes(group: Any, single: Any, samplers: Any) 
 
 
 @pytest.mark.slow  # a private Ray and its actors: tens of seconds on a shared machine
-def test_a_group_of_ray_actors_samples_whole_batches(single: Any, tmp_path: Any) -> None:
+def test_a_group_of_ray_actors_samples_whole_batches(backend: Any, tmp_path: Any) -> None:
     """Ray actors have no pipe to stream on: `sample_continuous` samples whole batches in turn
     (joining requests included), answers whole, and equals one process."""
     ray = pytest.importorskip("ray")
@@ -343,7 +397,7 @@ def test_a_group_of_ray_actors_samples_whole_batches(single: Any, tmp_path: Any)
         )
         try:
             group.create_sampler("ray-base", TINY)
-            single.create_sampler("ray-single", TINY)
+            backend.create_sampler("ray-single", TINY)
             drive = Drive()
             first = [drive.streamed(_work("ray-base", 100 + i, max_tokens=6)) for i in range(3)]
             joining = [_work("ray-base", 110, max_tokens=4)]
@@ -351,7 +405,7 @@ def test_a_group_of_ray_actors_samples_whole_batches(single: Any, tmp_path: Any)
             drive.run(group, first)
             everything = [*first, *joining]
             mine = [replace(w, sampler_id="ray-single") for w in everything]
-            for w, want in zip(everything, _alone(single, mine), strict=True):
+            for w, want in zip(everything, _alone(backend, mine), strict=True):
                 _assert_same(drive.answers[id(w)], want)
                 assert drive.tokens(w) == []
         finally:

@@ -5,7 +5,9 @@ rank holds half of each model's base weights (measured from its parameters' stor
 training (several losses, a server-side custom loss, two tenants' adapters in one batch) and
 seeded sampling (two tenants' samplers in one batch, prompt logprobs) equal the single-process
 backend's; checkpoints cross group sizes both ways; a rank SIGKILLed during a training loop
-restarts the group and the loop ends with the undisturbed run's numbers.
+restarts the group and the loop ends with the undisturbed run's numbers. Continuous sampling
+(joining, streaming, cancellation, recovery) runs in test_workers_continuous.py on a sharded
+group as on a replicated one; here, the death of the rank that does not stream.
 
 Tolerance: every rank runs the same computation over all-gathered weights that are the same
 bits as one process's, so the results are equal (measured: 0 difference); the tests keep the
@@ -20,6 +22,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +43,12 @@ from tests.unit.engine.conftest import (  # noqa: E402
 )
 from tests.unit.engine.test_custom_loss import dpo_inputs, dpo_loss  # noqa: E402
 from tuneloop.server.engine.checkpoints import read_factors  # noqa: E402
-from tuneloop.server.engine.types import AdapterSpec, ForwardBackwardWork, SampleWork  # noqa: E402
+from tuneloop.server.engine.types import (  # noqa: E402
+    AdapterSpec,
+    EngineError,
+    ForwardBackwardWork,
+    SampleWork,
+)
 
 TOL = 1e-5
 
@@ -263,7 +271,7 @@ def test_continuous_sampling_admits_and_cancels_as_one_process(group: Any, singl
     """The scheduler's continuous entry point: requests admitted after the first batch are
     sampled too, a cancelled sampler's request is answered with the cancellation, and every
     result is one process's."""
-    from tuneloop.server.engine.types import CANCELLED, EngineError
+    from tuneloop.server.engine.types import CANCELLED
 
     def run(be: Any, prefix: str) -> dict[int, Any]:
         be.create_sampler(prefix + "base", TINY)
@@ -291,6 +299,41 @@ def test_continuous_sampling_admits_and_cancels_as_one_process(group: Any, singl
         assert str(result) == CANCELLED
     for i in (0, 1):
         assert [s.tokens for s in ok(got[i]).sequences] == [s.tokens for s in ok(want[i]).sequences]
+
+
+def test_rank_1_killed_while_the_group_streams(group: Any, single: Any) -> None:
+    """SIGKILL of rank 1 (which streams nothing) on the third token rank 0 streams: rank 0's
+    collectives fail with it, yet no request is answered with that failure: the streamed one
+    gets an error, the others their undisturbed results on the restored group."""
+    for be, p in ((group, "k1-"), (single, "k1s-")):
+        be.create_sampler(p + "base", TINY)
+    pids, restarts = group.worker_pids(), group.restarts
+    told: list[int] = []
+
+    def kill_on_third(index: int, token: int, logprob: float, topk: Any) -> None:
+        told.append(token)
+        if len(told) == 3:
+            os.kill(pids[1], signal.SIGKILL)
+
+    def works(sampler: str) -> list[SampleWork]:
+        return [
+            SampleWork(sampler, seq(5, 600 + i), 1 + i % 2, 40, 1.0, -1, 1.0, 20 + i, (), ())
+            for i in range(4)
+        ]
+
+    mine = works("k1-base")
+    mine[0] = replace(mine[0], on_token=kill_on_third)
+    got: dict[int, Any] = {}
+    group.sample_continuous(mine, list, lambda w, r: got.update({id(w): r}))
+    assert group.restarts == restarts + 1
+    assert pids[1] not in group.worker_pids()
+    assert len(got) == 4
+    streamed = got[id(mine[0])]
+    assert isinstance(streamed, EngineError)
+    assert streamed.category == "server"
+    want = single.sample(works("k1s-base"))
+    for w, r in zip(mine[1:], want[1:], strict=True):
+        assert [s.tokens for s in ok(got[id(w)]).sequences] == [s.tokens for s in ok(r).sequences]
 
 
 def test_checkpoints_cross_group_sizes(group: Any, single: Any, tmp_path: Path) -> None:

@@ -8,7 +8,8 @@ engine for requests to admit and hands each to the least-loaded rank (by rows x 
 outstanding). Each rank decodes its share with its own continuous batching; no rank waits for
 another. Once nothing is outstanding and nothing joins, every rank is told to stop. What the
 group sends goes out on a thread of its own (`_Outbox`), so the engine thread never stops
-reading while a rank is itself blocked sending.
+reading while a rank is itself blocked sending. (A sharded group's ranks decode every request
+together, in lockstep: sharded_session.py runs this session decided step by step.)
 
 A rank that dies: what the other ranks had already sent is still told, the group is restarted
 and restored (the group's `_recover`), and the requests not yet answered run again on the new

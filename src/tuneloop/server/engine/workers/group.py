@@ -6,7 +6,8 @@ accumulates the loss-sum gradients of its shard, and optim_step all-reduces (sum
 every rank applies the same AdamW step, so the adapters stay identical with no weights sent.
 Sampling requests are split across the ranks by cost; every sampler exists on every rank.
 Continuous sampling (`sample_continuous`) runs each rank's own continuous batching on its share,
-admits joining requests to the least-loaded rank and streams tokens back (continuous.py).
+admits joining requests to the least-loaded rank and streams tokens back (continuous.py; a
+sharded group's ranks decode every request in lockstep instead: sharded_session.py).
 
 Recovery: a worker that dies is seen at once (its process sentinel; a watchdog notices one
 that dies between calls within a second). The whole group is then restarted and restored from
@@ -77,6 +78,10 @@ WATCHDOG_PERIOD_S = 0.5
 
 
 class WorkerGroupBackend:
+    # A sampling session over the ranks' pipes: each rank decodes its own share (a sharded
+    # group's ranks decode every request together, in lockstep: sharded_session.py).
+    continuous_run: type[GroupContinuousRun] = GroupContinuousRun
+
     def __init__(
         self,
         make_placement: Callable[[], Placement],
@@ -457,7 +462,7 @@ class WorkerGroupBackend:
             if not isinstance(self._placement, Streams):
                 sample_in_batches(self.sample, batch, admit, deliver, cancelled)
                 return
-            run = GroupContinuousRun(
+            run = self.continuous_run(
                 self._links, self._recover, admit, deliver, cancelled, MAX_ATTEMPTS
             )
             run.run(batch)

@@ -8,6 +8,11 @@ One call, `sample_continuous`, opens a session of asynchronous messages before i
 (workers/continuous.py): the group sends `Admit`, `Cancel` and finally `Stop`; the rank sends
 `Tokens` and `Answer` as they happen, then the call's reply once it has stopped. Outside a session
 the pipe carries calls and replies only, so every other call is unchanged.
+
+A sharded group's session (workers/sharded_session.py) changes who decides when: its ranks
+decode the same rows in lockstep, so they take nothing on their own between steps. Rank 0 sends
+`Step` at every step boundary and every rank reads the one `Plan` the group answers it with
+(the same messages to every rank, applied at the same step).
 """
 
 from __future__ import annotations
@@ -83,6 +88,20 @@ class Cancel:
 class Stop:
     """Group -> rank: the session ends (sent once nothing is outstanding on the rank); the
     rank answers the `sample_continuous` call and goes back to plain calls."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """Rank 0 of a sharded group -> group: at a decode-step boundary (or idle), waiting for
+    the step's `Plan`; its tokens and answers so far went before it on the same pipe."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Group -> every rank of a sharded group, once per `Step`: what each rank applies before
+    its next decode step (`Cancel`, `Admit`, `Stop`, in that order; often nothing)."""
+
+    messages: tuple[Admit | Cancel | Stop, ...] = ()
 
 
 # (key, sample index, token, logprob, top-k row or None)

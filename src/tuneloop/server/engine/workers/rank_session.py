@@ -5,7 +5,8 @@ requests the group admits to it. Between decode steps it reads what the group se
 cancellations, the end of the session) without waiting; while it has nothing to decode it waits
 for the group. Tokens of streamed requests are buffered during a step and sent as one message
 per step (never after their request's answer); each request's answer is sent as soon as it is
-known, once.
+known, once. A sharded group's rank reads the group only at the points the group decides for
+every rank alike (sharded_session.py overrides `_wait` and `_read`).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class RankSession:
                 batch, self.fresh = self.fresh, []
                 self._decode(batch)
             elif not self.stopping:
-                self._take(receive(self.conn))  # nothing to decode: wait for the group
+                self._wait()  # nothing to decode
 
     def _take(self, message: Any) -> None:
         if isinstance(message, Admit):
@@ -91,13 +92,24 @@ class RankSession:
             events, self.tokens = tuple(self.tokens), []
             send(self.conn, Tokens(events))
 
+    def _wait(self) -> None:
+        """Nothing to decode: wait for the group's next message."""
+        self._take(receive(self.conn))
+
+    def _read(self) -> None:
+        """Between decode steps: whatever the group has sent, without waiting."""
+        while self.conn.poll(0):
+            self._take(receive(self.conn))
+
     def _admit(self) -> list[SampleWork]:
         """Called once per decode step: send the step's tokens, read what the group sent."""
         self._flush()
-        while self.conn.poll(0):
-            self._take(receive(self.conn))
+        self._read()
         joining, self.fresh = self.fresh, []
         return joining
+
+    def _send_answer(self, key: int, value: SampleResult | ItemError) -> None:
+        send(self.conn, Answer(key, value))
 
     def _deliver(self, work: SampleWork, result: SampleResult | EngineError) -> None:
         key = self.keys.pop(id(work), None)
@@ -105,8 +117,7 @@ class RankSession:
             return
         self.works.pop(key, None)
         self._flush()  # a request's tokens go before its answer
-        value = ItemError.of(result) if isinstance(result, EngineError) else result
-        send(self.conn, Answer(key, value))
+        self._send_answer(key, ItemError.of(result) if isinstance(result, EngineError) else result)
 
     def _decode(self, batch: list[SampleWork]) -> None:
         try:

@@ -9,6 +9,12 @@ replicated group: the calls, the snapshots and the recovery (a rank that dies re
 group, which restores every adapter and sampler from the server's copies and replays the
 forward_backward requests since each adapter's last step; the call in flight then runs again).
 
+Continuous sampling keeps its meaning: requests that arrive while a batch decodes join it at
+the next decode step, and tokens stream per step. Every rank decodes every request, so the
+group decides at each step, once for all ranks, what joins and what is cancelled
+(sharded_session.py); rank 0 streams and answers. Ray actors, which have no pipe to stream on,
+sample whole batches in turn, as a replicated group of them does.
+
 Save and load: LoRA factors are not sharded (fsdp.py), so rank 0 writes the same PEFT files one
 process writes, and any group size (one process included) reads them.
 """
@@ -16,11 +22,10 @@ process writes, and any group size (one process included) reads them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from tuneloop.server.engine.types import (
-    CANCELLED,
     EngineError,
     ForwardBackwardResult,
     ForwardBackwardWork,
@@ -29,6 +34,7 @@ from tuneloop.server.engine.types import (
 )
 from tuneloop.server.engine.workers.group import WorkerGroupBackend
 from tuneloop.server.engine.workers.protocol import Call, Failure, engine_item
+from tuneloop.server.engine.workers.sharded_session import LockstepContinuousRun
 
 __all__ = ["ShardedGroupBackend", "describe_memory"]
 
@@ -54,6 +60,7 @@ def describe_memory(reports: Sequence[dict[str, Any]]) -> str:
 
 
 class ShardedGroupBackend(WorkerGroupBackend):
+    continuous_run = LockstepContinuousRun
     rank_memory: list[dict[str, Any]]
 
     def _start(self) -> list[Any]:
@@ -104,24 +111,3 @@ class ShardedGroupBackend(WorkerGroupBackend):
             return [engine_item(x) for x in self._same_on_all("sample", list(batch))]
 
         return self._run(op)
-
-    def sample_continuous(
-        self,
-        batch: Sequence[SampleWork],
-        admit: Callable[[], Sequence[SampleWork]],
-        deliver: Callable[[SampleWork, SampleResult | EngineError], None],
-        cancelled: Callable[[], Collection[str]] = frozenset,
-    ) -> None:
-        """Requests that arrive while a batch decodes join at the next batch, not the next
-        step: within one call every rank continuous-batches the same requests, but a request
-        joining mid-call would have to reach every rank at the same decode step."""
-        waiting = list(batch)
-        while waiting:
-            gone = cancelled()
-            live = [w for w in waiting if not w.cancelled_by(gone)]
-            for work in waiting:
-                if work.cancelled_by(gone):
-                    deliver(work, EngineError(CANCELLED, "user"))
-            for work, result in zip(live, self.sample(live) if live else [], strict=True):
-                deliver(work, result)
-            waiting = list(admit())

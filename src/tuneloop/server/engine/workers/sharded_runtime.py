@@ -1,12 +1,13 @@
 """One rank of a sharded worker group: a `TorchBackend` whose base weights are FSDP2 shards.
 
-Every rank runs every call on the same data (see sharded_group.py): each forward all-gathers
-the layer it runs from every rank, so the ranks must run the same forwards in the same order,
-and running the same batch is what keeps them in lockstep through training micro-batches,
-continuous-batching decode steps and the halving of a failing batch alike. The work is not
-divided (the point of the mode is memory: each rank holds 1/N of the base weights); the results
-are bit-identical to one process's, because the all-gathered weights are the same bits and the
-computation is the same.
+Every rank runs every call on the same data (see sharded_group.py): each forward all-gathers the
+layer it runs from every rank, so the ranks must run the same forwards in the same order, and
+running the same batch is what keeps them in lockstep through training micro-batches,
+continuous-batching decode steps and the halving of a failing batch alike (a sampling session
+takes in joining requests only as the group decides for every rank: sharded_session.py). The
+work is not divided (the point of the mode is memory: each rank holds 1/N of the base weights);
+the results are bit-identical to one process's, because the all-gathered weights are the same
+bits and the computation is the same.
 
 Loading: each rank loads the full checkpoint into host memory and then keeps its shard. Ranks
 load one after another (a barrier between), so a host holding several ranks needs the host
@@ -28,7 +29,9 @@ from torch import nn
 
 from tuneloop.server.engine.memory import kv_bytes_per_token, training_token_budget
 from tuneloop.server.engine.parallel.fsdp import ShardedWeights, shard_model
-from tuneloop.server.engine.types import AdamStep
+from tuneloop.server.engine.types import AdamStep, EngineError
+from tuneloop.server.engine.workers.protocol import Admit
+from tuneloop.server.engine.workers.sharded_session import LockstepRankSession
 from tuneloop.server.engine.workers.worker import (
     COLLECTIVE_TIMEOUT,
     WorkerRuntime,
@@ -165,3 +168,10 @@ class ShardedWorkerRuntime(WorkerRuntime):
         self._before.pop(adapter_id, None)
         metrics = self.backend.optim_step(adapter_id, step)
         return metrics, (self.do_adapter_state(adapter_id) if return_state else None)
+
+    def do_sample_continuous(self, first: Admit) -> None:
+        """A sampling session in lockstep with the other ranks (sharded_session.py): the same
+        admissions and cancellations at the same decode steps, decided by the group."""
+        if self.conn is None:
+            raise EngineError("continuous sampling needs a worker process's pipe")
+        LockstepRankSession(self.backend, self.conn, leader=self.rank == 0).serve(first)
