@@ -1,0 +1,115 @@
+"""Sampling one adapter snapshot with its LoRA products against on its merged weights.
+
+In one process, the same `TorchBackend` and sampler, calls alternating between the two paths
+(`merge_lone_adapter` off / on): bench/engine.py's sampling workload (32 prompts of 16-48
+tokens x 4 samples, rank-32 LoRA on every linear layer and the head, SmolLM2-135M). Reported
+per path: wall and CPU seconds per call, tok/s, and the fraction of the decode bandwidth bound
+(weights read once per step, from `machine_peak.py`'s quick run at start).
+
+    python bench/merged_sampling.py [--dtype bfloat16] [--new 32] [--rounds 2] [--json out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine import ALPHA, DTYPES, MODEL, RANK, SEED  # siblings: a script's folder is on sys.path
+from event_loop import cpu_model
+from machine_peak import measure as measure_peak
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from tuneloop.server.engine import types as t
+    from tuneloop.server.engine.torch_backend import TorchBackend
+
+    peak = measure_peak("cpu", args.threads, quick=True)
+    backend = TorchBackend(
+        [MODEL],
+        cache_dir=Path("~/.cache/tuneloop").expanduser(),
+        device="cpu",
+        dtype=DTYPES[args.dtype],
+    )
+    backend.create_adapter(t.AdapterSpec("a", MODEL, rank=RANK, seed=SEED, alpha=ALPHA))
+    backend.create_sampler("s", MODEL, adapter_id="a")
+    rng = np.random.default_rng(SEED)
+    prompts = [rng.integers(0, 49_000, size=int(rng.integers(16, 48))) for _ in range(args.prompts)]
+
+    def call(new: int) -> int:
+        works = [
+            t.SampleWork("s", p, args.samples, new, 1.0, -1, 1.0, SEED, (), ()) for p in prompts
+        ]
+        results = backend.sample(works)
+        return sum(len(s.tokens) for r in results for s in r.sequences)  # type: ignore[union-attr]
+
+    paths = {"products": False, "merged": True}
+    for merged in paths.values():  # warm: shapes, and the merged copy made once
+        backend.merge_lone_adapter = merged
+        call(2)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
+    for _ in range(args.rounds):
+        for name, merged in paths.items():
+            backend.merge_lone_adapter = merged
+            cpu, wall = time.process_time(), time.perf_counter()
+            tokens = call(args.new)
+            runs[name].append(
+                {
+                    "wall_s": time.perf_counter() - wall,
+                    "cpu_s": time.process_time() - cpu,
+                    "tokens": tokens,
+                    "load": os.getloadavg()[0],
+                }
+            )
+            print(name, runs[name][-1], flush=True)
+    model = next(iter(backend.resident_models().values()))
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    rows = args.prompts * args.samples
+    bound = float(peak["read_gb_per_s"]) * 1e9 / weight_bytes * rows
+    report: dict[str, object] = {
+        "cpu": cpu_model(),
+        "peak": peak,
+        "dtype": args.dtype,
+        "workload": f"{args.prompts} prompts x {args.samples} samples x {args.new} tokens",
+        "runs": runs,
+    }
+    summary: dict[str, dict[str, float]] = {}
+    for name in paths:
+        wall = statistics.median(r["wall_s"] for r in runs[name])
+        tok_s = rows * args.new / wall
+        summary[name] = {
+            "wall_s": wall,
+            "cpu_s": statistics.median(r["cpu_s"] for r in runs[name]),
+            "tok_per_s": tok_s,
+            "bandwidth_fraction": tok_s / bound,
+        }
+    report.update(summary)
+    report["merged_speedup"] = {
+        key: summary["products"][key] / summary["merged"][key] for key in ("wall_s", "cpu_s")
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
