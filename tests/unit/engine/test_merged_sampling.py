@@ -63,8 +63,9 @@ def test_a_lone_snapshot_samples_on_merged_weights_like_with_its_products(
     held = bank(be).merged("sA")
     assert held is not None
     assert held is bank(be).merged("sA")  # kept for the sampler's next batches
+    assert bank(be).merged_bytes == sum(w.numel() * w.element_size() for w in held.values())
     be.delete_sampler("sA")
-    assert bank(be)._merged is None  # freed with its sampler
+    assert bank(be).merged_bytes == 0  # freed with its sampler
 
 
 def test_mixed_batches_and_trainable_adapters_keep_the_products(

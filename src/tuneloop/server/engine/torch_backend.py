@@ -309,6 +309,9 @@ class TorchBackend:
                 waiting = run.run(waiting, admit)
         finally:
             self._run = None
+            if self.device.type == "cuda":  # device memory is for KV blocks and training
+                for runtime in self._runtimes.values():
+                    runtime.bank.release_merged()
 
     def _decoder(self, runtime: Runtime) -> Decoder:
         merge = self.merge_lone_adapter

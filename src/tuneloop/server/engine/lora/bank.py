@@ -215,7 +215,8 @@ class AdapterBank:
         in fp32, rounded once to the weight's dtype), for the linear layers `key` targets;
         None for a trainable adapter (its factors change under it). Expert layers keep their
         LoRA products. The weights of the last key asked for are kept (one copy of the
-        targeted weights): a sampler's decode batches reuse them until it is deleted."""
+        targeted weights): a sampler's decode batches reuse them until it is deleted or
+        `release_merged` (a GPU's sampling calls end with it)."""
         if key in self._trainable or key not in self.specs:
             return None
         if self._merged is not None and self._merged[0] == key:
@@ -241,6 +242,17 @@ class AdapterBank:
     def _forget_merged(self, key: str) -> None:
         if self._merged is not None and self._merged[0] == key:
             self._merged = None
+
+    @property
+    def merged_bytes(self) -> int:
+        """Memory of the merged weights kept now (0: none)."""
+        if self._merged is None:
+            return 0
+        return sum(w.numel() * w.element_size() for w in self._merged[1].values())
+
+    def release_merged(self) -> None:
+        """Drop the merged weights kept for the last sampled key (made again when asked)."""
+        self._merged = None
 
     def delete(self, key: str) -> None:
         self._forget_merged(key)
