@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import pytest
+
 from tests.unit.server.test_scheduler import finish, outcome, submit
 from tuneloop.server.engine.operations import CreateAdapter, CreateSampler, OptimStep
 from tuneloop.server.engine.types import AdamStep, AdapterSpec, EngineError
@@ -143,4 +145,35 @@ async def test_on_failure_runs_for_a_failed_operation_only() -> None:
         submit(queue, futures, o)
     assert await loop.step()
     assert told == ["broken"]
+    await loop.stop()
+
+
+async def test_work_is_neither_lost_nor_doubled_when_the_event_loop_answers_late(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine thread waits only so long for the event loop between two decode steps. An
+    answer it gave up on takes nothing out of the queue, and one given in time is run, so an
+    operation queued while the loop is stalled still runs, once, in its model's order."""
+    from tuneloop.server.scheduler import loop as loop_module
+
+    monkeypatch.setattr(loop_module, "ASK_TIMEOUT_S", 0.02)
+    backend = DecodingBackend()
+    queue, futures = OperationQueue(), FutureTable()
+    loop = EngineLoop(backend, queue, futures)  # type: ignore[arg-type]
+    submit(queue, futures, Operation("", "sample", Work("s", 80), finish))  # type: ignore[arg-type]
+    step = asyncio.create_task(loop.step())
+    await asyncio.sleep(0.05)  # decoding
+    ids = [
+        submit(queue, futures, _training("x", 0, CreateAdapter(_spec("x")))),
+        submit(queue, futures, _training("x", 1, OptimStep("x", STEP))),
+    ]
+    loop.notify("single")
+    for _ in range(5):  # the loop stalls past the engine thread's wait, again and again
+        time.sleep(0.05)  # noqa: ASYNC251 - stalls the event loop on purpose
+        await asyncio.sleep(0)
+    assert await step
+    for request_id in ids:
+        assert not (await outcome(futures, request_id)).get("error")
+    of_x = [e.split(" ")[0] for e in backend.events if " x " in e]
+    assert of_x == ["create", "optim"]  # each once, in order
     await loop.stop()

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import math
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from tuneloop.server.engine.backend import Backend, ContinuousSampling, ReportsKVCache
@@ -26,8 +27,23 @@ CONCURRENCY_MEMORY_S = 30.0
 # How long a cancelled sampler id is remembered: enough for work already taken off the queue
 # (a batch gathering, a decode batch) to see it. Sampler ids are never reused.
 CANCEL_MEMORY_S = 600.0
+# How long the engine thread waits, between decode steps, for the event loop to say what joins;
+# past it the step goes on without (a busy loop answers at a later step).
+ASK_TIMEOUT_S = 2.0
 T = TypeVar("T")
 W = TypeVar("W", ForwardBackwardWork, SampleWork)
+
+
+@dataclass(eq=False)
+class _Ask:
+    """The engine thread's question to the event loop between two decode steps, answered at
+    most once: if the thread gave up waiting, the loop takes nothing out of the queue; if the
+    loop answered, the thread runs what it took, however late."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: threading.Event = field(default_factory=threading.Event)
+    abandoned: bool = False
+    answer: Joining | None = None
 
 
 def failure(message: str, category: str = "server") -> Outcome:
@@ -231,13 +247,16 @@ class EngineLoop:
                 log.exception("on_success hook failed for %s", op.request_id)
         self.futures.resolve(op.request_id, outcome)
 
-    async def _between_steps(self, running: Footprint) -> Joining:
-        """On the event loop, between two decode steps: what the scheduler lets run now."""
-        joining = self.scheduler.between_steps(running)
-        if joining.samples:
-            self._arrivals["sample"] = 0
-            self._overlap_seen_at["sample"] = time.monotonic()
-        return joining
+    def _answer(self, ask: _Ask, running: Footprint) -> None:
+        """On the event loop, between two decode steps: what the scheduler lets run now, unless
+        the engine thread stopped waiting for the answer (then nothing leaves the queue)."""
+        with ask.lock:
+            if not ask.abandoned:
+                joining = ask.answer = self.scheduler.between_steps(running)
+                if joining.samples:
+                    self._arrivals["sample"] = 0
+                    self._overlap_seen_at["sample"] = time.monotonic()
+        ask.done.set()
 
     async def _sample_continuously(self, batch: Batch) -> None:
         """Run a sampling batch that requests join while it decodes; each result is published
@@ -252,13 +271,18 @@ class EngineLoop:
             if self._stopping or not (queue.queued_samples() or queue.training_ready_hint()):
                 return []  # no thread hop
             reads = frozenset(getattr(op.work, "sampler_id", "") for op in ops.values())
+            ask = _Ask()
             try:
-                asked = asyncio.run_coroutine_threadsafe(
-                    self._between_steps(Footprint(reads=reads)), loop
-                )
-                # Bounded: a loop that is shutting down never runs the coroutine.
-                joining = asked.result(timeout=2.0)
-            except (concurrent.futures.TimeoutError, RuntimeError):
+                loop.call_soon_threadsafe(self._answer, ask, Footprint(reads=reads))
+            except RuntimeError:  # the loop is closed
+                return []
+            # Bounded: a loop that is shutting down never answers. Work the loop took out of
+            # the queue is run here whenever the answer came; after the wait, none is taken.
+            ask.done.wait(timeout=ASK_TIMEOUT_S)
+            with ask.lock:
+                ask.abandoned = True
+                joining = ask.answer
+            if joining is None:
                 return []
             for op in joining.singles:  # in their models' order, each before the next is taken
                 loop.call_soon_threadsafe(self._publish, op, _run_alone(backend, op))
