@@ -5,6 +5,7 @@ holds one that does touch it until the batch ends."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,6 +51,11 @@ class DecodingBackend:
 
     def create_sampler(self, sampler_id: str, base_model: str, **_kw: Any) -> None:
         self.events.append(f"sampler {sampler_id} at step {self.steps}")
+
+    def forward_backward(self, batch: Sequence[Any]) -> list[Any]:
+        time.sleep(0.04)  # a training pass: four decode steps' time
+        self.events.append(f"pass {batch[0].adapter_id} at step {self.steps}")
+        return [{"loss": 1.0} for _ in batch]
 
     def sample_continuous(
         self,
@@ -176,4 +182,39 @@ async def test_work_is_neither_lost_nor_doubled_when_the_event_loop_answers_late
         assert not (await outcome(futures, request_id)).get("error")
     of_x = [e.split(" ")[0] for e in backend.events if " x " in e]
     assert of_x == ["create", "optim"]  # each once, in order
+    await loop.stop()
+
+
+async def test_training_passes_between_decode_steps_get_at_most_the_decode_steps_time() -> None:
+    """A forward_backward pass between decode steps is followed by as much time of decode steps
+    before the next: a 40 ms pass by about four 10 ms steps, so a stream of training cannot
+    stall the decode batch, nor the reverse."""
+    from tuneloop.server.engine.types import ForwardBackwardWork
+
+    backend = DecodingBackend()
+    queue, futures = OperationQueue(), FutureTable()
+    loop = EngineLoop(backend, queue, futures)  # type: ignore[arg-type]
+    submit(queue, futures, Operation("", "sample", Work("s", 100), finish))  # type: ignore[arg-type]
+    step = asyncio.create_task(loop.step())
+    await asyncio.sleep(0.05)  # decoding
+    ids = []
+    for seq_id in range(10):  # x's loop: forward_backward, optim_step, forward_backward, ...
+        work: Any = (
+            ForwardBackwardWork("x", (), "cross_entropy", {}, False)
+            if seq_id % 2 == 0
+            else OptimStep("x", STEP)
+        )
+        kind = "forward_backward" if seq_id % 2 == 0 else "single"
+        ids.append(
+            submit(queue, futures, Operation("", kind, work, finish, "x", seq_id, str(seq_id)))
+        )
+    loop.notify("forward_backward")
+    assert await step
+    for request_id in ids:
+        assert "error" not in await outcome(futures, request_id)
+    passes = [int(e.rsplit(" ", 1)[1]) for e in backend.events if e.startswith("pass x")]
+    assert len(passes) == 5
+    assert passes[-1] < 100  # all during the batch
+    gaps = [b - a for a, b in itertools.pairwise(passes)]
+    assert min(gaps) >= 3, passes  # each pass earned by the decode steps after the one before
     await loop.stop()

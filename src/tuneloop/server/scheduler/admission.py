@@ -98,18 +98,23 @@ class EngineScheduler:
 
     # ---- between decode steps -----------------------------------------------------------------
 
-    def between_steps(self, running: Footprint) -> Joining:
-        """What runs between two decode steps of a sampling batch that reads `running`."""
+    def between_steps(self, running: Footprint, passes_due: bool = True) -> Joining:
+        """What runs between two decode steps of a sampling batch that reads `running`.
+
+        `passes_due`: whether forward_backward passes may run now; the loop says no until the
+        decode steps since the last pass have had as much time as it took, so that neither
+        side starves the other (single operations are short and always run)."""
         queue = self.queue
         joining = Joining()
         if self.train_between_steps:
             # A model's operations all touch its own adapter, so its next one decides.
             clear = [run for run in queue.ready_runs() if not _conflicts(run[0], running)]
             joining.singles = [run[0] for run in clear if run[0].kind == "single"]
-            held: set[str | None] = {run[0].model_id for run in queue.ready_runs()} - {
-                run[0].model_id for run in clear if run[0].kind == "forward_backward"
-            }
-            joining.training = queue.leading_forward_backward(held)
+            if passes_due:
+                held: set[str | None] = {run[0].model_id for run in queue.ready_runs()} - {
+                    run[0].model_id for run in clear if run[0].kind == "forward_backward"
+                }
+                joining.training = queue.leading_forward_backward(held)
             queue.take(joining.singles + joining.training)
         if any(
             not self.train_between_steps or _conflicts(run[0], running)

@@ -247,12 +247,12 @@ class EngineLoop:
                 log.exception("on_success hook failed for %s", op.request_id)
         self.futures.resolve(op.request_id, outcome)
 
-    def _answer(self, ask: _Ask, running: Footprint) -> None:
+    def _answer(self, ask: _Ask, running: Footprint, passes_due: bool) -> None:
         """On the event loop, between two decode steps: what the scheduler lets run now, unless
         the engine thread stopped waiting for the answer (then nothing leaves the queue)."""
         with ask.lock:
             if not ask.abandoned:
-                joining = ask.answer = self.scheduler.between_steps(running)
+                joining = ask.answer = self.scheduler.between_steps(running, passes_due)
                 if joining.samples:
                     self._arrivals["sample"] = 0
                     self._overlap_seen_at["sample"] = time.monotonic()
@@ -265,15 +265,21 @@ class EngineLoop:
         backend = self.backend
         assert isinstance(backend, ContinuousSampling)
         ops = {id(op.work): op for op in batch.ops}  # engine thread only, until it returns
+        # A forward_backward pass between decode steps is followed by at least as much time of
+        # decode steps before the next one: training and sampling share the engine half and
+        # half while both have work, and neither stalls the other.
+        last_pass = (0.0, 0.0)  # (when the last pass ended, how long it took)
 
         def admit() -> list[Any]:
+            nonlocal last_pass
             queue = self.queue
             if self._stopping or not (queue.queued_samples() or queue.training_ready_hint()):
                 return []  # no thread hop
             reads = frozenset(getattr(op.work, "sampler_id", "") for op in ops.values())
             ask = _Ask()
+            passes_due = time.perf_counter() - last_pass[0] >= last_pass[1]
             try:
-                loop.call_soon_threadsafe(self._answer, ask, Footprint(reads=reads))
+                loop.call_soon_threadsafe(self._answer, ask, Footprint(reads=reads), passes_due)
             except RuntimeError:  # the loop is closed
                 return []
             # Bounded: a loop that is shutting down never answers. Work the loop took out of
@@ -288,7 +294,11 @@ class EngineLoop:
                 loop.call_soon_threadsafe(self._publish, op, _run_alone(backend, op))
             if joining.training:  # several models' forward_backward chunks in one pass
                 training = Batch("forward_backward", joining.training)
-                for op, result in zip(training.ops, _execute(backend, training), strict=True):
+                pass_started = time.perf_counter()
+                results = _execute(backend, training)
+                ended = time.perf_counter()
+                last_pass = (ended, ended - pass_started)
+                for op, result in zip(training.ops, results, strict=True):
                     loop.call_soon_threadsafe(self._publish, op, result)
             ops.update((id(op.work), op) for op in joining.samples)
             return [op.work for op in joining.samples]
