@@ -63,6 +63,30 @@ def test_uniforms_are_uniform_and_differ_by_seed_and_position() -> None:
     assert abs(float(torch.corrcoef(torch.stack([one[:-1], one[1:]]))[0, 1])) < 0.05
 
 
+def joint_chi2(a: torch.Tensor, b: torch.Tensor, bins: int = 5) -> float:
+    """Chi-square of the pairs (a, b) of uniforms against independence, bins x bins cells."""
+    cell = (a * bins).long().clamp(max=bins - 1) * bins + (b * bins).long().clamp(max=bins - 1)
+    counts = torch.bincount(cell, minlength=bins * bins).double()
+    expect = len(a) / bins**2
+    return float(((counts - expect) ** 2 / expect).sum())
+
+
+def test_a_requests_rows_and_a_rows_positions_draw_independently() -> None:
+    """A request's rows have neighbouring seeds (row_seed(seed, j)) and draw at the same position
+    in every step, and the recipes give neighbouring requests neighbouring seeds (seed * 1000 +
+    j): the pairs of uniforms they draw must be independent, not merely each uniform."""
+    seeds = [sampler.row_seed(base, j) for base in range(2500) for j in range(2)]
+    s = torch.tensor(seeds, dtype=torch.long)
+    lo, hi = s & 0xFFFFFFFF, s >> 32
+    u = torch.stack([d.uniforms(lo, hi, torch.full_like(s, p)) for p in range(3)], 1)
+    rows = u.reshape(2500, 2, 3)
+    # 24 degrees of freedom: 60 is exceeded with probability ~6e-5 by independent pairs
+    assert joint_chi2(rows[:, 0, 1], rows[:, 1, 1]) < 60  # rows 0 and 1 of one request
+    assert joint_chi2(rows[:-1, 0, 2], rows[1:, 0, 2]) < 60  # row 0 of neighbouring requests
+    assert joint_chi2(u[:, 0], u[:, 1]) < 60  # positions 0 and 1 of one row
+    assert joint_chi2(u[:, 0], (u[:, 0] + 0.01) % 1) > 1000  # the check sees dependence
+
+
 def test_a_rows_draw_depends_on_its_seed_position_and_logits_only() -> None:
     target = work(seed=11, top_p=0.9, top_k=20, temperature=0.8)
     others = [work(seed=s, temperature=t) for s, t in ((1, 1.0), (2, 0.0), (3, 1.3))]
