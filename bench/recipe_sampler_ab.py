@@ -38,7 +38,7 @@ from columns import run_column, this_tree_src  # siblings: a script's folder is 
 from shared_prefix import cpu_model
 
 TINY = "tuneloop/tiny-qwen3"
-MODES = ("direct", "distill", "demo")
+MODES = ("direct", "distill", "demo", "eval")
 VOCAB = 259  # the tiny model's vocabulary
 
 
@@ -248,6 +248,31 @@ def distill(server: Any, seeds: int, targets: tuple[int, ...] = (7,)) -> dict[st
     return {"runs": runs}
 
 
+def first_eval(
+    server: Any, seeds: int, targets: tuple[int, ...] = (7,), samples: int = 4
+) -> dict[str, Any]:
+    """The distillation validation's first estimate (8 held-out prompts x `samples` samples from
+    the untrained student) at `seeds` seeds in place of its one fixed seed: the noise every run at
+    that seed shares."""
+    from tuneloop import ServiceClient
+    from tuneloop.recipes.distill import DistillConfig, reverse_kl, scored_rollouts, teacher_client
+    from tuneloop.recipes.math_rl import MathRLConfig, problems
+    from tuneloop.recipes.renderers import renderer_for
+
+    service = ServiceClient(base_url=server.url, api_key=server.key)
+    teacher = teacher_client(service, _teacher(service, targets)[0])
+    training = service.create_lora_training_client(TINY, rank=16, seed=0)
+    student = training.save_weights_and_get_sampling_client()
+    renderer = renderer_for(training.get_tokenizer())
+    _, held = problems(MathRLConfig(train_problems=8, eval_problems=8))
+    config = DistillConfig(max_tokens=10, temperature=1.0)
+    kls = [
+        reverse_kl(scored_rollouts(student, teacher, renderer, held, config, samples, 999_983 + k))
+        for k in range(seeds)
+    ]
+    return {"first_eval_per_seed": kls}
+
+
 def demo(server: Any, seeds: int) -> dict[str, Any]:
     from rich.console import Console
 
@@ -310,6 +335,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             start = time.perf_counter()
             if args.worker == "distill":
                 out = distill(server, args.seeds, tuple(args.teacher_targets))
+            elif args.worker == "eval":
+                targets = tuple(args.teacher_targets)
+                out = first_eval(server, args.seeds, targets, args.eval_samples)
             else:
                 out = {"direct": direct, "demo": demo}[args.worker](server, args.seeds)
             out["wall_s"] = time.perf_counter() - start
@@ -322,6 +350,10 @@ def summarise(mode: str, name: str, result: dict[str, Any]) -> None:
         kls = result["reverse_kl_per_seed"]
         print(json.dumps({k: v for k, v in result.items() if k != "reverse_kl_per_seed"}, indent=1))
         print(f"reverse KL per seed: mean {np.mean(kls):.4f} sd {np.std(kls, ddof=1):.4f}")
+    elif mode == "eval":
+        kls = result["first_eval_per_seed"]
+        print(f"first validation estimate: mean {np.mean(kls):.4f} sd {np.std(kls, ddof=1):.4f}")
+        print(f"per seed {[round(x, 3) for x in kls]}")
     elif mode == "distill":
         starts = [r["evals"][0] for r in result["runs"]]
         ends = [float(np.mean(r["evals"][1:])) for r in result["runs"]]
@@ -361,6 +393,7 @@ def main() -> None:
     ap.add_argument(
         "--teacher-targets", type=int, nargs="+", default=[7], help="the teacher's tokens"
     )
+    ap.add_argument("--eval-samples", type=int, default=4, help="samples per prompt (eval)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -379,6 +412,7 @@ def main() -> None:
                 continue
             flags = ["--worker", mode, "--seeds", str(args.seeds), "--teacher-targets"]
             flags += [str(t) for t in args.teacher_targets]
+            flags += ["--eval-samples", str(args.eval_samples)]
             result = run_column(__file__, src, flags)
             results[f"{mode}/{name}"] = result
             summarise(mode, name, result)
