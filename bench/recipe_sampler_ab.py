@@ -2,17 +2,24 @@
 
 Each column is one engine tree (`--before-src`: a checkout of the previous sampler; the other is
 this tree) serving the tiny built-in model on 127.0.0.1 in its own process, driven through the
-SDK exactly as the recipes drive it. Three measurements, each over `--seeds` seeds:
+SDK exactly as the recipes drive it. Four measurements, each over `--seeds` seeds:
 
 - `direct`: the distillation recipe's sampling (8 prompts x 8 samples x 10 tokens, temperature 1,
-  its stop strings, seeds `seed * 1000 + j`) from an untrained student, with the teacher of
-  tests/recipes/test_distill.py. Per column: the largest gap between the sampler's logprobs and
-  the student's `compute_logprobs` of the same sequences, lengths and stops, the first token's
-  counts against the model's own next-token distribution (chi-square), how often two rows of a
-  group draw the same first token against the sum of p^2 it should be (rows of a group have
-  consecutive seeds: a correlated stream would show here), and the reverse KL estimate per seed.
-- `distill`: tests/recipes/test_distill.py's run (4 steps, 2 prompts x 8, lr 5e-3) at each seed:
-  the held-out reverse KL before and after, and whether the test's criterion held.
+  its stop strings, seeds `seed * 1000 + j`) from an untrained student, with the test's earlier
+  teacher (token 7). Per column: the largest gap between the sampler's logprobs and the
+  student's `compute_logprobs` of the same sequences, lengths and stops, and, for the first 3
+  seeds, the probability integral transform of every sampled token under the model's full
+  distribution at its position (uniform, and independent across a group's rows, whose seeds are
+  consecutive, and across a row's positions, when the draw is right), the mean of log p(x) + H,
+  and the reverse KL estimate per seed.
+- `distill`: tests/recipes/test_distill.py's run (4 steps, 2 prompts x 8, lr 5e-3) at each seed,
+  toward a teacher of `--teacher-targets` (token 7 by default, the test's earlier teacher): the
+  recipe's held-out estimates, whether the earlier criterion (mean after < 0.85 x first) held,
+  and the exact reverse KL before and after on fixed sequences (forward passes scoring every
+  token at the held-out prompts' greedy base replies).
+- `eval`: the distillation validation's first estimate (untrained student) at `--seeds` seeds in
+  place of its one fixed seed, `--eval-samples` per prompt: the spread of the value that every
+  run at the fixed seed shares.
 - `demo`: tests/recipes/test_demo.py's run (2 steps x 3 problems x 4 samples) at each seed:
   tokens trained (0 where every group scored alike), and, from the untrained model, the share
   of samples with a reward above 0 and of groups that train at all.
