@@ -37,25 +37,24 @@ from engine import MODEL, RANK, SEED  # a sibling: a script's folder is on sys.p
 
 def _bare(enabled: bool) -> Any:
     """Take the guards out (enabled) or put them back; returns the originals to restore."""
-    from tuneloop.server.engine import decoder, optim, training
+    # The sampler's finiteness check travels in the step's one device-to-host copy (draw.py):
+    # there is no separate guard left to take out there.
+    from tuneloop.server.engine import optim, training
 
     if not hasattr(_bare, "originals"):
         _bare.originals = (  # type: ignore[attr-defined]
             training._isolated_micro_batch,
             optim.AdapterOptimizer._bounds_after,
-            decoder.nonfinite_rows,
         )
-    isolated, bounds, rows = _bare.originals  # type: ignore[attr-defined]
+    isolated, bounds = _bare.originals  # type: ignore[attr-defined]
     if enabled:
         training._isolated_micro_batch = training._run_micro_batch  # type: ignore[assignment]
         optim.AdapterOptimizer._bounds_after = (  # type: ignore[method-assign]
             lambda self, step, largest, b: (0.0, 0.0, 0.0)
         )
-        decoder.nonfinite_rows = lambda logits: []
     else:
         training._isolated_micro_batch = isolated
         optim.AdapterOptimizer._bounds_after = bounds  # type: ignore[method-assign]
-        decoder.nonfinite_rows = rows
 
 
 def main() -> int:

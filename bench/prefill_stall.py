@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,7 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine import MODEL, RANK, SEED, corpus_text  # a sibling: a script's folder is on sys.path
+from columns import run_column, this_tree_src  # siblings: a script's folder is on sys.path
+from engine import MODEL, RANK, SEED, corpus_text
 from shared_prefix import cpu_model
 
 # Settings of each column, applied as attributes of the TorchBackend it runs on.
@@ -181,7 +180,7 @@ def main() -> int:
         return 0
 
     here = Path(__file__).resolve()
-    mine = str(here.parents[1] / "src")
+    mine = this_tree_src()
     sources = {"paged": mine}
     if args.before_src:
         before = str(args.before_src.resolve())
@@ -193,15 +192,7 @@ def main() -> int:
     results: dict[str, list[dict[str, float]]] = {name: [] for name in sources}
     for _ in range(args.repeats):
         for name, src in sources.items():
-            env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{here.parent}"}
-            out = subprocess.run(
-                [sys.executable, str(here), *passed, f"--worker={name}"],
-                env=env,
-                check=True,
-                capture_output=True,
-                text=True,
-            ).stdout
-            results[name].append(json.loads(out.strip().splitlines()[-1]))
+            results[name].append(run_column(here, src, [*passed, f"--worker={name}"]))
             print(name, results[name][-1], flush=True)
     summary = {
         name: {k: statistics.median(r[k] for r in runs) for k in runs[0]}

@@ -2,10 +2,11 @@
 
 32 prompts of 16-48 tokens (SmolLM2's corpus text, as bench/engine.py makes them) x 4 samples x
 64 new tokens, temperature 1, no early stop, through `TorchBackend.sample` from a rank-32 LoRA
-adapter on every linear layer and the LM head, fp32, `--threads` threads. Each measurement runs
-in its own process with one tree's `src/` first on the path (`--before-src`: a checkout of the
-engine to compare with; the other is this tree), rounds alternating between the two, so machine
-noise hits both alike; reported per round and as the median ratio.
+adapter on every linear layer and the LM head, `--dtype` (fp32 by default), `--threads` threads.
+Each measurement runs in its own process with one tree's `src/` first on the path
+(`--before-src`: a checkout of the engine to compare with; the other is this tree), rounds
+alternating between the two, so machine noise hits both alike; reported per round and as the
+median ratio.
 
     python bench/sampling_ab.py --before-src /tmp/before/src [--rounds 3] [--json out.json]
 """
@@ -14,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine import MODEL, RANK, SEED, corpus_text, make_prompts  # a sibling script
+from columns import run_column, this_tree_src  # siblings: a script's folder is on sys.path
+from engine import MODEL, RANK, SEED, corpus_text, make_prompts
 from shared_prefix import cpu_model
 
 
@@ -37,7 +37,8 @@ def worker(args: argparse.Namespace) -> dict[str, float]:
     from tuneloop.server.engine.torch_backend import TorchBackend
 
     cache = Path("~/.cache/tuneloop").expanduser()
-    backend = TorchBackend([MODEL], cache_dir=cache, device="cpu", dtype=torch.float32)
+    dtype = getattr(torch, args.dtype)
+    backend = TorchBackend([MODEL], cache_dir=cache, device="cpu", dtype=dtype)
     backend.create_adapter(t.AdapterSpec("a", MODEL, rank=RANK, seed=SEED))
     backend.create_sampler("s", MODEL, adapter_id="a")
     tokenizer = AutoTokenizer.from_pretrained(models._smollm2_folder(cache))
@@ -65,6 +66,7 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", help="the base weights' dtype, both trees")
     parser.add_argument("--before-src", type=Path, required=True)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path)
@@ -73,23 +75,17 @@ def main() -> int:
         print(json.dumps(worker(args)))
         return 0
     here = Path(__file__).resolve()
-    sources = {"before": str(args.before_src.resolve()), "after": str(here.parents[1] / "src")}
-    passed = [f"--{k}={getattr(args, k)}" for k in ("threads", "prompts", "samples", "new")] + [
+    sources = {"before": str(args.before_src.resolve()), "after": this_tree_src()}
+    passed = [
+        f"--{k}={getattr(args, k)}" for k in ("threads", "prompts", "samples", "new", "dtype")
+    ] + [
         f"--before-src={args.before_src}",
         "--worker",
     ]
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in sources}
     for _ in range(args.rounds):
         for name, src in sources.items():
-            env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{here.parent}"}
-            out = subprocess.run(
-                [sys.executable, str(here), *passed],
-                env=env,
-                check=True,
-                capture_output=True,
-                text=True,
-            ).stdout
-            runs[name].append(json.loads(out.strip().splitlines()[-1]))
+            runs[name].append(run_column(here, src, passed))
             print(name, runs[name][-1], flush=True)
     ratios = [
         a["tok_per_s"] / b["tok_per_s"] for a, b in zip(runs["after"], runs["before"], strict=True)

@@ -56,7 +56,7 @@ def dense_reference(be: Any, work: SampleWork) -> list[tuple[list[int], list[flo
     key, _ = be._route(work.sampler_id, runtime)
     out: list[tuple[list[int], list[float]]] = []
     for index in range(work.num_samples):
-        row = sampler.Row(work, sampler._generator(work.seed, index), index=index)
+        row = sampler.Row(work, sampler.row_seed(work.seed, index), index=index)
         cache = DynamicCache()
         tokens = torch.as_tensor(work.prompt, dtype=torch.long)[None]
         with torch.no_grad(), runtime.bank.routed([key]):

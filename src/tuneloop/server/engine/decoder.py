@@ -23,8 +23,9 @@ larger than the whole pool (max_tokens defaults to the rest of the context) runs
 every block and fails only if its samples really outgrow the pool; one whose prompt alone does
 not fit is refused.
 
-`sampler.sample_rows` is the per-row step (logits -> token, logprob, stream, stop) that every
-decoding row goes through.
+`sampler.sample_rows` is the step of every decoding row at once (logits -> token, logprob,
+stream, stop): one batched draw on the device and one copy to the host per step; the rows'
+sampling parameters stay on the device while the decode batch keeps its rows.
 
 One request's failure is its own: a row whose logits are not finite (its adapter's weights
 overflow) fails its request alone, with a user error, and so does an exception in a request's own
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tuneloop.server.engine.draw import DrawParams
 from tuneloop.server.engine.isolation import NON_FINITE_LOGITS, alone_error
 from tuneloop.server.engine.kv.block_manager import (
     BlockManager,
@@ -57,8 +59,8 @@ from tuneloop.server.engine.model_runner import ModelRunner, Scheduled
 from tuneloop.server.engine.sampler import (
     Row,
     RunningRequest,
+    draw_params,
     new_request,
-    nonfinite_rows,
     result,
     sample_rows,
     score_prompts,
@@ -126,6 +128,7 @@ class Decoder:
         self.joining: list[_Live] = []  # prompts being prefilled, oldest first
         self.rows: list[tuple[_Live, Row]] = []  # decoding; self.logits[i] is row i's
         self.logits: torch.Tensor | None = None
+        self._params: tuple[list[Row], DrawParams] | None = None  # of the rows last drawn
 
     # ---- views ---------------------------------------------------------------------------
 
@@ -357,24 +360,33 @@ class Decoder:
         live.prompt = None
         live.rows_left = list(live.request.rows)
 
+    def _draw_params(self, rows: list[Row], vocab: int, device: torch.device) -> DrawParams:
+        """The rows' parameters on the device, kept while the decode batch's rows stay."""
+        held = self._params
+        if (
+            held is None
+            or len(held[0]) != len(rows)
+            or any(a is not b for a, b in zip(held[0], rows, strict=True))
+        ):
+            held = self._params = (list(rows), draw_params(rows, vocab, device))
+        return held[1]
+
     def _sample(self) -> list[tuple[RunningRequest, SampleResult | EngineError]]:
         assert self.logits is not None
         logits, self.logits = self.logits, None  # used up: the next forward gives the next ones
+        rows = [row for _, row in self.rows]
+        params = self._draw_params(rows, logits.shape[-1], logits.device)
+        outcomes = sample_rows(logits, rows, self.decode, params)
         # A row with a NaN or an infinity in its logits (its adapter's weights overflow) fails
-        # its request alone; its request's rows draw nothing.
+        # its request alone (its request's rows drew nothing); so does a request whose own work
+        # (a stop check) raised.
         failed: dict[int, tuple[_Live, EngineError]] = {}
-        for i in nonfinite_rows(logits):
-            live = self.rows[i][0]
-            failed.setdefault(id(live), (live, EngineError(NON_FINITE_LOGITS, "user")))
-        drawing = [i for i, (live, _) in enumerate(self.rows) if id(live) not in failed]
-        if failed:
-            logits = logits[torch.tensor(drawing, dtype=torch.long, device=logits.device)]
-        outcomes = sample_rows(logits, [self.rows[i][1] for i in drawing], self.decode)
-        for i, outcome in zip(drawing, outcomes, strict=True):
-            if isinstance(outcome, EngineError):  # this request's own work raised
+        for i, outcome in enumerate(outcomes):
+            if outcome is None or isinstance(outcome, EngineError):
                 live = self.rows[i][0]
-                failed.setdefault(id(live), (live, outcome))
-        going = dict(zip(drawing, outcomes, strict=True))
+                error = EngineError(NON_FINITE_LOGITS, "user") if outcome is None else outcome
+                failed.setdefault(id(live), (live, error))
+        going = dict(enumerate(outcomes))
         finished: list[tuple[RunningRequest, SampleResult | EngineError]] = []
         for live, error in failed.values():
             self._end(live)

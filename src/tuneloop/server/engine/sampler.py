@@ -1,9 +1,10 @@
 """The sampling step: each row's next token from its logits, with its own parameters and seed.
 
 Every sample of a request decodes as its own row, with its own sampling parameters, random
-generator and stop conditions (the paged decoder, decoder.py, decides which rows run a step and
-feeds their logits here). `sample_rows` is the per-row step: it draws every row's token, records
-its logprob (and top-k), streams it, and says which rows stop.
+stream (a seed hashed with the position, draw.py) and stop conditions (the paged decoder,
+decoder.py, decides which rows run a step and feeds their logits here). `sample_rows` is the
+step of all rows at once: one batched draw on the device, one copy to the host, then per row on
+the host only what is the host's (recording, streaming, stop strings).
 
 The logprob reported for a sampled token is the model's own log-softmax at temperature 1, the
 same number the training forward pass computes for that token, so RL losses that compare the two
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tuneloop.server.engine.draw import DrawParams, StepDraw
 from tuneloop.server.engine.isolation import NON_FINITE_LOGITS, alone_error
 from tuneloop.server.engine.kv.sequence import Sequence as KVSequence
 from tuneloop.server.engine.logprobs import pad_rows, prompt_scores
@@ -42,7 +44,7 @@ class Row:
     """One sample of a request: what it drew so far and the sequence that holds its KV."""
 
     work: SampleWork
-    generator: torch.Generator
+    seed: int  # the row's own random stream (draw.py hashes it with the position)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     topk: list[TopkRow] = field(default_factory=list)
@@ -51,65 +53,26 @@ class Row:
     seq: KVSequence | None = None  # set when the prompt's prefill is done (decoder.py)
 
 
-def _generator(seed: int | None, index: int) -> torch.Generator:
+def row_seed(seed: int | None, index: int) -> int:
+    """Sample `index` of a request gets its own stream: same seed, same tokens, whatever else
+    shares the batch (63 bits; an unseeded request gets fresh ones)."""
     base = seed if seed is not None else int.from_bytes(os.urandom(8), "little")
-    # Sample `index` of a request gets its own stream: same seed, same tokens, whatever else
-    # shares the batch.
-    return torch.Generator().manual_seed((base * 1_000_003 + index) % (2**63 - 1))
+    return (base * 1_000_003 + index) % (2**63 - 1)
 
 
-def _filtered(probs: torch.Tensor, work: SampleWork) -> torch.Tensor:
-    """One row's probabilities with top-k and top-p applied (unnormalised)."""
-    if work.top_k > 0 and work.top_k < probs.shape[-1]:
-        kth = torch.topk(probs, work.top_k).values[-1]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-    if work.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=-1) / sorted_probs.sum()
-        drop = cumulative - sorted_probs / sorted_probs.sum() >= work.top_p
-        sorted_probs[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    return probs
-
-
-GREEDY_BELOW = 1e-5
-
-
-def _choose(logits: torch.Tensor, rows: list[Row], temperature: torch.Tensor) -> list[int]:
-    """Next token of every row at once: inverse-CDF draws with one uniform per row.
-
-    Each row's uniform comes from its own generator, so a row's tokens depend on its seed and
-    its logits only, never on what else shares the batch.
-    """
-    greedy = torch.argmax(logits, dim=-1)
-    # Temperatures this close to 0 are greedy: dividing fp32 logits by them overflows to inf
-    # (NaN probabilities). Greedy rows divide by 1: their draw is replaced by the argmax below.
-    is_greedy = temperature < GREEDY_BELOW
-    divisor = torch.where(is_greedy, torch.ones_like(temperature), temperature)
-    probs = torch.softmax(logits / divisor[:, None], dim=-1)
-    for i, row in enumerate(rows):
-        if row.work.top_k > 0 or row.work.top_p < 1.0:
-            probs[i] = _filtered(probs[i], row.work)
-    # u in (0, 1]: the first index whose CDF reaches u * total always has probability > 0.
-    u = torch.stack([1.0 - torch.rand((), generator=row.generator) for row in rows])
-    cdf = probs.cumsum(dim=-1)
-    drawn = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[:, -1])[:, None]).squeeze(1)
-    drawn = drawn.clamp(max=logits.shape[-1] - 1)
-    chosen = torch.where(is_greedy, greedy, drawn)
-    return [int(t) for t in chosen.tolist()]
-
-
-def nonfinite_rows(logits: torch.Tensor) -> list[int]:
-    """The rows of `logits` [rows, V] holding a NaN or an infinity (one device sync)."""
-    finite = torch.isfinite(logits).all(dim=-1)
-    if bool(finite.all()):
-        return []
-    return [i for i, ok in enumerate(finite.tolist()) if not ok]
-
-
-def _topk(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
-    values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]))
-    return [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
+def draw_params(rows: Sequence[Row], vocab: int, device: torch.device) -> DrawParams:
+    """The rows' sampling parameters as device tensors (decoder.py keeps them while the rows of
+    its decode batch stay the same)."""
+    return DrawParams.build(
+        [row.seed for row in rows],
+        [row.work.temperature for row in rows],
+        [row.work.top_k for row in rows],
+        [row.work.top_p for row in rows],
+        [row.work.stop_token_ids for row in rows],
+        max((row.work.topk_sample_logprobs for row in rows), default=0),
+        vocab,
+        device,
+    )
 
 
 def _tell(row: Row) -> None:
@@ -122,9 +85,9 @@ def _tell(row: Row) -> None:
         log.exception("a token hook failed")
 
 
-def _finished(row: Row, token: int, decode: Callable[[list[int]], str]) -> str | None:
+def _finished(row: Row, stop_hit: bool, decode: Callable[[list[int]], str]) -> str | None:
     work = row.work
-    if token in work.stop_token_ids:
+    if stop_hit:  # the token is one of the row's stop_token_ids (checked on the device)
         return "stop"
     if work.stop_strings and any(s in decode(row.tokens) for s in work.stop_strings):
         return "stop"
@@ -147,35 +110,47 @@ def new_request(
     key: str | None,
     scores: tuple[list[float | None] | None, list[TopkRow] | None] = (None, None),
 ) -> RunningRequest:
-    rows = [Row(work, _generator(work.seed, j), index=j) for j in range(work.num_samples)]
+    rows = [Row(work, row_seed(work.seed, j), index=j) for j in range(work.num_samples)]
     return RunningRequest(work, key, rows, scores)
 
 
 def sample_rows(
-    logits: torch.Tensor, rows: list[Row], decode: Callable[[list[int]], str]
-) -> list[bool | EngineError]:
+    logits: torch.Tensor,
+    rows: list[Row],
+    decode: Callable[[list[int]], str],
+    params: DrawParams | None = None,
+) -> list[bool | EngineError | None]:
     """Draw the next token of every row from its logits row ([len(rows), V], fp32), record it
     with its logprob (and top-k), hand it to the row's stream, and set the row's stop reason.
-    Returns, per row, whether it goes on, or the error of its own work (a stop check that
-    raises): that row's request fails alone, the other rows are unaffected."""
-    if not rows:  # every row of the step failed (non-finite logits)
+
+    The draw, the logprobs, the stop-token checks and the finiteness of every row's logits are
+    computed on the device in one batched pass and reach the host in one copy (draw.py).
+    Returns, per row: whether it goes on; the error of its own work (a stop check that raises:
+    that row's request fails alone); or None where a row of its request had logits that are not
+    finite (its adapter's weights overflow): every row of that request draws nothing, and the
+    caller fails the request. The other rows are unaffected (each row's draw reads its own
+    logits and seed only)."""
+    if not rows:
         return []
-    temperature = torch.tensor([row.work.temperature for row in rows], device=logits.device)
-    step_logprobs = torch.log_softmax(logits, dim=-1)
-    chosen = _choose(logits, rows, temperature)
-    chosen_lp = step_logprobs.gather(1, torch.tensor(chosen, device=logits.device)[:, None])
-    chosen_lp_list = chosen_lp[:, 0].tolist()
-    going: list[bool | EngineError] = []
+    if params is None:
+        params = draw_params(rows, logits.shape[-1], logits.device)
+    positions = torch.tensor([len(row.tokens) for row in rows], dtype=torch.long)
+    step = StepDraw.fetch(logits, params, positions.to(logits.device, non_blocking=True))
+    poisoned = {id(row.work) for row, ok in zip(rows, step.finite, strict=True) if not ok}
+    going: list[bool | EngineError | None] = []
     for i, row in enumerate(rows):
-        token = chosen[i]
-        row.tokens.append(token)
-        row.logprobs.append(float(chosen_lp_list[i]))
+        if id(row.work) in poisoned:
+            going.append(None)
+            continue
+        row.tokens.append(step.tokens[i])
+        row.logprobs.append(step.logprobs[i])
         try:
             if row.work.topk_sample_logprobs:
-                row.topk.append(_topk(step_logprobs[i], row.work.topk_sample_logprobs))
+                assert step.topk is not None
+                row.topk.append(step.topk[i][: row.work.topk_sample_logprobs])
             if row.work.on_token is not None:
                 _tell(row)
-            row.stop_reason = _finished(row, token, decode)
+            row.stop_reason = _finished(row, step.stop_hit[i], decode)
         except Exception as exc:  # this request's own work: it fails alone
             log.exception("sampling failed for one request")
             going.append(alone_error(exc, "sample"))

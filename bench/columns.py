@@ -1,0 +1,38 @@
+"""Side-by-side benchmark columns, each measured in a process of its own.
+
+A column is one engine tree (`src` put first on the path) and a worker flag of the calling
+script; `run_column` runs the script again as that worker and returns the JSON object the
+worker printed last. Running every measurement in a fresh process keeps one column's warm caches,
+threads and allocator out of the next, and callers alternate columns round by round so that
+machine noise hits them alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["run_column", "this_tree_src"]
+
+BENCH = Path(__file__).resolve().parent
+
+
+def this_tree_src() -> str:
+    """This checkout's `src/`."""
+    return str(BENCH.parent / "src")
+
+
+def run_column(script: Path | str, src: str, args: Sequence[str]) -> dict[str, Any]:
+    """Run `script args` with `src` (and bench/, for the sibling scripts) first on the path;
+    the last line it prints is the column's JSON result."""
+    env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{BENCH}"}
+    out = subprocess.run(
+        [sys.executable, str(script), *args], env=env, check=True, capture_output=True, text=True
+    ).stdout
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
