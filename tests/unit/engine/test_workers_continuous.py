@@ -191,7 +191,9 @@ def test_a_worker_group_streams_tokens(group: Any, single: Any, samplers: Any) -
 
 def test_requests_joining_mid_decode_are_answered(group: Any, single: Any, samplers: Any) -> None:
     drive = Drive()
-    first = [_work("base", 10 + i, n=1 + i % 2, max_tokens=24) for i in range(3)]
+    # Long enough that the group asks for joiners (between its messages, at least every
+    # POLL_S) more than 8 times before the first batch ends, however fast the ranks decode.
+    first = [_work("base", 10 + i, n=1 + i % 2, max_tokens=96) for i in range(3)]
     later = [_work("snap", 20 + i, max_tokens=6 + 2 * i) for i in range(3)]
     last = [drive.streamed(_work("base", 30 + i, max_tokens=5)) for i in range(2)]
     drive.joining = {3: later, 8: last}
