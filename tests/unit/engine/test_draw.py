@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
+from tests.unit.engine.test_sampler import sw  # noqa: E402
 from tuneloop.server.engine import draw as d  # noqa: E402
 from tuneloop.server.engine import sampler  # noqa: E402
 from tuneloop.server.engine.types import SampleWork  # noqa: E402
@@ -20,18 +21,7 @@ V = 50
 
 
 def work(**kw: Any) -> SampleWork:
-    args: dict[str, Any] = {
-        "num_samples": 1,
-        "max_tokens": 100,
-        "temperature": 1.0,
-        "top_k": -1,
-        "top_p": 1.0,
-        "seed": 0,
-        "stop_token_ids": (),
-        "stop_strings": (),
-    }
-    args.update(kw)
-    return SampleWork("s", np.arange(3, dtype=np.int64), **args)
+    return sw("s", np.arange(3, dtype=np.int64), **{"max_tokens": 100, **kw})
 
 
 def rows_of(works: list[SampleWork]) -> list[sampler.Row]:
