@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,18 +36,6 @@ from tuneloop.server.engine.operations import (  # noqa: E402
     run_operation,
 )
 from tuneloop.server.engine.types import EngineError  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from tuneloop.server.engine.workers.build import worker_group
-
-    root = tmp_path_factory.mktemp("group-ops")
-    g = worker_group(
-        (TINY,), workers=2, cache_dir=root / "cache", device="cpu", state_dir=root / "state"
-    )
-    yield g
-    g.close()
 
 
 def test_operations_run_as_values_and_the_one_in_flight_survives_a_killed_worker(

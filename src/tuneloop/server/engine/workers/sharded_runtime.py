@@ -33,10 +33,11 @@ from tuneloop.server.engine.types import AdamStep, EngineError
 from tuneloop.server.engine.workers.protocol import Admit
 from tuneloop.server.engine.workers.sharded_session import LockstepRankSession
 from tuneloop.server.engine.workers.worker import (
-    COLLECTIVE_TIMEOUT,
     WorkerRuntime,
     WorkerSettings,
-    worker_device,
+    join_group,
+    settings_dtype,
+    take_device,
 )
 
 __all__ = ["ShardedWorkerRuntime", "live_tensor_bytes", "rank_memory"]
@@ -94,20 +95,10 @@ class ShardedWorkerRuntime(WorkerRuntime):
         from tuneloop.server.engine.torch_backend import TorchBackend
 
         self.rank, self.size = rank, size
-        self.device = torch.device(worker_device(settings, rank))
-        if self.device.type == "cpu":
-            torch.set_num_threads(max(1, settings.threads))
-        else:
-            torch.cuda.set_device(self.device)
-        dist.init_process_group(
-            "nccl" if self.device.type == "cuda" else "gloo",
-            init_method=init_method,
-            rank=rank,
-            world_size=size,
-            timeout=COLLECTIVE_TIMEOUT,
-        )
+        self.device = take_device(settings, rank)
+        join_group(self.device, init_method, rank, size)
         mesh = init_device_mesh(self.device.type, (size,))
-        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, None: None}[settings.dtype]
+        dtype = settings_dtype(settings)
         if dtype is None and self.device.type == "cuda":  # the target device's, not the host's
             dtype = default_dtype(settings.models[0], self.device)
         self.sharded: dict[str, ShardedWeights] = {}

@@ -72,6 +72,31 @@ def worker_device(settings: WorkerSettings, rank: int) -> str:
     return f"cuda:{rank % settings.gpus_per_host}" if settings.gpus_per_host else "cuda:0"
 
 
+def take_device(settings: WorkerSettings, rank: int) -> torch.device:
+    """This rank's device, made current (a CPU rank gets its share of the threads)."""
+    device = torch.device(worker_device(settings, rank))
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, settings.threads))
+    else:
+        torch.cuda.set_device(device)
+    return device
+
+
+def settings_dtype(settings: WorkerSettings) -> torch.dtype | None:
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32, None: None}[settings.dtype]
+
+
+def join_group(device: torch.device, init_method: str, rank: int, size: int) -> None:
+    """Join the group's torch.distributed process group (NCCL on GPUs, gloo on CPUs)."""
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+
+
 def _cpu(value: Any) -> Any:
     """Tensors (nested in dicts/lists) moved to host memory, for the pipe and the snapshot."""
     if isinstance(value, torch.Tensor):
@@ -88,23 +113,14 @@ class WorkerRuntime:
         from tuneloop.server.engine.torch_backend import TorchBackend
 
         self.rank, self.size = rank, size
-        device = worker_device(settings, rank)
-        if device == "cpu":
-            torch.set_num_threads(max(1, settings.threads))
-        else:
-            torch.cuda.set_device(torch.device(device))
-        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, None: None}[settings.dtype]
+        self.device = take_device(settings, rank)
         self.backend = TorchBackend(
-            settings.models, cache_dir=settings.cache_dir, device=device, dtype=dtype
+            settings.models,
+            cache_dir=settings.cache_dir,
+            device=str(self.device),
+            dtype=settings_dtype(settings),
         )
-        self.device = torch.device(device)
-        dist.init_process_group(
-            "nccl" if self.device.type == "cuda" else "gloo",
-            init_method=init_method,
-            rank=rank,
-            world_size=size,
-            timeout=COLLECTIVE_TIMEOUT,
-        )
+        join_group(self.device, init_method, rank, size)
         # Gradients of each adapter as they were before the last forward_backward call, to
         # take a request's share back when it failed on another rank (see group.py).
         self._before: dict[str, list[torch.Tensor | None]] = {}
