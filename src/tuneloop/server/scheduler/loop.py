@@ -250,13 +250,15 @@ class EngineLoop:
     def _answer(self, ask: _Ask, running: Footprint, passes_due: bool) -> None:
         """On the event loop, between two decode steps: what the scheduler lets run now, unless
         the engine thread stopped waiting for the answer (then nothing leaves the queue)."""
-        with ask.lock:
-            if not ask.abandoned:
-                joining = ask.answer = self.scheduler.between_steps(running, passes_due)
-                if joining.samples:
-                    self._arrivals["sample"] = 0
-                    self._overlap_seen_at["sample"] = time.monotonic()
-        ask.done.set()
+        try:
+            with ask.lock:
+                if not ask.abandoned:
+                    joining = ask.answer = self.scheduler.between_steps(running, passes_due)
+                    if joining.samples:
+                        self._arrivals["sample"] = 0
+                        self._overlap_seen_at["sample"] = time.monotonic()
+        finally:  # a failed answer must not hold the engine thread for the whole wait
+            ask.done.set()
 
     async def _sample_continuously(self, batch: Batch) -> None:
         """Run a sampling batch that requests join while it decodes; each result is published
