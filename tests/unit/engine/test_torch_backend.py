@@ -136,6 +136,9 @@ def test_logprobs_do_not_depend_on_batch_composition(tmp_path: Path) -> None:
 
 
 def test_chunked_lm_head_matches_unchunked(backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head module's own path (a sharded head's): in one piece, or in checkpointed chunks
+    of positions; both give the same logprobs and gradients."""
+    monkeypatch.setattr(logprobs_module, "head_parts", lambda head, hidden: None)
     backend.create_adapter(adapter_spec("A"))
     train(backend, "A", DATA_A, 1)
     ok(backend.forward_backward([work("A", DATA_A)])[0])
@@ -155,6 +158,45 @@ def test_chunked_lm_head_matches_unchunked(backend, monkeypatch: pytest.MonkeyPa
     assert len(calls) > 2  # the chunked, recomputing path really ran
     assert_near(forward(backend, "A", DATA_A), whole_lp, 1e-6, "chunked logprobs")
     assert_near(grads(backend, "A"), whole_g, 1e-6, "chunked grads", relative=True)
+
+
+@pytest.mark.parametrize("tiles", ["one", "many"])
+def test_fused_lm_head_matches_the_head_module(
+    backend, monkeypatch: pytest.MonkeyPatch, tiles: str
+) -> None:
+    """A plain head runs fused over vocabulary tiles (fused_head.py): the same logprobs and
+    gradients as the head module followed by a log-softmax, in one tile or in tiles of 3 rows
+    by a quarter of the vocabulary (a ragged last one), two adapters and the base in a batch."""
+    from tuneloop.server.engine import fused_head
+
+    for i, key in enumerate("AB"):
+        backend.create_adapter(adapter_spec(key, seed=i))
+        train(backend, key, DATA_A if key == "A" else DATA_B, 1)
+    batch = [work("A", DATA_A), work("B", DATA_B), work("A", DATA_C)]
+
+    def run() -> tuple[list, list]:
+        for key in "AB":
+            for p in backend._adapters[key].optimizer._params:
+                p.grad = None
+        results = backend.forward_backward(batch)
+        return [ok(r).logprobs for r in results], [grads(backend, k) for k in "AB"]
+
+    calls = []
+    real = fused_head._FusedHead.apply
+    monkeypatch.setattr(
+        fused_head._FusedHead, "apply", lambda *a: calls.append(len(a[0].segments)) or real(*a)
+    )
+    if tiles == "many":
+        monkeypatch.setattr(fused_head, "ROWS", 3)
+        monkeypatch.setattr(fused_head, "CHUNK_ELEMENTS", 3 * (VOCAB // 4 + 1))
+    fused_lp, fused_g = run()
+    assert calls  # the fused path ran
+    assert max(calls) == 3  # with the head adapted: A, B, A
+    with monkeypatch.context() as m:
+        m.setattr(logprobs_module, "head_parts", lambda head, hidden: None)
+        module_lp, module_g = run()
+    assert_near(fused_lp, module_lp, 1e-5, "fused logprobs")
+    assert_near(fused_g, module_g, 1e-5, "fused grads", relative=True)
 
 
 @pytest.mark.parametrize("model", ["tuneloop/tiny-qwen3", "tuneloop/tiny-llama"])

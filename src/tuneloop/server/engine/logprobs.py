@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tuneloop.server.engine.fused_head import fused_target_logprobs, head_parts
+
 # Logit elements per chunk (x4 bytes in fp32): 16M = 64 MB, a few x that with log_softmax.
 LOGIT_ELEMENTS_PER_CHUNK = 1 << 24
 # Up to this many logit elements (128 MB in bf16, 256 MB in fp32: the logits are all the fused
@@ -166,6 +168,11 @@ def target_logprobs(
     inside `packed_segments(lengths)`).
     """
     hidden, head, softcap, vocab = _hidden_and_head(model, input_ids, lengths, position_ids)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    parts = head_parts(head, flat)
+    if parts is not None:  # a plain head: fused over vocabulary chunks (fused_head.py)
+        flat_targets = targets.reshape(-1, targets.shape[-1])
+        return fused_target_logprobs(parts, flat, flat_targets, softcap).view(targets.shape)
     width = input_ids.shape[1]
     if input_ids.shape[0] * width * vocab <= LOGIT_ELEMENTS_UNCHUNKED:
         return _head_logprobs(head, softcap, hidden, targets)

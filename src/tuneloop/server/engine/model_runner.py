@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tuneloop.server.engine.fused_head import chunked_logits, head_parts
 from tuneloop.server.engine.kv.paged_attention import KVPool, PagedStep, Prefill, paged
 from tuneloop.server.engine.kv.sequence import Sequence
 from tuneloop.server.engine.lora import AdapterBank, Routing
@@ -159,7 +160,9 @@ class ModelRunner:
         head_routing = self._route(self._head, wanting, [1] * len(wanting))
         head: nn.Module = self.model.get_output_embeddings()  # type: ignore[operator]
         with self.bank.using(head_routing):
-            logits = head(hidden[torch.tensor(keep, device=self.device)][None])[0].float()
+            last = hidden[torch.tensor(keep, device=self.device)]
+            parts = head_parts(head, last)
+            logits = chunked_logits(parts, last) if parts else head(last[None])[0].float()
         softcap = getattr(self.model.config, "final_logit_softcapping", None)
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap

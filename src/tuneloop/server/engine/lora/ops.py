@@ -48,7 +48,8 @@ def add_lora(
     cache: dict[str, Stacked],
 ) -> torch.Tensor:
     """out [N, out] + each segment's LoRA delta of x [N, in]; segment i has sizes[i] rows and
-    factors[i] (None: no delta). `cache` keeps stacked factors across calls of one routing."""
+    factors[i] (None: no delta). `cache` keeps stacked factors across calls of one routing.
+    `out` is the base layer's fresh output: it may be updated in place and returned."""
     if _kernel is not None and x.device.type in _kernel_devices:
         return _kernel(out, x, sizes, factors, cache)
     return add_lora_torch(out, x, sizes, factors, cache)
@@ -61,6 +62,20 @@ def _delta(x: torch.Tensor, factors: Factors, dtype: torch.dtype) -> torch.Tenso
     return (((x.to(a.dtype) @ a.t()) * scale) @ b.t()).to(dtype)
 
 
+def _plus_delta(
+    out: torch.Tensor, x: torch.Tensor, factors: Factors, *, in_place: bool = False
+) -> torch.Tensor:
+    """out + the delta of x; by `addmm` where the factors are in out's dtype (`lookup_as` casts
+    them to it), so the product's pass makes the sum instead of another pass over [rows, out]
+    (the separate adds were ~5 % of a training step on SmolLM2). `in_place` (out is the base
+    layer's fresh output, which no backward pass reads) also saves addmm's copy of out."""
+    a, b, scale = factors
+    if a.dtype != out.dtype or x.dtype != out.dtype:
+        return out + _delta(x, factors, out.dtype)
+    low = (x @ a.t()) * scale
+    return out.addmm_(low, b.t()) if in_place else torch.addmm(out, low, b.t())
+
+
 def add_lora_torch(
     out: torch.Tensor,
     x: torch.Tensor,
@@ -69,7 +84,7 @@ def add_lora_torch(
     cache: dict[str, Stacked],
 ) -> torch.Tensor:
     if len(sizes) == 1:  # one adapter for the whole batch, the common case
-        return out if factors[0] is None else out + _delta(x, factors[0], out.dtype)
+        return out if factors[0] is None else _plus_delta(out, x, factors[0], in_place=True)
     grouped = _grouped(x, sizes, factors, cache, out.dtype)
     if grouped is not None:
         return out + grouped
@@ -80,7 +95,7 @@ def add_lora_torch(
     for item, x_seg, out_seg in zip(
         factors, x.split(list(sizes)), out.split(list(sizes)), strict=True
     ):
-        pieces.append(out_seg if item is None else out_seg + _delta(x_seg, item, out.dtype))
+        pieces.append(out_seg if item is None else _plus_delta(out_seg, x_seg, item))
     return torch.cat(pieces, dim=0)
 
 
