@@ -8,10 +8,15 @@ model and the load. `--profile` prints the top ops of one step of the current va
 
     python bench/train_variants.py --variant attention [--steps 6] [--dtype bfloat16]
     python bench/train_variants.py --variant adamw
+    python bench/train_variants.py --variant head       # the LM head fused over vocabulary tiles
+    python bench/train_variants.py --variant lora-add   # LoRA deltas added by addmm
     python bench/train_variants.py --profile
     python bench/train_variants.py --micro          # each piece alone, 422 AdamW tensors and
                                                     # one layer's packed attention fwd+bwd
 
+`--variant head` compares the head module's output followed by the log-softmax over position
+chunks (previous) with the head fused over vocabulary tiles (fused_head.py); `--variant
+lora-add` the LoRA delta added as its own pass with addmm into the base output.
 `--variant adamw` compares torch's single-tensor AdamW (previous) with foreach=True (current);
 the engine keeps single-tensor, as the numbers in docs/benchmarks.md say why.
 """
@@ -71,6 +76,35 @@ def _attention(previous: bool) -> Iterator[None]:
         yield
     finally:
         AttentionInterface.register(packing.PACKED_ATTENTION, packing._packed_sdpa)
+
+
+@contextmanager
+def _head(previous: bool) -> Iterator[None]:
+    """previous: the head module's output, then the fused log-softmax over position chunks
+    (checkpointed past LOGIT_ELEMENTS_UNCHUNKED); current: fused over vocabulary tiles."""
+    from tuneloop.server.engine import fused_head, logprobs
+
+    logprobs.head_parts = (lambda head, hidden: None) if previous else fused_head.head_parts
+    try:
+        yield
+    finally:
+        logprobs.head_parts = fused_head.head_parts
+
+
+@contextmanager
+def _lora_add(previous: bool) -> Iterator[None]:
+    """previous: out + the LoRA delta as its own pass; current: addmm into the base output."""
+    from tuneloop.server.engine.lora import ops
+
+    current = ops._plus_delta
+    if previous:
+        ops._plus_delta = lambda out, x, factors, in_place=False: (
+            out + ops._delta(x, factors, out.dtype)
+        )
+    try:
+        yield
+    finally:
+        ops._plus_delta = current
 
 
 @contextmanager
@@ -158,7 +192,9 @@ def _micro_adamw(repeats: int) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--variant", choices=["attention", "adamw"], default="attention")
+    parser.add_argument(
+        "--variant", choices=["attention", "adamw", "head", "lora-add"], default="attention"
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--steps", type=int, default=6, help="timed steps per variant")
     parser.add_argument("--threads", type=int, default=2)
@@ -212,9 +248,13 @@ def main() -> int:
             print(f"{event.key} {event.input_shapes} x{event.count}: {ms:.0f} ms")
         return 0
 
-    switch: Callable[[bool], Any] = (
-        _attention if args.variant == "attention" else (lambda p: _adamw(p, backend))
-    )
+    switches: dict[str, Callable[[bool], Any]] = {
+        "attention": _attention,
+        "adamw": lambda p: _adamw(p, backend),
+        "head": _head,
+        "lora-add": _lora_add,
+    }
+    switch = switches[args.variant]
     times: dict[str, list[float]] = {"previous": [], "current": []}
     train_step(batches[1])
     for i in range(args.steps):
