@@ -160,13 +160,14 @@ def test_chunked_lm_head_matches_unchunked(backend, monkeypatch: pytest.MonkeyPa
     assert_near(grads(backend, "A"), whole_g, 1e-6, "chunked grads", relative=True)
 
 
-@pytest.mark.parametrize("tiles", ["one", "many"])
+@pytest.mark.parametrize("tiles", ["one", "many", "many, recomputed"])
 def test_fused_lm_head_matches_the_head_module(
     backend, monkeypatch: pytest.MonkeyPatch, tiles: str
 ) -> None:
     """A plain head runs fused over vocabulary tiles (fused_head.py): the same logprobs and
     gradients as the head module followed by a log-softmax, in one tile or in tiles of 3 rows
-    by a quarter of the vocabulary (a ragged last one), two adapters and the base in a batch."""
+    by a quarter of the vocabulary (a ragged last one), the logits kept for the backward pass
+    or recomputed there, two adapters in one batch."""
     from tuneloop.server.engine import fused_head
 
     for i, key in enumerate("AB"):
@@ -186,9 +187,11 @@ def test_fused_lm_head_matches_the_head_module(
     monkeypatch.setattr(
         fused_head._FusedHead, "apply", lambda *a: calls.append(len(a[0].segments)) or real(*a)
     )
-    if tiles == "many":
+    if tiles != "one":
         monkeypatch.setattr(fused_head, "ROWS", 3)
         monkeypatch.setattr(fused_head, "CHUNK_ELEMENTS", 3 * (VOCAB // 4 + 1))
+    if tiles.endswith("recomputed"):
+        monkeypatch.setattr(fused_head, "SAVED_LOGITS_BYTES", 0)
     fused_lp, fused_g = run()
     assert calls  # the fused path ran
     assert max(calls) == 3  # with the head adapted: A, B, A

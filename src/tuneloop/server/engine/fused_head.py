@@ -6,9 +6,11 @@ step and a fifth of a decode step on a CPU. Run as `head(hidden)` it makes sever
 same FLOPs on cache-sized outputs), the LoRA up-projection into a second such tensor, their sum,
 then the log-softmax. Here the vocabulary is cut into chunks whose logits stay in cache: per chunk
 one matmul, the LoRA product added into it by `addmm` while it is hot and, for training, an
-online logsumexp and the targets' logits read from it. No [tokens, vocab] tensor exists in the
-forward or the backward pass of training (the backward recomputes each chunk's logits: one more
-matmul per chunk, as the activation checkpointing of the head's row chunks did before).
+online logsumexp and the targets' logits read from it. The backward pass needs the logits
+again: a batch whose logits fit in SAVED_LOGITS_BYTES keeps its tiles (reading them back costs
+far less than the matmul); a larger one recomputes each tile (one more matmul per tile, as the
+activation checkpointing of the head's position chunks did before), so no [tokens, vocab]
+tensor ever exists for it.
 
 Only a plain head takes this path: an `nn.Linear`, or a `LoRALinear` over one, with no hooks
 but FSDP2's (a sharded head's weight is gathered here with `unshard` for each pass, as its own
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine.lora.linear import LoRALinear
+from tuneloop.server.engine.memory import SAVED_LOGITS_BYTES
 
 __all__ = ["HeadParts", "chunked_logits", "fused_target_logprobs", "head_parts"]
 
@@ -195,18 +198,19 @@ class _FusedHead(torch.autograd.Function):
         high = torch.full((rows,), float("-inf"), dtype=torch.float32, device=device)
         total = torch.zeros((rows,), dtype=torch.float32, device=device)
         picked = torch.zeros(targets.shape, dtype=torch.float32, device=device)
+        size = rows * vocab * hidden.element_size()
+        keep = torch.is_grad_enabled() and size <= SAVED_LOGITS_BYTES
+        kept: list[torch.Tensor] = []
         with parts.gathered() as head:
             for tile in _tiles(rows, vocab, device):
-                picked = _forward_tile(
-                    _capped(_tile(hidden, head, parts, lows, tile), softcap),
-                    tile,
-                    targets,
-                    high,
-                    total,
-                    picked,
-                )
+                raw = _tile(hidden, head, parts, lows, tile)
+                if keep:
+                    kept.append(raw)
+                z = _capped(raw, softcap)
+                picked = _forward_tile(z, tile, targets, high, total, picked)
         lse = high + torch.log(total)
         ctx.save_for_backward(targets, lse, hidden, *factors)
+        ctx.kept = kept  # type: ignore[attr-defined]  # intermediates, never modified in place
         ctx.parts = parts  # type: ignore[attr-defined]
         ctx.softcap = softcap  # type: ignore[attr-defined]
         return picked - lse[:, None]
@@ -231,10 +235,11 @@ class _FusedHead(torch.autograd.Function):
             torch.zeros(b.shape, dtype=torch.float32, device=b.device) if want else None
             for b, want in zip(bs, wants_b, strict=True)
         ]
+        kept: list[torch.Tensor] = ctx.kept  # type: ignore[attr-defined]
         with parts.gathered() as head:
-            for tile in _tiles(rows, vocab, hidden.device):
+            for i, tile in enumerate(_tiles(rows, vocab, hidden.device)):
                 r0, r1, v0, v1 = tile
-                z = _capped(_tile(hidden, head, parts, lows, tile), softcap)
+                z = _capped(kept[i] if kept else _tile(hidden, head, parts, lows, tile), softcap)
                 d = torch.exp(z - lse[r0:r1, None]).mul_(-g_sum[r0:r1])
                 t = targets[r0:r1]
                 inside = (t >= v0) & (t < v1)

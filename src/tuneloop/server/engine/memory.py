@@ -27,9 +27,12 @@ MAX_TOKEN_BUDGET = 65536
 # estimate is within ~20 % of the process's peak growth.
 _HIDDEN_VECTORS = 10
 _INTERMEDIATE_VECTORS = 4
-# The LM head's logits and log-softmax of the positions in one chunk (logprobs.py) are at most
-# 2 x 2^26 fp32 elements: kept aside from the per-token cost.
-_HEAD_BYTES = 2 * (1 << 26) * 4
+# The most bytes of LM-head logits a training pass keeps for its backward instead of recomputing
+# them (fused_head.py; a head that runs as its own module keeps one position chunk's logits and
+# log-softmax, as much), set aside from the per-token cost: 8 x 256 tokens of a 49k-vocabulary
+# head in fp32 fit, 8k tokens of a 150k one do not.
+SAVED_LOGITS_BYTES = 1 << 29
+_HEAD_BYTES = SAVED_LOGITS_BYTES
 
 
 def free_bytes(device: torch.device) -> int | None:
