@@ -189,12 +189,20 @@ def test_fused_lm_head_matches_the_head_module(
     )
     if tiles != "one":
         monkeypatch.setattr(fused_head, "ROWS", 3)
-        monkeypatch.setattr(fused_head, "CHUNK_ELEMENTS", 3 * (VOCAB // 4 + 1))
+        monkeypatch.setattr(fused_head, "COLUMNS", VOCAB // 4 + 1)
     if tiles.endswith("recomputed"):
         monkeypatch.setattr(fused_head, "SAVED_LOGITS_BYTES", 0)
+    made, summed = [], []  # tiles of logits made, and made in the forward pass
+    for name, into in (("_tile", made), ("_forward_tile", summed)):
+        real_fn = getattr(fused_head, name)
+        monkeypatch.setattr(
+            fused_head, name, lambda *a, f=real_fn, into=into: into.append(1) or f(*a)
+        )
     fused_lp, fused_g = run()
     assert calls  # the fused path ran
     assert max(calls) == 3  # with the head adapted: A, B, A
+    # the backward pass made its tiles again, or read the forward's
+    assert len(made) == (2 if tiles.endswith("recomputed") else 1) * len(summed)
     with monkeypatch.context() as m:
         m.setattr(logprobs_module, "head_parts", lambda head, hidden: None)
         module_lp, module_g = run()

@@ -32,13 +32,11 @@ from tuneloop.server.engine.memory import SAVED_LOGITS_BYTES
 
 __all__ = ["HeadParts", "chunked_logits", "fused_target_logprobs", "head_parts"]
 
-# Logit elements of one tile on a CPU: 2**18 fp32 values are 1 MB, within a core's share of
-# the cache, with the tile's slice of the weight streamed through. Rows go in pieces of at most
-# ROWS so that a tile keeps >= 512 columns of vocabulary (a matmul that still runs near its
-# large-shape rate). Measured on SmolLM2's head, 2 cores: 128 rows 167 -> 72 ms, 341 rows 260 ->
-# 190 ms against the unfused matmul + LoRA product + sum (bench/fused_head.py).
-CHUNK_ELEMENTS = 1 << 18
+# A tile on a CPU: at most ROWS rows by COLUMNS columns of vocabulary (512 x 2048 fp32 logits
+# are 4 MB, with the weight's 2048 rows streamed through): the output stays in cache for the
+# LoRA product and the exponentials, and the matmul keeps its large-shape rate.
 ROWS = 512
+COLUMNS = 2048
 # Accelerators gain nothing from cache-sized tiles and pay a launch per operation: large ones.
 DEVICE_CHUNK_ELEMENTS = 1 << 26
 DEVICE_ROWS = 1 << 16
@@ -131,10 +129,9 @@ def _tiles(rows: int, vocab: int, device: torch.device) -> Iterator[tuple[int, i
     """(r0, r1, v0, v1): row pieces, each cut into vocabulary chunks."""
     cpu = device.type == "cpu"
     piece = ROWS if cpu else DEVICE_ROWS
-    budget = CHUNK_ELEMENTS if cpu else DEVICE_CHUNK_ELEMENTS
     for r0 in range(0, rows, piece):
         r1 = min(rows, r0 + piece)
-        step = min(vocab, max(1, budget // (r1 - r0)))
+        step = COLUMNS if cpu else max(1, DEVICE_CHUNK_ELEMENTS // (r1 - r0))
         for v0 in range(0, vocab, step):
             yield r0, r1, v0, min(vocab, v0 + step)
 
@@ -178,7 +175,8 @@ def _capped(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
 class _FusedHead(torch.autograd.Function):
     """log_softmax(head(hidden))[targets] in fp32, the logsumexp accumulated online over chunks.
 
-    Inputs: hidden [N, d], then each segment's `low` and B. Backward, per tile of recomputed
+    Inputs: hidden [N, d], then each segment's `low` and B. Backward, per tile of (kept or
+    recomputed)
     logits z: d z = g at the targets - (sum_k g_k) x softmax(z); d hidden += d z @ W,
     d low += d z @ B, d B += d z.T @ low.
     """
@@ -189,6 +187,7 @@ class _FusedHead(torch.autograd.Function):
         parts: HeadParts,
         targets: torch.Tensor,
         softcap: float | None,
+        keep: bool,
         hidden: torch.Tensor,
         *factors: torch.Tensor,
     ) -> torch.Tensor:
@@ -198,8 +197,6 @@ class _FusedHead(torch.autograd.Function):
         high = torch.full((rows,), float("-inf"), dtype=torch.float32, device=device)
         total = torch.zeros((rows,), dtype=torch.float32, device=device)
         picked = torch.zeros(targets.shape, dtype=torch.float32, device=device)
-        size = rows * vocab * hidden.element_size()
-        keep = torch.is_grad_enabled() and size <= SAVED_LOGITS_BYTES
         kept: list[torch.Tensor] = []
         with parts.gathered() as head:
             for tile in _tiles(rows, vocab, device):
@@ -223,7 +220,7 @@ class _FusedHead(torch.autograd.Function):
         parts: HeadParts = ctx.parts  # type: ignore[attr-defined]
         softcap = ctx.softcap  # type: ignore[attr-defined]
         lows, bs = factors[0::2], factors[1::2]
-        wants_b = ctx.needs_input_grad[5::2]  # type: ignore[attr-defined]
+        wants_b = ctx.needs_input_grad[6::2]  # type: ignore[attr-defined]
         rows, vocab = hidden.shape[0], parts.vocab
         g = grad.float()
         g_sum = g.sum(-1, keepdim=True)
@@ -260,7 +257,7 @@ class _FusedHead(torch.autograd.Function):
                     _accumulate(d_low[own], d_seg, b[v0:v1], exact)
                     if d_b is not None:
                         _accumulate(d_b[v0:v1], d_seg.t(), low[own], exact)
-        out: list[torch.Tensor | None] = [None, None, None, d_hidden.to(hidden.dtype)]
+        out: list[torch.Tensor | None] = [None, None, None, None, d_hidden.to(hidden.dtype)]
         for d_low, d_b, low, b in zip(d_lows, d_bs, lows, bs, strict=True):
             out += [d_low.to(low.dtype), None if d_b is None else d_b.to(b.dtype)]
         return tuple(out)
@@ -304,5 +301,9 @@ def fused_target_logprobs(
     factors: list[torch.Tensor] = []
     for seg in parts.segments:
         factors += [seg.low, seg.b]
-    result: torch.Tensor = _FusedHead.apply(parts, targets, softcap, hidden, *factors)
+    # Keep the logits for the backward pass where there will be one and they fit.
+    trains = torch.is_grad_enabled() and any(t.requires_grad for t in (hidden, *factors))
+    size = hidden.shape[0] * parts.vocab * hidden.element_size()
+    keep = trains and size <= SAVED_LOGITS_BYTES
+    result: torch.Tensor = _FusedHead.apply(parts, targets, softcap, keep, hidden, *factors)
     return result
