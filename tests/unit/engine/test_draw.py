@@ -191,3 +191,146 @@ def test_stop_tokens_are_checked_on_the_device() -> None:
     assert going == [False, True]
     assert rows[0].stop_reason == "stop"
     assert rows[1].stop_reason is None
+
+
+# ---- the blocked search: the flat inverse CDF's tokens, a few passes over the logits ----------
+
+
+def uniforms_for(n: int, position: int = 0) -> torch.Tensor:
+    seeds = torch.arange(n, dtype=torch.long)
+    return d.uniforms(seeds, torch.zeros_like(seeds), torch.full_like(seeds, position))
+
+
+def step_params(works: list[SampleWork], vocab: int) -> d.DrawParams:
+    return sampler.draw_params(rows_of(works), vocab, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("vocab", [50, 256, 1000, 3000])
+def test_the_blocked_inverse_cdf_draws_the_flat_cdfs_token(vocab: int) -> None:
+    """Against the flat inverse CDF summed exactly (fp64): the blocked search adds in fp32 and
+    in another order, so the two may part only where u * total lies within rounding of the
+    boundary between their two tokens; each such row is checked to be one (1e-5 of the total:
+    fp32 sums of at most 3,000 terms in (0, 1] err by far less). A uniform lands that close
+    with probability ~ 2 * rounding * V per row at most (none of these rows did when this was
+    written); the count allowed is far above that, the check on each row is the test."""
+    n = 4000
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(vocab)) * 3
+    logits[: n // 4] *= 4  # peaked rows: most of the mass in a few tokens
+    probs = torch.softmax(logits, -1)
+    u = uniforms_for(n)
+    u[:8], u[8:16] = 1.0, 2.0**-24  # the ends of the uniforms' range
+    ours = d._inverse_cdf(probs, u)
+    cdf = probs.double().cumsum(-1)
+    target = u.double() * cdf[:, -1]
+    flat = torch.searchsorted(cdf, target[:, None])[:, 0].clamp(max=vocab - 1)
+    parted = (ours != flat).nonzero()[:, 0].tolist()
+    for r in parted:
+        lo, hi = sorted((int(ours[r]), int(flat[r])))
+        tol = 1e-5 * float(cdf[r, -1])
+        assert abs(float(target[r] - cdf[r, lo])) <= tol, (r, lo, hi)
+        assert abs(float(target[r] - cdf[r, hi - 1])) <= tol, (r, lo, hi)
+    assert len(parted) <= n // 200, len(parted)
+    assert bool((probs.gather(1, ours[:, None]) > 0).all())
+
+
+SUPPORTS = [[0], [255], [255, 256], [511, 999], [3, 700], [767], [999], [990], [256, 300, 511]]
+
+
+def zero_outside(supports: list[list[int]], vocab: int, repeat: int) -> torch.Tensor:
+    """Rows whose logits are -1e4 outside a few tokens: exp underflows to exactly 0 there
+    (an infinity would make the row not finite, and such rows draw nothing)."""
+    logits = torch.full((len(supports) * repeat, vocab), -1e4)
+    values = torch.randn(len(logits), vocab, generator=torch.Generator().manual_seed(1))
+    for i, support in enumerate(supports * repeat):
+        logits[i, support] = values[i, support] * 2
+    return logits
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
+def test_tokens_of_probability_zero_are_never_drawn(temperature: float) -> None:
+    """Supports at the ends of blocks of 256 and in the ragged last block of a 1,000-token
+    vocabulary, with zero-probability tokens after them up to the end (u = 1 must stop at the
+    last token that has mass, not at the vocabulary's end), drawn many times."""
+    vocab, repeat = 1000, 300
+    logits = zero_outside(SUPPORTS, vocab, repeat)
+    works = [work(seed=i, temperature=temperature) for i in range(len(logits))]
+    step = d.StepDraw.fetch(logits, step_params(works, vocab), torch.zeros(len(logits)).long())
+    for i, token in enumerate(step.tokens):
+        assert token in SUPPORTS[i % len(SUPPORTS)], (i, token)
+    assert all(step.finite)
+    reference = torch.log_softmax(logits, -1)
+    expected = reference.gather(1, torch.tensor(step.tokens)[:, None])[:, 0]
+    assert step.logprobs == pytest.approx(expected.tolist(), abs=1e-6)
+    probs = torch.softmax(logits / temperature, -1)
+    for u in (2.0**-24, 0.5, 1.0):  # both ends of the uniforms' range and between
+        chosen = d._inverse_cdf(probs, torch.full((len(logits),), u))
+        assert bool((probs.gather(1, chosen[:, None]) > 0).all()), u
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_nan_or_either_infinity_anywhere_makes_a_row_not_finite(bad: float) -> None:
+    vocab = 600  # two blocks of 256 and a ragged third
+    logits = torch.randn(8, vocab, generator=torch.Generator().manual_seed(2))
+    for row, col in enumerate([0, 255, 256, 511, 599]):
+        logits[row, col] = bad
+    logits[5] = bad  # every logit
+    logits[6, :3] = torch.tensor([3e38, -3e38, 1e30])  # large but finite
+    works = [
+        work(seed=i, temperature=0.0 if i % 2 else 0.7, topk_sample_logprobs=3) for i in range(8)
+    ]
+    step = d.StepDraw.fetch(logits, step_params(works, vocab), torch.zeros(8, dtype=torch.long))
+    assert step.finite == [False] * 6 + [True, True]
+    assert all(0 <= t < vocab for t in step.tokens)
+    assert step.topk is not None
+    assert all(0 <= i < vocab for row in step.topk for i, _ in row)
+
+
+@pytest.mark.parametrize("vocab", [50, 256, 1000, 5000])
+def test_the_blocked_max_argmax_and_top_logits_are_torchs(vocab: int) -> None:
+    generator = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(64, vocab, generator=generator) * 4).round()  # many ties
+    top, top_at, maxima = d._row_max(logits)
+    assert torch.equal(top, logits.amax(-1))
+    assert torch.equal(top_at, logits.argmax(-1))  # the first of equal maxima
+    for width in (1, 5, 64):
+        width = min(width, vocab)
+        values, ids = d._top_logits(logits, maxima, width)
+        assert torch.equal(values, torch.topk(logits, width, dim=-1).values)
+        assert torch.equal(logits.gather(1, ids), values)
+        assert all(len(set(row)) == width for row in ids.tolist())
+
+
+def test_tempered_greedy_filtered_and_plain_rows_mixed_draw_as_each_kind_alone() -> None:
+    """One batch interleaving temperatures 0.5, 1 and 2, greedy rows and filtered rows: each
+    row's draw is the one it makes in a batch of its own kind (the rows at temperature 1
+    alone skip the tempered softmax: the same bits), the draws follow each temperature, the
+    greedy rows take the argmax, and every row reports the model's own logprob (temperature
+    1)."""
+    logits = logits_for(1, seed=5)
+    n = 3000
+    kinds: list[dict[str, Any]] = [
+        {"temperature": 0.5},
+        {"temperature": 1.0},
+        {"temperature": 2.0},
+        {"temperature": 0.0},
+        {"temperature": 0.8, "top_k": 10},
+    ]
+    works = [work(seed=s, **kinds[s % len(kinds)]) for s in range(n * len(kinds))]
+    batch = logits.expand(len(works), V)
+    positions = torch.zeros(len(works), dtype=torch.long)
+    step = d.StepDraw.fetch(batch, step_params(works, V), positions)
+    tokens = torch.tensor(step.tokens)
+    for k, kind in enumerate(kinds):
+        mine = [w for i, w in enumerate(works) if i % len(kinds) == k]
+        alone, _ = d.draw(logits.expand(n, V), step_params(mine, V), positions[:n])
+        assert torch.equal(tokens[k :: len(kinds)], alone), kind
+    assert set(tokens[3 :: len(kinds)].tolist()) == {int(logits.argmax())}
+    for k in range(3):
+        temperature = kinds[k]["temperature"]
+        probs = torch.softmax(logits[0] / temperature, -1).numpy()
+        seen = Counter(tokens[k :: len(kinds)].tolist())
+        for token in np.argsort(-probs)[:5]:
+            expect = probs[token] * n
+            assert abs(seen[int(token)] - expect) < 5 * np.sqrt(expect) + 5, (temperature, token)
+    expected = torch.log_softmax(logits[0], -1)[tokens]
+    assert step.logprobs == pytest.approx(expected.tolist(), abs=1e-6)

@@ -305,7 +305,9 @@ class Decoder:
             self._fork(live)
             self.rows += [(live, row) for row in live.request.rows]
             picks += [offset] * len(live.request.rows)
-        if picks:
+        if picks and picks == list(range(len(logits))):  # decoding rows alone (most steps)
+            self.logits = logits  # a copy of [rows, V] saved
+        elif picks:
             self.logits = logits.index_select(0, torch.tensor(picks, device=logits.device))
         return finished
 
