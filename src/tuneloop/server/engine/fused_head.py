@@ -32,11 +32,11 @@ from tuneloop.server.engine.memory import SAVED_LOGITS_BYTES
 
 __all__ = ["HeadParts", "chunked_logits", "fused_target_logprobs", "head_parts"]
 
-# A tile on a CPU: at most ROWS rows by COLUMNS columns of vocabulary (512 x 2048 fp32 logits
-# are 4 MB, with the weight's 2048 rows streamed through): the output stays in cache for the
+# A tile on a CPU: at most ROWS rows by COLUMNS columns of vocabulary (512 x 1024 fp32 logits
+# are 2 MB, with the weight's 1024 rows streamed through): the output stays in cache for the
 # LoRA product and the exponentials, and the matmul keeps its large-shape rate.
 ROWS = 512
-COLUMNS = 2048
+COLUMNS = 1024
 # Accelerators gain nothing from cache-sized tiles and pay a launch per operation: large ones.
 DEVICE_CHUNK_ELEMENTS = 1 << 26
 DEVICE_ROWS = 1 << 16

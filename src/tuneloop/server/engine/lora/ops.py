@@ -68,12 +68,15 @@ def _plus_delta(
     """out + the delta of x; by `addmm` where the factors are in out's dtype (`lookup_as` casts
     them to it), so the product's pass makes the sum instead of another pass over [rows, out]
     (the separate adds were ~5 % of a training step on SmolLM2). `in_place` (out is the base
-    layer's fresh output, which no backward pass reads) also saves addmm's copy of out."""
+    layer's fresh output, which no backward pass reads) also saves addmm's copy of out where
+    no graph is recorded: on a recorded view autograd would copy the gradient per layer."""
     a, b, scale = factors
     if a.dtype != out.dtype or x.dtype != out.dtype:
         return out + _delta(x, factors, out.dtype)
     low = (x @ a.t()) * scale
-    return out.addmm_(low, b.t()) if in_place else torch.addmm(out, low, b.t())
+    if in_place and not (torch.is_grad_enabled() and out.requires_grad):
+        return out.addmm_(low, b.t())
+    return torch.addmm(out, low, b.t())
 
 
 def add_lora_torch(
