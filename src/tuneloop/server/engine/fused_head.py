@@ -142,12 +142,21 @@ def _tile(
     parts: HeadParts,
     lows: Sequence[torch.Tensor],
     tile: tuple[int, int, int, int],
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Logits [r1 - r0, v1 - v0] of rows r0:r1 of `x` and vocabulary columns v0:v1, LoRA
-    included; `head` is the gathered (weight, bias)."""
+    included; `head` is the gathered (weight, bias). `into`: a view of that shape in x's dtype
+    to write them to (a slice of the whole logits: BLAS writes strided rows, no copy)."""
     r0, r1, v0, v1 = tile
     w, bias = head[0][v0:v1], head[1]
-    out = x[r0:r1] @ w.t() if bias is None else torch.addmm(bias[v0:v1], x[r0:r1], w.t())
+    if into is not None:
+        out = torch.mm(x[r0:r1], w.t(), out=into)
+        if bias is not None:
+            out.add_(bias[v0:v1])
+    elif bias is None:
+        out = x[r0:r1] @ w.t()
+    else:
+        out = torch.addmm(bias[v0:v1], x[r0:r1], w.t())
     for seg, low in zip(parts.segments, lows, strict=True):
         s0, s1 = max(seg.start, r0), min(seg.end, r1)
         if s0 < s1:
@@ -160,10 +169,14 @@ def chunked_logits(parts: HeadParts, hidden: torch.Tensor) -> torch.Tensor:
     rows, vocab = hidden.shape[0], parts.vocab
     out = torch.empty((rows, vocab), dtype=torch.float32, device=hidden.device)
     lows = [seg.low for seg in parts.segments]
+    direct = hidden.dtype == torch.float32
     with parts.gathered() as head:
         for tile in _tiles(rows, vocab, hidden.device):
             r0, r1, v0, v1 = tile
-            out[r0:r1, v0:v1] = _tile(hidden, head, parts, lows, tile)
+            if direct:
+                _tile(hidden, head, parts, lows, tile, out[r0:r1, v0:v1])
+            else:
+                out[r0:r1, v0:v1] = _tile(hidden, head, parts, lows, tile)
     return out
 
 

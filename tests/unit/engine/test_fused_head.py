@@ -1,0 +1,106 @@
+"""The LM head fused over vocabulary tiles (fused_head.py) against plain torch."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+
+from tuneloop.server.engine import fused_head  # noqa: E402
+from tuneloop.server.engine.fused_head import HeadParts, Segment  # noqa: E402
+
+
+def _reference(x, weight, bias, segments):  # type: ignore[no-untyped-def]
+    out = x @ weight.t() + (0 if bias is None else bias)
+    for seg in segments:
+        out[seg.start : seg.end] += seg.low @ seg.b.t()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_decode_logits_equal_the_matmul_plus_each_segment_delta(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, with_bias: bool
+) -> None:
+    """Tiles of 128 rows by 700 columns (ragged at both ends), rows 100-220 adapted, the rest
+    base only: the same logits as one matmul plus the segment's product."""
+    monkeypatch.setattr(fused_head, "ROWS", 128)
+    monkeypatch.setattr(fused_head, "COLUMNS", 700)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(5000, 64, generator=gen).to(dtype)
+    bias = torch.randn(5000, generator=gen).to(dtype) if with_bias else None
+    x = torch.randn(300, 64, generator=gen).to(dtype)
+    segments = [
+        Segment(
+            100, 220, torch.randn(120, 4, generator=gen).to(dtype), torch.randn(5000, 4).to(dtype)
+        )
+    ]
+    got = fused_head.chunked_logits(HeadParts(weight, bias, segments), x)
+    assert got.dtype == torch.float32
+    want = _reference(
+        x.float(),
+        weight.float(),
+        None if bias is None else bias.float(),
+        [Segment(s.start, s.end, s.low.float(), s.b.float()) for s in segments],
+    )
+    tol = 0 if dtype == torch.float32 else 0.25  # bf16: the rounding of values ~10
+    assert (got - want).abs().max().item() <= tol + 1e-4
+
+
+class _Hooked(nn.Linear):
+    pass
+
+
+def test_only_a_plain_linear_head_is_fused() -> None:
+    x = torch.randn(3, 8)
+    plain = nn.Linear(8, 20, bias=False)
+    parts = fused_head.head_parts(plain, x)
+    assert parts is not None
+    assert parts.weight is plain.weight
+    assert not parts.segments
+    hooked = nn.Linear(8, 20)
+    hooked.register_forward_hook(lambda *a: None)
+    assert fused_head.head_parts(hooked, x) is None  # a hook would be skipped
+    assert fused_head.head_parts(_Hooked(8, 20), x) is None  # a subclass may compute otherwise
+    assert fused_head.head_parts(nn.Sequential(nn.Linear(8, 20)), x) is None
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_target_logprobs_and_gradients_equal_autograd_through_log_softmax(
+    monkeypatch: pytest.MonkeyPatch, kept: bool
+) -> None:
+    """Two adapted segments and base rows, a bias, a softcap and two targets per row, in tiles
+    of 64 rows by 300 columns, the logits kept for the backward pass or recomputed there:
+    logprobs and the gradients of hidden, low and B as autograd's through log_softmax."""
+    monkeypatch.setattr(fused_head, "ROWS", 64)
+    monkeypatch.setattr(fused_head, "COLUMNS", 300)
+    if not kept:
+        monkeypatch.setattr(fused_head, "SAVED_LOGITS_BYTES", 0)
+    gen = torch.Generator().manual_seed(1)
+    rows, vocab, width, rank = 150, 1000, 16, 4
+    weight = torch.randn(vocab, width, generator=gen) * 0.3
+    bias = torch.randn(vocab, generator=gen)
+    hidden = torch.randn(rows, width, generator=gen, requires_grad=True)
+    factors = [
+        (
+            torch.randn(50, rank, generator=gen, requires_grad=True),
+            torch.randn(vocab, rank, generator=gen, requires_grad=True),
+        )
+        for _ in range(2)
+    ]
+    inputs = [hidden, *[t for pair in factors for t in pair]]
+    targets = torch.randint(0, vocab, (rows, 2), generator=gen)
+    grad = torch.randn(rows, 2, generator=gen)
+    spans = [(0, 50), (90, 140)]
+    segments = [Segment(s, e, low, b) for (s, e), (low, b) in zip(spans, factors, strict=True)]
+    z = _reference(hidden, weight, bias, segments)
+    want = torch.log_softmax(torch.tanh(z / 30.0) * 30.0, -1).gather(-1, targets)
+    want_grads = torch.autograd.grad((want * grad).sum(), inputs)
+    parts = HeadParts(weight, bias, segments)
+    got = fused_head.fused_target_logprobs(parts, hidden, targets, 30.0)
+    got_grads = torch.autograd.grad((got * grad).sum(), inputs)
+    assert (got - want).abs().max().item() < 1e-5
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert (g - w).abs().max().item() < 1e-5 * max(1.0, w.abs().max().item())
