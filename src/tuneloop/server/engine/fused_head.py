@@ -195,7 +195,7 @@ class _FusedHead(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: torch.autograd.function.FunctionCtx,
         parts: HeadParts,
         targets: torch.Tensor,
@@ -226,7 +226,7 @@ class _FusedHead(torch.autograd.Function):
         return picked - lse[:, None]
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         targets, lse, hidden, *factors = ctx.saved_tensors  # type: ignore[attr-defined]
