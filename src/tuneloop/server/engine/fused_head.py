@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine.lora.linear import LoRALinear
+from tuneloop.server.engine.lora.ops import shrink
 from tuneloop.server.engine.memory import SAVED_LOGITS_BYTES
 
 __all__ = ["HeadParts", "chunked_logits", "fused_target_logprobs", "head_parts"]
@@ -117,10 +118,8 @@ def head_parts(head: nn.Module, hidden: torch.Tensor) -> HeadParts | None:
             for (key, _, _), size in zip(runs, routing.sizes(hidden.shape[0]), strict=True):  # type: ignore[attr-defined]
                 factors = head.lookup_as(key, hidden.dtype)
                 if factors is not None:
-                    a, b, scale = factors
-                    # as ops._delta: the scale on the small [rows, r] product
-                    low = (hidden[start : start + size] @ a.t()) * scale
-                    segments.append(Segment(start, start + size, low, b))
+                    low = shrink(hidden[start : start + size], factors)
+                    segments.append(Segment(start, start + size, low, factors[1]))
                 start += size
     return HeadParts(weight, bias, segments, sharded)
 
@@ -185,12 +184,15 @@ def _capped(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return torch.tanh(x / softcap) * softcap if softcap else x
 
 
+# `_FusedHead.apply`'s leading inputs before the factors: parts, targets, softcap, keep, hidden.
+_LEADING = 5
+
+
 class _FusedHead(torch.autograd.Function):
     """log_softmax(head(hidden))[targets] in fp32, the logsumexp accumulated online over chunks.
 
-    Inputs: hidden [N, d], then each segment's `low` and B. Backward, per tile of (kept or
-    recomputed)
-    logits z: d z = g at the targets - (sum_k g_k) x softmax(z); d hidden += d z @ W,
+    Inputs: hidden [N, d], then each segment's `low` and B. Backward, per tile of logits z
+    (kept or recomputed): d z = g at the targets - (sum_k g_k) x softmax(z); d hidden += d z @ W,
     d low += d z @ B, d B += d z.T @ low.
     """
 
@@ -217,7 +219,7 @@ class _FusedHead(torch.autograd.Function):
                 if keep:
                     kept.append(raw)
                 z = _capped(raw, softcap)
-                picked = _forward_tile(z, tile, targets, high, total, picked)
+                _forward_tile(z, tile, targets, high, total, picked)
         lse = high + torch.log(total)
         ctx.save_for_backward(targets, lse, hidden, *factors)
         ctx.kept = kept  # type: ignore[attr-defined]  # intermediates, never modified in place
@@ -233,7 +235,7 @@ class _FusedHead(torch.autograd.Function):
         parts: HeadParts = ctx.parts  # type: ignore[attr-defined]
         softcap = ctx.softcap  # type: ignore[attr-defined]
         lows, bs = factors[0::2], factors[1::2]
-        wants_b = ctx.needs_input_grad[6::2]  # type: ignore[attr-defined]
+        wants_b = ctx.needs_input_grad[_LEADING + 1 :: 2]  # type: ignore[attr-defined]
         rows, vocab = hidden.shape[0], parts.vocab
         g = grad.float()
         g_sum = g.sum(-1, keepdim=True)
@@ -251,11 +253,8 @@ class _FusedHead(torch.autograd.Function):
                 r0, r1, v0, v1 = tile
                 z = _capped(kept[i] if kept else _tile(hidden, head, parts, lows, tile), softcap)
                 d = torch.exp(z - lse[r0:r1, None]).mul_(-g_sum[r0:r1])
-                t = targets[r0:r1]
-                inside = (t >= v0) & (t < v1)
-                d.scatter_add_(
-                    -1, (t - v0).clamp_(0, v1 - v0 - 1), torch.where(inside, g[r0:r1], 0)
-                )
+                inside, column = _targets_in(targets, tile)
+                d.scatter_add_(-1, column, torch.where(inside, g[r0:r1], 0))
                 if softcap:
                     d.mul_(1 - (z / softcap).square())  # d/dx of tanh(x / c) * c
                 d = d.to(hidden.dtype)
@@ -270,7 +269,7 @@ class _FusedHead(torch.autograd.Function):
                     _accumulate(d_low[own], d_seg, b[v0:v1], exact)
                     if d_b is not None:
                         _accumulate(d_b[v0:v1], d_seg.t(), low[own], exact)
-        out: list[torch.Tensor | None] = [None, None, None, None, d_hidden.to(hidden.dtype)]
+        out: list[torch.Tensor | None] = [None] * (_LEADING - 1) + [d_hidden.to(hidden.dtype)]
         for d_low, d_b, low, b in zip(d_lows, d_bs, lows, bs, strict=True):
             out += [d_low.to(low.dtype), None if d_b is None else d_b.to(b.dtype)]
         return tuple(out)
@@ -283,20 +282,27 @@ def _forward_tile(
     high: torch.Tensor,
     total: torch.Tensor,
     picked: torch.Tensor,
-) -> torch.Tensor:
-    """One tile's logits z (fp32) into the rows' running maximum and sum of exponentials (in
-    place) and their targets' logits (returned)."""
-    r0, r1, v0, v1 = tile
+) -> None:
+    """One tile's logits z (fp32) into the rows' running maximum, sum of exponentials and
+    targets' logits, in place."""
+    r0, r1 = tile[:2]
     old = high[r0:r1]
     new = torch.maximum(old, z.amax(-1))
     # the running sum rescaled to the new maximum (exp(-inf) = 0 on a row's first chunk)
     total[r0:r1].mul_(torch.exp(old - new)).add_(torch.exp(z - new[:, None]).sum(-1))
     high[r0:r1] = new
+    inside, column = _targets_in(targets, tile)
+    picked[r0:r1] = torch.where(inside, z.gather(-1, column), picked[r0:r1])
+
+
+def _targets_in(
+    targets: torch.Tensor, tile: tuple[int, int, int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the tile's rows: which targets fall in its columns, and their column in it (clamped
+    into the tile where they do not, to be masked)."""
+    r0, r1, v0, v1 = tile
     t = targets[r0:r1]
-    inside = (t >= v0) & (t < v1)
-    here = z.gather(-1, (t - v0).clamp_(0, v1 - v0 - 1))
-    picked[r0:r1] = torch.where(inside, here, picked[r0:r1])
-    return picked
+    return (t >= v0) & (t < v1), (t - v0).clamp_(0, v1 - v0 - 1)
 
 
 def _accumulate(into: torch.Tensor, a: torch.Tensor, b: torch.Tensor, exact: bool) -> None:

@@ -15,7 +15,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["Factors", "add_lora", "add_lora_torch", "register_kernel", "registered_kernel"]
+__all__ = [
+    "Factors",
+    "add_lora",
+    "add_lora_torch",
+    "register_kernel",
+    "registered_kernel",
+    "shrink",
+]
 
 # One adapter's factors on one layer: A [r, in], B [out, r], scale (alpha / r).
 Factors = tuple[torch.Tensor, torch.Tensor, float]
@@ -55,11 +62,17 @@ def add_lora(
     return add_lora_torch(out, x, sizes, factors, cache)
 
 
+def shrink(x: torch.Tensor, factors: Factors) -> torch.Tensor:
+    """scale * x @ A.T ([rows, r], in A's dtype): the first of a delta's two products.
+
+    The scale goes on this small product (not on B, [out, r], re-scaled every call: 1.5M
+    elements for a 49k-vocab head, per adapter, per decode step)."""
+    a, _, scale = factors
+    return (x.to(a.dtype) @ a.t()) * scale
+
+
 def _delta(x: torch.Tensor, factors: Factors, dtype: torch.dtype) -> torch.Tensor:
-    a, b, scale = factors
-    # The scale goes on the small [rows, r] product (not on B, [out, r], re-scaled every call:
-    # 1.5M elements for a 49k-vocab head, per adapter, per decode step).
-    return (((x.to(a.dtype) @ a.t()) * scale) @ b.t()).to(dtype)
+    return (shrink(x, factors) @ factors[1].t()).to(dtype)
 
 
 def _plus_delta(
@@ -70,10 +83,10 @@ def _plus_delta(
     (the separate adds were ~5 % of a training step on SmolLM2). `in_place` (out is the base
     layer's fresh output, which no backward pass reads) also saves addmm's copy of out where
     no graph is recorded: on a recorded view autograd would copy the gradient per layer."""
-    a, b, scale = factors
+    a, b, _ = factors
     if a.dtype != out.dtype or x.dtype != out.dtype:
         return out + _delta(x, factors, out.dtype)
-    low = (x @ a.t()) * scale
+    low = shrink(x, factors)
     if in_place and not (torch.is_grad_enabled() and out.requires_grad):
         return out.addmm_(low, b.t())
     return torch.addmm(out, low, b.t())
