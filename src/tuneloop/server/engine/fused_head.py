@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tuneloop.server.engine import packed
 from tuneloop.server.engine.lora.linear import LoRALinear
 from tuneloop.server.engine.lora.ops import shrink
 from tuneloop.server.engine.memory import SAVED_LOGITS_BYTES
@@ -166,6 +167,10 @@ def _tile(
 def chunked_logits(parts: HeadParts, hidden: torch.Tensor) -> torch.Tensor:
     """The head's logits [N, V] in fp32, computed tile by tile (no autograd)."""
     rows, vocab = hidden.shape[0], parts.vocab
+    if parts.weight is not None and parts.weight.is_mkldnn:
+        # A packed merged head (packed.py) is one oneDNN matmul, not sliced into tiles: its
+        # blocked layout cannot be cut by columns, and unpacked tiles would pay the reorder.
+        return packed.linear(hidden, parts.weight, parts.bias).float()
     out = torch.empty((rows, vocab), dtype=torch.float32, device=hidden.device)
     lows = [seg.low for seg in parts.segments]
     direct = hidden.dtype == torch.float32

@@ -155,6 +155,17 @@ def _attend(
         sink = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         return torch.matmul(probs.to(q.dtype), v)
+    if q.shape[2] == 1 and groups > 1 and not causal:
+        # One query per row (decode): the query heads sharing a key head become that head's
+        # `groups` queries, [B, kv_heads, groups, d]. The same sums over the same keys; the CPU
+        # kernel's cost is per (row, head) pair, so a third of the pairs (SmolLM2) is ~2x less
+        # time than SDPA's own GQA. Query head h reads key head h // groups, as repeat_kv.
+        batch, heads, _, dim = q.shape
+        folded = q.reshape(batch, k.shape[1], groups, dim)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            folded, k, v, attn_mask=mask, scale=scaling
+        )
+        return out.reshape(batch, heads, 1, v.shape[-1])
     return torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=scaling, is_causal=causal, enable_gqa=groups > 1
     )

@@ -17,6 +17,7 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from tuneloop.server.engine import packed
 from tuneloop.server.engine.lora.experts import EXPERT_PARAMETERS, ExpertFactors
 from tuneloop.server.engine.lora.linear import LoRALinear
 from tuneloop.server.engine.lora.routing import Routing
@@ -235,7 +236,9 @@ class AdapterBank:
             for module, a, b in layers:
                 w = module.base.weight
                 delta = (b.float() @ a.float()).mul_(module.scales[slot])
-                weights[id(module)] = delta.add_(w.float()).to(w.dtype)
+                # Packed for the CPU's bf16 kernels where they exist (packed.py): the same
+                # bits as the plain copy, without a reorder of the weight on every step.
+                weights[id(module)] = packed.pack(delta.add_(w.float()).to(w.dtype))
         self._merged = (key, weights)
         return weights
 

@@ -6,8 +6,8 @@ from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
-from torch.nn import functional
 
+from tuneloop.server.engine import packed
 from tuneloop.server.engine.lora.ops import Factors, add_lora
 from tuneloop.server.engine.lora.routing import RoutingContext
 from tuneloop.server.engine.lora.slots import Slotted
@@ -46,7 +46,7 @@ class LoRALinear(Slotted):
         routing = self._context.routing
         merged = routing.merged.get(id(self)) if routing is not None and routing.merged else None
         if merged is not None:
-            return functional.linear(x, merged, self.base.bias)
+            return packed.linear(x, merged, self.base.bias)  # plain or packed (packed.py)
         out = self.base(x)
         if routing is None or not routing.runs:
             return out

@@ -1,0 +1,79 @@
+"""Frozen weights packed for oneDNN's half-precision kernels give `functional.linear`'s bits; what
+cannot be packed (fp32, no native kernels) stays a plain tensor; a lone bf16 snapshot's merged
+weights are packed where the CPU can, and sample as they did unpacked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tests.unit.engine.conftest import TINY, adapter_spec, bank, ok, train  # noqa: E402
+from tests.unit.engine.test_sampler import TRAIN_DATA, prompt, sw  # noqa: E402
+from tuneloop.server.engine import packed  # noqa: E402
+from tuneloop.server.engine.torch_backend import TorchBackend  # noqa: E402
+
+BF16 = torch.bfloat16
+native = pytest.mark.skipif(
+    not packed.packable(torch.zeros(2, 2, dtype=BF16)), reason="no native bf16 kernels here"
+)
+
+
+def test_fp32_and_one_dimensional_weights_stay_plain() -> None:
+    w = torch.randn(8, 4)
+    assert packed.pack(w) is w
+    assert not packed.packable(torch.zeros(4, dtype=BF16))
+    x = torch.randn(3, 4)
+    assert torch.equal(packed.linear(x, w, None), x @ w.t())
+
+
+def test_without_native_kernels_nothing_is_packed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    w = torch.randn(8, 4, dtype=BF16)
+    assert packed.pack(w) is w
+
+
+@native
+@pytest.mark.parametrize("rows", [1, 7, 128, 300])
+@pytest.mark.parametrize("shape", [(1536, 576), (192, 576), (576, 1536)])
+def test_packed_linear_gives_functional_linear_bits(rows: int, shape: tuple[int, int]) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(shape, generator=g).to(BF16)
+    bias = torch.randn(shape[0], generator=g).to(BF16)
+    p = packed.pack(w, 128)
+    assert p.is_mkldnn
+    assert p.shape == w.shape
+    for x in (
+        torch.randn(rows, shape[1], generator=g).to(BF16),
+        torch.randn(1, rows, shape[1], generator=g).to(BF16),  # a packed row [1, N, d]
+        torch.randn(rows, shape[1] + 5, generator=g).to(BF16)[:, : shape[1]],  # strided
+    ):
+        assert torch.equal(packed.linear(x, p, None), torch.nn.functional.linear(x, w))
+        assert torch.equal(packed.linear(x, p, bias), torch.nn.functional.linear(x, w, bias))
+
+
+@native
+def test_a_lone_bf16_snapshot_samples_on_packed_merged_weights_as_unpacked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    be = TorchBackend([TINY], cache_dir=tmp_path, device="cpu", dtype=BF16)
+    be.create_adapter(adapter_spec("A", rank=4, seed=1))
+    train(be, "A", TRAIN_DATA, 3, lr=2e-2)
+    be.create_sampler("sA", TINY, adapter_id="A")
+    works = [sw("sA", prompt(5, 1), num_samples=3, seed=4, max_tokens=10)]
+    be.merge_lone_adapter = True  # (the default where weights are not fp32)
+    got = ok(be.sample(works)[0])
+    weights = bank(be).merged("sA")
+    assert weights
+    assert all(w.is_mkldnn for w in weights.values())
+    bank(be).release_merged()
+    monkeypatch.setattr(packed, "packable", lambda weight: False)
+    plain = ok(be.sample(works)[0])
+    assert not any(w.is_mkldnn for w in (bank(be).merged("sA") or {}).values())
+    for a, b in zip(got.sequences, plain.sequences, strict=True):
+        assert a.tokens == b.tokens
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    be.close()
