@@ -47,16 +47,73 @@ def _packed_sdpa(
     # One split per tensor, not a slice per sequence: a slice's backward writes its gradient
     # into a zero-filled tensor of the full packed size (sequences x full-size fills and adds
     # per layer), a split's backward concatenates the pieces' gradients once.
-    pieces = [
-        sdpa_attention_forward(module, q, k, v, None, **{**kwargs, "is_causal": True})[0]
-        for q, k, v in zip(
-            query.split(lengths, dim=2),
-            key.split(lengths, dim=2),
-            value.split(lengths, dim=2),
-            strict=True,
-        )
-    ]  # each [1, len, heads, dim]
+    splits = zip(
+        query.split(lengths, dim=2),
+        key.split(lengths, dim=2),
+        value.split(lengths, dim=2),
+        strict=True,
+    )
+    if _fp32_backward(query, kwargs):
+        scale = kwargs.get("scaling")
+        scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
+        pieces = [_HalfCausalCPU.apply(q, k, v, scale).transpose(1, 2) for q, k, v in splits]
+    else:
+        pieces = [
+            sdpa_attention_forward(module, q, k, v, None, **{**kwargs, "is_causal": True})[0]
+            for q, k, v in splits
+        ]  # each [1, len, heads, dim]
     return torch.cat(pieces, dim=1), None
+
+
+def _fp32_backward(query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    """bf16/fp16 attention on a CPU, without dropout, and with autograd to feed."""
+    half = query.dtype in (torch.bfloat16, torch.float16)
+    dropout = float(kwargs.get("dropout") or 0.0)
+    return query.device.type == "cpu" and half and not dropout and query.requires_grad
+
+
+class _HalfCausalCPU(torch.autograd.Function):
+    """Causal SDPA by torch's CPU flash kernel, [1, heads, len, d] (key heads may be fewer:
+    grouped-query), forward in the inputs' half dtype and backward in fp32.
+
+    The forward is the kernel SDPA itself runs (the same bits). Its half-precision backward
+    took 2.4x its fp32 backward's time for a training layer on an AMX Xeon
+    (bench/train_variants.py --micro) and rounds the key and value gradients ~4x further from
+    fp64's; the fp32 backward reads the saved half inputs and output upcast, with the forward's
+    fp32 logsumexp."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, True, scale=scale
+        )
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale  # type: ignore[attr-defined]
+        return out
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        q, k, v, out, lse = ctx.saved_tensors  # type: ignore[attr-defined]
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad.float(),
+            q.float(),
+            k.float(),
+            v.float(),
+            out.float(),
+            lse,
+            0.0,
+            True,
+            scale=ctx.scale,  # type: ignore[attr-defined]
+        )
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
 AttentionInterface.register(PACKED_ATTENTION, _packed_sdpa)
