@@ -44,6 +44,12 @@ from tuneloop.server.engine.workers.sharding import shard_batch  # noqa: E402
 
 TOL = 1e-5
 WEIGHT_TOL = 1e-4
+# For the recovery test's larger learning rates (5e-2, 1e-1). A rank's share of a batch sums
+# apart from the one process's whole batch (rounding ~1e-7 of a gradient), and Adam amplifies
+# that in the few entries whose moment is a near-cancelling sum of steps of both signs: 10-17
+# entries of 512 differed by up to 1.5e-4 on an AMX Xeon (under 1e-4 on the CPUs before). A lost or
+# doubled replayed batch moves weights by ~lr.
+RECOVERY_WEIGHT_TOL = 1e-3
 
 
 def _batch(step: int, adapters: tuple[str, ...]) -> list[Any]:
@@ -326,7 +332,7 @@ def test_worker_killed_between_calls_and_during_one(
     assert_near(
         _weights(group, "k-x", tmp_path / "g"),
         _weights(single, "ks-x", tmp_path / "s"),
-        WEIGHT_TOL,
+        RECOVERY_WEIGHT_TOL,
         "weights",
     )
     assert [[s.tokens for s in r.sequences] for r in _samples(group, "k-snap")] == [

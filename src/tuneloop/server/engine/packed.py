@@ -2,7 +2,7 @@
 
 torch runs a CPU's bf16 matmul through oneDNN, which reorders the weight into its blocked
 layout (AMX tiles, AVX-512-BF16 pairs) on every call. At decode sizes (~128 rows) that reorder
-is about a third of each matmul (bench/packed_linear.py). A weight read by every decode step
+is about a third of each matmul (bench/cpu_kernels.py). A weight read by every decode step
 and never changed, a lone adapter's merged copy, is reordered once instead, with the op
 inductor's freezing pass uses (`mkldnn._reorder_linear_weight`), and multiplied by
 `mkldnn._linear_pointwise`: the same kernel on the same layout, so the same bits as

@@ -77,10 +77,10 @@ class _HalfCausalCPU(torch.autograd.Function):
     grouped-query), forward in the inputs' half dtype and backward in fp32.
 
     The forward is the kernel SDPA itself runs (the same bits). Its half-precision backward
-    took 2.4x its fp32 backward's time for a training layer on an AMX Xeon
-    (bench/train_variants.py --micro) and rounds the key and value gradients ~4x further from
-    fp64's; the fp32 backward reads the saved half inputs and output upcast, with the forward's
-    fp32 logsumexp."""
+    took about twice its fp32 backward's time for a training layer on an AMX Xeon
+    (bench/cpu_kernels.py) and rounds the key and value gradients further from fp64's
+    (tests/unit/engine/test_packing.py); the fp32 backward reads the saved half inputs and
+    output upcast, with the forward's fp32 logsumexp."""
 
     @staticmethod
     def forward(

@@ -1,0 +1,148 @@
+"""Three CPU kernel choices of the engine, each against what it replaced, alternated in one run.
+
+At SmolLM2-135M's shapes, bf16 (the engine's dtype where the CPU has bf16 units), 2 threads:
+1. packed: a decode step's linear layers (128 rows; q/k/v/o, gate/up/down of 30 layers and the
+   LM head, each weight distinct so they stream from memory as in a step) through
+   `functional.linear` against the same weights packed once for oneDNN (engine/packed.py);
+2. decode attention: one query per row over 128 rows' gathered keys (3 key heads, 9 query
+   heads, ~70 keys), SDPA's grouped-query form against the query heads folded into each key
+   head's queries (kv/paged_attention.py);
+3. training attention: one layer's packed attention (8 sequences of 64-256 tokens) forward
+   and backward, SDPA in bf16 against the bf16 forward with an fp32 backward (packing.py).
+Prints the CPU model, the load and the medians with their ratios.
+
+    python bench/cpu_kernels.py [--repeats 20] [--threads 2] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn import functional
+
+from event_loop import cpu_model  # a sibling: a script's folder is on sys.path
+
+HIDDEN, INTER, KV, HEADS, DIM, VOCAB, LAYERS = 576, 1536, 192, 9, 64, 49152, 30
+
+
+def _alternate(pair: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median ms of each callable, run in alternating order."""
+    times: dict[str, list[float]] = {name: [] for name in pair}
+    for fn in pair.values():
+        fn()
+    for i in range(repeats):
+        names = list(pair) if i % 2 == 0 else list(reversed(pair))
+        for name in names:
+            begin = time.perf_counter()
+            pair[name]()
+            times[name].append(time.perf_counter() - begin)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def _linears(dtype: torch.dtype, repeats: int) -> str:
+    from tuneloop.server.engine import packed
+
+    shapes = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN)]
+    shapes += [(INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER)]
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(s, generator=g).to(dtype) for _ in range(LAYERS) for s in shapes]
+    weights.append(torch.randn(VOCAB, HIDDEN, generator=g).to(dtype))
+    if not packed.packable(weights[0]):
+        return f"packed linear: {dtype} weights cannot be packed on this CPU (no native kernels)"
+    packs = [packed.pack(w) for w in weights]
+    xs = {n: torch.randn(128, n, generator=g).to(dtype) for n in (HIDDEN, INTER)}
+
+    def run(ws: list[torch.Tensor]) -> None:
+        for w in ws:
+            packed.linear(xs[w.shape[1]], w, None)
+
+    ms = _alternate({"plain": lambda: run(weights), "packed": lambda: run(packs)}, repeats)
+    return (
+        f"decode step's {len(weights)} linear layers at 128 rows: plain {ms['plain']:.1f} ms, "
+        f"packed {ms['packed']:.1f} ms, {ms['plain'] / ms['packed']:.2f}x"
+    )
+
+
+def _decode_attention(dtype: torch.dtype, repeats: int) -> str:
+    g = torch.Generator().manual_seed(1)
+    rows, width = 128, 70
+    kv_heads = KV // DIM
+    q = torch.randn(rows, HEADS, 1, DIM, generator=g).to(dtype)
+    k, v = (torch.randn(rows, kv_heads, width, DIM, generator=g).to(dtype) for _ in range(2))
+    lengths = torch.randint(30, width + 1, (rows,), generator=g)
+    mask = (torch.arange(width)[None, :] < lengths[:, None])[:, None, None, :]
+    groups = HEADS // kv_heads
+
+    def gqa() -> Any:
+        return functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    def folded() -> Any:
+        out = functional.scaled_dot_product_attention(
+            q.reshape(rows, kv_heads, groups, DIM), k, v, attn_mask=mask
+        )
+        return out.reshape(rows, HEADS, 1, DIM)
+
+    gap = (gqa().float() - folded().float()).abs().max().item()
+    ms = _alternate({"gqa": gqa, "folded": folded}, repeats * 5)
+    return (
+        f"decode attention, 128 rows x ~{width} keys, one layer: SDPA GQA {ms['gqa'] * 1e3:.0f} "
+        f"us, folded {ms['folded'] * 1e3:.0f} us, {ms['gqa'] / ms['folded']:.2f}x "
+        f"(largest difference {gap:.1e})"
+    )
+
+
+def _training_attention(dtype: torch.dtype, repeats: int) -> str:
+    from tuneloop.server.engine import packing
+
+    lengths = [int(n) for n in np.random.default_rng(0).integers(64, 257, 8)]
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
+    g = torch.Generator().manual_seed(2)
+    base = [torch.randn(1, h, sum(lengths), DIM, generator=g).to(dtype) for h in (9, 3, 3)]
+    grad = torch.randn(1, sum(lengths), HEADS, DIM, generator=g).to(dtype)
+    switch = packing._fp32_backward
+
+    def once(fp32_backward: bool) -> None:
+        q, k, v = (t.clone().requires_grad_() for t in base)
+        packing._fp32_backward = switch if fp32_backward else lambda *a: False
+        try:
+            with packing.packed_segments(lengths):
+                out, _ = packing._packed_sdpa(module, q, k, v, None, dropout=0.0, scaling=0.125)
+            out.backward(grad)
+        finally:
+            packing._fp32_backward = switch
+
+    ms = _alternate({"half": lambda: once(False), "fp32": lambda: once(True)}, repeats)
+    return (
+        f"training attention fwd+bwd, {sum(lengths)} tokens in 8 sequences, one layer: "
+        f"{dtype} backward {ms['half']:.1f} ms, fp32 backward {ms['fp32']:.1f} ms, "
+        f"{ms['half'] / ms['fp32']:.2f}x"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    print(f"cpu: {cpu_model()}  threads {args.threads}  load {os.getloadavg()}")
+    print(_linears(dtype, args.repeats))
+    print(_decode_attention(dtype, args.repeats))
+    print(_training_attention(dtype, args.repeats))
+    print("load:", os.getloadavg())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
