@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tuneloop.server.engine import checkpoints, training
+from tuneloop.server.engine import checkpoints, host_allocator, training
 from tuneloop.server.engine.backend import KVCacheUse
 from tuneloop.server.engine.decoder import DEFAULT_PREFILL_CHUNK, Decoder
 from tuneloop.server.engine.isolation import bisect_failures
@@ -75,6 +75,8 @@ class TorchBackend:
         merge_lone_adapter: bool | None = None,
     ) -> None:
         self.device = _device(device)
+        if self.device.type == "cpu":
+            host_allocator.tune_for_cpu_engine()  # step-sized buffers stay mapped (its doc)
         self.dtype = dtype  # None: per model, the measured fastest (dtypes.py)
         # Tokens per training micro-batch (packed: real tokens; padded: rows x padded width):
         # a large request is split so that activations fit. None: sized from free memory.
