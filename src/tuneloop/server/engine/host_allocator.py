@@ -8,10 +8,9 @@ does not settle for a mix of sizes. Fixing the threshold at 32 MB (above those b
 largest the dynamic threshold reaches on 64-bit) and keeping up to 1 GB of freed heap took a
 SmolLM2-135M bf16 decode step of 128 rows from 119.9 to 116.0 ms (medians of three alternated
 runs on an AMX Xeon); in runs where the dynamic threshold had not settled, the head and the
-draw, whose buffers are the largest, took 11.0 and 13.2 ms against 8.2 and 9.9 tuned.
-It is what torch's CPU
-performance guide gets from jemalloc or tcmalloc. The cost: up to 1 GB of freed memory stays
-in the process, for the next step to reuse.
+draw, whose buffers are the largest, took 11.0 and 13.2 ms against 8.2 and 9.9 tuned. It is
+what torch's CPU performance guide gets from jemalloc or tcmalloc. The cost: up to 1 GB of
+freed memory stays in the process, for the next step to reuse.
 
 Process-wide and once; a no-op where the C library is not glibc (`mallopt` missing).
 """
