@@ -1,0 +1,143 @@
+"""Where one engine step's wall time goes: a decode step's phases, a training step's passes.
+
+In-process `TorchBackend`, SmolLM2-135M, rank-32 LoRA on every linear layer and the head (as
+bench/engine.py), `--dtype` weights (bf16 by default), 2 threads.
+- decode: 32 prompts x 4 samples from a lone sampler snapshot (merged weights where the dtype
+  allows); per decode step, the whole step and, timed around their functions, the model's
+  forward (`ModelRunner.run`), its paged attention (`_reference`, all layers), the LM head
+  (`chunked_logits`) and the draw (`sample_rows`). A call of 2 new tokens is subtracted, so the
+  prefill is left out of the totals.
+- train: one batch of 8 x 64-256 tokens: forward only, forward + backward, optim_step.
+Prints the CPU model and the load with the medians of `--rounds`.
+
+    python bench/step_phases.py decode [--new 24] [--rounds 3]
+    python bench/step_phases.py train [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine import ALPHA, BETAS, DTYPES, EPS, LR, MODEL, RANK, SEED, cpu_model, make_batches
+
+
+def _timed(owner: Any, name: str, label: str, into: dict[str, float]) -> None:
+    original: Callable[..., Any] = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        begin = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            into[label] += time.perf_counter() - begin
+
+    setattr(owner, name, wrapper)
+
+
+def _decode(backend: Any, args: argparse.Namespace) -> None:
+    from tuneloop.server.engine import decoder, model_runner
+    from tuneloop.server.engine import types as t
+    from tuneloop.server.engine.kv import paged_attention
+
+    backend.create_sampler("s", MODEL, adapter_id="a")
+    rng = np.random.default_rng(SEED)
+    prompts = [rng.integers(0, 49_000, size=int(rng.integers(16, 48))) for _ in range(32)]
+    spent: dict[str, float] = collections.defaultdict(float)
+    _timed(model_runner.ModelRunner, "run", "forward", spent)
+    _timed(paged_attention, "_reference", "attention", spent)
+    _timed(model_runner, "chunked_logits", "head", spent)
+    _timed(decoder, "sample_rows", "draw", spent)
+
+    def call(new: int) -> dict[str, float]:
+        spent.clear()
+        works = [t.SampleWork("s", p, 4, new, 1.0, -1, 1.0, SEED, (), ()) for p in prompts]
+        begin = time.perf_counter()
+        backend.sample(works)
+        return {"step": time.perf_counter() - begin, **spent}
+
+    call(4)
+    rounds: list[dict[str, float]] = []
+    for _ in range(args.rounds):
+        long, short = call(args.new), call(2)
+        steps = args.new - 2
+        rounds.append({k: (long[k] - short.get(k, 0.0)) / steps * 1e3 for k in long})
+        print({k: round(v, 1) for k, v in rounds[-1].items()}, flush=True)
+    medians = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    print("decode step of 128 rows, ms (median):", {k: round(v, 1) for k, v in medians.items()})
+
+
+def _train(backend: Any, args: argparse.Namespace) -> None:
+    from tuneloop.server.engine import types as t
+
+    step = t.AdamStep(LR, BETAS[0], BETAS[1], EPS, 0.0, 0.0)
+    stream = list(np.random.default_rng(SEED).integers(100, 40000, 200_000))
+    warm, batch = make_batches(stream, 2, 8, 64, 256)
+
+    def forward_backward(rows: list[list[int]], forward_only: bool) -> None:
+        examples = tuple(
+            t.Example(np.asarray(r[:-1]), {"target_tokens": np.asarray(r[1:])}) for r in rows
+        )
+        work = t.ForwardBackwardWork("a", examples, "cross_entropy", {}, forward_only)
+        (result,) = backend.forward_backward([work])
+        if isinstance(result, Exception):
+            raise result
+
+    forward_backward(warm, False)
+    backend.optim_step("a", step)
+    tokens = sum(len(r) - 1 for r in batch)
+    rounds: list[dict[str, float]] = []
+    for _ in range(args.rounds):
+        marks = [time.perf_counter()]
+        forward_backward(batch, True)
+        marks.append(time.perf_counter())
+        forward_backward(batch, False)
+        marks.append(time.perf_counter())
+        backend.optim_step("a", step)
+        marks.append(time.perf_counter())
+        names = ("forward only", "forward + backward", "optim_step")
+        rounds.append({n: (b - a) * 1e3 for n, a, b in zip(names, marks, marks[1:], strict=False)})
+        print({k: round(v) for k, v in rounds[-1].items()}, flush=True)
+    medians = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    print(
+        f"training step of {tokens} tokens, ms (median):", {k: round(v) for k, v in medians.items()}
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("what", choices=["decode", "train"])
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--new", type=int, default=24, help="decode: new tokens per call")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from tuneloop.server.engine import models
+    from tuneloop.server.engine import types as t
+    from tuneloop.server.engine.torch_backend import TorchBackend
+
+    cache = Path(os.environ.get("TUNELOOP_CACHE", tempfile.gettempdir())) / "tuneloop-bench"
+    cache.mkdir(parents=True, exist_ok=True)
+    models._smollm2_folder(cache)
+    backend = TorchBackend([MODEL], cache_dir=cache, device="cpu", dtype=DTYPES[args.dtype])
+    backend.create_adapter(t.AdapterSpec("a", MODEL, rank=RANK, seed=SEED, alpha=ALPHA))
+    print(f"cpu: {cpu_model()}  {args.dtype}  threads {args.threads}  load {os.getloadavg()}")
+    (_decode if args.what == "decode" else _train)(backend, args)
+    print("load:", os.getloadavg())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
