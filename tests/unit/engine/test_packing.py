@@ -76,4 +76,6 @@ def test_without_autograd_or_with_dropout_it_is_sdpa(monkeypatch: pytest.MonkeyP
     q, k, v = (t.detach() for t in _inputs(torch.bfloat16))
     monkeypatch.setattr(packing._HalfCausalCPU, "apply", lambda *a: pytest.fail("custom path"))
     assert torch.equal(_packed(q, k, v), _alone(q, k, v))
-    assert not packing._fp32_backward(q.requires_grad_(), {"dropout": 0.1})
+    assert not packing._fp32_backward(q, k, v, {})  # nothing to feed a backward
+    assert packing._fp32_backward(q, k, v.requires_grad_(), {})  # the values' gradient
+    assert not packing._fp32_backward(q, k, v, {"dropout": 0.1})

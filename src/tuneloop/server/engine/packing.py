@@ -53,7 +53,7 @@ def _packed_sdpa(
         value.split(lengths, dim=2),
         strict=True,
     )
-    if _fp32_backward(query, kwargs):
+    if _fp32_backward(query, key, value, kwargs):
         scale = kwargs.get("scaling")
         scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
         pieces = [_HalfCausalCPU.apply(q, k, v, scale).transpose(1, 2) for q, k, v in splits]
@@ -65,11 +65,14 @@ def _packed_sdpa(
     return torch.cat(pieces, dim=1), None
 
 
-def _fp32_backward(query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+def _fp32_backward(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict[str, Any]
+) -> bool:
     """bf16/fp16 attention on a CPU, without dropout, and with autograd to feed."""
     half = query.dtype in (torch.bfloat16, torch.float16)
     dropout = float(kwargs.get("dropout") or 0.0)
-    return query.device.type == "cpu" and half and not dropout and query.requires_grad
+    grads = any(t.requires_grad for t in (query, key, value))
+    return query.device.type == "cpu" and half and not dropout and grads
 
 
 class _HalfCausalCPU(torch.autograd.Function):
