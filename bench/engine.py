@@ -238,6 +238,20 @@ def corpus_text() -> tuple[str, str]:
     return "synthetic", " ".join(sentences)
 
 
+def cross_entropy_pass(backend: Any, rows: list[list[int]], forward_only: bool = False) -> None:
+    """One in-process forward_backward of adapter "a" on `rows` (each row's next tokens as its
+    targets, cross_entropy); raises the engine's error if it returns one."""
+    from tuneloop.server.engine import types as t
+
+    examples = tuple(
+        t.Example(np.asarray(r[:-1]), {"target_tokens": np.asarray(r[1:])}) for r in rows
+    )
+    work = t.ForwardBackwardWork("a", examples, "cross_entropy", {}, forward_only)
+    (result,) = backend.forward_backward([work])
+    if isinstance(result, Exception):
+        raise result
+
+
 def make_batches(
     stream: list[int], count: int, batch: int, min_len: int, max_len: int
 ) -> list[list[list[int]]]:
@@ -385,14 +399,7 @@ class EngineColumn:
         return time.process_time()
 
     def train_step(self, rows: list[list[int]]) -> None:
-        t = self.t
-        examples = tuple(
-            t.Example(np.asarray(r[:-1]), {"target_tokens": np.asarray(r[1:])}) for r in rows
-        )
-        work = t.ForwardBackwardWork("a", examples, "cross_entropy", {}, False)
-        (result,) = self.backend.forward_backward([work])
-        if isinstance(result, Exception):
-            raise result
+        cross_entropy_pass(self.backend, rows)
         self.backend.optim_step("a", self.step)
         sync(self.device)
 

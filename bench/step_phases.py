@@ -30,7 +30,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine import ALPHA, BETAS, DTYPES, EPS, LR, MODEL, RANK, SEED, cpu_model, make_batches
+from engine import (
+    ALPHA,
+    BETAS,
+    DTYPES,
+    EPS,
+    LR,
+    MODEL,
+    RANK,
+    SEED,
+    cpu_model,
+    cross_entropy_pass,
+    make_batches,
+)
 
 
 def _timed(owner: Any, name: str, label: str, into: dict[str, float]) -> None:
@@ -85,24 +97,15 @@ def _train(backend: Any, args: argparse.Namespace) -> None:
     stream = list(np.random.default_rng(SEED).integers(100, 40000, 200_000))
     warm, batch = make_batches(stream, 2, 8, 64, 256)
 
-    def forward_backward(rows: list[list[int]], forward_only: bool) -> None:
-        examples = tuple(
-            t.Example(np.asarray(r[:-1]), {"target_tokens": np.asarray(r[1:])}) for r in rows
-        )
-        work = t.ForwardBackwardWork("a", examples, "cross_entropy", {}, forward_only)
-        (result,) = backend.forward_backward([work])
-        if isinstance(result, Exception):
-            raise result
-
-    forward_backward(warm, False)
+    cross_entropy_pass(backend, warm)
     backend.optim_step("a", step)
     tokens = sum(len(r) - 1 for r in batch)
     rounds: list[dict[str, float]] = []
     for _ in range(args.rounds):
         marks = [time.perf_counter()]
-        forward_backward(batch, True)
+        cross_entropy_pass(backend, batch, forward_only=True)
         marks.append(time.perf_counter())
-        forward_backward(batch, False)
+        cross_entropy_pass(backend, batch)
         marks.append(time.perf_counter())
         backend.optim_step("a", step)
         marks.append(time.perf_counter())

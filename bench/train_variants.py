@@ -36,7 +36,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine import ALPHA, BETAS, EPS, LR, MODEL, RANK, SEED, cpu_model, make_batches
+from engine import (
+    ALPHA,
+    BETAS,
+    EPS,
+    LR,
+    MODEL,
+    RANK,
+    SEED,
+    cpu_model,
+    cross_entropy_pass,
+    make_batches,
+)
 
 
 def _split_free_sdpa(module: Any, query: Any, key: Any, value: Any, mask: Any, **kw: Any) -> Any:
@@ -224,13 +235,7 @@ def main() -> int:
     batches = make_batches(stream, args.steps + 2, 8, 64, 256)
 
     def train_step(rows: list[list[int]]) -> None:
-        examples = tuple(
-            t.Example(np.asarray(r[:-1]), {"target_tokens": np.asarray(r[1:])}) for r in rows
-        )
-        work = t.ForwardBackwardWork("a", examples, "cross_entropy", {}, False)
-        (result,) = backend.forward_backward([work])
-        if isinstance(result, Exception):
-            raise result
+        cross_entropy_pass(backend, rows)
         backend.optim_step("a", step)
 
     train_step(batches[0])  # warm-up (AdamW state, first-call costs)
