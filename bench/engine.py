@@ -252,6 +252,21 @@ def cross_entropy_pass(backend: Any, rows: list[list[int]], forward_only: bool =
         raise result
 
 
+def adapted_backend(dtype: torch.dtype) -> Any:
+    """An in-process CPU `TorchBackend` of SmolLM2-135M (its folder made once under
+    $TUNELOOP_CACHE or the temp dir) with adapter "a": rank RANK, alpha ALPHA, seed SEED."""
+    from tuneloop.server.engine import models
+    from tuneloop.server.engine import types as t
+    from tuneloop.server.engine.torch_backend import TorchBackend
+
+    cache = Path(os.environ.get("TUNELOOP_CACHE", tempfile.gettempdir())) / "tuneloop-bench"
+    cache.mkdir(parents=True, exist_ok=True)
+    models._smollm2_folder(cache)
+    backend = TorchBackend([MODEL], cache_dir=cache, device="cpu", dtype=dtype)
+    backend.create_adapter(t.AdapterSpec("a", MODEL, rank=RANK, seed=SEED, alpha=ALPHA))
+    return backend
+
+
 def make_batches(
     stream: list[int], count: int, batch: int, min_len: int, max_len: int
 ) -> list[list[list[int]]]:

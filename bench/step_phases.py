@@ -21,24 +21,21 @@ import collections
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from engine import (
-    ALPHA,
     BETAS,
     DTYPES,
     EPS,
     LR,
     MODEL,
-    RANK,
     SEED,
+    adapted_backend,
     cpu_model,
     cross_entropy_pass,
     make_batches,
@@ -127,15 +124,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from tuneloop.server.engine import models
-    from tuneloop.server.engine import types as t
-    from tuneloop.server.engine.torch_backend import TorchBackend
-
-    cache = Path(os.environ.get("TUNELOOP_CACHE", tempfile.gettempdir())) / "tuneloop-bench"
-    cache.mkdir(parents=True, exist_ok=True)
-    models._smollm2_folder(cache)
-    backend = TorchBackend([MODEL], cache_dir=cache, device="cpu", dtype=DTYPES[args.dtype])
-    backend.create_adapter(t.AdapterSpec("a", MODEL, rank=RANK, seed=SEED, alpha=ALPHA))
+    backend = adapted_backend(DTYPES[args.dtype])
     print(f"cpu: {cpu_model()}  {args.dtype}  threads {args.threads}  load {os.getloadavg()}")
     (_decode if args.what == "decode" else _train)(backend, args)
     print("load:", os.getloadavg())

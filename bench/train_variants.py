@@ -26,24 +26,21 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from engine import (
-    ALPHA,
     BETAS,
     EPS,
     LR,
-    MODEL,
     RANK,
     SEED,
+    adapted_backend,
     cpu_model,
     cross_entropy_pass,
     make_batches,
@@ -220,16 +217,9 @@ def main() -> int:
         print("load:", os.getloadavg())
         return 0
 
-    from tuneloop.server.engine import models
     from tuneloop.server.engine import types as t
-    from tuneloop.server.engine.torch_backend import TorchBackend
 
-    cache = Path(os.environ.get("TUNELOOP_CACHE", tempfile.gettempdir())) / "tuneloop-bench"
-    cache.mkdir(parents=True, exist_ok=True)
-    models._smollm2_folder(cache)
-    dtype = getattr(torch, args.dtype)
-    backend = TorchBackend([MODEL], cache_dir=cache, device="cpu", dtype=dtype)
-    backend.create_adapter(t.AdapterSpec("a", MODEL, rank=RANK, seed=SEED, alpha=ALPHA))
+    backend = adapted_backend(getattr(torch, args.dtype))
     step = t.AdamStep(LR, BETAS[0], BETAS[1], EPS, 0.0, 0.0)
     stream = list(np.random.default_rng(SEED).integers(100, 40000, 200_000))
     batches = make_batches(stream, args.steps + 2, 8, 64, 256)
