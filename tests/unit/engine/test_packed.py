@@ -43,7 +43,7 @@ def test_packed_linear_gives_functional_linear_bits(rows: int, shape: tuple[int,
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(shape, generator=g).to(BF16)
     bias = torch.randn(shape[0], generator=g).to(BF16)
-    p = packed.pack(w, 128)
+    p = packed.pack(w)
     assert p.is_mkldnn
     assert p.shape == w.shape
     for x in (

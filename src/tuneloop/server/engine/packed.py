@@ -43,12 +43,13 @@ def packable(weight: torch.Tensor) -> bool:
     return bool(mkldnn._is_mkldnn_fp16_supported())
 
 
-def pack(weight: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+def pack(weight: torch.Tensor) -> torch.Tensor:
     """`weight` in oneDNN's layout (an opaque mkldnn tensor, `.is_mkldnn`) where `packable`,
-    else `weight` itself. `rows`: the typical number of input rows (a hint for the layout)."""
+    else `weight` itself. (The reorder's row-count hint is left out: with and without a hint
+    of 128 rows, 128-row products took the same time, 107 against 110 us medians.)"""
     if not packable(weight):
         return weight
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), rows)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
