@@ -66,6 +66,13 @@ def _tensor_to_proto(tensor: TensorData, out: Any) -> None:
         msg.dense = values
 
 
+def _serialized(msg: Any) -> bytes:
+    """`msg`'s bytes with map entries in key order: protobuf's default order follows the
+    map's hash table, whose seed differs per process, so the same request could encode to
+    different bytes (a decode and re-encode of a body was not always the body)."""
+    return bytes(msg.SerializeToString(deterministic=True))
+
+
 def _frombuffer(raw: bytes, dtype: np.dtype[Any], where: str) -> np.ndarray:
     if len(raw) % dtype.itemsize:
         raise WireFormatError(f"{where}: {len(raw)} bytes is not a whole number of {dtype}", where)
@@ -172,7 +179,7 @@ def encode_forward_backward_request(request: ForwardBackwardRequest) -> bytes:
             _tensor_to_proto(tensor, out.loss_fn_inputs[key])
         _spans_to_proto(datum.model_input_spans, out.model_input_spans)
         _spans_to_proto(datum.loss_fn_input_spans, out.loss_fn_input_spans)
-    return bytes(msg.SerializeToString())
+    return _serialized(msg)
 
 
 def _spans_to_proto(spans: tuple[ProvenanceSpan, ...] | None, out: Any) -> None:
@@ -333,7 +340,7 @@ def encode_forward_backward_output(output: ForwardBackwardOutput) -> bytes:
             batched.offsets = offsets.tobytes()
             batched.dtype = _DTYPE_TO_PROTO[wire_dtype]
             batched.trailing_shape.extend(arrays[0].shape[1:])
-    return bytes(msg.SerializeToString())
+    return _serialized(msg)
 
 
 def decode_forward_backward_output(body: bytes) -> ForwardBackwardOutput:
@@ -415,7 +422,7 @@ def encode_sample_response(response: SampleResponse) -> bytes:
         msg.prompt_logprobs = prompt_logprobs.astype("<f4").tobytes()
     if response.topk_prompt_logprobs is not None:
         _topk_to_proto(response.topk_prompt_logprobs, msg.topk_prompt_logprobs)
-    return bytes(msg.SerializeToString())
+    return _serialized(msg)
 
 
 def decode_sample_response(body: bytes) -> SampleResponse:
