@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tuneloop.server.engine import checkpoints, host_allocator, training
+from tuneloop.server.engine import checkpoints, compiled, host_allocator, training
 from tuneloop.server.engine.backend import KVCacheUse
 from tuneloop.server.engine.decoder import DEFAULT_PREFILL_CHUNK, Decoder
 from tuneloop.server.engine.isolation import bisect_failures
@@ -73,6 +73,7 @@ class TorchBackend:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         kv_block_size: int | None = None,
         merge_lone_adapter: bool | None = None,
+        compile_glue: bool | None = None,
     ) -> None:
         self.device = _device(device)
         if self.device.type == "cpu":
@@ -101,6 +102,12 @@ class TorchBackend:
             )
             pad = getattr(loaded.model.config, "pad_token_id", None)
             loaded, bank = with_adapters(loaded)  # or refused: layers LoRA cannot adapt
+            # Norms and gated MLPs as compiled kernels (compiled.py). None: on a CPU for
+            # models wide enough to pay for the seconds of compiling.
+            if compile_glue or (
+                compile_glue is None and compiled.wanted(loaded.model, self.device)
+            ):
+                compiled.install(loaded.model)
             self._runtimes[loaded.spec.name] = Runtime(
                 loaded,
                 bank,

@@ -1,0 +1,147 @@
+"""The compiled RMSNorm (engine/compiled.py): the same math as transformers' norms, switched only
+where it agrees, the model's training and sampling unchanged to rounding, eager on failure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from tests.unit.engine.conftest import (  # noqa: E402
+    TINY,
+    adapter_spec,
+    assert_near,
+    example,
+    grads,
+    ok,
+    seq,
+    work,
+)
+from tuneloop.server.engine import compiled  # noqa: E402
+from tuneloop.server.engine.torch_backend import TorchBackend  # noqa: E402
+from tuneloop.server.engine.types import SampleWork  # noqa: E402
+
+
+def _norm_classes() -> list[type]:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    return [LlamaRMSNorm, Qwen3RMSNorm]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_function_is_transformers_rms_norm_bit_for_bit(dtype: str) -> None:
+    for cls in _norm_classes():
+        norm = cls(48, eps=1e-5).to(getattr(torch, dtype))
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+        x = torch.randn(2, 7, 48).to(norm.weight.dtype)
+        with torch.no_grad():
+            assert torch.equal(compiled.rms_norm(x, norm.weight, 1e-5), norm(x))
+
+
+def test_compiled_norm_matches_eager_forward_and_backward() -> None:
+    """The compiled kernels against the eager module: values and input gradients, fp32 to
+    rounding, bf16 to one unit in its last place; 2-D, 3-D and a per-head 4-D input."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for shape in ((5, 48), (1, 9, 48), (1, 9, 3, 48)):
+            eager = Qwen3RMSNorm(48, eps=1e-6).to(dtype)
+            with torch.no_grad():
+                eager.weight.uniform_(0.5, 1.5)
+            fused = Qwen3RMSNorm(48, eps=1e-6).to(dtype)
+            fused.load_state_dict(eager.state_dict())
+            assert compiled.install(fused) == 1
+            x = torch.randn(shape).to(dtype)
+            x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+            y1, y2 = eager(x1), fused(x2)
+            assert y2.shape == y1.shape and y2.dtype == y1.dtype
+            assert_near(y2.float(), y1.float(), atol, f"{dtype} {shape} values")
+            g = torch.randn(shape).to(dtype)
+            y1.backward(g)
+            y2.backward(g)
+            assert_near(x2.grad.float(), x1.grad.float(), 4 * atol, f"{dtype} {shape} grads")
+
+
+def test_a_norm_that_computes_something_else_keeps_its_forward() -> None:
+    """Gemma's norm scales by 1 + weight: the probe disagrees, so it is not switched."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    model = torch.nn.Sequential(GemmaRMSNorm(32), _norm_classes()[0](32))
+    assert compiled.install(model) == 1
+    assert "forward" not in vars(model[0])
+    assert "forward" in vars(model[1])
+    assert compiled.uninstall(model) == 1
+    assert "forward" not in vars(model[1])
+
+
+def test_a_compile_failure_leaves_the_model_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken() -> None:
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(compiled._Compiled, "get", broken)
+    norm = _norm_classes()[0](32)
+    assert compiled.install(norm) == 0
+    assert "forward" not in vars(norm)
+
+
+def test_the_default_compiles_wide_models_on_a_cpu_only() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def model(hidden: int) -> torch.nn.Module:
+        config = LlamaConfig(
+            vocab_size=64,
+            hidden_size=hidden,
+            intermediate_size=hidden,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+        )
+        return LlamaForCausalLM(config)
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not compiled.wanted(model(64), cpu)  # the tiny test models: nothing to gain
+    wide = model(compiled.MIN_HIDDEN)
+    assert compiled.wanted(wide, cpu)
+    assert not compiled.wanted(wide, cuda)  # not measured on a GPU yet
+
+
+def test_a_backend_with_compiled_norms_trains_and_samples_as_the_eager_one(
+    tmp_path: Path,
+) -> None:
+    """The tiny Qwen3 (fp32) with every norm compiled (hidden, final, per-head q/k): the same
+    logprobs, loss and LoRA gradients as the eager backend to fp32 rounding, and the same
+    sampled tokens."""
+    backends = {
+        flag: TorchBackend([TINY], cache_dir=tmp_path / "cache", device="cpu", compile_glue=flag)
+        for flag in (False, True)
+    }
+    model = next(iter(backends[True].resident_models().values()))
+    layers = model.config.num_hidden_layers
+    switched = sum("forward" in vars(m) for m in model.modules())
+    assert switched == 4 * layers + 1  # two norms and q/k norms per layer, and the final norm
+    data = [example(seq(12, 1)), example(seq(7, 2))]
+    out = {}
+    for flag, be in backends.items():
+        be.create_adapter(adapter_spec("A", seed=3))
+        [r] = be.forward_backward([work("A", data)])
+        be.create_sampler("s", TINY, adapter_id="A")
+        prompt = seq(6, 9)
+        [s] = be.sample([SampleWork("s", prompt, 2, 8, 1.0, -1, 1.0, 5, (), ())])
+        out[flag] = (ok(r), grads(be, "A"), ok(s))
+    (eager, eager_grads, eager_sample), (fused, fused_grads, fused_sample) = out[False], out[True]
+    assert fused.metrics["loss:sum"] == pytest.approx(eager.metrics["loss:sum"], rel=1e-5)
+    for a, b in zip(fused.logprobs, eager.logprobs, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    for a, b in zip(fused_grads, eager_grads, strict=True):
+        assert_near(a, b, 1e-4, "LoRA gradient", relative=True)
+    assert [q.tokens for q in fused_sample.sequences] == [
+        q.tokens for q in eager_sample.sequences
+    ]
+    for be in backends.values():
+        be.close()
