@@ -9,7 +9,7 @@ RMSNorm of the model at the compiled function. The matmuls stay eager (oneDNN, t
 decode weights, the LoRA products): inductor's CPU matmuls cannot read packed weights, and a
 whole compiled decoder layer ran slower than eager (docs/benchmarks.md).
 
-Measured (bench/compiled_glue.py, SmolLM2-135M bf16 on an AMX Xeon): one norm of 1,408 tokens
+Measured (bench/step_variants.py, SmolLM2-135M bf16 on an AMX Xeon): one norm of 1,408 tokens
 forward + backward 5.7 -> 1.1 ms, a training forward_backward of 8 x 64-256 tokens 1.11x
 faster; a decode step's norms of 128 rows gain ~10 % each, too little to see in a step. The
 gated MLP's SiLU product was tried the same way and dropped: compiled, it ran at 0.8-0.9x of

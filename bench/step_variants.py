@@ -1,19 +1,20 @@
-"""The compiled RMSNorm (engine/compiled.py) against transformers' eager norms.
+"""The compiled RMSNorm (engine/compiled.py) against transformers' eager norms, in engine steps.
 
 One in-process `TorchBackend` of SmolLM2-135M (rank-32 LoRA on every linear layer and the head,
-as bench/engine.py), its RMSNorms switched between their own eager forward and
-the compiled one before every measurement, alternating, so that machine noise hits both alike:
+as bench/engine.py); before every measurement one piece is switched between what it was and
+what the engine does now, alternating, so that machine noise hits both alike (`--variant
+norm`: transformers' eager RMSNorms against the compiled one). What is measured:
 - train: forward_backward of one batch of 8 x 64-256 tokens (bench/engine.py's batches);
 - decode: one decode step of 128 rows (32 prompts x 4 samples from a lone sampler snapshot): a
   call of `--new` tokens minus a call of 2, per step, so the prefill is left out;
 - micro: one RMSNorm at SmolLM2's width, training (forward + backward of 1,408 tokens) and
   decoding (forward of 128 rows); also the gated MLP's SiLU product, compiled the same way
   (not adopted: slower than eager).
-Prints the CPU model, the load, each side's median and their ratio, and the compile time.
+Prints the CPU model, the load, each side's median and their ratio.
 
-    python bench/compiled_glue.py train [--rounds 5]
-    python bench/compiled_glue.py decode [--rounds 3] [--new 24]
-    python bench/compiled_glue.py micro
+    python bench/step_variants.py train [--variant norm] [--rounds 5]
+    python bench/step_variants.py decode [--variant norm] [--rounds 3] [--new 24]
+    python bench/step_variants.py micro
 """
 
 from __future__ import annotations
@@ -82,18 +83,29 @@ def _micro() -> None:
             print(f"{name:13s} {label:17s} eager {e:7.3f} ms  compiled {c:7.3f} ms  {e / c:.2f}x")
 
 
-def _alternate(
-    backend: Any, rounds: int, measure: Callable[[], float], unit: str
-) -> dict[str, list[float]]:
-    from tuneloop.server.engine import compiled
+class _Switch:
+    """Puts one side of a variant in place."""
 
-    model = next(iter(backend.resident_models().values()))
-    results: dict[str, list[float]] = {"eager": [], "compiled": []}
+    def __init__(self, backend: Any, variant: str) -> None:
+        self.model = next(iter(backend.resident_models().values()))
+        self.variant = variant
+        self.sides = {"norm": ("eager", "compiled")}[variant]
+
+    def __call__(self, side: str) -> None:
+        from tuneloop.server.engine import compiled
+
+        compiled.uninstall(self.model)
+        if side == "compiled":
+            compiled.install(self.model)
+
+
+def _alternate(
+    switch: _Switch, rounds: int, measure: Callable[[], float], unit: str
+) -> dict[str, list[float]]:
+    results: dict[str, list[float]] = {side: [] for side in switch.sides}
     for _ in range(rounds):
         for side in results:
-            compiled.uninstall(model)
-            if side == "compiled":
-                compiled.install(model)
+            switch(side)
             results[side].append(measure())
         print(
             {k: round(v[-1], 1) for k, v in results.items()},
@@ -101,13 +113,14 @@ def _alternate(
             f"load {os.getloadavg()[0]:.2f}",
             flush=True,
         )
-    compiled.install(model)
+    switch(switch.sides[1])  # what the engine does now
     return results
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("what", choices=["train", "decode", "micro"])
+    parser.add_argument("--variant", choices=["norm"], default="norm")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--new", type=int, default=24, help="decode: new tokens per call")
     parser.add_argument("--threads", type=int, default=2)
@@ -130,7 +143,7 @@ def main() -> int:
             cross_entropy_pass(backend, batch)
             return (time.perf_counter() - start) * 1e3
 
-        results = _alternate(backend, args.rounds, measure, "ms per forward_backward")
+        results = _alternate(_Switch(backend, "norm"), args.rounds, measure, "ms per step")
     else:
         from tuneloop.server.engine import types as t
 
@@ -149,12 +162,13 @@ def main() -> int:
         def measure() -> float:
             return (call(args.new) - call(2)) / (args.new - 2) * 1e3
 
-        results = _alternate(backend, args.rounds, measure, "ms per decode step")
+        switch = _Switch(backend, args.variant)
+        results = _alternate(switch, args.rounds, measure, "ms per decode step")
     medians = {k: statistics.median(v) for k, v in results.items()}
+    (before, b), (after, a) = medians.items()
     print(
-        f"{args.what}: eager {medians['eager']:.1f} ms, compiled {medians['compiled']:.1f} ms, "
-        f"{medians['eager'] / medians['compiled']:.2f}x (medians of {args.rounds}); "
-        f"load {os.getloadavg()}"
+        f"{args.what}, {args.variant}: {before} {b:.1f} ms, {after} {a:.1f} ms, {b / a:.2f}x "
+        f"(medians of {args.rounds}); load {os.getloadavg()}"
     )
     return 0
 
