@@ -140,8 +140,6 @@ def test_a_backend_with_compiled_norms_trains_and_samples_as_the_eager_one(
         np.testing.assert_allclose(a, b, atol=1e-5)
     for a, b in zip(fused_grads, eager_grads, strict=True):
         assert_near(a, b, 1e-4, "LoRA gradient", relative=True)
-    assert [q.tokens for q in fused_sample.sequences] == [
-        q.tokens for q in eager_sample.sequences
-    ]
+    assert [q.tokens for q in fused_sample.sequences] == [q.tokens for q in eager_sample.sequences]
     for be in backends.values():
         be.close()
