@@ -60,7 +60,8 @@ def test_compiled_norm_matches_eager_forward_and_backward() -> None:
             x = torch.randn(shape).to(dtype)
             x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
             y1, y2 = eager(x1), fused(x2)
-            assert y2.shape == y1.shape and y2.dtype == y1.dtype
+            assert y2.shape == y1.shape
+            assert y2.dtype == y1.dtype
             assert_near(y2.float(), y1.float(), atol, f"{dtype} {shape} values")
             g = torch.randn(shape).to(dtype)
             y1.backward(g)
