@@ -9,11 +9,11 @@ RMSNorm of the model at the compiled function. The matmuls stay eager (oneDNN, t
 decode weights, the LoRA products): inductor's CPU matmuls cannot read packed weights, and a
 whole compiled decoder layer ran slower than eager (docs/benchmarks.md).
 
-Measured (bench/step_variants.py, SmolLM2-135M bf16 on an AMX Xeon): one norm of 1,408 tokens
-forward + backward 5.7 -> 1.1 ms, a training forward_backward of 8 x 64-256 tokens 1.11x
-faster; a decode step's norms of 128 rows gain ~10 % each, too little to see in a step. The
-gated MLP's SiLU product was tried the same way and dropped: compiled, it ran at 0.8-0.9x of
-eager's two vectorized kernels.
+Measured (bench/step_variants.py, SmolLM2-135M bf16 on an AMX Xeon, alternated pairs): one
+norm of 1,408 tokens forward + backward 5.7 -> 1.1 ms, a training forward_backward of 8 x
+64-256 tokens 1.11x faster, a decode step of 128 rows 1.16x. The gated MLP's SiLU product and
+the rotary embedding were tried the same way and dropped: compiled, they ran at 0.8-1.0x of
+eager, whose kernels are vectorized already.
 
 Compiling costs seconds once per process (inductor's on-disk cache makes later processes
 faster), so `install` compiles at once, with dynamic shapes, on warm-up inputs: the first
@@ -21,7 +21,10 @@ request does not pay for it, and a varying number of tokens does not recompile. 
 switched only after its own forward and the eager form of the replacement agree bit for bit
 on a probe input, so a norm that computes something else (Gemma's `1 + weight`) keeps its
 own forward. Where compiling fails (no C++ compiler on the host) the model stays eager and a
-warning says why.
+warning says why. Each distinct (dtype, eps) takes six of the eight graphs dynamo keeps per
+function: a second kind in one process (two resident models whose norms differ in eps) gets
+some of its graphs compiled and runs the rest eager, with dynamo's warning; the values are the
+same either way.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ log = logging.getLogger(__name__)
 
 # A model whose hidden size is below this spends its time in per-operation overhead that no
 # fusion removes, and its passes are too short for a kernel to pay for seconds of compiling
-# (the built-in tiny test models are 64 wide).
+# (the built-in tiny test models are 128 wide).
 MIN_HIDDEN = 256
 
 
