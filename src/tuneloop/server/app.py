@@ -78,6 +78,7 @@ def build_backend(config: ServerConfig) -> Backend:
                 ray_gpus=config.ray_gpus_per_worker,
                 state_dir=config.data_dir / "workers",
                 shard_weights=config.shard_weights,
+                compile_norms=config.compile_norms,
             )
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, None: None}[config.dtype]
         return TorchBackend(
@@ -85,6 +86,7 @@ def build_backend(config: ServerConfig) -> Backend:
             cache_dir=config.cache_dir,
             device=config.device,
             dtype=dtype,
+            compile_norms=config.compile_norms,
         )
     raise ValueError(f"unknown backend {config.backend!r} (available: torch, fake)")
 

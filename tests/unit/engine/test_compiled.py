@@ -119,7 +119,7 @@ def test_a_backend_with_compiled_norms_trains_and_samples_as_the_eager_one(
     logprobs, loss and LoRA gradients as the eager backend to fp32 rounding, and the same
     sampled tokens."""
     backends = {
-        flag: TorchBackend([TINY], cache_dir=tmp_path / "cache", device="cpu", compile_glue=flag)
+        flag: TorchBackend([TINY], cache_dir=tmp_path / "cache", device="cpu", compile_norms=flag)
         for flag in (False, True)
     }
     model = next(iter(backends[True].resident_models().values()))

@@ -464,3 +464,22 @@ def test_serve_refuses_a_worker_group_without_the_torch_engine(tmp_path: Path) -
         result = run("serve", "--backend", "fake", *data(tmp_path), *flags)
         assert result.exit_code == 2
         assert "need the torch backend" in result.output
+
+
+def test_serve_hands_the_compile_switch_to_the_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--compile-norms` / `--no-compile-norms` reach the server config; neither leaves the
+    engine its default (compiled.wanted)."""
+    import tuneloop.server.app as app_module
+
+    seen: list[bool | None] = []
+
+    def capture(config: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(config.compile_norms)
+        raise ValueError("captured")  # serve answers a usage error: nothing starts
+
+    monkeypatch.setattr(app_module, "create_app", capture)
+    for flags in ((), ("--compile-norms",), ("--no-compile-norms",)):
+        assert run("serve", "--backend", "fake", *flags, *data(tmp_path)).exit_code == 2
+    assert seen == [None, True, False]

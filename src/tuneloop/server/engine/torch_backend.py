@@ -73,7 +73,7 @@ class TorchBackend:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         kv_block_size: int | None = None,
         merge_lone_adapter: bool | None = None,
-        compile_glue: bool | None = None,
+        compile_norms: bool | None = None,
     ) -> None:
         self.device = _device(device)
         if self.device.type == "cpu":
@@ -104,8 +104,8 @@ class TorchBackend:
             loaded, bank = with_adapters(loaded)  # or refused: layers LoRA cannot adapt
             # Norms and gated MLPs as compiled kernels (compiled.py). None: on a CPU for
             # models wide enough to pay for the seconds of compiling.
-            if compile_glue or (
-                compile_glue is None and compiled.wanted(loaded.model, self.device)
+            if compile_norms or (
+                compile_norms is None and compiled.wanted(loaded.model, self.device)
             ):
                 compiled.install(loaded.model)
             self._runtimes[loaded.spec.name] = Runtime(

@@ -29,6 +29,7 @@ def worker_group(
     state_dir: Path | None = None,
     shard_weights: str = "none",
     rank_memory: int | None = None,
+    compile_norms: bool | None = None,
 ) -> WorkerGroupBackend:
     """A local group of `workers` processes (one per GPU, else sharing the CPU cores), or
     with `ray_address` one Ray actor per worker. `shard_weights="fsdp"`: the base weights are
@@ -51,7 +52,12 @@ def worker_group(
 
         import_ray()  # a clear error now, not in the first restart
         ray_settings = WorkerSettings(
-            models, cache_dir, device, dtype, threads=max(1, int(ray_cpus))
+            models,
+            cache_dir,
+            device,
+            dtype,
+            threads=max(1, int(ray_cpus)),
+            compile_norms=compile_norms,
         )
 
         def make() -> Placement:
@@ -78,6 +84,7 @@ def worker_group(
         dtype,
         threads=max(1, (cores or 1) // workers),
         gpus_per_host=gpus,
+        compile_norms=compile_norms,
     )
     return group_class(
         lambda: LocalPlacement(settings, workers, runtime_class), state_dir=state_dir

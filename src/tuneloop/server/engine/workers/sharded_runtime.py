@@ -111,7 +111,7 @@ class ShardedWorkerRuntime(WorkerRuntime):
                     device="cpu",
                     dtype=dtype,
                     merge_lone_adapter=False,
-                    compile_glue=False,  # FSDP2 hands the norms DTensor weights
+                    compile_norms=False,  # FSDP2 hands the norms DTensor weights
                 )
                 for name, model in self.backend.resident_models().items():
                     self.sharded[name] = shard_model(model, mesh)

@@ -61,6 +61,7 @@ class WorkerSettings:
     dtype: str | None = None  # "bfloat16" / "float32" / None (per model, measured)
     threads: int = 1  # torch intra-op threads (CPU workers share the machine's cores)
     gpus_per_host: int = 0  # local groups: rank r uses cuda:(r % gpus_per_host)
+    compile_norms: bool | None = None  # TorchBackend's; None: where it pays (compiled.py)
 
 
 def worker_device(settings: WorkerSettings, rank: int) -> str:
@@ -119,6 +120,7 @@ class WorkerRuntime:
             cache_dir=settings.cache_dir,
             device=str(self.device),
             dtype=settings_dtype(settings),
+            compile_norms=settings.compile_norms,
         )
         join_group(self.device, init_method, rank, size)
         # Gradients of each adapter as they were before the last forward_backward call, to
