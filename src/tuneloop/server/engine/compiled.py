@@ -12,8 +12,8 @@ whole compiled decoder layer ran slower than eager (docs/benchmarks.md).
 Measured (bench/step_variants.py, SmolLM2-135M bf16 on an AMX Xeon, alternated pairs): one
 norm of 1,408 tokens forward + backward 5.7 -> 1.1 ms, a training forward_backward of 8 x
 64-256 tokens 1.11x faster, a decode step of 128 rows 1.16x. The gated MLP's SiLU product and
-the rotary embedding were tried the same way and dropped: compiled, they ran at 0.8-1.0x of
-eager, whose kernels are vectorized already.
+the rotary embedding were tried the same way and dropped: compiled, they ran at 0.81-1.05x of
+eager, whose kernels are vectorized already (slower where it counts, in training).
 
 Compiling costs seconds once per process (inductor's on-disk cache makes later processes
 faster), so `install` compiles at once, with dynamic shapes, on warm-up inputs: the first
