@@ -102,8 +102,8 @@ class TorchBackend:
             )
             pad = getattr(loaded.model.config, "pad_token_id", None)
             loaded, bank = with_adapters(loaded)  # or refused: layers LoRA cannot adapt
-            # Norms and gated MLPs as compiled kernels (compiled.py). None: on a CPU for
-            # models wide enough to pay for the seconds of compiling.
+            # RMSNorms as compiled kernels (compiled.py). None: on a CPU for models wide
+            # enough to pay for the seconds of compiling.
             if compile_norms or (
                 compile_norms is None and compiled.wanted(loaded.model, self.device)
             ):
