@@ -1,9 +1,9 @@
 """The compiled RMSNorm (engine/compiled.py) against transformers' eager norms, in engine steps.
 
 One in-process `TorchBackend` of SmolLM2-135M (rank-32 LoRA on every linear layer and the head,
-as bench/engine.py); before every measurement one piece is switched between what it was and
-what the engine does now, alternating, so that machine noise hits both alike (`--variant
-norm`: transformers' eager RMSNorms against the compiled one). What is measured:
+as bench/engine.py); before every measurement its norms are switched between transformers'
+eager forward and the compiled one, alternating, so that machine noise hits both alike. What
+is measured:
 - train: forward_backward of one batch of 8 x 64-256 tokens (bench/engine.py's batches);
 - decode: one decode step of 128 rows (32 prompts x 4 samples from a lone sampler snapshot): a
   call of `--new` tokens minus a call of 2, per step, so the prefill is left out;
@@ -12,8 +12,8 @@ norm`: transformers' eager RMSNorms against the compiled one). What is measured:
   (not adopted: slower than eager).
 Prints the CPU model, the load, each side's median and their ratio.
 
-    python bench/step_variants.py train [--variant norm] [--rounds 5]
-    python bench/step_variants.py decode [--variant norm] [--rounds 3] [--new 24]
+    python bench/step_variants.py train [--rounds 5]
+    python bench/step_variants.py decode [--rounds 3] [--new 24]
     python bench/step_variants.py micro
 """
 
@@ -49,7 +49,7 @@ def _micro() -> None:
     from tuneloop.server.engine.host_allocator import tune_for_cpu_engine
 
     tune_for_cpu_engine()
-    norm = compiled._Compiled.get()
+    norm = compiled._compiled_norm()
 
     def silu_product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.silu(gate) * up
@@ -83,29 +83,19 @@ def _micro() -> None:
             print(f"{name:13s} {label:17s} eager {e:7.3f} ms  compiled {c:7.3f} ms  {e / c:.2f}x")
 
 
-class _Switch:
-    """Puts one side of a variant in place."""
-
-    def __init__(self, backend: Any, variant: str) -> None:
-        self.model = next(iter(backend.resident_models().values()))
-        self.variant = variant
-        self.sides = {"norm": ("eager", "compiled")}[variant]
-
-    def __call__(self, side: str) -> None:
-        from tuneloop.server.engine import compiled
-
-        compiled.uninstall(self.model)
-        if side == "compiled":
-            compiled.install(self.model)
-
-
 def _alternate(
-    switch: _Switch, rounds: int, measure: Callable[[], float], unit: str
+    backend: Any, rounds: int, measure: Callable[[], float], unit: str
 ) -> dict[str, list[float]]:
-    results: dict[str, list[float]] = {side: [] for side in switch.sides}
+    """`measure()` with the model's norms eager, then compiled, `rounds` times; per side."""
+    from tuneloop.server.engine import compiled
+
+    model = next(iter(backend.resident_models().values()))
+    results: dict[str, list[float]] = {"eager": [], "compiled": []}
     for _ in range(rounds):
         for side in results:
-            switch(side)
+            compiled.uninstall(model)
+            if side == "compiled":
+                compiled.install(model)
             results[side].append(measure())
         print(
             {k: round(v[-1], 1) for k, v in results.items()},
@@ -113,14 +103,12 @@ def _alternate(
             f"load {os.getloadavg()[0]:.2f}",
             flush=True,
         )
-    switch(switch.sides[1])  # what the engine does now
-    return results
+    return results  # the norms are compiled again, as the engine runs them
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("what", choices=["train", "decode", "micro"])
-    parser.add_argument("--variant", choices=["norm"], default="norm")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--new", type=int, default=24, help="decode: new tokens per call")
     parser.add_argument("--threads", type=int, default=2)
@@ -131,7 +119,7 @@ def main() -> int:
         _micro()
         return 0
     begin = time.perf_counter()
-    backend = adapted_backend(torch.bfloat16)  # compiles the glue while loading (compiled.py)
+    backend = adapted_backend(torch.bfloat16)  # compiles the norms while loading (compiled.py)
     print(f"backend loaded and compiled in {time.perf_counter() - begin:.1f} s")
     if args.what == "train":
         stream = list(np.random.default_rng(SEED).integers(100, 40000, 200_000))
@@ -143,7 +131,7 @@ def main() -> int:
             cross_entropy_pass(backend, batch)
             return (time.perf_counter() - start) * 1e3
 
-        results = _alternate(_Switch(backend, "norm"), args.rounds, measure, "ms per step")
+        results = _alternate(backend, args.rounds, measure, "ms per forward_backward")
     else:
         from tuneloop.server.engine import types as t
 
@@ -162,12 +150,11 @@ def main() -> int:
         def measure() -> float:
             return (call(args.new) - call(2)) / (args.new - 2) * 1e3
 
-        switch = _Switch(backend, args.variant)
-        results = _alternate(switch, args.rounds, measure, "ms per decode step")
+        results = _alternate(backend, args.rounds, measure, "ms per decode step")
     medians = {k: statistics.median(v) for k, v in results.items()}
-    (before, b), (after, a) = medians.items()
+    eager, fused = medians["eager"], medians["compiled"]
     print(
-        f"{args.what}, {args.variant}: {before} {b:.1f} ms, {after} {a:.1f} ms, {b / a:.2f}x "
+        f"{args.what}: eager {eager:.1f} ms, compiled {fused:.1f} ms, {eager / fused:.2f}x "
         f"(medians of {args.rounds}); load {os.getloadavg()}"
     )
     return 0

@@ -29,6 +29,7 @@ same either way.
 
 from __future__ import annotations
 
+import functools
 import logging
 import types
 import warnings
@@ -55,16 +56,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
-class _Compiled:
-    """The compiled forms, made once per process (dynamo's cache holds their graphs)."""
-
-    norm: Callable[..., torch.Tensor] | None = None
-
-    @classmethod
-    def get(cls) -> Callable[..., torch.Tensor]:
-        if cls.norm is None:
-            cls.norm = torch.compile(rms_norm, dynamic=True)
-        return cls.norm
+@functools.cache
+def _compiled_norm() -> Callable[..., torch.Tensor]:
+    """`rms_norm` compiled, made once per process (dynamo's cache holds its graphs)."""
+    return torch.compile(rms_norm, dynamic=True)
 
 
 def _norm_eps(module: nn.Module) -> float | None:
@@ -81,44 +76,39 @@ def _norm_eps(module: nn.Module) -> float | None:
 def _norm_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     # As [rows, width], so that one graph serves [1, tokens, hidden] and a per-head norm's
     # [1, tokens, heads, head_dim] (Qwen3's q_norm and k_norm) alike.
-    flat = _Compiled.get()(x.reshape(-1, x.shape[-1]), self.weight, self._tuneloop_eps)
+    flat = _compiled_norm()(x.reshape(-1, x.shape[-1]), self.weight, self._tuneloop_eps)
     return flat.view(x.shape)
 
 
-def _eager_norm(self: Any, x: torch.Tensor) -> torch.Tensor:
-    return rms_norm(x, self.weight, self._tuneloop_eps)
-
-
-def _agrees(
-    module: Any, like: torch.Tensor, eager: Callable[[Any, torch.Tensor], torch.Tensor]
-) -> bool:
-    """Whether the module's own forward and the eager form of its replacement give the same
-    bits on a probe input as wide as `like`'s last dimension, in its dtype (the base weight's:
-    an adapter's fp32 factors may be among the module's parameters)."""
+def _agrees(module: Any, eps: float) -> bool:
+    """Whether the norm's own forward and `rms_norm` give the same bits on a probe input in
+    the weight's dtype."""
+    weight = module.weight
     generator = torch.Generator(device="cpu").manual_seed(0)
-    probe = torch.randn((1, 3, like.shape[-1]), generator=generator).to(like.device, like.dtype)
+    probe = torch.randn((1, 3, weight.shape[0]), generator=generator)
+    probe = probe.to(weight.device, weight.dtype)
     with torch.no_grad():
-        return bool(torch.equal(module(probe), eager(module, probe)))
+        return bool(torch.equal(module(probe), rms_norm(probe, weight, eps)))
 
 
 def _candidates(model: nn.Module) -> list[Any]:
+    """The model's RMSNorms that compute what `rms_norm` does, each given its eps."""
     norms: list[Any] = []
     for module in model.modules():
         if "forward" in vars(module):
             continue  # already switched, or a forward set by someone else: left alone
         m: Any = module
         eps = _norm_eps(module)
-        if eps is not None and type(module).__name__.endswith("RMSNorm"):
+        if eps is not None and type(module).__name__.endswith("RMSNorm") and _agrees(m, eps):
             m._tuneloop_eps = eps
-            if _agrees(m, m.weight, _eager_norm):
-                norms.append(m)
+            norms.append(m)
     return norms
 
 
 def _warm_up(norms: list[Any]) -> None:
     """Compile every graph the engine will run: inference and training, one row and many
     (dynamic shapes specialise a size of 1), per distinct width, dtype and eps."""
-    norm = _Compiled.get()
+    norm = _compiled_norm()
     seen: set[tuple[Any, ...]] = set()
     for module in norms:
         w, eps = module.weight, module._tuneloop_eps
