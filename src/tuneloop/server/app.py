@@ -40,7 +40,7 @@ from tuneloop.server.api.state import ServerState
 from tuneloop.server.config import ServerConfig
 from tuneloop.server.engine.backend import Backend
 from tuneloop.server.scheduler.futures import FutureTable
-from tuneloop.server.scheduler.loop import EngineLoop
+from tuneloop.server.scheduler.loop import EngineLoop, engine_thread
 from tuneloop.server.scheduler.queue import OperationQueue
 from tuneloop.server.storage.keys import KeyStore
 from tuneloop.server.storage.layout import Layout
@@ -185,7 +185,15 @@ def _replay(body: bytes, receive: Any) -> Any:
 def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
     layout = Layout(config.data_dir)
     layout.prepare()
-    backend = backend if backend is not None else build_backend(config)
+    # Built on the thread that will run it (see engine_thread); a later start of the same app
+    # (tests) gets a fresh thread.
+    threads = [engine_thread()]
+    if backend is None:
+        try:
+            backend = threads[0].submit(build_backend, config).result()
+        except BaseException:
+            threads[0].shutdown()
+            raise
     registry = Registry(config.db_url or layout.database_url)
     queue = OperationQueue(max_sample_batch=config.max_sample_batch)
     future_table = FutureTable(grace_s=config.result_grace_s)
@@ -208,6 +216,7 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
             future_table,
             config.batch_gather_s,
             on_success=lambda op, result: completed(meter, op, result),
+            executor=threads.pop() if threads else engine_thread(),
         )
         app.state.tuneloop = ServerState(
             config=config,

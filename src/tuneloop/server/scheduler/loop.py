@@ -34,6 +34,20 @@ T = TypeVar("T")
 W = TypeVar("W", ForwardBackwardWork, SampleWork)
 
 
+def engine_thread() -> ThreadPoolExecutor:
+    """The one thread that runs the backend.
+
+    The server builds its backend on this thread too (app.py): torch's CPU kernels run on an
+    OpenMP runtime (libgomp) that keeps a pool of worker threads for every thread that has run
+    a parallel region, and once the process holds more such threads than it has cores, libgomp
+    stops letting idle workers spin between regions, so each of the thousands of operations of
+    a step waits for its workers to wake. A model loaded on one thread and run on another left
+    two pools: a training step of SmolLM2 took 1.42x as long, a decode step 1.45x
+    (bench/engine_thread.py).
+    """
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+
+
 @dataclass(eq=False)
 class _Ask:
     """The engine thread's question to the event loop between two decode steps, answered at
@@ -86,6 +100,7 @@ class EngineLoop:
         futures: FutureTable,
         gather_s: float = 0.0,
         on_success: Callable[[Operation, Any], None] | None = None,
+        executor: ThreadPoolExecutor | None = None,
     ) -> None:
         self.backend = backend
         # Told of every operation that succeeded, with its engine result (usage metering).
@@ -108,7 +123,9 @@ class EngineLoop:
         )
         self.futures = futures
         # One engine thread: the backend is never called concurrently, so it needs no locks.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        # `executor`, when given, is the `engine_thread()` that built the backend; the loop
+        # owns it either way and shuts it down in stop().
+        self._executor = executor if executor is not None else engine_thread()
         # (seconds of backend work finished, perf_counter() when the running work began or
         # None): written on the engine thread only, replaced whole so a reader on another
         # thread sees a consistent pair. See busy_seconds().
