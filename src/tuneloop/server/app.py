@@ -51,6 +51,11 @@ from tuneloop.server.storage.run_metrics import RunMetricsStore
 log = logging.getLogger(__name__)
 
 
+def _in_workers(config: ServerConfig) -> bool:
+    """Whether the torch backend is a group of worker processes (this process only routes)."""
+    return config.workers > 1 or config.ray_address is not None
+
+
 def build_backend(config: ServerConfig) -> Backend:
     if config.backend == "fake":
         from tuneloop.server.engine.fake import FakeBackend
@@ -63,7 +68,7 @@ def build_backend(config: ServerConfig) -> Backend:
         from tuneloop.server.engine.models import DEFAULT_MODEL
         from tuneloop.server.engine.torch_backend import TorchBackend
 
-        if config.workers > 1 or config.ray_address is not None:
+        if _in_workers(config):
             # A group of worker processes (one per device) behind the same protocol.
             from tuneloop.server.engine.workers.build import worker_group
 
@@ -185,10 +190,14 @@ def _replay(body: bytes, receive: Any) -> Any:
 def create_app(config: ServerConfig, backend: Backend | None = None) -> FastAPI:
     layout = Layout(config.data_dir)
     layout.prepare()
-    # Built on the thread that will run it (see engine_thread); a later start of the same app
+    # A model this process runs is built on the thread that will run it (see engine_thread); a
+    # worker group's processes build and run theirs on one thread of their own, and the group is
+    # built here, where Ray can install its signal handlers. A later start of the same app
     # (tests) gets a fresh thread.
     threads = [engine_thread()]
-    if backend is None:
+    if backend is None and _in_workers(config):
+        backend = build_backend(config)
+    elif backend is None:
         try:
             backend = threads[0].submit(build_backend, config).result()
         except BaseException:

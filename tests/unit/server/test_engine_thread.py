@@ -87,3 +87,21 @@ async def test_the_backend_is_built_and_called_on_the_engine_thread(
         again = await state.engine.call(threading.current_thread)
         assert again is not engine_thread
         assert again.is_alive()
+
+
+def test_a_worker_group_is_built_on_the_callers_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group's processes run the model; the group itself is made where Ray, when it places
+    them, can install its signal handlers (the main thread of `tuneloop serve`)."""
+    built: list[RecordingBackend] = []
+
+    def build(config: ServerConfig) -> RecordingBackend:
+        built.append(RecordingBackend())
+        return built[-1]
+
+    monkeypatch.setattr(app_module, "build_backend", build)
+    for settings in ({"workers": 2}, {"ray_address": "local"}):
+        app_module.create_app(ServerConfig(data_dir=tmp_path, backend="torch", **settings))
+        assert built[-1].calls[0][1] is threading.current_thread()
+    assert len(built) == 2
