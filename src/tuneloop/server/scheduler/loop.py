@@ -41,9 +41,9 @@ def engine_thread() -> ThreadPoolExecutor:
     torch's CPU kernels run on an OpenMP runtime (libgomp) that keeps a pool of worker threads
     for every thread that has run a parallel region, and once the process holds more such
     threads than it has cores, libgomp stops letting idle workers spin between regions, so
-    each of the thousands of operations of a step waits for its workers to wake. A model loaded on one thread and run on another left
-    two pools: a training step of SmolLM2 took 1.42x as long, a decode step 1.45x
-    (bench/engine_thread.py).
+    each of the thousands of operations of a step waits for its workers to wake. A model
+    loaded on one thread and run on another left two pools: a training step of SmolLM2 took
+    1.42x as long, a decode step 1.45x (bench/engine_thread.py).
     """
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
