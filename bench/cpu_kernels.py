@@ -1,4 +1,4 @@
-"""Three CPU kernel choices of the engine, each against what it replaced, alternated in one run.
+"""Four CPU kernel choices of the engine, each against what it replaced or was tried, alternated.
 
 At SmolLM2-135M's shapes, bf16 (the engine's dtype where the CPU has bf16 units), 2 threads:
 1. packed: a decode step's linear layers (128 rows; q/k/v/o, gate/up/down of 30 layers and the
@@ -8,7 +8,10 @@ At SmolLM2-135M's shapes, bf16 (the engine's dtype where the CPU has bf16 units)
    heads, ~70 keys), SDPA's grouped-query form against the query heads folded into each key
    head's queries (kv/paged_attention.py);
 3. training attention: one layer's packed attention (8 sequences of 64-256 tokens) forward
-   and backward, SDPA in bf16 against the bf16 forward with an fp32 backward (packing.py).
+   and backward, SDPA in bf16 against the bf16 forward with an fp32 backward (packing.py);
+4. that fp32 flash backward per sequence (8 calls, as packing.py runs it) against one call over
+   the 8 sequences right-padded to the longest (causal masking keeps every real query off the
+   padded keys; the padded rows' gradients are zero), tried and not adopted.
 Prints the CPU model, the load and the medians with their ratios.
 
     python bench/cpu_kernels.py [--repeats 20] [--threads 2] [--dtype bfloat16]
@@ -128,6 +131,41 @@ def _training_attention(dtype: torch.dtype, repeats: int) -> str:
     )
 
 
+def _padded_backward(dtype: torch.dtype, repeats: int) -> str:
+    lengths = [int(n) for n in np.random.default_rng(0).integers(64, 257, 8)]
+    forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    g = torch.Generator().manual_seed(3)
+    pieces = []
+    for n in lengths:
+        q, k, v = (torch.randn(1, h, n, DIM, generator=g).to(dtype) for h in (HEADS, 3, 3))
+        out, lse = forward(q, k, v, 0.0, True, scale=0.125)
+        grad = torch.randn(out.shape, generator=g).to(dtype)
+        pieces.append([t.float() for t in (grad, q, k, v, out)] + [lse])
+
+    def separate() -> None:
+        for grad, q, k, v, out, lse in pieces:
+            backward(grad, q, k, v, out, lse, 0.0, True, scale=0.125)
+
+    longest = max(lengths)
+    rows = list(zip(pieces, lengths, strict=True))
+    padded = [
+        torch.cat([functional.pad(p[i], (0, 0, 0, longest - n)) for p, n in rows]) for i in range(5)
+    ]
+    q, k, v = padded[1:4]
+    out, lse = forward(q, k, v, 0.0, True, scale=0.125)
+
+    def batched() -> None:
+        backward(padded[0], q, k, v, out, lse, 0.0, True, scale=0.125)
+
+    ms = _alternate({"separate": separate, "padded": batched}, repeats)
+    return (
+        f"fp32 attention backward, 8 sequences ({sum(n * n for n in lengths)} score elements, "
+        f"{8 * longest * longest} padded): per sequence {ms['separate']:.1f} ms, "
+        f"one padded call {ms['padded']:.1f} ms, {ms['padded'] / ms['separate']:.2f}x the time"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=20)
@@ -140,6 +178,7 @@ def main() -> int:
     print(_linears(dtype, args.repeats))
     print(_decode_attention(dtype, args.repeats))
     print(_training_attention(dtype, args.repeats))
+    print(_padded_backward(dtype, args.repeats))
     print("load:", os.getloadavg())
     return 0
 
