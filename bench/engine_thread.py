@@ -23,16 +23,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-HERE = Path(__file__).resolve().parent
 
 
 def _child(layout: str, steps: int, new: int, threads: int) -> dict[str, Any]:
@@ -106,22 +102,17 @@ def main() -> int:
         return 0
 
     from engine import cpu_model
+    from processes import alternate_in_processes
 
     print(f"cpu: {cpu_model()}  bfloat16  threads {args.threads}  load {os.getloadavg()}")
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    results: dict[str, list[dict[str, float]]] = {"split": [], "same": []}
-    for _ in range(args.rounds):
-        for layout in results:
-            command = [sys.executable, str(Path(__file__).resolve()), "--child", layout]
-            command += ["--steps", str(args.steps), "--new", str(args.new)]
-            command += ["--threads", str(args.threads)]
-            out = subprocess.run(
-                command, env=env, cwd=HERE, check=True, capture_output=True, text=True
-            )
-            row = json.loads(out.stdout.strip().splitlines()[-1])
-            results[layout].append(row)
-            shown = {k: round(v, 2) for k, v in row.items()}
-            print(f"{layout:5s} {shown}  load {os.getloadavg()[0]:.2f}", flush=True)
+    results: dict[str, list[dict[str, float]]] = alternate_in_processes(
+        __file__,
+        ("split", "same"),
+        args.rounds,
+        args.threads,
+        ["--steps", str(args.steps), "--new", str(args.new)],
+        lambda row: {k: round(v, 2) for k, v in row.items()},
+    )
     for key in ("train_ms", "decode_step_ms"):
         split = statistics.median(r[key] for r in results["split"])
         same = statistics.median(r[key] for r in results["same"])

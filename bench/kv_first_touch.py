@@ -21,15 +21,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-HERE = Path(__file__).resolve().parent
 
 
 def _zero_filled(pool: Any, index: int, keys: Any, values: Any) -> tuple[Any, Any]:
@@ -52,7 +48,7 @@ def _child(layout: str, calls: int, new: int, threads: int) -> list[float]:
     from tuneloop.server.engine.kv.paged_attention import KVPool
 
     if layout == "zeros":
-        KVPool.layer = _zero_filled  # type: ignore[method-assign]
+        KVPool.layer = _zero_filled
     torch.set_num_threads(threads)
     backend = adapted_backend(torch.bfloat16)
     backend.create_sampler("s", MODEL, adapter_id="a")
@@ -82,24 +78,17 @@ def main() -> int:
         return 0
 
     from engine import cpu_model
+    from processes import alternate_in_processes
 
     print(f"cpu: {cpu_model()}  bfloat16  threads {args.threads}  load {os.getloadavg()}")
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    results: dict[str, list[list[float]]] = {"empty": [], "zeros": []}
-    for _ in range(args.rounds):
-        for layout in results:
-            command = [sys.executable, str(Path(__file__).resolve()), "--child", layout]
-            command += ["--calls", str(args.calls), "--new", str(args.new)]
-            command += ["--threads", str(args.threads)]
-            out = subprocess.run(
-                command, env=env, cwd=HERE, check=True, capture_output=True, text=True
-            )
-            seconds = json.loads(out.stdout.strip().splitlines()[-1])
-            results[layout].append(seconds)
-            shown = [round(s, 2) for s in seconds]
-            print(
-                f"{layout:5s} seconds per call {shown}  load {os.getloadavg()[0]:.2f}", flush=True
-            )
+    results: dict[str, list[list[float]]] = alternate_in_processes(
+        __file__,
+        ("empty", "zeros"),
+        args.rounds,
+        args.threads,
+        ["--calls", str(args.calls), "--new", str(args.new)],
+        lambda seconds: f"seconds per call {[round(s, 2) for s in seconds]}",
+    )
     tokens = 32 * 4 * args.new
     for layout, runs in results.items():
         per_call = [statistics.median(run[i] for run in runs) for i in range(args.calls)]
