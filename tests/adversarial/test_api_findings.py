@@ -50,7 +50,11 @@ class Tenant:
     def __init__(self, server: LiveServer, key: str) -> None:
         self.server = server
         self.key = key
-        self.http = httpx.Client(base_url=server.url, timeout=WAIT_S)
+        # The server closes a connection whose next request's headers have not come within
+        # READ_TIMEOUT_S of its last response: a connection idle that long is dropped here
+        # first, or a request sent on it as the server closes it finds it gone.
+        limits = httpx.Limits(keepalive_expiry=READ_TIMEOUT_S / 2)
+        self.http = httpx.Client(base_url=server.url, timeout=WAIT_S, limits=limits)
 
     def __enter__(self) -> Tenant:
         return self
