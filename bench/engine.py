@@ -881,7 +881,8 @@ def print_summary(report: dict[str, Any]) -> None:
         if result is None:  # --no-sampling
             continue
         row = "  ".join(
-            f"{name} {r['tok_per_s']:.1f} tok/s ({extra} {r[extra]:.3f})"
+            f"{name} {r['tok_per_s']:.1f} tok/s ({extra} {r[extra]:.3f}, "
+            f"cpu/wall {r['cpu_per_wall']:.2f})"
             for name, r in result.items()
             if isinstance(r, dict) and "tok_per_s" in r
         )
