@@ -39,16 +39,22 @@ class RecordingBackend(FakeBackend):
         return value
 
 
-async def test_the_backend_is_built_and_called_on_the_engine_thread(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    built: list[RecordingBackend] = []
+@pytest.fixture
+def built(monkeypatch: pytest.MonkeyPatch) -> list[RecordingBackend]:
+    """Every backend `create_app` builds, as a RecordingBackend."""
+    made: list[RecordingBackend] = []
 
     def build(config: ServerConfig) -> RecordingBackend:
-        built.append(RecordingBackend())
-        return built[-1]
+        made.append(RecordingBackend())
+        return made[-1]
 
     monkeypatch.setattr(app_module, "build_backend", build)
+    return made
+
+
+async def test_the_backend_is_built_and_called_on_the_engine_thread(
+    tmp_path: Path, built: list[RecordingBackend]
+) -> None:
     app = app_module.create_app(ServerConfig(data_dir=tmp_path, long_poll_s=1.0, backend="fake"))
     (backend,) = built
     engine_thread = backend.calls[0][1]
@@ -90,17 +96,10 @@ async def test_the_backend_is_built_and_called_on_the_engine_thread(
 
 
 def test_a_worker_group_is_built_on_the_callers_thread(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, built: list[RecordingBackend]
 ) -> None:
     """A group's processes run the model; the group itself is made where Ray, when it places
     them, can install its signal handlers (the main thread of `tuneloop serve`)."""
-    built: list[RecordingBackend] = []
-
-    def build(config: ServerConfig) -> RecordingBackend:
-        built.append(RecordingBackend())
-        return built[-1]
-
-    monkeypatch.setattr(app_module, "build_backend", build)
     for settings in ({"workers": 2}, {"ray_address": "local"}):
         app_module.create_app(ServerConfig(data_dir=tmp_path, backend="torch", **settings))
         assert built[-1].calls[0][1] is threading.current_thread()
