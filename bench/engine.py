@@ -283,6 +283,13 @@ def make_batches(
     return out
 
 
+def random_prompts(count: int = 32) -> list[np.ndarray]:
+    """`count` prompts of 16-48 random token ids (seeded): the in-process decode benches'
+    stand-in for the sampling workload's prompts."""
+    rng = np.random.default_rng(SEED)
+    return [rng.integers(0, 49_000, size=int(rng.integers(16, 48))) for _ in range(count)]
+
+
 def make_prompts(stream: list[int], count: int, min_len: int, max_len: int) -> list[list[int]]:
     rng = np.random.default_rng(SEED + 1)
     prompts = []

@@ -43,6 +43,7 @@ def _child(layout: str, steps: int, new: int, threads: int) -> dict[str, Any]:
         adapted_backend,
         cross_entropy_pass,
         make_batches,
+        random_prompts,
     )
     from tuneloop.server.engine import types as t
 
@@ -70,8 +71,7 @@ def _child(layout: str, steps: int, new: int, threads: int) -> dict[str, Any]:
     trained = [on_worker(train_step, b) for b in batches[1:]]
 
     on_worker(lambda: backend.create_sampler("s", MODEL, adapter_id="a"))
-    rng = np.random.default_rng(SEED)
-    prompts = [rng.integers(0, 49_000, size=int(rng.integers(16, 48))) for _ in range(32)]
+    prompts = random_prompts()
 
     def call(tokens: int) -> tuple[float, float]:
         works = [t.SampleWork("s", p, 4, tokens, 1.0, -1, 1.0, SEED, (), ()) for p in prompts]

@@ -25,8 +25,6 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
-
 
 def _zero_filled(pool: Any, index: int, keys: Any, values: Any) -> tuple[Any, Any]:
     """`KVPool.layer` with its pools made by `torch.zeros`."""
@@ -43,7 +41,7 @@ def _zero_filled(pool: Any, index: int, keys: Any, values: Any) -> tuple[Any, An
 def _child(layout: str, calls: int, new: int, threads: int) -> list[float]:
     import torch
 
-    from engine import MODEL, SEED, adapted_backend
+    from engine import MODEL, SEED, adapted_backend, random_prompts
     from tuneloop.server.engine import types as t
     from tuneloop.server.engine.kv.paged_attention import KVPool
 
@@ -52,8 +50,7 @@ def _child(layout: str, calls: int, new: int, threads: int) -> list[float]:
     torch.set_num_threads(threads)
     backend = adapted_backend(torch.bfloat16)
     backend.create_sampler("s", MODEL, adapter_id="a")
-    rng = np.random.default_rng(SEED)
-    prompts = [rng.integers(0, 49_000, size=int(rng.integers(16, 48))) for _ in range(32)]
+    prompts = random_prompts()
     seconds = []
     for _ in range(calls):
         works = [t.SampleWork("s", p, 4, new, 1.0, -1, 1.0, SEED, (), ()) for p in prompts]

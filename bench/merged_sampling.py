@@ -19,10 +19,16 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from engine import ALPHA, DTYPES, MODEL, RANK, SEED  # siblings: a script's folder is on sys.path
+from engine import (  # siblings: a script's folder is on sys.path
+    ALPHA,
+    DTYPES,
+    MODEL,
+    RANK,
+    SEED,
+    random_prompts,
+)
 from event_loop import cpu_model
 from machine_peak import measure as measure_peak
 
@@ -50,8 +56,7 @@ def main() -> int:
     )
     backend.create_adapter(t.AdapterSpec("a", MODEL, rank=RANK, seed=SEED, alpha=ALPHA))
     backend.create_sampler("s", MODEL, adapter_id="a")
-    rng = np.random.default_rng(SEED)
-    prompts = [rng.integers(0, 49_000, size=int(rng.integers(16, 48))) for _ in range(args.prompts)]
+    prompts = random_prompts(args.prompts)
 
     def call(new: int) -> int:
         works = [

@@ -39,6 +39,7 @@ from engine import (
     cpu_model,
     cross_entropy_pass,
     make_batches,
+    random_prompts,
 )
 
 
@@ -61,8 +62,7 @@ def _decode(backend: Any, args: argparse.Namespace) -> None:
     from tuneloop.server.engine.kv import paged_attention
 
     backend.create_sampler("s", MODEL, adapter_id="a")
-    rng = np.random.default_rng(SEED)
-    prompts = [rng.integers(0, 49_000, size=int(rng.integers(16, 48))) for _ in range(32)]
+    prompts = random_prompts()
     spent: dict[str, float] = collections.defaultdict(float)
     _timed(model_runner.ModelRunner, "run", "forward", spent)
     _timed(paged_attention, "_reference", "attention", spent)

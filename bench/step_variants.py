@@ -30,7 +30,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine import MODEL, SEED, adapted_backend, cpu_model, cross_entropy_pass, make_batches
+from engine import (
+    MODEL,
+    SEED,
+    adapted_backend,
+    cpu_model,
+    cross_entropy_pass,
+    make_batches,
+    random_prompts,
+)
 
 
 def _best_ms(fn: Callable[[], Any], repeats: int = 30) -> float:
@@ -136,8 +144,7 @@ def main() -> int:
         from tuneloop.server.engine import types as t
 
         backend.create_sampler("s", MODEL, adapter_id="a")
-        rng = np.random.default_rng(SEED)
-        prompts = [rng.integers(0, 49_000, size=int(rng.integers(16, 48))) for _ in range(32)]
+        prompts = random_prompts()
 
         def call(new: int) -> float:
             works = [t.SampleWork("s", p, 4, new, 1.0, -1, 1.0, SEED, (), ()) for p in prompts]
