@@ -185,6 +185,25 @@ def test_snapshot_state_load_and_delete() -> None:
     assert "a" in bank.specs
 
 
+def test_frozen_factors_are_fresh_aligned_copies() -> None:
+    """Factors read from a file keep their offset in it; the bank copies them, so a saved
+    sampler computes with the alignment (and so the rounding) of an in-memory snapshot."""
+    _, bank = make()
+    bank.create(adapter_spec("a", rank=2), CPU)
+    randomise(bank, "a", 4)
+    state = bank.state("a")
+    misaligned = {}
+    for key, value in state.items():  # views 4 bytes into a buffer, as a file's tensors can be
+        buffer = torch.empty(value.numel() + 1)
+        misaligned[key] = buffer[1:].view(value.shape).copy_(value)
+    bank.add_frozen("disk", bank.specs["a"], misaligned)
+    for name, module, a, b in bank._layers("disk"):
+        for factor, source in zip((a, b), bank._read(name, module, misaligned), strict=True):
+            assert torch.equal(factor, source)
+            assert factor.data_ptr() % 64 == 0
+            assert factor.data_ptr() != source.data_ptr()
+
+
 def test_grouped_application_equals_one_adapter_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """Equal-size runs of same-rank adapters take the batched path; values and grads agree."""
     model, bank = make()

@@ -202,10 +202,14 @@ class AdapterBank:
         for name, a, b in read:
             module = self.modules[name]
             device = module.lora_device()
+            # Fresh copies, never the file's buffers: a tensor read from safetensors sits at
+            # its offset in the file, and some CPUs' fp32 matmul kernels round differently
+            # for a factor that is not 64-byte aligned (an AVX-512 EPYC gave a saved
+            # sampler's logprobs 3e-7 away from its in-memory snapshot's).
             module.put(
                 slot,
-                a.to(device).float(),
-                b.to(device).float(),
+                a.to(device, torch.float32, copy=True),
+                b.to(device, torch.float32, copy=True),
                 spec.alpha / spec.rank,
                 train=False,
             )
