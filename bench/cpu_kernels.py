@@ -8,7 +8,8 @@ At SmolLM2-135M's shapes, bf16 (the engine's dtype where the CPU has bf16 units)
    heads, ~70 keys), SDPA's grouped-query form against the query heads folded into each key
    head's queries (kv/paged_attention.py);
 3. training attention: one layer's packed attention (8 sequences of 64-256 tokens) forward
-   and backward, SDPA in bf16 against the bf16 forward with an fp32 backward (packing.py);
+   and backward: SDPA in bf16, torch's flash kernel with an fp32 backward (what the engine ran
+   before) and the matmul kernel it runs now for short sequences (causal_cpu.py);
 4. that fp32 flash backward per sequence (8 calls, as packing.py runs it) against one call over
    the 8 sequences right-padded to the longest (causal masking keeps every real query off the
    padded keys; the padded rows' gradients are zero), tried and not adopted.
@@ -104,30 +105,42 @@ def _decode_attention(dtype: torch.dtype, repeats: int) -> str:
 
 
 def _training_attention(dtype: torch.dtype, repeats: int) -> str:
-    from tuneloop.server.engine import packing
+    from tuneloop.server.engine import causal_cpu, packing
 
     lengths = [int(n) for n in np.random.default_rng(0).integers(64, 257, 8)]
     module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
     g = torch.Generator().manual_seed(2)
     base = [torch.randn(1, h, sum(lengths), DIM, generator=g).to(dtype) for h in (9, 3, 3)]
     grad = torch.randn(1, sum(lengths), HEADS, DIM, generator=g).to(dtype)
-    switch = packing._fp32_backward
+    bound = causal_cpu.MATMUL_MAX_HEAD_DIMS
 
-    def once(fp32_backward: bool) -> None:
+    def once(kernel: str) -> None:
         q, k, v = (t.clone().requires_grad_() for t in base)
-        packing._fp32_backward = switch if fp32_backward else lambda *a: False
+        if kernel == "sdpa":  # SDPA's own bf16 forward and backward, per sequence
+            splits = zip(*(t.split(lengths, dim=2) for t in (q, k, v)), strict=True)
+            pieces = [
+                functional.scaled_dot_product_attention(
+                    a, b, c, is_causal=True, scale=0.125, enable_gqa=True
+                ).transpose(1, 2)
+                for a, b, c in splits
+            ]
+            torch.cat(pieces, dim=1).backward(grad)
+            return
+        causal_cpu.MATMUL_MAX_HEAD_DIMS = bound if kernel == "matmul" else 0
         try:
             with packing.packed_segments(lengths):
                 out, _ = packing._packed_sdpa(module, q, k, v, None, dropout=0.0, scaling=0.125)
             out.backward(grad)
         finally:
-            packing._fp32_backward = switch
+            causal_cpu.MATMUL_MAX_HEAD_DIMS = bound
 
-    ms = _alternate({"half": lambda: once(False), "fp32": lambda: once(True)}, repeats)
+    kernels = ("sdpa", "flash", "matmul")
+    ms = _alternate({name: (lambda name=name: once(name)) for name in kernels}, repeats)
     return (
         f"training attention fwd+bwd, {sum(lengths)} tokens in 8 sequences, one layer: "
-        f"{dtype} backward {ms['half']:.1f} ms, fp32 backward {ms['fp32']:.1f} ms, "
-        f"{ms['half'] / ms['fp32']:.2f}x"
+        f"SDPA {dtype} {ms['sdpa']:.1f} ms, flash with fp32 backward {ms['flash']:.1f} ms, "
+        f"matmul kernel {ms['matmul']:.1f} ms; matmul {ms['sdpa'] / ms['matmul']:.2f}x SDPA, "
+        f"{ms['flash'] / ms['matmul']:.2f}x flash"
     )
 
 
@@ -173,6 +186,9 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    from tuneloop.server.engine import host_allocator
+
+    host_allocator.tune_for_cpu_engine()  # the engine's allocator settings, as it runs
     dtype = getattr(torch, args.dtype)
     print(f"cpu: {cpu_model()}  threads {args.threads}  load {os.getloadavg()}")
     print(_linears(dtype, args.repeats))

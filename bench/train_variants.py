@@ -7,6 +7,7 @@ that machine noise hits both alike. Prints the median step time of each, their r
 model and the load. `--profile` prints the top ops of one step of the current variant instead.
 
     python bench/train_variants.py --variant attention [--steps 6] [--dtype bfloat16]
+    python bench/train_variants.py --variant attention-kernel  # short sequences' matmul kernel
     python bench/train_variants.py --variant adamw
     python bench/train_variants.py --variant head       # the LM head fused over vocabulary tiles
     python bench/train_variants.py --variant lora-add   # LoRA deltas added by addmm
@@ -84,6 +85,20 @@ def _attention(previous: bool) -> Iterator[None]:
         yield
     finally:
         AttentionInterface.register(packing.PACKED_ATTENTION, packing._packed_sdpa)
+
+
+@contextmanager
+def _attention_kernel(previous: bool) -> Iterator[None]:
+    """previous: torch's CPU flash kernel (fp32 backward) for every sequence; current: the
+    matmul kernel for sequences up to MATMUL_MAX_HEAD_DIMS x head_dim tokens (causal_cpu.py)."""
+    from tuneloop.server.engine import causal_cpu
+
+    current = causal_cpu.MATMUL_MAX_HEAD_DIMS
+    causal_cpu.MATMUL_MAX_HEAD_DIMS = 0 if previous else current
+    try:
+        yield
+    finally:
+        causal_cpu.MATMUL_MAX_HEAD_DIMS = current
 
 
 @contextmanager
@@ -201,7 +216,9 @@ def _micro_adamw(repeats: int) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--variant", choices=["attention", "adamw", "head", "lora-add"], default="attention"
+        "--variant",
+        choices=["attention", "attention-kernel", "adamw", "head", "lora-add"],
+        default="attention",
     )
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--steps", type=int, default=6, help="timed steps per variant")
@@ -245,6 +262,7 @@ def main() -> int:
 
     switches: dict[str, Callable[[bool], Any]] = {
         "attention": _attention,
+        "attention-kernel": _attention_kernel,
         "adamw": lambda p: _adamw(p, backend),
         "head": _head,
         "lora-add": _lora_add,

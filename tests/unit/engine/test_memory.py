@@ -14,7 +14,9 @@ from tests.unit.engine.conftest import TINY  # noqa: E402
 from tuneloop.server.engine import memory  # noqa: E402
 from tuneloop.server.engine.torch_backend import TorchBackend  # noqa: E402
 
-SMOLLM2 = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_hidden_layers=30)
+SMOLLM2 = SimpleNamespace(
+    hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9
+)
 CPU = torch.device("cpu")
 
 
@@ -28,6 +30,16 @@ def test_per_token_estimate_follows_model_size_and_dtype() -> None:
     fp32 = memory.activation_bytes_per_token(SMOLLM2, torch.float32)
     assert 1.2e6 < fp32 < 1.6e6  # ~1.4 MB per token, all 30 layers
     assert memory.activation_bytes_per_token(SMOLLM2, torch.bfloat16) == fp32 // 2
+    assert memory.activation_bytes_per_token(SMOLLM2, torch.float32, CPU) == fp32
+
+
+def test_cpu_half_precision_counts_the_saved_attention_probabilities() -> None:
+    """bf16 attention on a CPU keeps 9 heads x up to 256 keys per token and layer."""
+    bf16 = memory.activation_bytes_per_token(SMOLLM2, torch.bfloat16)
+    on_cpu = memory.activation_bytes_per_token(SMOLLM2, torch.bfloat16, CPU)
+    assert on_cpu - bf16 == 30 * 9 * 256 * 2
+    gpu = torch.device("cuda")
+    assert memory.activation_bytes_per_token(SMOLLM2, torch.bfloat16, gpu) == bf16
 
 
 @pytest.mark.parametrize(

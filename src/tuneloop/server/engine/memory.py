@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from tuneloop.server.engine.causal_cpu import MATMUL_MAX_HEAD_DIMS
+
 log = logging.getLogger(__name__)
 
 # Share of the free memory one micro-batch's activations may take: the rest is for the
@@ -48,14 +50,23 @@ def free_bytes(device: torch.device) -> int | None:
     return None
 
 
-def activation_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
-    """Estimated bytes a trained token keeps for the backward pass, all layers."""
+def activation_bytes_per_token(
+    config: Any, dtype: torch.dtype, device: torch.device | None = None
+) -> int:
+    """Estimated bytes a trained token keeps for the backward pass, all layers. On a CPU in
+    bf16/fp16, attention also keeps each query's probabilities over its sequence, heads x
+    length, for lengths up to causal_cpu.py's MATMUL_MAX_HEAD_DIMS x head_dim."""
     text = getattr(config, "text_config", None) or config
     hidden = int(text.hidden_size)
     intermediate = int(getattr(text, "intermediate_size", None) or 4 * hidden)
     layers = int(text.num_hidden_layers)
     element = torch.finfo(dtype).bits // 8
-    return layers * (_HIDDEN_VECTORS * hidden + _INTERMEDIATE_VECTORS * intermediate) * element
+    vectors = _HIDDEN_VECTORS * hidden + _INTERMEDIATE_VECTORS * intermediate
+    if device is not None and device.type == "cpu" and element == 2:
+        heads = int(text.num_attention_heads)
+        head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
+        vectors += heads * MATMUL_MAX_HEAD_DIMS * head_dim
+    return layers * vectors * element
 
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
@@ -73,7 +84,7 @@ def training_token_budget(config: Any, dtype: torch.dtype, device: torch.device)
     free = free_bytes(device)
     if free is None:
         return 8192
-    per_token = activation_bytes_per_token(config, dtype)
+    per_token = activation_bytes_per_token(config, dtype, device)
     budget = int((free * ACTIVATION_SHARE - _HEAD_BYTES) // per_token)
     chosen = max(MIN_TOKEN_BUDGET, min(MAX_TOKEN_BUDGET, budget))
     log.info(

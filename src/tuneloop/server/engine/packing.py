@@ -7,10 +7,11 @@ so that it never crosses a boundary. Everything else in a transformer works toke
 packed row gives each sequence exactly the hidden states it gets on its own.
 
 Attention is a transformers attention function registered under `PACKED_ATTENTION`: inside
-`packed_segments(lengths)` it runs SDPA (causal) on each sequence's piece of one split of
-q/k/v; outside it, it is plain SDPA with the usual mask, so sampling (padded prompts, KV cache)
-is unchanged. Per-sequence SDPA costs sum(len^2) instead of the (sum len)^2 a block-diagonal
-mask over the packed row would.
+`packed_segments(lengths)` it runs causal attention on each sequence's piece of one split of
+q/k/v (SDPA; in bf16/fp16 on a CPU, causal_cpu.py's kernels); outside it, it is plain SDPA
+with the usual mask, so sampling (padded prompts, KV cache) is unchanged. Per-sequence
+attention costs sum(len^2) instead of the (sum len)^2 a block-diagonal mask over the packed
+row would.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from tuneloop.server.engine.causal_cpu import causal_attention
 
 PACKED_ATTENTION = "tuneloop_packed_sdpa"
 
@@ -53,10 +56,10 @@ def _packed_sdpa(
         value.split(lengths, dim=2),
         strict=True,
     )
-    if _fp32_backward(query, key, value, kwargs):
+    if _cpu_half(query, kwargs):
         scale = kwargs.get("scaling")
         scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
-        pieces = [_HalfCausalCPU.apply(q, k, v, scale).transpose(1, 2) for q, k, v in splits]
+        pieces = [causal_attention(q, k, v, scale).transpose(1, 2) for q, k, v in splits]
     else:
         pieces = [
             sdpa_attention_forward(module, q, k, v, None, **{**kwargs, "is_causal": True})[0]
@@ -65,58 +68,12 @@ def _packed_sdpa(
     return torch.cat(pieces, dim=1), None
 
 
-def _fp32_backward(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict[str, Any]
-) -> bool:
-    """bf16/fp16 attention on a CPU, without dropout, and with autograd to feed."""
+def _cpu_half(query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    """bf16/fp16 attention on a CPU without dropout: causal_cpu.py's kernels, with or without
+    autograd, so that a forward and a forward_backward score a sequence with the same bits."""
     half = query.dtype in (torch.bfloat16, torch.float16)
     dropout = float(kwargs.get("dropout") or 0.0)
-    grads = any(t.requires_grad for t in (query, key, value))
-    return query.device.type == "cpu" and half and not dropout and grads
-
-
-class _HalfCausalCPU(torch.autograd.Function):
-    """Causal SDPA by torch's CPU flash kernel, [1, heads, len, d] (key heads may be fewer:
-    grouped-query), forward in the inputs' half dtype and backward in fp32.
-
-    The forward is the kernel SDPA itself runs (the same bits). Its half-precision backward
-    took about twice its fp32 backward's time for a training layer on an AMX Xeon
-    (bench/cpu_kernels.py) and rounds the key and value gradients further from fp64's
-    (tests/unit/engine/test_packing.py); the fp32 backward reads the saved half inputs and
-    output upcast, with the forward's fp32 logsumexp."""
-
-    @staticmethod
-    def forward(
-        ctx: torch.autograd.function.FunctionCtx,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, True, scale=scale
-        )
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale = scale  # type: ignore[attr-defined]
-        return out
-
-    @staticmethod
-    def backward(
-        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
-        q, k, v, out, lse = ctx.saved_tensors  # type: ignore[attr-defined]
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad.float(),
-            q.float(),
-            k.float(),
-            v.float(),
-            out.float(),
-            lse,
-            0.0,
-            True,
-            scale=ctx.scale,  # type: ignore[attr-defined]
-        )
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+    return query.device.type == "cpu" and half and not dropout
 
 
 AttentionInterface.register(PACKED_ATTENTION, _packed_sdpa)

@@ -1,0 +1,152 @@
+"""Causal attention of one packed sequence in bf16/fp16 on a CPU, with autograd.
+
+Two kernels, chosen by the sequence's length:
+- up to `MATMUL_MAX_HEAD_DIMS` x head_dim tokens, three batched matmuls: fp32 scores (a
+  half-precision score rounds a large logit by up to ~2^-9 of itself, which shows as 0.3
+  absolute error in the output where flash kernels show 0.02), an fp32 softmax whose
+  probabilities are kept in the half dtype for the backward, and half-precision matmuls for
+  the rest. On 8 sequences of 64-256 tokens at SmolLM2-135M's shapes this took a layer's
+  forward + backward from 24.7 ms to 17.2 ms on an AVX-512-BF16 EPYC (1.44x;
+  bench/cpu_kernels.py): torch's CPU flash kernels work in small blocks with per-block
+  bookkeeping that a short sequence does not amortise, and their fp32 backward (below) upcasts
+  every input.
+- longer, torch's CPU flash kernel forward (the kernel SDPA itself runs) with an fp32 backward:
+  memory linear in the length. Its half-precision backward took about twice the fp32 one's time
+  and rounds the key and value gradients further from fp64's (tests/unit/engine/test_packing.py).
+
+The matmul kernel keeps heads x length half-precision probabilities per token and layer for the
+backward; the length bound holds that to 4 query vectors (`memory.py` counts them).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+__all__ = ["MATMUL_MAX_HEAD_DIMS", "causal_attention", "uses_matmul"]
+
+MATMUL_MAX_HEAD_DIMS = 4
+
+_bias_lock = threading.Lock()
+_bias = torch.empty(0, 0)
+
+
+def uses_matmul(length: int, head_dim: int) -> bool:
+    """Whether a sequence of `length` tokens runs the matmul kernel."""
+    return length <= MATMUL_MAX_HEAD_DIMS * head_dim
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention of q [1, heads, len, d] over k, v [1, key heads, len, d] (key heads
+    may divide heads: grouped-query), [1, heads, len, d] in the inputs' dtype."""
+    if uses_matmul(q.shape[2], q.shape[3]):
+        return _MatmulCausal.apply(q, k, v, scale)
+    return _FlashFp32Backward.apply(q, k, v, scale)
+
+
+def _causal_bias(length: int) -> torch.Tensor:
+    """[length, length] fp32: 0 on and below the diagonal, -inf above; a view of one cached
+    mask grown to the longest length seen (at most MATMUL_MAX_HEAD_DIMS x head_dim)."""
+    global _bias
+    with _bias_lock:
+        if _bias.shape[0] < length:
+            _bias = torch.full((length, length), float("-inf")).triu_(1)
+        return _bias[:length, :length]
+
+
+def _per_query_head(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """[1, key heads, len, d] -> [heads, len, d], each key head repeated for its group."""
+    kv_heads, length, dim = t.shape[1:]
+    if kv_heads == heads:
+        return t[0]
+    groups = heads // kv_heads
+    return t[0, :, None].expand(kv_heads, groups, length, dim).reshape(heads, length, dim)
+
+
+def _per_key_head(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[heads, len, d] gradients -> [1, key heads, len, d], summed over each group."""
+    heads, length, dim = t.shape
+    if kv_heads == heads:
+        return t[None]
+    return t.view(kv_heads, heads // kv_heads, length, dim).sum(1)[None]
+
+
+class _MatmulCausal(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        heads, length = q.shape[1], q.shape[2]
+        keys = _per_query_head(k, heads)
+        values = _per_query_head(v, heads)
+        scores = torch.baddbmm(
+            _causal_bias(length), q[0].float(), keys.float().transpose(1, 2), alpha=scale
+        )
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        ctx.save_for_backward(q, keys, values, probs)
+        ctx.scale, ctx.kv_heads = scale, k.shape[1]  # type: ignore[attr-defined]
+        return torch.bmm(probs, values)[None]
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        q, keys, values, probs = ctx.saved_tensors  # type: ignore[attr-defined]
+        scale, kv_heads = ctx.scale, ctx.kv_heads  # type: ignore[attr-defined]
+        grad = grad[0].to(q.dtype)
+        grad_values = torch.bmm(probs.transpose(1, 2), grad)
+        grad_probs = torch.bmm(grad, values.transpose(1, 2))
+        grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
+        grad_q = torch.bmm(grad_scores, keys).mul_(scale)
+        grad_keys = torch.bmm(grad_scores.transpose(1, 2), q[0]).mul_(scale)
+        return (
+            grad_q[None],
+            _per_key_head(grad_keys, kv_heads),
+            _per_key_head(grad_values, kv_heads),
+            None,
+        )
+
+
+class _FlashFp32Backward(torch.autograd.Function):
+    """torch's CPU flash kernel, forward in the inputs' half dtype and backward in fp32 (the
+    saved half inputs and output upcast, with the forward's fp32 logsumexp)."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, True, scale=scale
+        )
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale  # type: ignore[attr-defined]
+        return out
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        q, k, v, out, lse = ctx.saved_tensors  # type: ignore[attr-defined]
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad.float(),
+            q.float(),
+            k.float(),
+            v.float(),
+            out.float(),
+            lse,
+            0.0,
+            True,
+            scale=ctx.scale,  # type: ignore[attr-defined]
+        )
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None

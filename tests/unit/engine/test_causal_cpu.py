@@ -1,0 +1,58 @@
+"""causal_cpu.py's kernels on their own: any grouping of query heads over key heads, fp16 as
+well as bf16, the length that picks the kernel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tuneloop.server.engine import causal_cpu  # noqa: E402
+
+F = torch.nn.functional
+
+
+def _case(heads: int, kv_heads: int, length: int, dtype: Any) -> tuple[list[Any], Any]:
+    g = torch.Generator().manual_seed(heads * 100 + length)
+    qkv = [
+        torch.randn(1, h, length, 32, generator=g).to(dtype).requires_grad_()
+        for h in (heads, kv_heads, kv_heads)
+    ]
+    return qkv, torch.randn(1, heads, length, 32, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("length", [1, 50, 128, 129])  # 4 x 32 = 128: the last is flash
+def test_matches_fp64_attention(dtype: Any, heads: int, kv_heads: int, length: int) -> None:
+    (q, k, v), grad = _case(heads, kv_heads, length, dtype)
+    out = causal_cpu.causal_attention(q, k, v, 0.2)
+    out.backward(grad)
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*exact, is_causal=True, scale=0.2, enable_gqa=True)
+    ref.backward(grad.double())
+    # half-precision rounding of inputs and outputs: a few units of 2^-8 (bf16) of the largest
+    tolerance = 0.02 if dtype == torch.bfloat16 else 0.004
+    assert out.dtype == dtype
+    assert out.shape == q.shape
+    pairs = [(out, ref)] + [(t.grad, e.grad) for t, e in zip((q, k, v), exact, strict=True)]
+    for got, want in pairs:
+        assert got.dtype == dtype
+        assert got.shape == want.shape
+        error = (got.double() - want).abs().max().item()
+        assert error <= tolerance * max(1.0, want.abs().max().item()), (error, want.abs().max())
+
+
+def test_kernel_choice_by_length() -> None:
+    assert causal_cpu.uses_matmul(4 * 64, 64)
+    assert not causal_cpu.uses_matmul(4 * 64 + 1, 64)
+    assert causal_cpu.uses_matmul(512, 128)
+
+
+def test_causal_bias_is_a_view_of_the_longest() -> None:
+    small = causal_cpu._causal_bias(3)
+    big = causal_cpu._causal_bias(200)
+    assert small.tolist() == [[0, float("-inf"), float("-inf")], [0, 0, float("-inf")], [0] * 3]
+    assert causal_cpu._causal_bias(5).data_ptr() == big.data_ptr()
