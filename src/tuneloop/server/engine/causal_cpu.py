@@ -1,15 +1,16 @@
 """Causal attention of one packed sequence in bf16/fp16 on a CPU, with autograd.
 
 Two kernels, chosen by the sequence's length:
-- up to `MATMUL_MAX_HEAD_DIMS` x head_dim tokens, three batched matmuls: fp32 scores (a
-  half-precision score rounds a large logit by up to ~2^-9 of itself, which shows as 0.3
-  absolute error in the output where flash kernels show 0.02), an fp32 softmax whose
-  probabilities are kept in the half dtype for the backward, and half-precision matmuls for
-  the rest. On 8 sequences of 64-256 tokens at SmolLM2-135M's shapes this took a layer's
-  forward + backward from 24.7 ms to 17.2 ms on an AVX-512-BF16 EPYC (1.44x;
-  bench/cpu_kernels.py): torch's CPU flash kernels work in small blocks with per-block
-  bookkeeping that a short sequence does not amortise, and their fp32 backward (below) upcasts
-  every input.
+- up to `MATMUL_MAX_HEAD_DIMS` x head_dim tokens, batched matmuls, one per key head with its
+  group of query heads stacked (no copy of the keys per query head; the key and value
+  gradients sum over the group inside the matmul): fp32 scores (a half-precision score rounds
+  a large logit by up to ~2^-9 of itself, which showed as 18x the flash kernel's error at 4x
+  the unit logit scale), an fp32 softmax whose probabilities are kept in the half dtype for
+  the backward, and half-precision matmuls for the rest. On 8 sequences of 64-256 tokens at
+  SmolLM2-135M's shapes this took a layer's forward + backward from 18.4 ms to 12.4 ms on an
+  AVX-512-BF16 EPYC (1.49x; bench/cpu_kernels.py): torch's CPU flash kernels work in small
+  blocks with per-block bookkeeping that a short sequence does not amortise, and their fp32
+  backward (below) upcasts every input.
 - longer, torch's CPU flash kernel forward (the kernel SDPA itself runs) with an fp32 backward:
   memory linear in the length. Its half-precision backward took about twice the fp32 one's time
   and rounds the key and value gradients further from fp64's (tests/unit/engine/test_packing.py).
@@ -57,21 +58,11 @@ def _causal_bias(length: int) -> torch.Tensor:
         return _bias[:length, :length]
 
 
-def _per_query_head(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """[1, key heads, len, d] -> [heads, len, d], each key head repeated for its group."""
-    kv_heads, length, dim = t.shape[1:]
-    if kv_heads == heads:
-        return t[0]
-    groups = heads // kv_heads
-    return t[0, :, None].expand(kv_heads, groups, length, dim).reshape(heads, length, dim)
-
-
-def _per_key_head(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[heads, len, d] gradients -> [1, key heads, len, d], summed over each group."""
-    heads, length, dim = t.shape
-    if kv_heads == heads:
-        return t[None]
-    return t.view(kv_heads, heads // kv_heads, length, dim).sum(1)[None]
+def _folded(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[1, heads, len, d] -> [key heads, groups x len, d]: each key head's group of query heads
+    stacked, so that one matmul per key head serves its group and sums over it."""
+    heads, length, dim = t.shape[1:]
+    return t.reshape(kv_heads, heads // kv_heads * length, dim)
 
 
 class _MatmulCausal(torch.autograd.Function):
@@ -83,35 +74,29 @@ class _MatmulCausal(torch.autograd.Function):
         v: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        heads, length = q.shape[1], q.shape[2]
-        keys = _per_query_head(k, heads)
-        values = _per_query_head(v, heads)
-        scores = torch.baddbmm(
-            _causal_bias(length), q[0].float(), keys.float().transpose(1, 2), alpha=scale
-        )
+        kv_heads, length = k.shape[1], k.shape[2]
+        queries = _folded(q, kv_heads)  # [key heads, groups x len, d]
+        keys, values = k[0], v[0]
+        scores = torch.bmm(queries.float().mul_(scale), keys.float().transpose(1, 2))
+        scores.view(kv_heads, -1, length, length).add_(_causal_bias(length))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        ctx.save_for_backward(q, keys, values, probs)
-        ctx.scale, ctx.kv_heads = scale, k.shape[1]  # type: ignore[attr-defined]
-        return torch.bmm(probs, values)[None]
+        ctx.save_for_backward(queries, keys, values, probs)
+        ctx.scale, ctx.shape = scale, q.shape  # type: ignore[attr-defined]
+        return torch.bmm(probs, values).view(q.shape)
 
     @staticmethod
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
-        q, keys, values, probs = ctx.saved_tensors  # type: ignore[attr-defined]
-        scale, kv_heads = ctx.scale, ctx.kv_heads  # type: ignore[attr-defined]
-        grad = grad[0].to(q.dtype)
-        grad_values = torch.bmm(probs.transpose(1, 2), grad)
+        queries, keys, values, probs = ctx.saved_tensors  # type: ignore[attr-defined]
+        scale, shape = ctx.scale, ctx.shape  # type: ignore[attr-defined]
+        grad = _folded(grad.to(queries.dtype), keys.shape[0])
+        grad_values = torch.bmm(probs.transpose(1, 2), grad)  # summed over each group
         grad_probs = torch.bmm(grad, values.transpose(1, 2))
         grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
         grad_q = torch.bmm(grad_scores, keys).mul_(scale)
-        grad_keys = torch.bmm(grad_scores.transpose(1, 2), q[0]).mul_(scale)
-        return (
-            grad_q[None],
-            _per_key_head(grad_keys, kv_heads),
-            _per_key_head(grad_values, kv_heads),
-            None,
-        )
+        grad_keys = torch.bmm(grad_scores.transpose(1, 2), queries).mul_(scale)
+        return grad_q.view(shape), grad_keys[None], grad_values[None], None
 
 
 class _FlashFp32Backward(torch.autograd.Function):
