@@ -11,6 +11,7 @@ model and the load. `--profile` prints the top ops of one step of the current va
     python bench/train_variants.py --variant adamw
     python bench/train_variants.py --variant head       # the LM head fused over vocabulary tiles
     python bench/train_variants.py --variant lora-add   # LoRA deltas added by addmm
+    python bench/train_variants.py --variant head-exp   # the head's exponentials by exp2
     python bench/train_variants.py --profile
     python bench/train_variants.py --micro          # each piece alone, 422 AdamW tensors and
                                                     # one layer's packed attention fwd+bwd
@@ -99,6 +100,20 @@ def _attention_kernel(previous: bool) -> Iterator[None]:
         yield
     finally:
         causal_cpu.MATMUL_MAX_HEAD_DIMS = current
+
+
+@contextmanager
+def _head_exp(previous: bool) -> Iterator[None]:
+    """previous: the head's softmax exponentials by torch.exp; current: by exp2 (fused_head.py)."""
+    from tuneloop.server.engine import fused_head
+
+    current = fused_head._exp_minus
+    if previous:
+        fused_head._exp_minus = lambda z, row: torch.exp(z - row[:, None])
+    try:
+        yield
+    finally:
+        fused_head._exp_minus = current
 
 
 @contextmanager
@@ -217,7 +232,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--variant",
-        choices=["attention", "attention-kernel", "adamw", "head", "lora-add"],
+        choices=["attention", "attention-kernel", "adamw", "head", "head-exp", "lora-add"],
         default="attention",
     )
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -265,6 +280,7 @@ def main() -> int:
         "attention-kernel": _attention_kernel,
         "adamw": lambda p: _adamw(p, backend),
         "head": _head,
+        "head-exp": _head_exp,
         "lora-add": _lora_add,
     }
     switch = switches[args.variant]

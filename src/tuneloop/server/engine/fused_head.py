@@ -20,6 +20,7 @@ forward's hook would; other hooks keep the module's own forward).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -189,6 +190,8 @@ def _capped(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return torch.tanh(x / softcap) * softcap if softcap else x
 
 
+_LOG2_E = 1.0 / math.log(2.0)
+
 # `_FusedHead.apply`'s leading inputs before the factors: parts, targets, softcap, keep, hidden.
 _LEADING = 5
 
@@ -257,7 +260,7 @@ class _FusedHead(torch.autograd.Function):
             for i, tile in enumerate(_tiles(rows, vocab, hidden.device)):
                 r0, r1, v0, v1 = tile
                 z = _capped(kept[i] if kept else _tile(hidden, head, parts, lows, tile), softcap)
-                d = torch.exp(z - lse[r0:r1, None]).mul_(-g_sum[r0:r1])
+                d = _exp_minus(z, lse[r0:r1]).mul_(-g_sum[r0:r1])
                 inside, column = _targets_in(targets, tile)
                 d.scatter_add_(-1, column, torch.where(inside, g[r0:r1], 0))
                 if softcap:
@@ -294,10 +297,19 @@ def _forward_tile(
     old = high[r0:r1]
     new = torch.maximum(old, z.amax(-1))
     # the running sum rescaled to the new maximum (exp(-inf) = 0 on a row's first chunk)
-    total[r0:r1].mul_(torch.exp(old - new)).add_(torch.exp(z - new[:, None]).sum(-1))
+    total[r0:r1].mul_(torch.exp(old - new)).add_(_exp_minus(z, new).sum(-1))
     high[r0:r1] = new
     inside, column = _targets_in(targets, tile)
     picked[r0:r1] = torch.where(inside, z.gather(-1, column), picked[r0:r1])
+
+
+def _exp_minus(z: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """exp(z - row[:, None]) for a tile of fp32 logits, as 2^((z - row) log2 e): torch's CPU
+    exp2 took a third of exp's time on a 512 x 1024 tile (an AVX-512-BF16 EPYC), and the
+    subtraction comes first so that the largest terms, near a row's maximum, keep their
+    precision (the row sums' relative error measured 4e-8, exp's 2e-8; scaling z and the row
+    by log2 e before subtracting gave 1.3e-6)."""
+    return torch.sub(z, row[:, None]).mul_(_LOG2_E).exp2_()
 
 
 def _targets_in(
