@@ -45,6 +45,13 @@ def test_matches_fp64_attention(dtype: Any, heads: int, kv_heads: int, length: i
         assert error <= tolerance * max(1.0, want.abs().max().item()), (error, want.abs().max())
 
 
+def test_inputs_are_left_as_they_were() -> None:
+    (q, k, v), _ = _case(4, 2, 20, torch.float32)
+    before = [t.detach().clone() for t in (q, k, v)]
+    causal_cpu.causal_attention(q.detach(), k.detach(), v.detach(), 0.5)  # shares q's storage
+    assert all(torch.equal(t, b) for t, b in zip((q, k, v), before, strict=True))
+
+
 def test_kernel_choice_by_length() -> None:
     assert causal_cpu.uses_matmul(4 * 64, 64)
     assert not causal_cpu.uses_matmul(4 * 64 + 1, 64)

@@ -66,6 +66,8 @@ def _folded(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 class _MatmulCausal(torch.autograd.Function):
+    """Scores and softmax in fp32, probabilities saved in the inputs' dtype; see the module."""
+
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx,
@@ -77,7 +79,8 @@ class _MatmulCausal(torch.autograd.Function):
         kv_heads, length = k.shape[1], k.shape[2]
         queries = _folded(q, kv_heads)  # [key heads, groups x len, d]
         keys, values = k[0], v[0]
-        scores = torch.bmm(queries.float().mul_(scale), keys.float().transpose(1, 2))
+        scaled = queries.to(torch.float32, copy=True).mul_(scale)  # never q itself, even in fp32
+        scores = torch.bmm(scaled, keys.float().transpose(1, 2))
         scores.view(kv_heads, -1, length, length).add_(_causal_bias(length))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         ctx.save_for_backward(queries, keys, values, probs)
