@@ -23,11 +23,10 @@ def _inputs(dtype: Any, lengths: list[int], seed: int = 0, magnitude: float = 1.
     """q, k, v [1, heads, total, 64]; `magnitude` scales q and k (larger attention logits)."""
     g = torch.Generator().manual_seed(seed)
     total = sum(lengths)
+    scales = (magnitude, magnitude, 1.0)  # q, k, v
     return [
-        (torch.randn(1, heads, total, 64, generator=g) * (magnitude if heads == 9 or i == 1 else 1))
-        .to(dtype)
-        .requires_grad_()
-        for i, heads in enumerate((9, 3, 3))
+        (torch.randn(1, heads, total, 64, generator=g) * scale).to(dtype).requires_grad_()
+        for heads, scale in zip((9, 3, 3), scales, strict=True)
     ]
 
 
