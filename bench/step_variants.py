@@ -1,4 +1,5 @@
-"""The compiled RMSNorm (engine/compiled.py) against transformers' eager norms, in engine steps.
+"""Compiled kernels against their eager forms, in engine steps: the RMSNorm (engine/compiled.py)
+against transformers' norms, the decode attention (kv/decode_attention.py) against gather + SDPA.
 
 One in-process `TorchBackend` of SmolLM2-135M (rank-32 LoRA on every linear layer and the head,
 as bench/engine.py); before every measurement its norms are switched between transformers'
@@ -7,6 +8,8 @@ is measured:
 - train: forward_backward of one batch of 8 x 64-256 tokens (bench/engine.py's batches);
 - decode: one decode step of 128 rows (32 prompts x 4 samples from a lone sampler snapshot): a
   call of `--new` tokens minus a call of 2, per step, so the prefill is left out;
+- decode-attention: the same decode step, switching the decode rows' attention instead of
+  the norms;
 - micro: one RMSNorm at SmolLM2's width, training (forward + backward of 1,408 tokens) and
   decoding (forward of 128 rows); also the gated MLP's SiLU product, compiled the same way
   (not adopted: slower than eager).
@@ -14,6 +17,7 @@ Prints the CPU model, the load, each side's median and their ratio.
 
     python bench/step_variants.py train [--rounds 5]
     python bench/step_variants.py decode [--rounds 3] [--new 24]
+    python bench/step_variants.py decode-attention [--rounds 3] [--new 64]
     python bench/step_variants.py micro
 """
 
@@ -91,19 +95,40 @@ def _micro() -> None:
             print(f"{name:13s} {label:17s} eager {e:7.3f} ms  compiled {c:7.3f} ms  {e / c:.2f}x")
 
 
-def _alternate(
-    backend: Any, rounds: int, measure: Callable[[], float], unit: str
-) -> dict[str, list[float]]:
-    """`measure()` with the model's norms eager, then compiled, `rounds` times; per side."""
+def _switch_norms(backend: Any) -> Callable[[str], None]:
+    """Sides: the model's norms eager, or compiled (as the engine runs them)."""
     from tuneloop.server.engine import compiled
 
     model = next(iter(backend.resident_models().values()))
+
+    def switch(side: str) -> None:
+        compiled.uninstall(model)
+        if side == "compiled":
+            compiled.install(model)
+
+    return switch
+
+
+def _switch_decode_attention(backend: Any) -> Callable[[str], None]:
+    """Sides: decode rows gathered for SDPA ("eager"), or the compiled decode attention
+    (kv/decode_attention.py); the norms compiled on both."""
+    [runtime] = backend._runtimes.values()
+    assert runtime.compiled_decode, "the compiled decode attention did not warm up"
+
+    def switch(side: str) -> None:
+        runtime.compiled_decode = side == "compiled"
+
+    return switch
+
+
+def _alternate(
+    switch: Callable[[str], None], rounds: int, measure: Callable[[], float], unit: str
+) -> dict[str, list[float]]:
+    """`measure()` on the eager side, then the compiled one, `rounds` times; per side."""
     results: dict[str, list[float]] = {"eager": [], "compiled": []}
     for _ in range(rounds):
         for side in results:
-            compiled.uninstall(model)
-            if side == "compiled":
-                compiled.install(model)
+            switch(side)
             results[side].append(measure())
         print(
             {k: round(v[-1], 1) for k, v in results.items()},
@@ -111,12 +136,12 @@ def _alternate(
             f"load {os.getloadavg()[0]:.2f}",
             flush=True,
         )
-    return results  # the norms are compiled again, as the engine runs them
+    return results  # compiled again, as the engine runs
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["train", "decode", "micro"])
+    parser.add_argument("what", choices=["train", "decode", "decode-attention", "micro"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--new", type=int, default=24, help="decode: new tokens per call")
     parser.add_argument("--threads", type=int, default=2)
@@ -139,7 +164,9 @@ def main() -> int:
             cross_entropy_pass(backend, batch)
             return (time.perf_counter() - start) * 1e3
 
-        results = _alternate(backend, args.rounds, measure, "ms per forward_backward")
+        results = _alternate(
+            _switch_norms(backend), args.rounds, measure, "ms per forward_backward"
+        )
     else:
         from tuneloop.server.engine import types as t
 
@@ -157,7 +184,8 @@ def main() -> int:
         def measure() -> float:
             return (call(args.new) - call(2)) / (args.new - 2) * 1e3
 
-        results = _alternate(backend, args.rounds, measure, "ms per decode step")
+        switch = (_switch_norms if args.what == "decode" else _switch_decode_attention)(backend)
+        results = _alternate(switch, args.rounds, measure, "ms per decode step")
     medians = {k: statistics.median(v) for k, v in results.items()}
     eager, fused = medians["eager"], medians["compiled"]
     print(

@@ -112,17 +112,19 @@ def test_the_default_compiles_wide_models_on_a_cpu_only() -> None:
     assert not compiled.wanted(wide, cuda)  # not measured on a GPU yet
 
 
-def test_a_backend_with_compiled_norms_trains_and_samples_as_the_eager_one(
+def test_a_backend_with_compiled_kernels_trains_and_samples_as_the_eager_one(
     tmp_path: Path,
 ) -> None:
-    """The tiny Qwen3 (fp32) with every norm compiled (hidden, final, per-head q/k): the same
-    logprobs, loss and LoRA gradients as the eager backend to fp32 rounding, and the same
-    sampled tokens."""
+    """The tiny Qwen3 (fp32) with every norm compiled (hidden, final, per-head q/k) and the
+    compiled decode attention: the same logprobs, loss and LoRA gradients as the eager backend
+    to fp32 rounding, and the same sampled tokens and their logprobs."""
     backends = {
         flag: TorchBackend([TINY], cache_dir=tmp_path / "cache", device="cpu", compile_norms=flag)
         for flag in (False, True)
     }
     model = next(iter(backends[True].resident_models().values()))
+    assert [r.compiled_decode for r in backends[True]._runtimes.values()] == [True]
+    assert [r.compiled_decode for r in backends[False]._runtimes.values()] == [False]
     layers = model.config.num_hidden_layers
     switched = sum("forward" in vars(m) for m in model.modules())
     assert switched == 4 * layers + 1  # two norms and q/k norms per layer, and the final norm
@@ -142,5 +144,7 @@ def test_a_backend_with_compiled_norms_trains_and_samples_as_the_eager_one(
     for a, b in zip(fused_grads, eager_grads, strict=True):
         assert_near(a, b, 1e-4, "LoRA gradient", relative=True)
     assert [q.tokens for q in fused_sample.sequences] == [q.tokens for q in eager_sample.sequences]
+    for a, b in zip(fused_sample.sequences, eager_sample.sequences, strict=True):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
     for be in backends.values():
         be.close()

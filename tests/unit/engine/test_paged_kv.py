@@ -307,14 +307,19 @@ def test_paged_decoding_needs_no_per_architecture_code(tmp_path) -> None:
         llama.close()
 
 
+@pytest.mark.parametrize("kernel", ["gather", "compiled"])
 @pytest.mark.parametrize(
     ("window", "softcap", "sinks"),
     [(None, None, False), (5, None, False), (None, 30.0, False), (5, 30.0, False), (5, None, True)],
 )
-def test_reference_attention_equals_dense_attention(window: Any, softcap: Any, sinks: bool) -> None:
+def test_reference_attention_equals_dense_attention(
+    window: Any, softcap: Any, sinks: bool, kernel: str
+) -> None:
     """Decode rows and prefill chunks over scattered blocks, against eager attention on each
     sequence's dense keys (sliding windows and logit softcapping, as Gemma uses; attention
-    sinks, as gpt-oss uses)."""
+    sinks, as gpt-oss uses). Decode rows either gathered for SDPA or through the compiled
+    kernel (kv/decode_attention.py; soft-capped and sink steps keep the gather)."""
+    from tuneloop.server.engine.kv import decode_attention
     from tuneloop.server.engine.kv import paged_attention as pa
 
     gen = torch.Generator().manual_seed(0)
@@ -358,7 +363,10 @@ def test_reference_attention_equals_dense_attention(window: Any, softcap: Any, s
         decode_slots,
         decode_mask,
         prefills,
+        decode_kernel=decode_attention.compiled() if kernel == "compiled" else None,
     )
+    if kernel == "compiled":  # as the engine does: warmed up first (silences its warnings)
+        assert decode_attention.warm_up(heads, kv_heads, dim, dim, torch.float32, pool.device)
     query = torch.randn(1, heads, n, dim, generator=gen)
     s_aux = torch.randn(heads, generator=gen) if sinks else None
     module = torch.nn.Module()

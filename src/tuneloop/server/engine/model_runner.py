@@ -10,6 +10,7 @@ the last token of each sequence that asked for them.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,9 @@ class ModelRunner:
         # (`AdapterBank.merged`): one matmul per layer instead of the base's plus two LoRA
         # products. Set by the runtime; off, every step computes the LoRA products.
         self.merge_lone_adapter = False
+        # The decode rows' attention kernel (kv/decode_attention.py), or None for the
+        # reference's gather + SDPA. Set by the runtime.
+        self.decode_kernel: Callable[..., torch.Tensor] | None = None
         self.forwards = 0  # forward passes run (tests count prefills with it)
         self.tokens = 0  # tokens run through the model
         # The routings of the last step, reused while the layout of adapters is the same: its
@@ -108,6 +112,7 @@ class ModelRunner:
             torch.from_numpy(decode_mask[:, None, None, :]).to(self.device),
             prefills,
             flash,
+            self.decode_kernel,
         )
         return step, tokens, positions
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine.decoder import Decoder
+from tuneloop.server.engine.kv import decode_attention
 from tuneloop.server.engine.kv.paged_attention import FLASH_BLOCK_SIZE, kernel_available
 from tuneloop.server.engine.lora import AdapterBank
 from tuneloop.server.engine.memory import kv_cache_blocks
@@ -29,6 +30,8 @@ class Runtime:
     packed: bool = False  # training batches packed end to end (see packing.py)
     tokenizer: Any = None
     decoder: Decoder | None = None  # made at the first sampling request: a KV pool is large
+    # Decode rows attend with the compiled CPU kernel (kv/decode_attention.py), once warmed up.
+    compiled_decode: bool = False
 
     @property
     def model(self) -> nn.Module:
@@ -83,4 +86,17 @@ class Runtime:
             self.decoder = decoder
         decoder.prefill_chunk = max(1, prefill_chunk)
         decoder.runner.merge_lone_adapter = merge_lone_adapter
+        decoder.runner.decode_kernel = decode_attention.compiled() if self.compiled_decode else None
         return decoder
+
+    def compile_decode(self) -> bool:
+        """Warm up the compiled decode attention for this model's heads; whether it is used."""
+        text: Any = getattr(self.model.config, "text_config", None) or self.model.config
+        heads = int(text.num_attention_heads)
+        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+        dim = int(getattr(text, "head_dim", None) or int(text.hidden_size) // heads)
+        dtype = next(self.model.parameters()).dtype
+        self.compiled_decode = decode_attention.warm_up(
+            heads, kv_heads, dim, dim, dtype, self.device
+        )
+        return self.compiled_decode

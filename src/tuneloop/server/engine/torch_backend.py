@@ -103,18 +103,23 @@ class TorchBackend:
             )
             pad = getattr(loaded.model.config, "pad_token_id", None)
             loaded, bank = with_adapters(loaded)  # or refused: layers LoRA cannot adapt
-            # RMSNorms as compiled kernels (compiled.py). None: on a CPU for models wide
-            # enough to pay for the seconds of compiling.
-            if compile_norms or (
+            # RMSNorms and the decode attention as compiled kernels (compiled.py,
+            # kv/decode_attention.py). None: on a CPU for models wide enough to pay for the
+            # seconds of compiling.
+            compile_kernels = compile_norms or (
                 compile_norms is None and compiled.wanted(loaded.model, self.device)
-            ):
+            )
+            if compile_kernels:
                 compiled.install(loaded.model)
-            self._runtimes[loaded.spec.name] = Runtime(
+            runtime = Runtime(
                 loaded,
                 bank,
                 pad if isinstance(pad, int) else loaded.spec.eos_token_id,
                 packed=enable_packing(loaded.model),
             )
+            if compile_kernels and self.device.type == "cpu":  # CUDA: flash-attn or SDPA
+                runtime.compile_decode()
+            self._runtimes[loaded.spec.name] = runtime
             if token_budget is None:  # the tightest model's budget, measured after it loaded
                 budget = training_token_budget(
                     loaded.model.config, next(loaded.model.parameters()).dtype, self.device

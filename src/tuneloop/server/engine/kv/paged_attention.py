@@ -123,6 +123,8 @@ class PagedStep:
     prefills: list[Prefill] = field(default_factory=list)
     # For the CUDA kernel: per sequence, in token order.
     flash: dict[str, Any] | None = None
+    # The decode rows' attention compiled for the CPU (decode_attention.py), where installed.
+    decode_kernel: Callable[..., torch.Tensor] | None = None
 
 
 def _attend(
@@ -195,18 +197,23 @@ def _reference(
     pieces = []
     d = step.decoding
     if d:
-        # index_select of the flat slots: ~5x faster on CPU than indexing with the 2-D tensor
-        flat, rows = step.decode_slots.reshape(-1), step.decode_slots.shape
-        keys = k_pool.index_select(0, flat).view(*rows, *k_pool.shape[1:]).permute(0, 2, 1, 3)
-        values = v_pool.index_select(0, flat).view(*rows, *v_pool.shape[1:]).permute(0, 2, 1, 3)
         mask = step.decode_mask
         if window:
             last = mask.sum(-1, keepdim=True).squeeze(-1) - 1  # [D, 1, 1] position of the query
             mask = _window(mask, last, window)
-        out = _attend(
-            q[:, :d].transpose(0, 1)[:, :, None], keys, values, mask, scaling, softcap, sinks=sinks
-        )
-        pieces.append(out[:, :, 0])  # [D, heads, d]
+        rows_q = q[:, :d].transpose(0, 1)  # [D, heads, d]
+        if step.decode_kernel is not None and not softcap and sinks is None:
+            flat_mask = mask.reshape(d, mask.shape[-1])
+            out = step.decode_kernel(rows_q, k_pool, v_pool, step.decode_slots, flat_mask, scaling)
+            pieces.append(out)  # [D, heads, d]
+        else:
+            # index_select of the flat slots: ~5x faster on CPU than indexing with the 2-D one
+            flat, rows = step.decode_slots.reshape(-1), step.decode_slots.shape
+            keys = k_pool.index_select(0, flat).view(*rows, *k_pool.shape[1:]).permute(0, 2, 1, 3)
+            values = v_pool.index_select(0, flat).view(*rows, *v_pool.shape[1:])
+            values = values.permute(0, 2, 1, 3)
+            out = _attend(rows_q[:, :, None], keys, values, mask, scaling, softcap, sinks=sinks)
+            pieces.append(out[:, :, 0])  # [D, heads, d]
     for chunk in step.prefills:
         keys = k_pool.index_select(0, chunk.slots).transpose(0, 1)[None]  # [1, kv_heads, ctx, d]
         values = v_pool.index_select(0, chunk.slots).transpose(0, 1)[None]

@@ -1,0 +1,86 @@
+"""The decode rows' attention compiled by inductor into one loop nest that reads the pool.
+
+The reference decode attention (paged_attention.py) gathers every row's slots into fresh
+[rows, kv_heads, longest context, dim] keys and values and runs SDPA over them. On a CPU both
+halves cost more than the arithmetic: the gather writes and reads the step's whole context
+once more, and SDPA's CPU kernel works per (row, head) pair in blocks sized for long queries
+while a decode row has one query per head. Written as sums over the keys (`attend`),
+`torch.compile` turns the step into one C++ kernel that loads each key and value straight
+from the pool through the slot indices (inductor's indirect loads), keeps the scores in fp32
+and vectorizes over the head dimension; the query heads that share a key head read it once.
+
+Measured (bench/cpu_kernels.py, SmolLM2-135M's 9 query and 3 key heads, 128 rows): 2.5-3.2x
+faster than the gather + SDPA per layer on an AVX-512-BF16 EPYC, with the same error against
+fp64. Grouped-query heads, sliding windows (in the mask) and value heads narrower than the
+key heads (MLA) compute here; soft-capped scores and attention sinks keep the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["attend", "compiled", "warm_up"]
+
+log = logging.getLogger(__name__)
+
+
+def attend(
+    q: torch.Tensor,  # [rows, heads, dim]
+    k_pool: torch.Tensor,  # [slots, kv_heads, dim]
+    v_pool: torch.Tensor,  # [slots, kv_heads, dim_v]
+    slots: torch.Tensor,  # [rows, context] long: each row's slots, padded with a zero slot
+    mask: torch.Tensor,  # [rows, context] bool: which of them the row attends to
+    scale: float,
+) -> torch.Tensor:
+    """Each row's one query per head attends to its slots: [rows, heads, dim_v] in q's dtype.
+
+    Query head h reads key head h // groups (as transformers' repeat_kv); scores, softmax and
+    the weighted sum in fp32. Every row must attend to at least one slot.
+    """
+    rows, heads, dim = q.shape
+    kv_heads = k_pool.shape[1]
+    groups = heads // kv_heads
+    keys = k_pool[slots]  # [rows, context, kv_heads, dim]: fused into the loads when compiled
+    values = v_pool[slots]
+    query = q.reshape(rows, 1, kv_heads, groups, dim).float()
+    scores = (query * keys[:, :, :, None, :].float()).sum(-1) * scale  # [rows, ctx, kv, groups]
+    scores = scores.masked_fill(~mask[:, :, None, None], float("-inf"))
+    weights = (scores - scores.amax(1, keepdim=True)).exp()
+    total = weights.sum(1)  # [rows, kv_heads, groups]
+    out = (weights[..., None] * values[:, :, :, None, :].float()).sum(1) / total[..., None]
+    return out.reshape(rows, heads, values.shape[-1]).to(q.dtype)
+
+
+@functools.cache
+def compiled() -> Callable[..., torch.Tensor]:
+    """`attend` compiled with dynamic shapes (rows, context and pool size vary per step)."""
+    return torch.compile(attend, dynamic=True)
+
+
+def warm_up(
+    heads: int, kv_heads: int, dim: int, dim_v: int, dtype: torch.dtype, device: torch.device
+) -> bool:
+    """Compile the graphs a model's decode steps run (dynamic shapes specialise a size of 1:
+    one row and many); False, with a warning, where compiling fails (no C++ compiler)."""
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            # inductor's first compile imports parts of torch that warn about torch's own
+            # deprecated APIs: nothing a caller can act on.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            for rows in (1, 3):
+                k_pool = torch.randn((9, kv_heads, dim), dtype=dtype, device=device)
+                v_pool = torch.randn((9, kv_heads, dim_v), dtype=dtype, device=device)
+                q = torch.randn((rows, heads, dim), dtype=dtype, device=device)
+                slots = torch.arange(rows * 4, device=device).reshape(rows, 4) % 9
+                mask = torch.ones((rows, 4), dtype=torch.bool, device=device)
+                compiled()(q, k_pool, v_pool, slots, mask, dim**-0.5)
+    except Exception as exc:  # any failure to compile leaves the reference attention
+        log.warning("torch.compile of the decode attention failed, it runs eager: %s", exc)
+        return False
+    return True
