@@ -4,9 +4,11 @@ At SmolLM2-135M's shapes, bf16 (the engine's dtype where the CPU has bf16 units)
 1. packed: a decode step's linear layers (128 rows; q/k/v/o, gate/up/down of 30 layers and the
    LM head, each weight distinct so they stream from memory as in a step) through
    `functional.linear` against the same weights packed once for oneDNN (engine/packed.py);
-2. decode attention: one query per row over 128 rows' gathered keys (3 key heads, 9 query
-   heads, ~70 keys), SDPA's grouped-query form against the query heads folded into each key
-   head's queries (kv/paged_attention.py);
+2. decode attention: one query per row over 128 rows' keys in a paged pool (3 key heads, 9
+   query heads, 30-70 keys): on keys gathered beforehand, SDPA's grouped-query form against
+   the query heads folded into each key head's queries; then the reference's gather + folded
+   SDPA (kv/paged_attention.py) against the kernel compiled by inductor that reads the pool by
+   slot (kv/decode_attention.py);
 3. training attention: one layer's packed attention (8 sequences of 64-256 tokens) forward
    and backward: SDPA in bf16, torch's flash kernel with an fp32 backward (what the engine ran
    before) and the matmul kernel it runs now for short sequences (causal_cpu.py);
@@ -77,30 +79,72 @@ def _linears(dtype: torch.dtype, repeats: int) -> str:
 
 
 def _decode_attention(dtype: torch.dtype, repeats: int) -> str:
+    """One layer's decode rows over a paged pool (blocks of 16 slots, scattered), the rows'
+    contexts 30-70 tokens padded to the longest: SDPA's grouped-query form and the folded form
+    on keys gathered beforehand (the gather not timed), the gather + folded SDPA the reference
+    runs (kv/paged_attention.py) and the compiled kernel reading the pool by slot
+    (kv/decode_attention.py)."""
+    from tuneloop.server.engine.kv import decode_attention
+
     g = torch.Generator().manual_seed(1)
-    rows, width = 128, 70
+    rows, width, size, blocks = 128, 70, 16, 2048
     kv_heads = KV // DIM
-    q = torch.randn(rows, HEADS, 1, DIM, generator=g).to(dtype)
-    k, v = (torch.randn(rows, kv_heads, width, DIM, generator=g).to(dtype) for _ in range(2))
-    lengths = torch.randint(30, width + 1, (rows,), generator=g)
-    mask = (torch.arange(width)[None, :] < lengths[:, None])[:, None, None, :]
     groups = HEADS // kv_heads
+    k_pool, v_pool = (
+        torch.randn(blocks * size + 1, kv_heads, DIM, generator=g).to(dtype) for _ in range(2)
+    )
+    lengths = torch.randint(30, width + 1, (rows,), generator=g)
+    tables = torch.randperm(blocks, generator=g)[: rows * 5].reshape(rows, 5)
+    slots = (tables[:, :, None] * size + torch.arange(size)).reshape(rows, -1)[:, :width]
+    live = torch.arange(width)[None, :] < lengths[:, None]
+    slots = torch.where(live, slots, blocks * size)  # padding reads the zero pad slot
+    k_pool[-1], v_pool[-1] = 0, 0
+    q = torch.randn(rows, HEADS, DIM, generator=g).to(dtype)
+    mask = live[:, None, None, :]
+    scale = DIM**-0.5
+
+    def gather(pool: torch.Tensor) -> torch.Tensor:
+        flat = pool.index_select(0, slots.reshape(-1))
+        return flat.view(rows, width, kv_heads, DIM).permute(0, 2, 1, 3)
+
+    k, v = gather(k_pool), gather(v_pool)
 
     def gqa() -> Any:
-        return functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-
-    def folded() -> Any:
-        out = functional.scaled_dot_product_attention(
-            q.reshape(rows, kv_heads, groups, DIM), k, v, attn_mask=mask
+        return functional.scaled_dot_product_attention(
+            q[:, :, None], k, v, attn_mask=mask, enable_gqa=True, scale=scale
         )
-        return out.reshape(rows, HEADS, 1, DIM)
 
-    gap = (gqa().float() - folded().float()).abs().max().item()
-    ms = _alternate({"gqa": gqa, "folded": folded}, repeats * 5)
+    def folded(keys: torch.Tensor = k, values: torch.Tensor = v) -> Any:
+        out = functional.scaled_dot_product_attention(
+            q.reshape(rows, kv_heads, groups, DIM), keys, values, attn_mask=mask, scale=scale
+        )
+        return out.reshape(rows, HEADS, DIM)
+
+    def gather_folded() -> Any:
+        return folded(gather(k_pool), gather(v_pool))
+
+    assert decode_attention.warm_up(HEADS, kv_heads, DIM, DIM, scale, dtype, torch.device("cpu"))
+    kernel = decode_attention.compiled()
+
+    def compiled() -> Any:
+        return kernel(q, k_pool, v_pool, slots, live, scale)
+
+    exact = functional.scaled_dot_product_attention(
+        q.double().reshape(rows, kv_heads, groups, DIM), k.double(), v.double(), attn_mask=mask
+    ).reshape(rows, HEADS, DIM)
+
+    def error(out: torch.Tensor) -> float:
+        return float((out.double() - exact).abs().max())
+
+    pair = {"gqa": gqa, "folded": folded, "gather+folded": gather_folded, "compiled": compiled}
+    ms = _alternate(pair, repeats * 5)
+    us = {name: f"{t * 1e3:.0f} us" for name, t in ms.items()}
     return (
-        f"decode attention, 128 rows x ~{width} keys, one layer: SDPA GQA {ms['gqa'] * 1e3:.0f} "
-        f"us, folded {ms['folded'] * 1e3:.0f} us, {ms['gqa'] / ms['folded']:.2f}x "
-        f"(largest difference {gap:.1e})"
+        f"decode attention, 128 rows x 30-{width} keys, one layer: SDPA GQA {us['gqa']}, folded "
+        f"{us['folded']} (keys gathered beforehand, {ms['gqa'] / ms['folded']:.2f}x); gather + "
+        f"folded {us['gather+folded']}, compiled from the pool {us['compiled']} "
+        f"({ms['gather+folded'] / ms['compiled']:.2f}x); largest error against fp64: folded "
+        f"{error(folded().reshape(rows, HEADS, DIM)):.1e}, compiled {error(compiled()):.1e}"
     )
 
 

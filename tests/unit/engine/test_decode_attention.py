@@ -1,9 +1,11 @@
 """The compiled decode attention (kv/decode_attention.py): each row's one query per head against
-its own slots of the pool, as exact as the gather + SDPA it replaces, eager on failure."""
+its own slots of the pool, as exact as the gather + SDPA it replaces, eager on failure. Run
+without autograd, as decode steps are (a graph per grad mode otherwise)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 import pytest
 
@@ -12,6 +14,7 @@ torch = pytest.importorskip("torch")
 from tuneloop.server.engine.kv import decode_attention  # noqa: E402
 
 HEADS, KV_HEADS, DIM, DIM_V = 6, 2, 16, 8  # three query heads a key head; MLA-like narrow values
+SCALE = 0.3  # a constant of the compiled graph, as a model's own scale is
 
 
 def _layout(dtype: torch.dtype, lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -62,22 +65,30 @@ def _gather_sdpa(q, k_pool, v_pool, slots, mask, scale: float) -> torch.Tensor:
     return out.reshape(rows, HEADS, DIM_V)
 
 
-LENGTHS = [[1], [5, 1, 17, 9], [40, 3, 33]]
+LENGTHS = [[2], [5, 1, 17, 9], [40, 3, 33]]  # a decode row has two slots or more
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _compiled() -> None:
     """Compiled as the engine does, before use (the first compile's own warnings silenced)."""
     for dtype in (torch.float32, torch.bfloat16):
-        assert decode_attention.warm_up(HEADS, KV_HEADS, DIM, DIM_V, dtype, torch.device("cpu"))
+        assert decode_attention.warm_up(
+            HEADS, KV_HEADS, DIM, DIM_V, SCALE, dtype, torch.device("cpu")
+        )
+
+
+@pytest.fixture(autouse=True)
+def _no_grad() -> Iterator[None]:
+    with torch.no_grad():
+        yield
 
 
 @pytest.mark.parametrize("lengths", LENGTHS)
 def test_fp32_rows_equal_exact_attention(lengths: list[int]) -> None:
     inputs = _layout(torch.float32, lengths)
-    expected = _exact(*inputs, 0.3)
+    expected = _exact(*inputs, SCALE)
     for fn in (decode_attention.attend, decode_attention.compiled()):
-        out = fn(*inputs, 0.3)
+        out = fn(*inputs, SCALE)
         assert out.dtype == torch.float32
         assert out.shape == (len(lengths), HEADS, DIM_V)
         assert (out.double() - expected).abs().max().item() < 1e-5
@@ -88,11 +99,11 @@ def test_bf16_rows_are_as_exact_as_gather_and_sdpa(lengths: list[int]) -> None:
     """fp32 scores and sums: no farther from fp64 than SDPA's bf16 path, beyond the rounding of
     the result to bf16 itself."""
     inputs = _layout(torch.bfloat16, lengths, seed=1)
-    expected = _exact(*inputs, 0.25)
+    expected = _exact(*inputs, SCALE)
     clean = inputs[1].nan_to_num(0), inputs[2].nan_to_num(0)  # SDPA's 0 x NaN would leak
-    sdpa = (_gather_sdpa(inputs[0], *clean, *inputs[3:], 0.25).double() - expected).abs().max()
+    sdpa = (_gather_sdpa(inputs[0], *clean, *inputs[3:], SCALE).double() - expected).abs().max()
     rounding = expected.abs().max() * 2.0**-8
-    out = decode_attention.compiled()(*inputs, 0.25)
+    out = decode_attention.compiled()(*inputs, SCALE)
     assert out.dtype == torch.bfloat16
     error = (out.double() - expected).abs().max()
     assert error <= max(1.25 * sdpa, rounding), (error, sdpa, rounding)
@@ -102,16 +113,16 @@ def test_a_row_never_depends_on_the_rows_beside_it() -> None:
     """A row alone and the same row among longer ones (more padding): the same bits."""
     q, k_pool, v_pool, slots, mask = _layout(torch.bfloat16, [6, 30, 2], seed=2)
     kernel = decode_attention.compiled()
-    together = kernel(q, k_pool, v_pool, slots, mask, 0.25)
+    together = kernel(q, k_pool, v_pool, slots, mask, SCALE)
     for row in range(3):
         width = int(mask[row].sum())
         alone = kernel(
             q[row : row + 1],
             k_pool,
             v_pool,
-            slots[row : row + 1, :width],
-            mask[row : row + 1, :width],
-            0.25,
+            slots[row, :width].reshape(1, width),
+            mask[row, :width].reshape(1, width),
+            SCALE,
         )
         assert torch.equal(alone[0], together[row])
 
@@ -126,5 +137,5 @@ def test_a_compile_failure_is_reported(
 
     monkeypatch.setattr(decode_attention, "compiled", broken)
     with caplog.at_level(logging.WARNING):
-        assert not decode_attention.warm_up(HEADS, KV_HEADS, DIM, DIM_V, torch.float32, cpu)
+        assert not decode_attention.warm_up(HEADS, KV_HEADS, DIM, DIM_V, SCALE, torch.float32, cpu)
     assert "no C++ compiler" in caplog.text

@@ -366,7 +366,7 @@ def test_reference_attention_equals_dense_attention(
         decode_kernel=decode_attention.compiled() if kernel == "compiled" else None,
     )
     if kernel == "compiled":  # as the engine does: warmed up first (silences its warnings)
-        assert decode_attention.warm_up(heads, kv_heads, dim, dim, torch.float32, pool.device)
+        assert decode_attention.warm_up(heads, kv_heads, dim, dim, 0.3, torch.float32, pool.device)
     query = torch.randn(1, heads, n, dim, generator=gen)
     s_aux = torch.randn(heads, generator=gen) if sinks else None
     module = torch.nn.Module()

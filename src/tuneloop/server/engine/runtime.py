@@ -95,8 +95,11 @@ class Runtime:
         heads = int(text.num_attention_heads)
         kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
         dim = int(getattr(text, "head_dim", None) or int(text.hidden_size) // heads)
+        # The scale the attention modules pass (Gemma's is not 1 / sqrt(head size)).
+        scales = (getattr(m, "scaling", None) for m in self.model.modules())
+        scale = next((s for s in scales if isinstance(s, float)), dim**-0.5)
         dtype = next(self.model.parameters()).dtype
         self.compiled_decode = decode_attention.warm_up(
-            heads, kv_heads, dim, dim, dtype, self.device
+            heads, kv_heads, dim, dim, scale, dtype, self.device
         )
         return self.compiled_decode

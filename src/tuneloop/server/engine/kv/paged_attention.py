@@ -174,6 +174,15 @@ def _attend(
     )
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """`t` with row-major strides, a size of 1 included: the compiled decode kernel guards on
+    its inputs' strides, so any other layout (the queries head-major, as some models' rotary
+    code leaves them; a single row's arbitrary outer stride) would compile it again."""
+    if t.stride() == torch.empty(t.shape, device="meta").stride():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def _window(mask: torch.Tensor, query_pos: torch.Tensor, window: int | None) -> torch.Tensor:
     """Narrow a [.., Tq, Tk] mask to keys within `window` of each query position."""
     if not window:
@@ -202,9 +211,15 @@ def _reference(
             last = mask.sum(-1, keepdim=True).squeeze(-1) - 1  # [D, 1, 1] position of the query
             mask = _window(mask, last, window)
         rows_q = q[:, :d].transpose(0, 1)  # [D, heads, d]
-        if step.decode_kernel is not None and not softcap and sinks is None:
+        # A step of one-token prompts without a past (width 1) keeps the reference: the
+        # kernel is compiled for contexts of two slots or more.
+        compiled = step.decode_kernel is not None and step.decode_slots.shape[1] > 1
+        if compiled and not softcap and sinks is None:
+            assert step.decode_kernel is not None
             flat_mask = mask.reshape(d, mask.shape[-1])
-            out = step.decode_kernel(rows_q, k_pool, v_pool, step.decode_slots, flat_mask, scaling)
+            out = step.decode_kernel(
+                _dense(rows_q), k_pool, v_pool, step.decode_slots, flat_mask, scaling
+            )
             pieces.append(out)  # [D, heads, d]
         else:
             # index_select of the flat slots: ~5x faster on CPU than indexing with the 2-D one
