@@ -30,8 +30,9 @@ class ServerConfig:
     device: str | None = None  # torch: default cuda if present, else cpu
     # torch: "bfloat16" or "float32"; default: measured per device (engine/dtypes.py)
     dtype: str | None = None
-    # torch: RMSNorms as compiled kernels (engine/compiled.py); None: on a CPU for models 256 or
-    # more wide, where the seconds of compiling at load pay back.
+    # torch: RMSNorms and the CPU decode attention as compiled kernels (engine/compiled.py,
+    # engine/kv/decode_attention.py); None: on a CPU for models 256 or more wide, where the
+    # seconds of compiling at load pay back.
     compile_norms: bool | None = None
     # Converted and downloaded models, shared by every server on the machine.
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "tuneloop")

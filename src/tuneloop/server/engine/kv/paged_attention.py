@@ -13,8 +13,10 @@ for its own paged cache. Any decoder whose attention goes through `ALL_ATTENTION
 
 Two implementations of the same step:
 - the reference, plain torch (used on CPU and in tests): decode tokens attend in one batched
-  SDPA over their slots gathered (per step, never stored) to the longest context of the step;
-  each prefill chunk attends in its own SDPA with the causal offset of its cached past;
+  SDPA over their slots gathered (per step, never stored) to the longest context of the step,
+  or, where the step carries it, through the compiled CPU kernel that reads the pool by slot
+  (decode_attention.py); each prefill chunk attends in its own SDPA with the causal offset of
+  its cached past;
 - on CUDA, when the optional `flash-attn` package is importable, its varlen kernel reads the
   pool through the block tables directly (`flash_attn_varlen_func(..., block_table=...)`).
 """
