@@ -1,11 +1,12 @@
 # One entry point for newcomers and CI: `make test` installs everything into .venv and runs
-# lint, types, layering contracts and the whole test suite.
+# lint, types, layering contracts and the test suite but its slow tier; `make test-slow` runs
+# that tier (tests marked `slow`); CI runs both.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser lint test serve demo bench clean
+.PHONY: install browser lint test test-slow serve demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -38,7 +39,12 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 
 test: lint browser
-	TINKER_TELEMETRY=0 HF_HUB_OFFLINE=1 $(BIN)/pytest -q
+	TINKER_TELEMETRY=0 HF_HUB_OFFLINE=1 $(BIN)/pytest -q -m "not slow"
+
+# The slow tier: whole-operation fuzzing, kill-and-restart, Ray, zoo servers, recipes and
+# exports end to end (each over ~8 s on a 2-core host).
+test-slow: $(STAMP) browser
+	TINKER_TELEMETRY=0 HF_HUB_OFFLINE=1 $(BIN)/pytest -q -m slow
 
 serve: $(STAMP)
 	@if [ ! -s .tuneloop/api-key ]; then \

@@ -13,6 +13,7 @@ pytest.importorskip("tinker")
 pytestmark = [pytest.mark.compat, pytest.mark.integration]
 
 
+@pytest.mark.slow
 def test_official_sdk_retries_429s_until_capacity_frees(tmp_path: Path) -> None:
     model = "tuneloop/fake-tiny"
     with live_server(

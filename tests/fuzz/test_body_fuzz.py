@@ -139,6 +139,7 @@ def _fuzz_route(world: World, route: str, bodies: list[Any]) -> None:
     run()
 
 
+@pytest.mark.slow
 def test_hostile_json_bodies(fuzz_world: World) -> None:
     start = fuzz_world.probe.sent
     for route, bodies in json_templates(fuzz_world).items():
@@ -205,6 +206,7 @@ def test_hostile_query_parameters(fuzz_world: World) -> None:
     fuzz_world.assert_healthy()
 
 
+@pytest.mark.slow
 def test_protobuf_forward_backward(fuzz_world: World) -> None:
     start = fuzz_world.probe.sent
     model_ids = [fuzz_world.a.model_id, fuzz_world.b.model_id]

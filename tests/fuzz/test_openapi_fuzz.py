@@ -102,6 +102,7 @@ def send_case(world: World, case: Any) -> None:
     world.probe.send(prepared.method, prepared.url, content=body, headers=headers)
 
 
+@pytest.mark.slow
 def test_every_operation_fuzzed(fuzz_world: World) -> None:
     document = fuzz_world.http.app.openapi()  # type: ignore[attr-defined]
     schema = schemathesis.openapi.from_dict(seeded_document(document, fuzz_world))

@@ -24,7 +24,7 @@ from tuneloop.cli import build_app
 from tuneloop.server.cli.deploy import _merged_checkpoint
 from tuneloop.server.config import ServerConfig
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TINY = "tuneloop/tiny-qwen3"
 TOKENS = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10]
 PROMPT = TOKENS[:6]

@@ -21,7 +21,7 @@ from tuneloop import AdamParams, Datum, ModelInput
 from tuneloop._local_server import live_server
 from tuneloop.cli import build_app
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 MODEL = "tuneloop/tiny-qwen3"
 TOKENS = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10]
 # fp32 on the CPU: the merged weights differ from base + LoRA by rounding only.

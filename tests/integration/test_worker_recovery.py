@@ -75,6 +75,7 @@ def _saved(data_dir: Path, name: str) -> dict[str, np.ndarray]:
     return load_file(str(folder / "adapter_model.safetensors"))
 
 
+@pytest.mark.slow
 def test_worker_killed_mid_training_loop(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     data_dir.mkdir()

@@ -20,7 +20,7 @@ import pytest
 
 from tuneloop._local_server import LiveServer, live_server
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TINY = "tuneloop/tiny-qwen3"
 PROMPT = [72, 101, 108, 108, 111, 44]
 LONG = 200

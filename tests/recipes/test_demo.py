@@ -32,6 +32,7 @@ def embedded_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_demo_runs_and_leaves_every_output(
     embedded_tiny: Path, monkeypatch: pytest.MonkeyPatch

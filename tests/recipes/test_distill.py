@@ -115,6 +115,7 @@ def test_reverse_kl_is_the_mean_log_ratio_over_sampled_tokens() -> None:
     assert datum.loss_fn_inputs["advantages"].to_numpy().tolist() == [-0.5, -2.0]
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_distill_lowers_the_reverse_kl_to_the_teacher_and_resumes(
     tiny_server: LiveServer, tmp_path: Path

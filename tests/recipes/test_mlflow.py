@@ -21,7 +21,7 @@ from tests.recipes.test_chat_sft import _conversations
 from tuneloop._local_server import LiveServer
 from tuneloop.recipes.chat_sft import ChatSFTConfig, run_chat_sft
 
-pytestmark = [pytest.mark.recipe, pytest.mark.integration]
+pytestmark = [pytest.mark.recipe, pytest.mark.integration, pytest.mark.slow]
 mlflow = pytest.importorskip("mlflow")
 
 

@@ -51,6 +51,7 @@ def local_ray() -> Iterator[Any]:
     ray.shutdown()
 
 
+@pytest.mark.slow
 def test_group_on_ray_trains_like_one_process(local_ray: Any, backend: Any, tmp_path: Path) -> None:
     from tuneloop.server.engine.workers.build import worker_group
 
@@ -78,6 +79,7 @@ def _trains_like(group: Any, backend: Any, tmp_path: Path, lengths: tuple[int, .
     assert_near(read_factors(tmp_path / "saved"), params(backend, "r"), 1e-4, "weights")
 
 
+@pytest.mark.slow
 def test_a_sharded_group_on_ray_trains_like_one_process(local_ray: Any, tmp_path: Path) -> None:
     """`--shard-weights fsdp` placed by Ray: the actors run the sharded runtime, and training
     equals one process at the same dtype."""
