@@ -9,10 +9,12 @@ while a decode row has one query per head. Written as sums over the keys (`atten
 from the pool through the slot indices (inductor's indirect loads), keeps the scores in fp32
 and vectorizes over the head dimension; the query heads that share a key head read it once.
 
-Measured (bench/cpu_kernels.py, SmolLM2-135M's 9 query and 3 key heads, 128 rows): 2.5-3.2x
-faster than the gather + SDPA per layer on an AVX-512-BF16 EPYC, with the same error against
-fp64. Grouped-query heads, sliding windows (in the mask) and value heads narrower than the
-key heads (MLA) compute here; soft-capped scores and attention sinks keep the reference.
+Measured on an AVX-512-BF16 EPYC (docs/benchmarks.md): one layer of SmolLM2-135M's 9 query
+and 3 key heads, 128 rows of 30-70 slots, 1.75x faster than the gather + SDPA with the same
+error against fp64 (bench/cpu_kernels.py); a whole decode step 1.1-1.2x
+(bench/step_variants.py decode-attention). Grouped-query heads, sliding windows (in the
+mask) and value heads narrower than the key heads (MLA) compute here; soft-capped scores and
+attention sinks keep the reference.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def attend(
 @functools.cache
 def compiled() -> Callable[..., torch.Tensor]:
     """`attend` compiled for the sizes `warm_up` marks symbolic (rows, context, pool slots);
-    heads and head size stay constants of the kernel (1.1-1.4x faster than all-symbolic)."""
+    heads and head size stay constants of the kernel, whose loops over them are then fixed."""
     return torch.compile(attend)
 
 
