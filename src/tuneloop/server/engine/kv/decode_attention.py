@@ -11,7 +11,7 @@ and vectorizes over the head dimension; the query heads that share a key head re
 
 Measured on an AVX-512-BF16 EPYC (docs/benchmarks.md): one layer of SmolLM2-135M's 9 query
 and 3 key heads, 128 rows of 30-70 slots, 1.75x faster than the gather + SDPA with the same
-error against fp64 (bench/cpu_kernels.py); a whole decode step 1.1-1.2x
+error against fp64 (bench/cpu_kernels.py); a whole decode step 1.1-1.25x
 (bench/step_variants.py decode-attention). Grouped-query heads, sliding windows (in the
 mask) and value heads narrower than the key heads (MLA) compute here; soft-capped scores and
 attention sinks keep the reference.
