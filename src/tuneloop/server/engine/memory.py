@@ -50,6 +50,16 @@ def free_bytes(device: torch.device) -> int | None:
     return None
 
 
+def attention_heads(config: Any) -> tuple[int, int, int]:
+    """A model config's query heads, key/value heads and head size (a multimodal config's text
+    part; no `head_dim`: the hidden size split over the heads)."""
+    text = getattr(config, "text_config", None) or config
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or int(text.hidden_size) // heads)
+    return heads, kv_heads, head_dim
+
+
 def activation_bytes_per_token(
     config: Any, dtype: torch.dtype, device: torch.device | None = None
 ) -> int:
@@ -63,8 +73,7 @@ def activation_bytes_per_token(
     element = torch.finfo(dtype).bits // 8
     vectors = _HIDDEN_VECTORS * hidden + _INTERMEDIATE_VECTORS * intermediate
     if device is not None and device.type == "cpu" and element == 2:
-        heads = int(text.num_attention_heads)
-        head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
+        heads, _, head_dim = attention_heads(config)
         vectors += heads * MATMUL_MAX_HEAD_DIMS * head_dim
     return layers * vectors * element
 
@@ -72,9 +81,7 @@ def activation_bytes_per_token(
 def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     """Bytes one cached token takes in the sampler's KV cache: a key and a value per layer."""
     text = getattr(config, "text_config", None) or config
-    heads = int(text.num_attention_heads)
-    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(text, "head_dim", None) or int(text.hidden_size) // heads)
+    _, kv_heads, head_dim = attention_heads(config)
     element = torch.finfo(dtype).bits // 8
     return 2 * int(text.num_hidden_layers) * kv_heads * head_dim * element
 

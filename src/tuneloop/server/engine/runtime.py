@@ -12,7 +12,7 @@ from tuneloop.server.engine.decoder import Decoder
 from tuneloop.server.engine.kv import decode_attention
 from tuneloop.server.engine.kv.paged_attention import FLASH_BLOCK_SIZE, kernel_available
 from tuneloop.server.engine.lora import AdapterBank
-from tuneloop.server.engine.memory import kv_cache_blocks
+from tuneloop.server.engine.memory import attention_heads, kv_cache_blocks
 from tuneloop.server.engine.models import LoadedModel
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "Runtime"]
@@ -91,10 +91,7 @@ class Runtime:
 
     def compile_decode(self) -> bool:
         """Warm up the compiled decode attention for this model's heads; whether it is used."""
-        text: Any = getattr(self.model.config, "text_config", None) or self.model.config
-        heads = int(text.num_attention_heads)
-        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-        dim = int(getattr(text, "head_dim", None) or int(text.hidden_size) // heads)
+        heads, kv_heads, dim = attention_heads(self.model.config)
         # The scale the attention modules pass (Gemma's is not 1 / sqrt(head size)).
         scales = (getattr(m, "scaling", None) for m in self.model.modules())
         scale = next((s for s in scales if isinstance(s, float)), dim**-0.5)
