@@ -89,31 +89,33 @@ def _attention(previous: bool) -> Iterator[None]:
 
 
 @contextmanager
-def _attention_kernel(previous: bool) -> Iterator[None]:
+def _swapped(owner: Any, name: str, previous: Any | None) -> Iterator[None]:
+    """`owner.name` replaced by `previous` (None: left as it is) until the block ends."""
+    current = getattr(owner, name)
+    if previous is not None:
+        setattr(owner, name, previous)
+    try:
+        yield
+    finally:
+        setattr(owner, name, current)
+
+
+def _attention_kernel(previous: bool) -> Any:
     """previous: torch's CPU flash kernel (fp32 backward) for every sequence; current: the
     matmul kernel for sequences up to MATMUL_MAX_HEAD_DIMS x head_dim tokens (causal_cpu.py)."""
     from tuneloop.server.engine import causal_cpu
 
-    current = causal_cpu.MATMUL_MAX_HEAD_DIMS
-    causal_cpu.MATMUL_MAX_HEAD_DIMS = 0 if previous else current
-    try:
-        yield
-    finally:
-        causal_cpu.MATMUL_MAX_HEAD_DIMS = current
+    return _swapped(causal_cpu, "MATMUL_MAX_HEAD_DIMS", 0 if previous else None)
 
 
-@contextmanager
-def _head_exp(previous: bool) -> Iterator[None]:
+def _head_exp(previous: bool) -> Any:
     """previous: the head's softmax exponentials by torch.exp; current: by exp2 (fused_head.py)."""
     from tuneloop.server.engine import fused_head
 
-    current = fused_head._exp_minus
-    if previous:
-        fused_head._exp_minus = lambda z, row: torch.exp(z - row[:, None])
-    try:
-        yield
-    finally:
-        fused_head._exp_minus = current
+    def exp_minus(z: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        return torch.exp(z - row[:, None])
+
+    return _swapped(fused_head, "_exp_minus", exp_minus if previous else None)
 
 
 @contextmanager
@@ -129,20 +131,14 @@ def _head(previous: bool) -> Iterator[None]:
         logprobs.head_parts = fused_head.head_parts
 
 
-@contextmanager
-def _lora_add(previous: bool) -> Iterator[None]:
+def _lora_add(previous: bool) -> Any:
     """previous: out + the LoRA delta as its own pass; current: addmm into the base output."""
     from tuneloop.server.engine.lora import ops
 
-    current = ops._plus_delta
-    if previous:
-        ops._plus_delta = lambda out, x, factors, in_place=False: (
-            out + ops._delta(x, factors, out.dtype)
-        )
-    try:
-        yield
-    finally:
-        ops._plus_delta = current
+    def plus_delta(out: Any, x: Any, factors: Any, in_place: bool = False) -> Any:
+        return out + ops._delta(x, factors, out.dtype)
+
+    return _swapped(ops, "_plus_delta", plus_delta if previous else None)
 
 
 @contextmanager
