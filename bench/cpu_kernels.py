@@ -1,4 +1,4 @@
-"""Four CPU kernel choices of the engine, each against what it replaced or was tried, alternated.
+"""Five CPU kernel choices of the engine, each against what it replaced or was tried, alternated.
 
 At SmolLM2-135M's shapes, bf16 (the engine's dtype where the CPU has bf16 units), 2 threads:
 1. packed: a decode step's linear layers (128 rows; q/k/v/o, gate/up/down of 30 layers and the
@@ -12,7 +12,10 @@ At SmolLM2-135M's shapes, bf16 (the engine's dtype where the CPU has bf16 units)
 3. training attention: one layer's packed attention (8 sequences of 64-256 tokens) forward
    and backward: SDPA in bf16, torch's flash kernel with an fp32 backward (what the engine ran
    before) and the matmul kernel it runs now for short sequences (causal_cpu.py);
-4. that fp32 flash backward per sequence (8 calls, as packing.py runs it) against one call over
+4. the matmul kernel's fp32 scores of those 8 sequences (one layer): fp32 matmuls against the
+   same fp32 matmuls on oneDNN's bf16 units (`causal_cpu._exact_bf16_products`, exact for bf16
+   inputs), with each one's largest error against fp64;
+5. that fp32 flash backward per sequence (8 calls, as packing.py runs it) against one call over
    the 8 sequences right-padded to the longest (causal masking keeps every real query off the
    padded keys; the padded rows' gradients are zero), tried and not adopted.
 Prints the CPU model, the load and the medians with their ratios.
@@ -188,6 +191,36 @@ def _training_attention(dtype: torch.dtype, repeats: int) -> str:
     )
 
 
+def _score_products(dtype: torch.dtype, repeats: int) -> str:
+    from tuneloop.server.engine import causal_cpu
+
+    lengths = [int(n) for n in np.random.default_rng(0).integers(64, 257, 8)]
+    g = torch.Generator().manual_seed(4)
+    pairs = [
+        (torch.randn(3, 3 * n, DIM, generator=g).to(dtype), torch.randn(3, n, DIM, generator=g))
+        for n in lengths
+    ]
+    pairs = [(q.float(), k.to(dtype).float().transpose(1, 2)) for q, k in pairs]
+
+    def scores() -> list[torch.Tensor]:
+        return [torch.bmm(q, k) for q, k in pairs]
+
+    def on_bf16_units() -> list[torch.Tensor]:
+        with causal_cpu._exact_bf16_products(dtype):
+            return scores()
+
+    def error(got: list[torch.Tensor]) -> float:
+        exact = (torch.bmm(q.double(), k.double()) for q, k in pairs)
+        return max((a.double() - b).abs().max().item() for a, b in zip(got, exact, strict=True))
+
+    ms = _alternate({"fp32": scores, "bf16 units": on_bf16_units}, repeats)
+    return (
+        f"training attention scores, 8 sequences, one layer: fp32 matmuls {ms['fp32']:.2f} ms "
+        f"(error {error(scores()):.1e}), on bf16 units {ms['bf16 units']:.2f} ms "
+        f"(error {error(on_bf16_units()):.1e}), {ms['fp32'] / ms['bf16 units']:.2f}x"
+    )
+
+
 def _padded_backward(dtype: torch.dtype, repeats: int) -> str:
     lengths = [int(n) for n in np.random.default_rng(0).integers(64, 257, 8)]
     forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -238,6 +271,7 @@ def main() -> int:
     print(_linears(dtype, args.repeats))
     print(_decode_attention(dtype, args.repeats))
     print(_training_attention(dtype, args.repeats))
+    print(_score_products(dtype, args.repeats))
     print(_padded_backward(dtype, args.repeats))
     print("load:", os.getloadavg())
     return 0

@@ -12,6 +12,7 @@ model and the load. `--profile` prints the top ops of one step of the current va
     python bench/train_variants.py --variant head       # the LM head fused over vocabulary tiles
     python bench/train_variants.py --variant lora-add   # LoRA deltas added by addmm
     python bench/train_variants.py --variant head-exp   # the head's exponentials by exp2
+    python bench/train_variants.py --variant score-products  # bf16 units for fp32 scores
     python bench/train_variants.py --profile
     python bench/train_variants.py --micro          # each piece alone, 422 AdamW tensors and
                                                     # one layer's packed attention fwd+bwd
@@ -141,6 +142,18 @@ def _lora_add(previous: bool) -> Any:
     return _swapped(ops, "_plus_delta", plus_delta if previous else None)
 
 
+def _score_products(previous: bool) -> Any:
+    """previous: the matmul kernel's fp32 scores by fp32 matmuls; current: the same fp32
+    matmuls on oneDNN's bf16 units, exact for bf16 inputs (causal_cpu.py)."""
+    from tuneloop.server.engine import causal_cpu
+
+    @contextmanager
+    def fp32_units(dtype: torch.dtype) -> Iterator[None]:
+        yield
+
+    return _swapped(causal_cpu, "_exact_bf16_products", fp32_units if previous else None)
+
+
 @contextmanager
 def _adamw(previous: bool, backend: Any) -> Iterator[None]:
     adamw = backend._adapters["a"].optimizer._adamw
@@ -228,7 +241,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--variant",
-        choices=["attention", "attention-kernel", "adamw", "head", "head-exp", "lora-add"],
+        choices=[
+            "attention",
+            "attention-kernel",
+            "adamw",
+            "head",
+            "head-exp",
+            "lora-add",
+            "score-products",
+        ],
         default="attention",
     )
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -278,6 +299,7 @@ def main() -> int:
         "head": _head,
         "head-exp": _head_exp,
         "lora-add": _lora_add,
+        "score-products": _score_products,
     }
     switch = switches[args.variant]
     times: dict[str, list[float]] = {"previous": [], "current": []}

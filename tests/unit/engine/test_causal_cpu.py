@@ -63,3 +63,27 @@ def test_causal_bias_is_a_view_of_the_longest() -> None:
     big = causal_cpu._causal_bias(200)
     assert small.tolist() == [[0, float("-inf"), float("-inf")], [0, 0, float("-inf")], [0] * 3]
     assert causal_cpu._causal_bias(5).data_ptr() == big.data_ptr()
+
+
+@pytest.mark.parametrize(("dtype", "during"), [(torch.bfloat16, "bf16"), (torch.float16, None)])
+def test_scores_use_bf16_units_only_for_bf16_and_only_inside(
+    dtype: Any, during: str | None, monkeypatch: Any
+) -> None:
+    """bf16 values are exact in bf16, so their fp32 scores may run on bf16 units; fp16 values
+    are not. The process-wide switch is back to what it was once the kernel returns."""
+    switch = torch.backends.mkldnn.matmul
+    before = switch.fp32_precision
+    seen: list[tuple[Any, str]] = []
+    bmm = torch.bmm
+
+    def spy(a: Any, b: Any) -> Any:
+        seen.append((a.dtype, switch.fp32_precision))
+        return bmm(a, b)
+
+    monkeypatch.setattr(torch, "bmm", spy)
+    (q, k, v), grad = _case(4, 2, 40, dtype)
+    causal_cpu.causal_attention(q, k, v, 0.3).backward(grad)
+    assert switch.fp32_precision == before
+    fp32 = [precision for operand, precision in seen if operand == torch.float32]
+    assert fp32 == [during or before]  # the scores: the one fp32 product
+    assert all(p == before for operand, p in seen if operand != torch.float32)

@@ -5,8 +5,9 @@ Two kernels, chosen by the sequence's length:
   group of query heads stacked (no copy of the keys per query head; the key and value
   gradients sum over the group inside the matmul): fp32 scores (a half-precision score rounds
   a large logit by up to ~2^-9 of itself, which showed as 18x the flash kernel's error at 4x
-  the unit logit scale), an fp32 softmax whose probabilities are kept in the half dtype for
-  the backward, and half-precision matmuls for the rest. On 8 sequences of 64-256 tokens at
+  the unit logit scale; bf16 scores are computed on the bf16 units all the same, exactly,
+  see `_exact_bf16_products`), an fp32 softmax whose probabilities are kept in the half dtype
+  for the backward, and half-precision matmuls for the rest. On 8 sequences of 64-256 tokens at
   SmolLM2-135M's shapes this took a layer's forward + backward from 18.4 ms to 12.4 ms on an
   AVX-512-BF16 EPYC (1.49x; bench/cpu_kernels.py): torch's CPU flash kernels work in small
   blocks with per-block bookkeeping that a short sequence does not amortise, and their fp32
@@ -21,7 +22,9 @@ backward; the length bound holds that to 4 query vectors (`memory.py` counts the
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -58,6 +61,28 @@ def _causal_bias(length: int) -> torch.Tensor:
         return _bias[:length, :length]
 
 
+@contextlib.contextmanager
+def _exact_bf16_products(dtype: torch.dtype) -> Iterator[None]:
+    """fp32 matmuls of bf16 values on oneDNN's bf16 units, for the block's duration.
+
+    A bf16 value is exact in bf16, so rounding the fp32 copies back to bf16 loses nothing:
+    oneDNN's bf16 kernels (AMX, AVX-512-BF16) multiply them exactly and sum in fp32, to an
+    fp32 result, the scores the fp32 matmul gives up to summation order, several times
+    faster where fp32 runs at a fraction of the bf16 rate (bench/cpu_kernels.py). The switch
+    is torch's process-wide `mkldnn.matmul.fp32_precision`: the engine computes on one
+    thread, and the previous value comes back on exit. fp16 values are not exact in bf16: left
+    in fp32. torch ignores the switch on a CPU without bf16 units."""
+    switch = torch.backends.mkldnn.matmul  # type: ignore[attr-defined]  # set at import
+    if dtype != torch.bfloat16 or switch.fp32_precision == "bf16":
+        yield
+        return
+    previous, switch.fp32_precision = switch.fp32_precision, "bf16"
+    try:
+        yield
+    finally:
+        switch.fp32_precision = previous
+
+
 def _folded(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """[1, heads, len, d] -> [key heads, groups x len, d]: each key head's group of query heads
     stacked, so that one matmul per key head serves its group and sums over it."""
@@ -79,9 +104,10 @@ class _MatmulCausal(torch.autograd.Function):
         kv_heads, length = k.shape[1], k.shape[2]
         queries = _folded(q, kv_heads)  # [key heads, groups x len, d]
         keys, values = k[0], v[0]
-        scaled = queries.to(torch.float32, copy=True).mul_(scale)  # never q itself, even in fp32
-        scores = torch.bmm(scaled, keys.float().transpose(1, 2))
-        scores.view(kv_heads, -1, length, length).add_(_causal_bias(length))
+        with _exact_bf16_products(q.dtype):
+            scores = torch.bmm(queries.float(), keys.float().transpose(1, 2))
+        blocks = scores.view(kv_heads, -1, length, length)
+        torch.add(_causal_bias(length), blocks, alpha=scale, out=blocks)
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         ctx.save_for_backward(queries, keys, values, probs)
         ctx.scale, ctx.shape = scale, q.shape  # type: ignore[attr-defined]
