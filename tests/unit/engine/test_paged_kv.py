@@ -259,6 +259,33 @@ def test_block_manager_shares_copies_and_frees() -> None:
     assert bm.available() == 6
 
 
+def test_a_steps_block_copies_equal_copying_block_by_block() -> None:
+    from tuneloop.server.engine.kv.paged_attention import KVPool
+
+    def pool() -> KVPool:
+        p = KVPool(num_blocks=8, block_size=4, device=torch.device("cpu"), dtype=torch.float32)
+        g = torch.Generator().manual_seed(0)
+        for layer, heads in ((0, 2), (1, 3)):  # layers may differ in key heads
+            p.layer(layer, torch.empty(1, heads, 5), torch.empty(1, heads, 7))
+            for t in (p.keys[layer], p.values[layer]):
+                t[: p.pad_slot] = torch.randn(t[: p.pad_slot].shape, generator=g)
+        return p
+
+    pairs = [(1, 5), (1, 6), (3, 0)]
+    one_by_one, batched = pool(), pool()
+    for source, target in pairs:
+        one_by_one.copy_block(source, target)
+    batched.copy_blocks(pairs)
+    for a, b in ((one_by_one.keys, batched.keys), (one_by_one.values, batched.values)):
+        for layer in a:
+            assert torch.equal(a[layer], b[layer])
+            assert torch.equal(a[layer][20:24], a[layer][4:8])  # block 5 is block 1's copy
+            assert a[layer][-1].abs().sum() == 0  # the pad slot stays zero
+    batched.copy_blocks([])
+    with pytest.raises(ValueError, match="target"):
+        batched.copy_blocks([(1, 2), (2, 3)])  # a chain would depend on the order
+
+
 def test_prefix_digests_depend_on_the_namespace_and_every_token_before() -> None:
     tokens = list(range(10))
     a = BlockManager.chain("x#1", tokens, 4)

@@ -125,6 +125,7 @@ class Decoder:
         self.blocks = BlockManager(num_blocks, block_size)
         self.pool = KVPool(num_blocks, block_size, param.device, param.dtype)
         self.runner = ModelRunner(model, bank, self.pool, kernel)
+        self._copies: list[tuple[int, int]] = []  # (source, copy) blocks, made each step
         self.joining: list[_Live] = []  # prompts being prefilled, oldest first
         self.rows: list[tuple[_Live, Row]] = []  # decoding; self.logits[i] is row i's
         self.logits: torch.Tensor | None = None
@@ -209,7 +210,7 @@ class Decoder:
                     live.pot += 1
                 source, copy = self.blocks.copy_on_write(seq.table, index)
                 live.pot -= 1
-                self.pool.copy_block(source, copy)
+                self._copies.append((source, copy))  # made before the step's forward
 
     def _alloc(self, live: _Live) -> int:
         if live.pot <= 0:  # only a request admitted beyond its worst case runs dry
@@ -279,6 +280,9 @@ class Decoder:
             chunks.append((live, seq))
             if done:
                 completing.append(live)
+        # The step's copies-on-write, at once, before its forward writes into the copies.
+        self.pool.copy_blocks(self._copies)
+        self._copies.clear()
         if not work:
             return finished
         logits, broken = self._forward(work, owners)

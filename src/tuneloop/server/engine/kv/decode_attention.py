@@ -62,7 +62,11 @@ def attend(
 def compiled() -> Callable[..., torch.Tensor]:
     """`attend` compiled for the sizes `warm_up` marks symbolic (rows, context, pool slots);
     heads and head size stay constants of the kernel, whose loops over them are then fixed."""
-    return torch.compile(attend)
+    with warnings.catch_warnings():
+        # the first torch.compile imports parts of torch that warn about torch's own
+        # deprecated APIs (torch.jit.script_method): nothing a caller can act on.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.compile(attend)
 
 
 # Warm-up sizes: rows, context and pool slots of the calls that compile the kernel, distinct

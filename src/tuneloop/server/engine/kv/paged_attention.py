@@ -26,10 +26,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import AttentionInterface
@@ -86,12 +87,29 @@ class KVPool:
 
     def copy_block(self, source: int, target: int) -> None:
         """Copy one block's slots, every layer (copy-on-write)."""
-        size = self.block_size
-        src = slice(source * size, (source + 1) * size)
-        dst = slice(target * size, (target + 1) * size)
+        self.copy_blocks([(source, target)])
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy each (source, target) block's slots, every layer, in one gather and one write
+        per pool tensor: a step's copies-on-write (the samples of every prompt that joined
+        with a partly filled last block) cost two operations per tensor instead of one per
+        block and tensor. The targets must not be among the sources (copies-on-write go to
+        fresh blocks), so the order of the pairs does not matter."""
+        if not pairs:
+            return
+        sources, targets = (np.asarray(side, dtype=np.int64) for side in zip(*pairs, strict=True))
+        if np.intersect1d(sources, targets).size:
+            raise ValueError("a copied block's target is another copy's source")
+        offsets = np.arange(self.block_size)
+
+        def slots(blocks: np.ndarray) -> torch.Tensor:
+            flat = (blocks[:, None] * self.block_size + offsets).reshape(-1)
+            return torch.from_numpy(flat).to(self.device)
+
+        src, dst = slots(sources), slots(targets)
         for tensors in (self.keys, self.values):
             for t in tensors.values():
-                t[dst] = t[src]
+                t.index_copy_(0, dst, t.index_select(0, src))
 
     def bytes(self) -> int:
         return sum(
