@@ -13,9 +13,11 @@ model and the load. `--profile` prints the top ops of one step of the current va
     python bench/train_variants.py --variant lora-add   # LoRA deltas added by addmm
     python bench/train_variants.py --variant head-exp   # the head's exponentials by exp2
     python bench/train_variants.py --variant score-products  # bf16 units for fp32 scores
+    python bench/train_variants.py --variant lora-node  # one adapter's layer as one node
     python bench/train_variants.py --profile
-    python bench/train_variants.py --micro          # each piece alone, 422 AdamW tensors and
-                                                    # one layer's packed attention fwd+bwd
+    python bench/train_variants.py --micro          # each piece alone, 422 AdamW tensors,
+                                                    # one layer's packed attention fwd+bwd and
+                                                    # one layer's seven adapted linears fwd+bwd
 
 `--variant head` compares the head module's output followed by the log-softmax over position
 chunks (previous) with the head fused over vocabulary tiles (fused_head.py); `--variant
@@ -154,6 +156,17 @@ def _score_products(previous: bool) -> Any:
     return _swapped(causal_cpu, "_exact_bf16_products", fp32_units if previous else None)
 
 
+def _lora_node(previous: bool) -> Any:
+    """previous: the base layer, then add_lora's delta (four autograd nodes and a sum of two
+    input gradients); current: one node for base and delta (lora/ops.py `one_adapter_linear`)."""
+    from tuneloop.server.engine.lora.linear import LoRALinear
+
+    def two_nodes(self: Any, x: Any, routing: Any) -> None:
+        return None
+
+    return _swapped(LoRALinear, "_one_adapter", two_nodes if previous else None)
+
+
 @contextmanager
 def _adamw(previous: bool, backend: Any) -> Iterator[None]:
     adamw = backend._adapters["a"].optimizer._adamw
@@ -196,6 +209,57 @@ def _micro_attention(repeats: int) -> str:
     a, b = (statistics.median(times[k]) * 1e3 for k in ("slices", "split"))
     return (
         f"attention fwd+bwd over {total} tokens: slices {a:.1f} ms, split {b:.1f} ms, {a / b:.2f}x"
+    )
+
+
+def _micro_lora_node(repeats: int) -> str:
+    """One SmolLM2 decoder layer's seven rank-32 adapted linears (q, k, v from one input, o,
+    gate, up, down; 1,408 tokens, bf16) forward + backward: the base layer followed by
+    `_plus_delta`'s delta (autograd's four nodes) against `one_adapter_linear`'s one node."""
+    from tuneloop.server.engine.lora import ops
+
+    functional = torch.nn.functional
+    rows, bf16, scale = 1408, torch.bfloat16, 2.0
+    sizes = {"q": (576, 576), "k": (576, 192), "v": (576, 192), "o": (576, 576)}
+    sizes |= {"gate": (576, 1536), "up": (576, 1536), "down": (1536, 576)}
+    gen = torch.Generator().manual_seed(SEED)
+    weights = {n: (torch.randn(o, i, generator=gen) * 0.02).to(bf16) for n, (i, o) in sizes.items()}
+    masters = {
+        n: [(torch.randn(shape, generator=gen) * 0.02).requires_grad_() for shape in pair]
+        for n, (i, o) in sizes.items()
+        for pair in [((RANK, i), (o, RANK))]
+    }
+    x0 = torch.randn(rows, 576, generator=gen).to(bf16)
+
+    def two_nodes(name: str, x: torch.Tensor) -> torch.Tensor:
+        a, b = (m.to(bf16) for m in masters[name])
+        return ops._plus_delta(functional.linear(x, weights[name]), x, (a, b, scale))
+
+    def one_node(name: str, x: torch.Tensor) -> torch.Tensor:
+        a, b = (m.to(bf16) for m in masters[name])
+        return ops.one_adapter_linear(x, weights[name], None, (a, b, scale))
+
+    def layer(linear: Callable[[str, torch.Tensor], torch.Tensor]) -> float:
+        for pair in masters.values():
+            for m in pair:
+                m.grad = None
+        x = x0.clone().requires_grad_()
+        begin = time.perf_counter()
+        q, k, v = (linear(n, x) for n in "qkv")
+        h = linear("o", q) + x
+        out = linear("down", functional.silu(linear("gate", h)) * linear("up", h)) + h
+        (out.float().sum() + k.float().sum() + v.float().sum()).backward()
+        return time.perf_counter() - begin
+
+    times: dict[str, list[float]] = {"four nodes": [], "one node": []}
+    ways = {"four nodes": two_nodes, "one node": one_node}
+    for i in range(repeats):
+        for name in list(ways) if i % 2 == 0 else list(reversed(ways)):
+            times[name].append(layer(ways[name]))
+    a, b = (statistics.median(times[k]) * 1e3 for k in ("four nodes", "one node"))
+    return (
+        f"one layer's seven adapted linears fwd+bwd, {rows} tokens: base + delta {a:.1f} ms, "
+        f"one node {b:.1f} ms, {a / b:.2f}x"
     )
 
 
@@ -249,6 +313,7 @@ def main() -> int:
             "head-exp",
             "lora-add",
             "score-products",
+            "lora-node",
         ],
         default="attention",
     )
@@ -263,6 +328,7 @@ def main() -> int:
         print(f"cpu: {cpu_model()}  threads {args.threads}  load {os.getloadavg()}")
         print(_micro_attention(30))
         print(_micro_adamw(12))
+        print(_micro_lora_node(20))
         print("load:", os.getloadavg())
         return 0
 
@@ -300,6 +366,7 @@ def main() -> int:
         "head-exp": _head_exp,
         "lora-add": _lora_add,
         "score-products": _score_products,
+        "lora-node": _lora_node,
     }
     switch = switches[args.variant]
     times: dict[str, list[float]] = {"previous": [], "current": []}

@@ -78,13 +78,14 @@ def test_bf16_weights_train_and_sample_with_fp32_adapters(tmp_path: Path) -> Non
     assert all(lp.dtype == np.float32 for lp in ok(result).logprobs)
     assert np.isfinite(ok(result).metrics["loss:sum"])
     # The RL property holds within bf16 rounding: the sampler's logprobs are the forward's.
-    # The rounding differs by CPU kernel (AVX-512-BF16 and AMX pick different blockings): this
-    # model's largest gap was 0.051 on an AMX Xeon, SmolLM2's 0.15 (docs/benchmarks.md); a
-    # wrong token's or position's logprob is off by ~1 or more.
+    # The gap is a draw from bf16 rounding (different kernels and batch shapes in a decode step
+    # and a training pass), not a fixed number: over four adapter and sampling seeds on an AMX
+    # Xeon this model's largest gap ranged from 0.017 to 0.205, SmolLM2's was 0.15
+    # (docs/benchmarks.md); a wrong token's or position's logprob is off by ~1 or more.
     be.create_sampler("sA", TINY, adapter_id="A")
     w = sw("sA", seq(6, 3), max_tokens=8)
     [sampled] = be.sample([w])
     s = ok(sampled).sequences[0]
     lp = sequence_logprobs(be, "A", w.prompt, s.tokens)
-    assert np.abs(np.asarray(s.logprobs) - lp[len(w.prompt) - 1 :]).max() < 1e-1
+    assert np.abs(np.asarray(s.logprobs) - lp[len(w.prompt) - 1 :]).max() < 0.3
     be.close()

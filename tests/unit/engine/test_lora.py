@@ -339,3 +339,78 @@ def test_bf16_activations_multiply_bf16_casts_and_train_the_fp32_masters() -> No
         assert p.grad.dtype == torch.float32
         scale = want.abs().max().item()
         assert (p.grad - want).abs().max().item() <= 0.05 * scale
+
+
+def _nodes(out: torch.Tensor) -> set[str]:
+    """The names of the autograd nodes behind `out`."""
+    seen: set[str] = set()
+    stack = [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or type(node).__name__ in seen:
+            continue
+        seen.add(type(node).__name__)
+        stack += [n for n, _ in node.next_functions]
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_adapter_over_every_row_trains_through_one_node_with_the_same_gradients(
+    dtype: torch.dtype,
+) -> None:
+    """A batch of one adapter records base + delta as one node; its values and the gradients of
+    the input and the fp32 masters are those of the base layer plus `add_lora`'s delta (fp32:
+    to fp32 rounding; bf16: to a few bf16 units). A bias, a 3-D input and an input without
+    gradient (the first layer's) included."""
+    model, bank = make()
+    bank.create(adapter_spec("a", rank=2, seed=1), CPU)
+    randomise(bank, "a", 1)
+    model.to(dtype)
+    for p in bank.parameters("a"):
+        p.data = p.data.float()
+    x = torch.randn(4, 3, 6).to(dtype)
+    runs: dict[str, tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]] = {}
+    for name, node in (("fused", True), ("two nodes", False)):
+        q = bank.modules["block.q_proj"]
+        if not node:  # the path every other batch takes: base layer, then add_lora
+            q._one_adapter = lambda x, routing: None  # type: ignore[method-assign]
+        xg = x.clone().requires_grad_()
+        with bank.routed(["a"] * 4):
+            out = q(xg)
+        if node:
+            assert "_OneAdapterLinearBackward" in _nodes(out)
+        else:
+            assert "_OneAdapterLinearBackward" not in _nodes(out)
+            del q._one_adapter
+        out.float().square().sum().backward()
+        masters = q.factors["a"][:2]  # A and B, fp32
+        runs[name] = (out.detach(), [p.grad.clone() for p in masters], xg.grad)
+        for p in bank.parameters("a"):
+            p.grad = None
+    (out_f, grads_f, x_f), (out_t, grads_t, x_t) = runs["fused"], runs["two nodes"]
+    bound = 1e-6 if dtype == torch.float32 else 2.0**-6
+    for got, want in [(out_f, out_t), (x_f, x_t), *zip(grads_f, grads_t, strict=True)]:
+        assert got.dtype == want.dtype
+        error = (got.float() - want.float()).abs().max().item()
+        assert error <= bound * max(1.0, want.float().abs().max().item()), error
+    with bank.routed(["a"] * 4):  # the first layer's input: no input gradient to make
+        bank.modules["block.q_proj"](x).float().sum().backward()
+    assert all(p.grad is not None for p in bank.modules["block.q_proj"].factors["a"][:2])
+
+
+def test_the_one_adapter_node_is_left_to_mixed_batches_inference_and_trained_bases() -> None:
+    _, bank = make()
+    bank.create(adapter_spec("a", rank=2, seed=1), CPU)
+    bank.create(adapter_spec("b", rank=2, seed=2), CPU)
+    q = bank.modules["block.q_proj"]
+    x = torch.randn(4, 3, 6, requires_grad=True)
+    with bank.routed(["a", "a", "b", "b"]):
+        assert "_OneAdapterLinearBackward" not in _nodes(q(x))
+    with bank.routed(["a"] * 4), torch.no_grad():
+        assert q(x).grad_fn is None
+    q.base.weight.requires_grad_(True)
+    with bank.routed(["a"] * 4):
+        assert "_OneAdapterLinearBackward" not in _nodes(q(x))
+    q.base.weight.requires_grad_(False)
+    with bank.routed(["a"] * 4):
+        assert "_OneAdapterLinearBackward" in _nodes(q(x))

@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine import packed
+from tuneloop.server.engine.lora import ops
 from tuneloop.server.engine.lora.ops import Factors, add_lora
-from tuneloop.server.engine.lora.routing import RoutingContext
+from tuneloop.server.engine.lora.routing import Routing, RoutingContext
 from tuneloop.server.engine.lora.slots import Slotted
 
 __all__ = ["LoRALinear"]
@@ -47,6 +48,9 @@ class LoRALinear(Slotted):
         merged = routing.merged.get(id(self)) if routing is not None and routing.merged else None
         if merged is not None:
             return packed.linear(x, merged, self.base.bias)  # plain or packed (packed.py)
+        fused = self._one_adapter(x, routing)
+        if fused is not None:
+            return fused
         out = self.base(x)
         if routing is None or not routing.runs:
             return out
@@ -60,3 +64,21 @@ class LoRALinear(Slotted):
         return add_lora(flat_out, flat_x, routing.sizes(flat_x.shape[0]), factors, cache).view(
             out.shape
         )
+
+    def _one_adapter(self, x: torch.Tensor, routing: Routing | None) -> torch.Tensor | None:
+        """Base and delta as one autograd node (`ops.one_adapter_linear`) where a graph is
+        recorded for one adapter over every row through a plain, frozen `nn.Linear`; None
+        elsewhere (the base and `add_lora` then run as before)."""
+        if routing is None or len(routing.runs) != 1 or not torch.is_grad_enabled():
+            return None
+        base = self.base
+        if type(base) is not nn.Linear or base._forward_hooks or base._forward_pre_hooks:
+            return None  # a sharded or hooked layer runs its own forward
+        weight, bias = base.weight, base.bias
+        frozen = not weight.requires_grad and (bias is None or not bias.requires_grad)
+        if not frozen or x.dtype != weight.dtype or ops.kernel_on(x.device):
+            return None
+        factors = self.lookup_as(routing.runs[0][0], weight.dtype)
+        if factors is None or factors[0].dtype != weight.dtype:
+            return None
+        return ops.one_adapter_linear(x, weight, bias, factors)
