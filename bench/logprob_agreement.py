@@ -9,7 +9,12 @@ rounding. This measures the bound on SmolLM2-135M with a trained (non-zero) rank
 `--prompts` prompts x `--samples` samples x `--new-tokens` tokens at temperature 1, per dtype,
 the max and mean |sampler - forward| over every sampled token.
 
-    python bench/logprob_agreement.py [--dtypes float32 bfloat16] [--json out.json]
+`--merged-sampling on|off` samples the adapter snapshot on its merged weights or with its LoRA
+products (default: the engine's, merged where the weights are not fp32; `serve
+--[no-]merged-sampling`).
+
+    python bench/logprob_agreement.py [--dtypes float32 bfloat16] [--merged-sampling on|off]
+                                      [--json out.json]
 """
 
 from __future__ import annotations
@@ -31,7 +36,10 @@ MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def measure(dtype: torch.dtype, args: argparse.Namespace) -> dict[str, Any]:
-    backend = TorchBackend([MODEL], cache_dir=args.cache_dir, device="cpu", dtype=dtype)
+    merge = {"auto": None, "on": True, "off": False}[args.merged_sampling]
+    backend = TorchBackend(
+        [MODEL], cache_dir=args.cache_dir, device="cpu", dtype=dtype, merge_lone_adapter=merge
+    )
     backend.create_adapter(t.AdapterSpec("a", MODEL, rank=32, seed=0, alpha=32.0))
     rng = np.random.default_rng(0)
     rows = [rng.integers(100, 40000, size=96) for _ in range(4)]
@@ -77,6 +85,7 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/tuneloop").expanduser())
+    parser.add_argument("--merged-sampling", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

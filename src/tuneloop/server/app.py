@@ -84,6 +84,7 @@ def build_backend(config: ServerConfig) -> Backend:
                 state_dir=config.data_dir / "workers",
                 shard_weights=config.shard_weights,
                 compile_norms=config.compile_norms,
+                merged_sampling=config.merged_sampling,
             )
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, None: None}[config.dtype]
         return TorchBackend(
@@ -92,6 +93,7 @@ def build_backend(config: ServerConfig) -> Backend:
             device=config.device,
             dtype=dtype,
             compile_norms=config.compile_norms,
+            merge_lone_adapter=config.merged_sampling,
         )
     raise ValueError(f"unknown backend {config.backend!r} (available: torch, fake)")
 

@@ -483,3 +483,32 @@ def test_serve_hands_the_compile_switch_to_the_engine(
     for flags in ((), ("--compile-norms",), ("--no-compile-norms",)):
         assert run("serve", "--backend", "fake", *flags, *data(tmp_path)).exit_code == 2
     assert seen == [None, True, False]
+
+
+def test_serve_hands_the_merged_sampling_switch_to_the_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--merged-sampling` / `--no-merged-sampling` reach the server config, and the config the
+    torch engine (its merge_lone_adapter; None: the engine's default by dtype)."""
+    pytest.importorskip("torch")
+    import tuneloop.server.app as app_module
+    import tuneloop.server.engine.torch_backend as torch_backend
+    from tuneloop.server.config import ServerConfig
+
+    seen: list[bool | None] = []
+
+    def capture(config: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(config.merged_sampling)
+        raise ValueError("captured")
+
+    monkeypatch.setattr(app_module, "create_app", capture)
+    for flags in ((), ("--merged-sampling",), ("--no-merged-sampling",)):
+        assert run("serve", "--backend", "fake", *flags, *data(tmp_path)).exit_code == 2
+    assert seen == [None, True, False]
+
+    made: list[dict[str, Any]] = []
+    monkeypatch.setattr(torch_backend, "TorchBackend", lambda *a, **k: made.append(k))
+    for choice in (None, True, False):
+        config = ServerConfig(tmp_path, backend="torch", merged_sampling=choice)
+        app_module.build_backend(config)
+    assert [k["merge_lone_adapter"] for k in made] == [None, True, False]

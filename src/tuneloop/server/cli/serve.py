@@ -98,6 +98,19 @@ def serve(
             show_default=False,
         ),
     ] = None,
+    merged_sampling: Annotated[
+        bool | None,
+        typer.Option(
+            "--merged-sampling/--no-merged-sampling",
+            help=(
+                "Sample a lone adapter snapshot on its merged weights (default: on where the"
+                " weights are not fp32; ~1.4x faster bf16 decode steps, sampler logprobs a few"
+                " times further from a training pass's; --no-merged-sampling for RL runs that"
+                " want them close)."
+            ),
+            show_default=False,
+        ),
+    ] = None,
     cache_dir: Annotated[
         Path | None,
         typer.Option(
@@ -272,6 +285,7 @@ def serve(
             device=device,
             dtype=dtype.value if dtype is not None else None,
             compile_norms=compile_norms,
+            merged_sampling=merged_sampling,
             cache_dir=cache_dir,
             long_poll_s=long_poll_s,
             max_sessions=max_sessions,

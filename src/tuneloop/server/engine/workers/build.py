@@ -30,6 +30,7 @@ def worker_group(
     shard_weights: str = "none",
     rank_memory: int | None = None,
     compile_norms: bool | None = None,
+    merged_sampling: bool | None = None,
 ) -> WorkerGroupBackend:
     """A local group of `workers` processes (one per GPU, else sharing the CPU cores), or
     with `ray_address` one Ray actor per worker. `shard_weights="fsdp"`: the base weights are
@@ -58,6 +59,7 @@ def worker_group(
             dtype,
             threads=max(1, int(ray_cpus)),
             compile_norms=compile_norms,
+            merged_sampling=merged_sampling,
         )
 
         def make() -> Placement:
@@ -85,6 +87,7 @@ def worker_group(
         threads=max(1, (cores or 1) // workers),
         gpus_per_host=gpus,
         compile_norms=compile_norms,
+        merged_sampling=merged_sampling,
     )
     return group_class(
         lambda: LocalPlacement(settings, workers, runtime_class), state_dir=state_dir

@@ -62,6 +62,7 @@ class WorkerSettings:
     threads: int = 1  # torch intra-op threads (CPU workers share the machine's cores)
     gpus_per_host: int = 0  # local groups: rank r uses cuda:(r % gpus_per_host)
     compile_norms: bool | None = None  # TorchBackend's; None: where it pays (compiled.py)
+    merged_sampling: bool | None = None  # TorchBackend's merge_lone_adapter
 
 
 def worker_device(settings: WorkerSettings, rank: int) -> str:
@@ -121,6 +122,7 @@ class WorkerRuntime:
             device=str(self.device),
             dtype=settings_dtype(settings),
             compile_norms=settings.compile_norms,
+            merge_lone_adapter=settings.merged_sampling,
         )
         join_group(self.device, init_method, rank, size)
         # Gradients of each adapter as they were before the last forward_backward call, to
