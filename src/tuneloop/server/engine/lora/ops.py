@@ -162,8 +162,10 @@ class _OneAdapterLinear(torch.autograd.Function):
     tensors summed by one more pass. Here the up-projection is added into the fresh base output
     in place, the scale rides on the small [rows, r] products, and the delta's input gradient
     is added by `addmm_` into the base's: on SmolLM2-135M's layer shapes (1,408 tokens, rank
-    32, bf16) a decoder layer's seven adapted linears forward + backward took 29.6 ms against
-    32.5 ms (bench/train_variants.py --variant lora-node).
+    32, bf16, an AMX Xeon) a decoder layer's seven adapted linears forward + backward took
+    29.8-30.9 ms against 31.7-32.5 ms (1.05-1.06x; bench/train_variants.py --micro). Values
+    as the two-node path's; gradients to rounding (fewer roundings in bf16: the scale is
+    applied inside the sums).
     """
 
     @staticmethod
