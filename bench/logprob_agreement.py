@@ -10,11 +10,14 @@ rounding. This measures the bound on SmolLM2-135M with a trained (non-zero) rank
 the max and mean |sampler - forward| over every sampled token.
 
 `--merged-sampling on|off` samples the adapter snapshot on its merged weights or with its LoRA
-products (default: the engine's, merged where the weights are not fp32; `serve
---[no-]merged-sampling`).
+products (default: the engine's, the products; `serve --[no-]merged-sampling`). Also reported:
+how much of the adapter's delta merging keeps, per adapted layer, |round(W + d) - (W + d)| /
+|d| (Frobenius norms; d = scale * B @ A of the trained factors, rounded to the weights' dtype
+as `AdapterBank.merged` does), median and max, with |d| / |W|. The adapter is trained
+`--train-steps` AdamW steps at `--lr` (2 at 1e-3 by default) on random tokens first.
 
     python bench/logprob_agreement.py [--dtypes float32 bfloat16] [--merged-sampling on|off]
-                                      [--json out.json]
+                                      [--train-steps 2] [--lr 1e-3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -44,10 +47,11 @@ def measure(dtype: torch.dtype, args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     rows = [rng.integers(100, 40000, size=96) for _ in range(4)]
     examples = tuple(t.Example(r[:-1], {"target_tokens": r[1:]}) for r in rows)
-    for _ in range(2):  # a trained adapter: B != 0, so the LoRA path counts
+    for _ in range(args.train_steps):  # a trained adapter: B != 0, so the LoRA path counts
         work = t.ForwardBackwardWork("a", examples, "cross_entropy", {}, False)
         backend.forward_backward([work])
-        backend.optim_step("a", t.AdamStep(1e-3, 0.9, 0.95, 1e-8, 0.0, 0.0))
+        backend.optim_step("a", t.AdamStep(args.lr, 0.9, 0.95, 1e-8, 0.0, 0.0))
+    kept = _merge_rounding(backend, "a")
     backend.create_sampler("s", MODEL, adapter_id="a")
     prompts = [rng.integers(100, 40000, size=int(rng.integers(8, 33))) for _ in range(args.prompts)]
     works = [
@@ -74,6 +78,31 @@ def measure(dtype: torch.dtype, args: argparse.Namespace) -> dict[str, Any]:
         "max_abs": float(every.max()),
         "mean_abs": float(every.mean()),
         "p99_abs": float(np.quantile(every, 0.99)),
+        **kept,
+    }
+
+
+def _merge_rounding(backend: TorchBackend, key: str) -> dict[str, float]:
+    """Per adapted layer, the error of the merged weight against W + d, relative to d."""
+    from tuneloop.server.engine.lora.linear import LoRALinear
+
+    [runtime] = backend._runtimes.values()
+    errors, sizes = [], []
+    for module in runtime.model.modules():
+        found = module.lookup(key) if isinstance(module, LoRALinear) else None
+        if found is None:
+            continue
+        a, b, scale = found
+        weight = module.base.weight
+        exact = weight.double() + scale * (b.double() @ a.double())
+        delta = (exact - weight.double()).norm().item()
+        merged = exact.to(weight.dtype).double()
+        errors.append((merged - exact).norm().item() / delta)
+        sizes.append(delta / weight.double().norm().item())
+    return {
+        "merge_error_over_delta_median": float(np.median(errors)),
+        "merge_error_over_delta_max": float(np.max(errors)),
+        "delta_over_weight_median": float(np.median(sizes)),
     }
 
 
@@ -86,6 +115,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/tuneloop").expanduser())
     parser.add_argument("--merged-sampling", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--train-steps", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

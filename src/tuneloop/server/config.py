@@ -34,11 +34,12 @@ class ServerConfig:
     # engine/kv/decode_attention.py); None: on a CPU for models 256 or more wide, where the
     # seconds of compiling at load pay back.
     compile_norms: bool | None = None
-    # torch: a decode step whose rows all sample one adapter snapshot runs on its merged
-    # weights (one matmul a layer, no LoRA products); None: where the weights are not fp32.
-    # Faster (1.44x a bf16 decode step on an AMX Xeon), but the merged weights are rounded to
-    # bf16 once, so the sampler's logprobs sit further from a training pass's (SmolLM2-135M
-    # bf16: largest gap 0.42-0.54 merged against 0.13-0.21; docs/benchmarks.md).
+    # torch: True, a decode step whose rows all sample one adapter snapshot runs on its merged
+    # weights (one matmul a layer, no LoRA products); None or False: the LoRA products.
+    # Merged is faster (1.44x a bf16 decode step on an AMX Xeon), but bf16 merged weights
+    # round most of a young adapter's delta away, so the sampler draws further from the
+    # trained policy (SmolLM2-135M bf16: largest logprob gap to a training pass 0.42-0.54
+    # merged against 0.13-0.21; docs/benchmarks.md).
     merged_sampling: bool | None = None
     # Converted and downloaded models, shared by every server on the machine.
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "tuneloop")

@@ -64,7 +64,7 @@ def test_a_lone_bf16_snapshot_samples_on_packed_merged_weights_as_unpacked(
     train(be, "A", TRAIN_DATA, 3, lr=2e-2)
     be.create_sampler("sA", TINY, adapter_id="A")
     works = [sw("sA", prompt(5, 1), num_samples=3, seed=4, max_tokens=10)]
-    be.merge_lone_adapter = True  # (the default where weights are not fp32)
+    be.merge_lone_adapter = True  # (`serve --merged-sampling`)
     got = ok(be.sample(works)[0])
     weights = bank(be).merged("sA")
     assert weights

@@ -87,11 +87,15 @@ class TorchBackend:
         # Prompt tokens a joining request prefills per decode step (decoder.py).
         self.prefill_chunk = prefill_chunk
         self.kv_block_size = kv_block_size  # None: 16 tokens, 256 with the CUDA kernel
-        # A decode step whose rows all sample one adapter snapshot runs on that adapter's
-        # merged weights (model_runner.py). None: where the weights are not fp32, whose results
-        # agree with a forward pass only to their rounding anyway; at fp32 the LoRA products
-        # are kept, so what shares a request's batch changes its results by no more than the
-        # fp32 matmul kernels' rounding by row count (none on some CPUs, ~1e-7 on others).
+        # True: a decode step whose rows all sample one adapter snapshot runs on that adapter's
+        # merged weights (model_runner.py), one matmul a layer. None or False: the LoRA
+        # products, so that the sampler draws from the policy a training pass computes. Merged
+        # weights in bf16 round the adapter's delta away with the base weight's last bits (2
+        # steps at lr 1e-3 on SmolLM2-135M: the rounding's error is 72 % of the delta's norm;
+        # at lr 1e-5, 98-99.7 %): the sampler's logprobs sit ~3x further from a training
+        # pass's (docs/benchmarks.md), for ~1.4x faster bf16 decode steps. At fp32 the
+        # products also keep a request's results independent of what shares its batch but for
+        # the fp32 matmul kernels' rounding by row count (none on some CPUs, ~1e-7 on others).
         self.merge_lone_adapter = merge_lone_adapter
         self._runtimes: dict[str, Runtime] = {}
         for name in models:
@@ -329,9 +333,7 @@ class TorchBackend:
                     runtime.bank.release_merged()
 
     def _decoder(self, runtime: Runtime) -> Decoder:
-        merge = self.merge_lone_adapter
-        if merge is None:
-            merge = next(runtime.model.parameters()).dtype != torch.float32
+        merge = bool(self.merge_lone_adapter)  # None: off (see __init__)
         return runtime.sampling_decoder(
             self.sample_token_budget, self.prefill_chunk, self.kv_block_size, merge
         )
