@@ -1,6 +1,7 @@
-"""A decode batch whose rows all sample one adapter snapshot runs on its merged weights: the
-same tokens and, to rounding, the same logprobs as with the LoRA products; mixed batches,
-trainable adapters and the base model keep the products."""
+"""A decode batch whose rows all sample one adapter snapshot runs on its merged weights when
+asked (`serve --merged-sampling`): the same tokens and, to rounding, the same logprobs as with
+the LoRA products; mixed batches, trainable adapters and the base model keep the products, and
+so does every batch by default, bf16 weights included."""
 
 from __future__ import annotations
 
@@ -80,3 +81,24 @@ def test_mixed_batches_and_trainable_adapters_keep_the_products(
     assert products[0] > 0  # two adapters share the steps: no merged weights
     assert alone[0].sequences[0].tokens == mixed[0].sequences[0].tokens
     assert bank(be).merged("A") is None  # a trainable adapter's factors change under it
+
+
+def test_bf16_weights_sample_on_the_products_unless_asked(
+    tmp_path: Any, products: list[int]
+) -> None:
+    """Merged bf16 weights round a young adapter's delta away (docs/benchmarks.md): by default
+    a bf16 model's sampler runs the products too, and makes no merged copy."""
+    from tuneloop.server.engine.torch_backend import TorchBackend
+
+    be = _trained(TorchBackend([TINY], cache_dir=tmp_path, device="cpu", dtype=torch.bfloat16))
+    works = [sw("sA", prompt(5, 1), num_samples=2, seed=4, max_tokens=6)]
+    products[0] = 0
+    ok(be.sample(works)[0])
+    assert products[0] > 0
+    assert bank(be).merged_bytes == 0
+    be.merge_lone_adapter = True
+    products[0] = 0
+    ok(be.sample(works)[0])
+    assert products[0] == 0
+    assert bank(be).merged_bytes > 0
+    be.close()
