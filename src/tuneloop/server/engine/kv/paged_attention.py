@@ -85,10 +85,6 @@ class KVPool:
                 pools[index] = pool
         return self.keys[index], self.values[index]
 
-    def copy_block(self, source: int, target: int) -> None:
-        """Copy one block's slots, every layer (copy-on-write)."""
-        self.copy_blocks([(source, target)])
-
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy each (source, target) block's slots, every layer, in one gather and one write
         per pool tensor: a step's copies-on-write (the samples of every prompt that joined

@@ -64,7 +64,7 @@ def add_lora(
     """out [N, out] + each segment's LoRA delta of x [N, in]; segment i has sizes[i] rows and
     factors[i] (None: no delta). `cache` keeps stacked factors across calls of one routing.
     `out` is the base layer's fresh output: it may be updated in place and returned."""
-    if _kernel is not None and x.device.type in _kernel_devices:
+    if _kernel is not None and kernel_on(x.device):
         return _kernel(out, x, sizes, factors, cache)
     return add_lora_torch(out, x, sizes, factors, cache)
 
@@ -180,7 +180,7 @@ class _OneAdapterLinear(torch.autograd.Function):
     ) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         out = torch.nn.functional.linear(flat, weight, bias)
-        low = (flat @ a.t()).mul_(scale)  # [rows, r]
+        low = shrink(flat, (a, b, scale))  # [rows, r]
         out.addmm_(low, b.t())
         ctx.save_for_backward(flat, weight, a, b, low)
         ctx.scale = scale  # type: ignore[attr-defined]
