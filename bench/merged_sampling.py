@@ -1,7 +1,10 @@
-"""Sampling one adapter snapshot with its LoRA products against on its merged weights.
+"""Sampling one adapter snapshot: its LoRA products, its fused weights, its merged weights.
 
-In one process, the same `TorchBackend` and sampler, calls alternating between the two paths
-(`merge_lone_adapter` off / on): bench/engine.py's sampling workload (32 prompts of 16-48
+In one process, the same `TorchBackend` and sampler, calls alternating between three paths:
+"products", the base layers plus the LoRA products (`fuse_lone_key` and `merge_lone_adapter`
+off); "fused", sibling layers stacked into one packed matmul with the adapter's delta in extra
+columns (`fuse_lone_key`, lora/fused.py); "merged", the delta merged into the weights
+(`merge_lone_adapter`). bench/engine.py's sampling workload (32 prompts of 16-48
 tokens x 4 samples, rank-32 LoRA on every linear layer and the head, SmolLM2-135M). Reported
 per path: wall and CPU seconds per call, tok/s, and the fraction of the decode bandwidth bound
 (weights read once per step, from `machine_peak.py`'s quick run at start).
@@ -65,14 +68,15 @@ def main() -> int:
         results = backend.sample(works)
         return sum(len(s.tokens) for r in results for s in r.sequences)  # type: ignore[union-attr]
 
-    paths = {"products": False, "merged": True}
-    for merged in paths.values():  # warm: shapes, and the merged copy made once
-        backend.merge_lone_adapter = merged
+    # path -> (fuse_lone_key, merge_lone_adapter)
+    paths = {"products": (False, False), "fused": (True, False), "merged": (False, True)}
+    for fuse, merge in paths.values():  # warm: shapes (a switch makes its copy again)
+        backend.fuse_lone_key, backend.merge_lone_adapter = fuse, merge
         call(2)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
     for _ in range(args.rounds):
-        for name, merged in paths.items():
-            backend.merge_lone_adapter = merged
+        for name, (fuse, merge) in paths.items():
+            backend.fuse_lone_key, backend.merge_lone_adapter = fuse, merge
             cpu, wall = time.process_time(), time.perf_counter()
             tokens = call(args.new)
             runs[name].append(
@@ -84,6 +88,15 @@ def main() -> int:
                 }
             )
             print(name, runs[name][-1], flush=True)
+    # What making a sampler's copy costs (once per snapshot sampled alone; inside each call
+    # above, since the paths alternate).
+    bank = next(iter(backend._runtimes.values())).bank
+    builds: dict[str, float] = {}
+    for name, merge in (("fused", False), ("merged", True)):
+        bank.release_lone()
+        wall = time.perf_counter()
+        bank.lone_weights("s", merge=merge)
+        builds[name] = time.perf_counter() - wall
     model = next(iter(backend.resident_models().values()))
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     rows = args.prompts * args.samples
@@ -94,6 +107,7 @@ def main() -> int:
         "dtype": args.dtype,
         "workload": f"{args.prompts} prompts x {args.samples} samples x {args.new} tokens",
         "runs": runs,
+        "build_s": builds,
     }
     summary: dict[str, dict[str, float]] = {}
     for name in paths:
@@ -106,9 +120,10 @@ def main() -> int:
             "bandwidth_fraction": tok_s / bound,
         }
     report.update(summary)
-    report["merged_speedup"] = {
-        key: summary["products"][key] / summary["merged"][key] for key in ("wall_s", "cpu_s")
-    }
+    for name in ("fused", "merged"):
+        report[f"{name}_speedup"] = {
+            key: summary["products"][key] / summary[name][key] for key in ("wall_s", "cpu_s")
+        }
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:

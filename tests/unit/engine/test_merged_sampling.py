@@ -61,12 +61,13 @@ def test_a_lone_snapshot_samples_on_merged_weights_like_with_its_products(
         # and they are the forward pass's
         forward = sequence_logprobs(be, "A", works[0].prompt, b.tokens)[len(works[0].prompt) - 1 :]
         np.testing.assert_allclose(b.logprobs, forward, atol=1e-4)
-    held = bank(be).merged("sA")
-    assert held is not None
-    assert held is bank(be).merged("sA")  # kept for the sampler's next batches
-    assert bank(be).merged_bytes == sum(w.numel() * w.element_size() for w in held.values())
+    held = bank(be).lone_weights("sA", merge=True)
+    assert held is not None and all(group.a is None for group, _ in held.values())
+    assert held is bank(be).lone_weights("sA", merge=True)  # kept for the next batches
+    groups = {id(group): group for group, _ in held.values()}
+    assert bank(be).lone_bytes == sum(group.nbytes for group in groups.values())
     be.delete_sampler("sA")
-    assert bank(be).merged_bytes == 0  # freed with its sampler
+    assert bank(be).lone_bytes == 0  # freed with its sampler
 
 
 def test_mixed_batches_and_trainable_adapters_keep_the_products(
@@ -80,25 +81,26 @@ def test_mixed_batches_and_trainable_adapters_keep_the_products(
     mixed = [ok(r) for r in be.sample([sw("sA", prompt(4, 2), seed=1), sw("sB", prompt(6, 3))])]
     assert products[0] > 0  # two adapters share the steps: no merged weights
     assert alone[0].sequences[0].tokens == mixed[0].sequences[0].tokens
-    assert bank(be).merged("A") is None  # a trainable adapter's factors change under it
+    assert bank(be).lone_weights("A", merge=True) is None  # a trainable adapter's factors change under it
 
 
-def test_bf16_weights_sample_on_the_products_unless_asked(
-    tmp_path: Any, products: list[int]
-) -> None:
+def test_bf16_weights_are_merged_only_when_asked(tmp_path: Any, products: list[int]) -> None:
     """Merged bf16 weights round a young adapter's delta away (docs/benchmarks.md): by default
-    a bf16 model's sampler runs the products too, and makes no merged copy."""
+    a bf16 model's sampler keeps the delta's products (in its fused weights where the CPU packs
+    them, test_fused_sampling.py) and makes no merged copy."""
     from tuneloop.server.engine.torch_backend import TorchBackend
 
     be = _trained(TorchBackend([TINY], cache_dir=tmp_path, device="cpu", dtype=torch.bfloat16))
     works = [sw("sA", prompt(5, 1), num_samples=2, seed=4, max_tokens=6)]
+    be.fuse_lone_key = False
     products[0] = 0
     ok(be.sample(works)[0])
     assert products[0] > 0
-    assert bank(be).merged_bytes == 0
+    assert bank(be).lone_bytes == 0
     be.merge_lone_adapter = True
     products[0] = 0
     ok(be.sample(works)[0])
     assert products[0] == 0
-    assert bank(be).merged_bytes > 0
+    held = bank(be).lone_weights("sA", merge=True)
+    assert held and all(group.a is None for group, _ in held.values())
     be.close()

@@ -1,6 +1,6 @@
 """Frozen weights packed for oneDNN's half-precision kernels give `functional.linear`'s bits; what
-cannot be packed (fp32, no native kernels) stays a plain tensor; a lone bf16 snapshot's merged
-weights are packed where the CPU can, and sample as they did unpacked."""
+cannot be packed (fp32, no native kernels) stays a plain tensor; a lone bf16 snapshot's fused or
+merged weights are packed where the CPU can, and sample as they did unpacked."""
 
 from __future__ import annotations
 
@@ -56,23 +56,26 @@ def test_packed_linear_gives_functional_linear_bits(rows: int, shape: tuple[int,
 
 
 @native
-def test_a_lone_bf16_snapshot_samples_on_packed_merged_weights_as_unpacked(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("merge", [False, True])
+def test_a_lone_bf16_snapshot_samples_on_packed_weights_as_unpacked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, merge: bool
 ) -> None:
     be = TorchBackend([TINY], cache_dir=tmp_path, device="cpu", dtype=BF16)
     be.create_adapter(adapter_spec("A", rank=4, seed=1))
     train(be, "A", TRAIN_DATA, 3, lr=2e-2)
     be.create_sampler("sA", TINY, adapter_id="A")
     works = [sw("sA", prompt(5, 1), num_samples=3, seed=4, max_tokens=10)]
-    be.merge_lone_adapter = True  # (`serve --merged-sampling`)
+    be.merge_lone_adapter = merge  # fused by default here; merged with `serve --merged-sampling`
     got = ok(be.sample(works)[0])
-    weights = bank(be).merged("sA")
+    weights = bank(be).lone_weights("sA", merge=merge)
     assert weights
-    assert all(w.is_mkldnn for w in weights.values())
-    bank(be).release_merged()
+    assert all(group.weight.is_mkldnn for group, _ in weights.values())
+    bank(be).release_lone()
     monkeypatch.setattr(packed, "packable", lambda weight: False)
+    be.fuse_lone_key = True  # (the default follows `packable`)
     plain = ok(be.sample(works)[0])
-    assert not any(w.is_mkldnn for w in (bank(be).merged("sA") or {}).values())
+    held = bank(be).lone_weights("sA", merge=merge) or {}
+    assert held and not any(group.weight.is_mkldnn for group, _ in held.values())
     for a, b in zip(got.sequences, plain.sequences, strict=True):
         assert a.tokens == b.tokens
         np.testing.assert_array_equal(a.logprobs, b.logprobs)

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from tuneloop.server.engine import packed
 from tuneloop.server.engine.lora.linear import LoRALinear
 from tuneloop.server.engine.lora.ops import shrink
 from tuneloop.server.engine.memory import SAVED_LOGITS_BYTES
@@ -99,7 +98,8 @@ def _fsdp(module: nn.Module) -> Any:
 
 def head_parts(head: nn.Module, hidden: torch.Tensor) -> HeadParts | None:
     """The head's weight and, per routed segment of `hidden` ([N, d]), its LoRA factors; None
-    where the head is not a plain Linear (then `head(hidden)` is the way)."""
+    where the head is not a plain Linear or runs a decode step's lone-key weights (then
+    `head(hidden)` is the way)."""
     base = head.base if isinstance(head, LoRALinear) else head
     if not isinstance(base, nn.Linear) or not _plain(head):
         return None
@@ -111,9 +111,9 @@ def head_parts(head: nn.Module, hidden: torch.Tensor) -> HeadParts | None:
     segments: list[Segment] = []
     if isinstance(head, LoRALinear):
         routing = head.routing
-        merged = getattr(routing, "merged", None)
-        if merged and id(head) in merged:
-            return HeadParts(merged[id(head)], base.bias, [])
+        lone = getattr(routing, "lone", None)
+        if lone and id(head) in lone:
+            return None  # the decode step's one matmul (lora/fused.py), by the module's forward
         runs = getattr(routing, "runs", None)
         if runs:
             start = 0
@@ -168,10 +168,6 @@ def _tile(
 def chunked_logits(parts: HeadParts, hidden: torch.Tensor) -> torch.Tensor:
     """The head's logits [N, V] in fp32, computed tile by tile (no autograd)."""
     rows, vocab = hidden.shape[0], parts.vocab
-    if parts.weight is not None and parts.weight.is_mkldnn:
-        # A packed merged head (packed.py) is one oneDNN matmul, not sliced into tiles: its
-        # blocked layout cannot be cut by columns, and unpacked tiles would pay the reorder.
-        return packed.linear(hidden, parts.weight, parts.bias).float()
     out = torch.empty((rows, vocab), dtype=torch.float32, device=hidden.device)
     lows = [seg.low for seg in parts.segments]
     direct = hidden.dtype == torch.float32

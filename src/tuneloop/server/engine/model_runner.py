@@ -40,10 +40,12 @@ class ModelRunner:
     def __init__(self, model: nn.Module, bank: AdapterBank, pool: KVPool, kernel: bool) -> None:
         self.model, self.bank, self.pool, self.kernel = model, bank, pool, kernel
         self.device = pool.device
-        # Whether a step whose rows all use one frozen adapter runs on its merged weights
-        # (`AdapterBank.merged`): one matmul per layer instead of the base's plus two LoRA
-        # products. Set by the runtime; off, every step computes the LoRA products.
-        self.merge_lone_adapter = False
+        # How a step whose rows all use one key (a frozen adapter or the base model) runs its
+        # linear layers (`AdapterBank.lone_weights`): "fused", sibling layers stacked into one
+        # matmul with the adapter's delta in extra columns (exact products); "merged", the
+        # delta merged into the weights (rounded to their dtype); None, the base layers and
+        # the LoRA products. Set by the runtime.
+        self.lone_weights: str | None = None
         # The decode rows' attention kernel (kv/decode_attention.py), or None for the
         # reference's gather + SDPA. Set by the runtime.
         self.decode_kernel: Callable[..., torch.Tensor] | None = None
@@ -60,8 +62,8 @@ class ModelRunner:
         if held.get("layout") != layout:
             routing = Routing.from_lengths(keys, lengths)
             lone = routing.keys
-            if self.merge_lone_adapter and len(lone) == 1 and lone[0] is not None:
-                routing.merged = self.bank.merged(lone[0])
+            if self.lone_weights is not None and len(lone) == 1:
+                routing.lone = self.bank.lone_weights(lone[0], merge=self.lone_weights == "merged")
             held["layout"], held["routing"] = layout, routing
         routing = held["routing"]
         return routing

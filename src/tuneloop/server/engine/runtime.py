@@ -56,6 +56,7 @@ class Runtime:
         prefill_chunk: int,
         block_size: int | None = None,
         merge_lone_adapter: bool = False,
+        fuse_lone_key: bool = False,
     ) -> Decoder:
         """This model's decoder, made on first use with a pool sized by the memory budget (and
         made again, while idle, if the budget or block size asked for changed)."""
@@ -85,7 +86,8 @@ class Runtime:
             decoder.budget = token_budget
             self.decoder = decoder
         decoder.prefill_chunk = max(1, prefill_chunk)
-        decoder.runner.merge_lone_adapter = merge_lone_adapter
+        lone = "merged" if merge_lone_adapter else "fused" if fuse_lone_key else None
+        decoder.runner.lone_weights = lone
         decoder.runner.decode_kernel = decode_attention.compiled() if self.compiled_decode else None
         return decoder
 

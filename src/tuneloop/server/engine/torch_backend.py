@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tuneloop.server.engine import checkpoints, compiled, host_allocator, training
+from tuneloop.server.engine import checkpoints, compiled, host_allocator, packed, training
 from tuneloop.server.engine.backend import KVCacheUse
 from tuneloop.server.engine.decoder import DEFAULT_PREFILL_CHUNK, Decoder
 from tuneloop.server.engine.isolation import bisect_failures
@@ -73,6 +73,7 @@ class TorchBackend:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         kv_block_size: int | None = None,
         merge_lone_adapter: bool | None = None,
+        fuse_lone_key: bool | None = None,
         compile_norms: bool | None = None,
     ) -> None:
         self.device = _device(device)
@@ -97,6 +98,12 @@ class TorchBackend:
         # products also keep a request's results independent of what shares its batch but for
         # the fp32 matmul kernels' rounding by row count (none on some CPUs, ~1e-7 on others).
         self.merge_lone_adapter = merge_lone_adapter
+        # True: a decode step whose rows all use one key (a frozen adapter snapshot or the base
+        # model) runs each group of sibling linear layers as one matmul with the adapter's
+        # delta in extra columns, the products exact (lora/fused.py), on a copy of the weights
+        # packed for oneDNN. None: where this CPU packs the model's weights (bf16/fp16 with
+        # native kernels: the measured gain, docs/benchmarks.md); False: never.
+        self.fuse_lone_key = fuse_lone_key
         self._runtimes: dict[str, Runtime] = {}
         for name in models:
             loaded = load_model(
@@ -330,12 +337,15 @@ class TorchBackend:
             self._run = None
             if self.device.type == "cuda":  # device memory is for KV blocks and training
                 for runtime in self._runtimes.values():
-                    runtime.bank.release_merged()
+                    runtime.bank.release_lone()
 
     def _decoder(self, runtime: Runtime) -> Decoder:
         merge = bool(self.merge_lone_adapter)  # None: off (see __init__)
+        fuse = self.fuse_lone_key
+        if fuse is None:
+            fuse = packed.packable(next(runtime.model.parameters()))
         return runtime.sampling_decoder(
-            self.sample_token_budget, self.prefill_chunk, self.kv_block_size, merge
+            self.sample_token_budget, self.prefill_chunk, self.kv_block_size, merge, fuse
         )
 
     def _route(self, sampler_id: str, runtime: Runtime) -> tuple[str | None, str]:

@@ -17,10 +17,10 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from tuneloop.server.engine import packed
 from tuneloop.server.engine.lora.experts import EXPERT_PARAMETERS, ExpertFactors
+from tuneloop.server.engine.lora.fused import FusedLinear, fusable, sibling_groups
 from tuneloop.server.engine.lora.linear import LoRALinear
-from tuneloop.server.engine.lora.routing import Routing
+from tuneloop.server.engine.lora.routing import LoneWeights, Routing
 from tuneloop.server.engine.lora.slots import Slotted
 from tuneloop.server.engine.lora.targets import Injected, groups_of
 from tuneloop.server.engine.memory import free_bytes
@@ -85,8 +85,8 @@ class AdapterBank:
         self.specs: dict[str, AdapterSpec] = {}
         self._slot_of = injected.slot_of  # shared with every layer
         self._trainable: set[str] = set()
-        # One frozen key's merged linear weights (`merged`), kept while it is sampled.
-        self._merged: tuple[str, dict[int, torch.Tensor]] | None = None
+        # One key's decode weights (`lone_weights`), kept while it is sampled alone.
+        self._lone: tuple[tuple[str | None, bool], LoneWeights] | None = None
 
     # ---- slots --------------------------------------------------------------------------
 
@@ -181,7 +181,7 @@ class AdapterBank:
 
     def load(self, key: str, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy factors in place (trainable adapters keep their Parameter objects)."""
-        self._forget_merged(key)
+        self._forget_lone(key)
         for name, module, a, b in list(self._layers(key)):
             new_a, new_b = self._read(name, module, tensors)
             if new_a.shape != a.shape or new_b.shape != b.shape:
@@ -215,54 +215,60 @@ class AdapterBank:
             )
         self.specs[key] = spec
 
-    def merged(self, key: str) -> dict[int, torch.Tensor] | None:
-        """Layer id -> its base weight with `key`'s LoRA delta merged in (scale * B @ A, added
-        in fp32, rounded once to the weight's dtype), for the linear layers `key` targets;
-        None for a trainable adapter (its factors change under it). Expert layers keep their
-        LoRA products. The weights of the last key asked for are kept (one copy of the
-        targeted weights): a sampler's decode batches reuse them until it is deleted or
-        `release_merged` (a GPU's sampling calls end with it)."""
-        if key in self._trainable or key not in self.specs:
+    def lone_weights(self, key: str | None, *, merge: bool = False) -> LoneWeights | None:
+        """Layer id -> (its group, its index there): the linear layers' weights for decode
+        steps whose rows all use `key` (None: the base model), siblings stacked into one
+        matmul each and `key`'s LoRA delta in extra columns, or merged into the rows with
+        `merge` (fused.py). None for a trainable adapter (its factors change under it) and
+        where the copy would take more than MERGED_SHARE of the free memory. Expert layers
+        keep their LoRA products. The weights of the last key asked for are kept (one copy
+        of the targeted weights): a sampler's decode batches reuse them until it is deleted
+        or `release_lone` (a GPU's sampling calls end with it)."""
+        if key is not None and (key in self._trainable or key not in self.specs):
             return None
-        if self._merged is not None and self._merged[0] == key:
-            return self._merged[1]
-        self._merged = None  # the previous key's go first: never two copies at once
-        slot = self._slot_of[key]
-        layers = [(m, a, b) for _, m, a, b in self._layers(key) if isinstance(m, LoRALinear)]
-        if not layers:
+        held = self._lone
+        fresh = held is not None and all(group.fresh for group, _ in held[1].values())
+        if held is not None and held[0] == (key, merge) and fresh:
+            return held[1]
+        self._lone = None  # the previous key's go first: never two copies at once
+        linears = {
+            n: m for n, m in self.modules.items() if isinstance(m, LoRALinear) and fusable(m.base)
+        }
+        if not linears:
             return None
-        need = sum(m.base.weight.numel() * m.base.weight.element_size() for m, _, _ in layers)
-        free = free_bytes(layers[0][0].base.weight.device)
+        need = sum(m.base.weight.numel() * m.base.weight.element_size() for m in linears.values())
+        free = free_bytes(next(iter(linears.values())).base.weight.device)
         if free is not None and need > MERGED_SHARE * free:
             return None  # a large model on a full device: keep the LoRA products
-        weights: dict[int, torch.Tensor] = {}
-        with torch.no_grad():
-            for module, a, b in layers:
-                w = module.base.weight
-                delta = (b.float() @ a.float()).mul_(module.scales[slot])
-                # Packed for the CPU's bf16 kernels where they exist (packed.py): the same
-                # bits as the plain copy, without a reorder of the weight on every step.
-                weights[id(module)] = packed.pack(delta.add_(w.float()).to(w.dtype))
-        self._merged = (key, weights)
-        return weights
+        table: LoneWeights = {}
+        bases = {n: m.base for n, m in linears.items()}
+        for names in sibling_groups(list(linears), bases):
+            members = [linears[n] for n in names]
+            factors = [m.lookup(key) if key is not None else None for m in members]
+            group = FusedLinear.build([m.base for m in members], factors, merge=merge)
+            for index, module in enumerate(members):
+                table[id(module)] = (group, index)
+        self._lone = ((key, merge), table)
+        return table
 
-    def _forget_merged(self, key: str) -> None:
-        if self._merged is not None and self._merged[0] == key:
-            self._merged = None
+    def _forget_lone(self, key: str) -> None:
+        if self._lone is not None and self._lone[0][0] == key:
+            self._lone = None
 
     @property
-    def merged_bytes(self) -> int:
-        """Memory of the merged weights kept now (0: none)."""
-        if self._merged is None:
+    def lone_bytes(self) -> int:
+        """Memory of the lone key's weights kept now (0: none)."""
+        if self._lone is None:
             return 0
-        return sum(w.numel() * w.element_size() for w in self._merged[1].values())
+        groups = {id(group): group for group, _ in self._lone[1].values()}
+        return sum(group.nbytes for group in groups.values())
 
-    def release_merged(self) -> None:
-        """Drop the merged weights kept for the last sampled key (made again when asked)."""
-        self._merged = None
+    def release_lone(self) -> None:
+        """Drop the weights kept for the last sampled key (made again when asked)."""
+        self._lone = None
 
     def delete(self, key: str) -> None:
-        self._forget_merged(key)
+        self._forget_lone(key)
         slot = self._slot_of.pop(key, None)
         if slot is not None:
             for module in self.modules.values():

@@ -7,7 +7,6 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import nn
 
-from tuneloop.server.engine import packed
 from tuneloop.server.engine.lora import ops
 from tuneloop.server.engine.lora.ops import Factors, add_lora
 from tuneloop.server.engine.lora.routing import Routing, RoutingContext
@@ -45,9 +44,9 @@ class LoRALinear(Slotted):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = self._context.routing
-        merged = routing.merged.get(id(self)) if routing is not None and routing.merged else None
-        if merged is not None:
-            return packed.linear(x, merged, self.base.bias)  # plain or packed (packed.py)
+        lone = routing.lone.get(id(self)) if routing is not None and routing.lone else None
+        if lone is not None:
+            return lone[0].output(lone[1], x)  # one matmul for the group (fused.py)
         fused = self._one_adapter(x, routing)
         if fused is not None:
             return fused

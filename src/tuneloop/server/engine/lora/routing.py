@@ -11,10 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 
-__all__ = ["Routing", "RoutingContext"]
+if TYPE_CHECKING:
+    from tuneloop.server.engine.lora.fused import FusedLinear
+
+__all__ = ["LoneWeights", "Routing", "RoutingContext"]
+
+LoneWeights: TypeAlias = "dict[int, tuple[FusedLinear, int]]"
 
 
 @dataclass
@@ -30,10 +36,10 @@ class Routing:
     # (layer, slot) -> its factors in the compute dtype (bf16 activations: bf16 products), cast
     # once per routed block from the fp32 masters; autograd carries the gradients back to them.
     cast: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    # Layer id -> its weight with the one adapter of the block merged in (`AdapterBank.merged`):
-    # set by a decode step whose rows all use one frozen adapter; those layers then run one
-    # matmul and no LoRA products.
-    merged: dict[int, torch.Tensor] | None = None
+    # Layer id -> (its group of sibling layers, its index there) with the block's one key
+    # (`AdapterBank.lone_weights`): set by a decode step whose rows all use one frozen adapter
+    # or the base model; those layers then run one matmul a group and no separate products.
+    lone: LoneWeights | None = None
     # (tokens, device) -> per-token segment index, built once per routed block as well.
     _token_index: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
 

@@ -104,13 +104,14 @@ class ShardedWorkerRuntime(WorkerRuntime):
         self.sharded: dict[str, ShardedWeights] = {}
         for turn in range(size):  # one full model in host memory at a time (module docstring)
             if turn == rank:
-                # No merged weights: a merged copy would be whole on every rank.
+                # No merged or fused weights: such a copy would be whole on every rank.
                 self.backend = TorchBackend(
                     settings.models,
                     cache_dir=settings.cache_dir,
                     device="cpu",
                     dtype=dtype,
                     merge_lone_adapter=False,
+                    fuse_lone_key=False,
                     compile_norms=False,  # FSDP2 hands the norms DTensor weights
                 )
                 for name, model in self.backend.resident_models().items():

@@ -1,0 +1,173 @@
+"""Sibling linears as one matmul, a lone key's LoRA delta in extra columns: decode steps' weights.
+
+A decode step whose rows all use one key (one adapter snapshot, or the base model) need not
+run each adapted linear as the base matmul plus two LoRA products. Two changes make it one
+matmul per group of siblings, with the delta kept exact:
+
+- Siblings fed the same input (an attention's q/k/v projections, an MLP's gate/up) are one
+  weight, their rows stacked, as vLLM's QKVParallelLinear and MergedColumnParallelLinear do:
+  one call where there were three, and the small k/v products no longer run alone.
+- The adapter's up-projection rides in extra input columns instead of being merged into the
+  weights: with `low = x @ A.T`, `x @ W.T + scale * low @ B.T = [x | low] @ [W | scale*B].T`.
+  Merging `W + scale * B @ A` into a bf16 weight rounds most of a young adapter's delta away
+  with the weight's last bits (docs/benchmarks.md); here the delta's products are made in the
+  same matmul, summed in fp32 with the base's, and rounded once.
+
+The stacked weight is packed for oneDNN once (packed.py). The first sibling called with an
+input computes every sibling's output; the others take theirs while the input is the same
+tensor (any other input computes the group again, so a wrong guess of siblings costs time,
+never values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from tuneloop.server.engine import packed
+
+__all__ = ["SIBLINGS", "FusedLinear", "fusable", "sibling_groups"]
+
+# Layer names under one parent module that take the same input in the model families served.
+SIBLINGS: tuple[frozenset[str], ...] = (
+    frozenset({"q_proj", "k_proj", "v_proj"}),
+    frozenset({"gate_proj", "up_proj"}),
+    frozenset({"q_a_proj", "kv_a_proj_with_mqa"}),  # DeepSeek's compressed attention
+    frozenset({"w1", "w3"}),
+)
+
+
+def fusable(base: nn.Module) -> bool:
+    """Whether a layer's weights can be copied into a group: a plain, frozen, unhooked Linear
+    (sharded or hooked layers run their own forward)."""
+    if type(base) is not nn.Linear or base._forward_hooks or base._forward_pre_hooks:
+        return False
+    params = [base.weight] if base.bias is None else [base.weight, base.bias]
+    return all(type(p) in (nn.Parameter, torch.Tensor) and not p.requires_grad for p in params)
+
+
+def sibling_groups(names: Sequence[str], bases: Mapping[str, nn.Linear]) -> list[list[str]]:
+    """`names` grouped: siblings of one parent (SIBLINGS) with one input size, dtype and device
+    together, in `names`' order; every other layer alone."""
+    groups: dict[tuple[str, int, str], list[str]] = {}
+    out: list[list[str]] = []
+    for name in names:
+        parent, _, last = name.rpartition(".")
+        family = next((i for i, s in enumerate(SIBLINGS) if last in s), None)
+        if family is None:
+            out.append([name])
+            continue
+        weight = bases[name].weight
+        signature = f"{family}:{weight.shape[-1]}:{weight.dtype}:{weight.device}"
+        group = groups.get((parent, family, signature))
+        if group is None:
+            group = groups[(parent, family, signature)] = []
+            out.append(group)
+        group.append(name)
+    return out
+
+
+class FusedLinear:
+    """One group of sibling linears for one key: the stacked (and maybe packed) weight
+    [sum of outputs, in + LoRA columns], the stacked down-projections A [LoRA columns, in]
+    (None: no LoRA columns) and the outputs' sizes."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        a: torch.Tensor | None,
+        sizes: list[int],
+        versions: list[tuple[torch.Tensor, int]],
+    ) -> None:
+        self.weight, self.bias, self.a, self.sizes = weight, bias, a, sizes
+        # The base weights copied, with their versions then: an in-place change makes it stale.
+        self._versions = versions
+        self._x: torch.Tensor | None = None
+        self._outs: tuple[torch.Tensor, ...] = ()
+        self._taken: set[int] = set()
+
+    @classmethod
+    def build(
+        cls,
+        bases: Sequence[nn.Linear],
+        factors: Sequence[tuple[torch.Tensor, torch.Tensor, float] | None],
+        *,
+        merge: bool = False,
+    ) -> FusedLinear:
+        """The group of `bases` ([out_i, in] each, one dtype) with each one's LoRA factors (A
+        [r, in], B [out_i, r], scale; None: none): in extra columns, or merged into the rows
+        (`merge`: scale * B @ A added in fp32, rounded once to the weight's dtype)."""
+        dtype, device = bases[0].weight.dtype, bases[0].weight.device
+        rows: list[torch.Tensor] = []
+        columns: list[tuple[int, torch.Tensor]] = []  # (member, scale * B in fp32)
+        downs: list[torch.Tensor] = []
+        with torch.no_grad():
+            for index, (base, found) in enumerate(zip(bases, factors, strict=True)):
+                w = base.weight.detach()
+                if found is not None:
+                    a, b, scale = found[0].detach(), found[1].detach(), found[2]
+                    if merge:
+                        w = (b.float() @ a.float()).mul_(scale).add_(w.float()).to(dtype)
+                    else:
+                        columns.append((index, b.float() * scale))
+                        downs.append(a.to(dtype))
+                rows.append(w)
+            sizes = [w.shape[0] for w in rows]
+            weight = torch.cat(rows) if len(rows) > 1 else rows[0].clone()
+            if columns:
+                rank = sum(b.shape[1] for _, b in columns)
+                extra = torch.zeros((weight.shape[0], rank), dtype=dtype, device=device)
+                starts = [sum(sizes[:i]) for i in range(len(sizes))]
+                col = 0
+                for index, b in columns:
+                    extra[starts[index] : starts[index] + sizes[index], col : col + b.shape[1]] = b
+                    col += b.shape[1]
+                weight = torch.cat([weight, extra], dim=1)
+            biases = [base.bias for base in bases]
+            bias = None
+            if any(b is not None for b in biases):
+                bias = torch.cat(
+                    [
+                        b.detach() if b is not None else torch.zeros(n, dtype=dtype, device=device)
+                        for b, n in zip(biases, sizes, strict=True)
+                    ]
+                )
+        a_all = torch.cat(downs) if downs else None
+        versions = [(base.weight, base.weight._version) for base in bases]
+        return cls(packed.pack(weight), bias, a_all, sizes, versions)
+
+    @property
+    def fresh(self) -> bool:
+        """Whether no copied base weight changed in place since the group was built."""
+        return all(w._version == v for w, v in self._versions)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.weight, self.bias, self.a]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Member `index`'s output for input x [..., in]."""
+        if len(self.sizes) == 1:
+            return self._compute(x)[0]
+        if x is not self._x or index in self._taken:
+            self._outs = self._compute(x)
+            self._x, self._taken = x, set()
+        self._taken.add(index)
+        out = self._outs[index]
+        if len(self._taken) == len(self.sizes):  # every sibling served: hold nothing
+            self._x, self._outs, self._taken = None, (), set()
+        return out
+
+    def _compute(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        flat = x.reshape(-1, x.shape[-1])
+        if self.a is not None:
+            flat = torch.cat([flat, flat @ self.a.t()], dim=1)
+        y = packed.linear(flat, self.weight, self.bias)
+        lead = x.shape[:-1]
+        if len(self.sizes) == 1:
+            return (y.view(*lead, y.shape[-1]),)
+        return tuple(part.view(*lead, part.shape[-1]) for part in y.split(self.sizes, dim=-1))
