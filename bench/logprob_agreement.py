@@ -9,14 +9,17 @@ rounding. This measures the bound on SmolLM2-135M with a trained (non-zero) rank
 `--prompts` prompts x `--samples` samples x `--new-tokens` tokens at temperature 1, per dtype,
 the max and mean |sampler - forward| over every sampled token.
 
-`--merged-sampling on|off` samples the adapter snapshot on its merged weights or with its LoRA
-products (default: the engine's, the products; `serve --[no-]merged-sampling`). Also reported:
+`--merged-sampling on|off` samples the adapter snapshot on its merged weights or not (default:
+the engine's, not; `serve --[no-]merged-sampling`); `--fused-sampling on|off` on its fused
+weights, the delta in extra columns (lora/fused.py), or with the base layers and the LoRA
+products (default: the engine's, fused where the CPU packs the weights). Also reported:
 how much of the adapter's delta merging keeps, per adapted layer, |round(W + d) - (W + d)| /
 |d| (Frobenius norms; d = scale * B @ A of the trained factors, rounded to the weights' dtype
-as `AdapterBank.merged` does), median and max, with |d| / |W|. The adapter is trained
-`--train-steps` AdamW steps at `--lr` (2 at 1e-3 by default) on random tokens first.
+as `AdapterBank.lone_weights(merge=True)` does), median and max, with |d| / |W|. The adapter is
+trained `--train-steps` AdamW steps at `--lr` (2 at 1e-3 by default) on random tokens first.
 
     python bench/logprob_agreement.py [--dtypes float32 bfloat16] [--merged-sampling on|off]
+                                      [--fused-sampling on|off]
                                       [--train-steps 2] [--lr 1e-3] [--json out.json]
 """
 
@@ -40,8 +43,14 @@ MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 def measure(dtype: torch.dtype, args: argparse.Namespace) -> dict[str, Any]:
     merge = {"auto": None, "on": True, "off": False}[args.merged_sampling]
+    fuse = {"auto": None, "on": True, "off": False}[args.fused_sampling]
     backend = TorchBackend(
-        [MODEL], cache_dir=args.cache_dir, device="cpu", dtype=dtype, merge_lone_adapter=merge
+        [MODEL],
+        cache_dir=args.cache_dir,
+        device="cpu",
+        dtype=dtype,
+        merge_lone_adapter=merge,
+        fuse_lone_key=fuse,
     )
     backend.create_adapter(t.AdapterSpec("a", MODEL, rank=32, seed=0, alpha=32.0))
     rng = np.random.default_rng(0)
@@ -115,6 +124,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/tuneloop").expanduser())
     parser.add_argument("--merged-sampling", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--fused-sampling", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--train-steps", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--json", type=Path, default=None)
@@ -122,6 +132,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     report = {name: measure(getattr(torch, name), args) for name in args.dtypes}
     report["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    report["sampling"] = {"merged": args.merged_sampling, "fused": args.fused_sampling}
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:

@@ -54,7 +54,8 @@ def test_a_group_gives_each_siblings_base_output_plus_its_delta(bias: bool) -> N
     # the middle sibling has no factors for this key (an adapter that skips k_proj)
     factors = [_factors(12, 8, 3, 1), None, _factors(4, 8, 3, 3)]
     group = FusedLinear.build(layers, factors)
-    assert group.a is not None and group.a.shape == (6, 8)  # two members' ranks
+    assert group.a is not None
+    assert group.a.shape == (6, 8)
     assert group.weight.shape == (20, 8 + 6)
     x = torch.randn(1, 5, 8, generator=torch.Generator().manual_seed(9))
     for index, (layer, found) in enumerate(zip(layers, factors, strict=True)):
@@ -62,7 +63,8 @@ def test_a_group_gives_each_siblings_base_output_plus_its_delta(bias: bool) -> N
         assert got.shape == (1, 5, layer.out_features)
         torch.testing.assert_close(got.double(), _reference(x, layer, found), atol=1e-5, rtol=1e-5)
     merged = FusedLinear.build(layers, factors, merge=True)
-    assert merged.a is None and merged.weight.shape == (20, 8)
+    assert merged.a is None
+    assert merged.weight.shape == (20, 8)
     for index, (layer, found) in enumerate(zip(layers, factors, strict=True)):
         got = merged.output(index, x)
         torch.testing.assert_close(got.double(), _reference(x, layer, found), atol=1e-4, rtol=1e-5)
@@ -82,8 +84,10 @@ def test_siblings_share_one_computation_per_input(monkeypatch: pytest.MonkeyPatc
     x, y = torch.randn(3, 4), torch.randn(3, 4)
     outs = [group.output(i, x) for i in range(3)]
     assert calls[0] == 1
-    assert group._x is None and group._outs == ()  # all served: nothing held between steps
-    assert [group.output(i, y) for i in (1, 0)] and calls[0] == 2
+    assert group._x is None
+    assert group._outs == ()
+    assert [group.output(i, y) for i in (1, 0)]
+    assert calls[0] == 2
     group.output(0, y)  # asked again before its siblings: computed again, same values
     assert calls[0] == 3
     torch.testing.assert_close(group.output(2, x), outs[2])  # another input: computed again
@@ -150,9 +154,11 @@ def test_a_lone_snapshot_samples_on_fused_weights_like_with_its_products(
 ) -> None:
     be = _trained(backend)
     works = [sw("sA", prompt(5, 1), num_samples=3, seed=4, max_tokens=10)]
-    assert be.fuse_lone_key is None and bank(be).lone_bytes == 0  # fp32: products by default
+    assert be.fuse_lone_key is None
+    assert bank(be).lone_bytes == 0
     with_products = ok(be.sample(works)[0])
-    assert products[0] > 0 and bank(be).lone_bytes == 0
+    assert products[0] > 0
+    assert bank(be).lone_bytes == 0
     be.fuse_lone_key = True
     products[0] = 0
     got = ok(be.sample(works)[0])
@@ -163,7 +169,8 @@ def test_a_lone_snapshot_samples_on_fused_weights_like_with_its_products(
         forward = sequence_logprobs(be, "A", works[0].prompt, b.tokens)[len(works[0].prompt) - 1 :]
         np.testing.assert_allclose(b.logprobs, forward, atol=1e-4)
     held = bank(be).lone_weights("sA")
-    assert held is not None and held is bank(be).lone_weights("sA")  # kept for the next batches
+    assert held is not None
+    assert held is bank(be).lone_weights("sA")
     groups = {id(g): g for g, _ in held.values()}
     assert any(len(g.sizes) == 3 for g in groups.values())  # q/k/v as one
     assert bank(be).lone_bytes == sum(g.nbytes for g in groups.values())
@@ -171,7 +178,8 @@ def test_a_lone_snapshot_samples_on_fused_weights_like_with_its_products(
     be.create_sampler("base", TINY)
     products[0] = 0  # (the forward passes above ran the products)
     base = ok(be.sample([sw("base", prompt(5, 1), seed=4, max_tokens=6)])[0])
-    assert products[0] == 0 and base.sequences[0].tokens
+    assert products[0] == 0
+    assert base.sequences[0].tokens
     assert all(g.a is None for g, _ in (bank(be).lone_weights(None) or {}).values())
     bank(be).lone_weights("sA")
     be.delete_sampler("sA")
@@ -205,16 +213,15 @@ def test_bf16_weights_sample_on_fused_weights_where_the_cpu_packs_them(
     and logprobs near them, which merged bf16 weights do not keep (docs/benchmarks.md)."""
     from tuneloop.server.engine.torch_backend import TorchBackend
 
-    be = _trained(
-        TorchBackend([TINY], cache_dir=tmp_path, device="cpu", dtype=torch.bfloat16)
-    )
+    be = _trained(TorchBackend([TINY], cache_dir=tmp_path, device="cpu", dtype=torch.bfloat16))
     native = packed.packable(torch.zeros(2, 2, dtype=torch.bfloat16))
     works = [sw("sA", prompt(5, 1), num_samples=2, seed=4, max_tokens=6)]
     default = ok(be.sample(works)[0])
     assert (products[0] == 0) == native
     if native:
         held = bank(be).lone_weights("sA")
-        assert held and all(g.weight.is_mkldnn for g, _ in held.values())
+        assert held
+        assert all(g.weight.is_mkldnn for g, _ in held.values())
         assert any(g.a is not None for g, _ in held.values())  # the delta in columns
     be.fuse_lone_key = False
     products[0] = 0

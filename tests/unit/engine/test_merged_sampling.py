@@ -62,7 +62,8 @@ def test_a_lone_snapshot_samples_on_merged_weights_like_with_its_products(
         forward = sequence_logprobs(be, "A", works[0].prompt, b.tokens)[len(works[0].prompt) - 1 :]
         np.testing.assert_allclose(b.logprobs, forward, atol=1e-4)
     held = bank(be).lone_weights("sA", merge=True)
-    assert held is not None and all(group.a is None for group, _ in held.values())
+    assert held is not None
+    assert all(group.a is None for group, _ in held.values())
     assert held is bank(be).lone_weights("sA", merge=True)  # kept for the next batches
     groups = {id(group): group for group, _ in held.values()}
     assert bank(be).lone_bytes == sum(group.nbytes for group in groups.values())
@@ -81,7 +82,9 @@ def test_mixed_batches_and_trainable_adapters_keep_the_products(
     mixed = [ok(r) for r in be.sample([sw("sA", prompt(4, 2), seed=1), sw("sB", prompt(6, 3))])]
     assert products[0] > 0  # two adapters share the steps: no merged weights
     assert alone[0].sequences[0].tokens == mixed[0].sequences[0].tokens
-    assert bank(be).lone_weights("A", merge=True) is None  # a trainable adapter's factors change under it
+    assert (
+        bank(be).lone_weights("A", merge=True) is None
+    )  # a trainable adapter's factors change under it
 
 
 def test_bf16_weights_are_merged_only_when_asked(tmp_path: Any, products: list[int]) -> None:
@@ -102,5 +105,6 @@ def test_bf16_weights_are_merged_only_when_asked(tmp_path: Any, products: list[i
     ok(be.sample(works)[0])
     assert products[0] == 0
     held = bank(be).lone_weights("sA", merge=True)
-    assert held and all(group.a is None for group, _ in held.values())
+    assert held
+    assert all(group.a is None for group, _ in held.values())
     be.close()

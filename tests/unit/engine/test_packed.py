@@ -75,7 +75,8 @@ def test_a_lone_bf16_snapshot_samples_on_packed_weights_as_unpacked(
     be.fuse_lone_key = True  # (the default follows `packable`)
     plain = ok(be.sample(works)[0])
     held = bank(be).lone_weights("sA", merge=merge) or {}
-    assert held and not any(group.weight.is_mkldnn for group, _ in held.values())
+    assert held
+    assert not any(group.weight.is_mkldnn for group, _ in held.values())
     for a, b in zip(got.sequences, plain.sequences, strict=True):
         assert a.tokens == b.tokens
         np.testing.assert_array_equal(a.logprobs, b.logprobs)
