@@ -1,6 +1,7 @@
 """Every zoo architecture through the torch engine, served from its HF folder (`--model DIR`):
-coverage, training, sampling = forward logprobs, resume with optimizer state, and both exports
-(PEFT, with expert LoRA as `target_parameters`; merged) loaded by peft / plain transformers."""
+coverage, training, sampling = forward logprobs (with the LoRA products and on fused decode
+weights), resume with optimizer state, and both exports (PEFT, with expert LoRA as
+`target_parameters`; merged) loaded by peft / plain transformers."""
 
 from __future__ import annotations
 
@@ -69,6 +70,16 @@ def test_zoo_model_trains_samples_resumes_and_exports(
         np.testing.assert_allclose(
             sampled.logprobs, scored[len(prompt) - 1 :], atol=ATOL, err_msg=arch
         )
+        # The same on the fused decode weights (lora/fused.py; the default where a CPU packs
+        # bf16): sibling layers stacked (biases too), the delta in extra columns.
+        be.fuse_lone_key = True
+        [fused] = [ok(r) for r in be.sample([_sample_work("S", prompt)])]
+        assert runtime.bank.lone_bytes > 0
+        assert fused.sequences[0].tokens == sampled.tokens
+        np.testing.assert_allclose(
+            fused.sequences[0].logprobs, sampled.logprobs, atol=ATOL, err_msg=arch
+        )
+        be.fuse_lone_key = None
 
         # Save with the optimizer, resume into another adapter: the next step agrees exactly.
         state_dir = tmp_path / "state"
