@@ -14,6 +14,7 @@ model and the load. `--profile` prints the top ops of one step of the current va
     python bench/train_variants.py --variant head-exp   # the head's exponentials by exp2
     python bench/train_variants.py --variant score-products  # bf16 units for fp32 scores
     python bench/train_variants.py --variant lora-node  # one adapter's layer as one node
+    python bench/train_variants.py --variant exact-delta  # bf16 deltas rounded with the base
     python bench/train_variants.py --profile
     python bench/train_variants.py --micro          # each piece alone, 422 AdamW tensors,
                                                     # one layer's packed attention fwd+bwd and
@@ -125,7 +126,7 @@ def _head_exp(previous: bool) -> Any:
 def _head(previous: bool) -> Iterator[None]:
     """previous: the head module's output, then the fused log-softmax over position chunks
     (checkpointed past LOGIT_ELEMENTS_UNCHUNKED); current: fused over vocabulary tiles."""
-    from tuneloop.server.engine import fused_head, logprobs
+    from tuneloop.server.engine import fused_head, logprobs  # (the training pass's head)
 
     logprobs.head_parts = (lambda head, hidden: None) if previous else fused_head.head_parts
     try:
@@ -165,6 +166,31 @@ def _lora_node(previous: bool) -> Any:
         return None
 
     return _swapped(LoRALinear, "_one_adapter", two_nodes if previous else None)
+
+
+@contextmanager
+def _exact_delta(previous: bool) -> Iterator[None]:
+    """previous: the one-adapter node and the head's tiles add the delta to their rounded bf16
+    output (`addmm_`); current: the delta in extra columns of one matmul, rounded once with the
+    base (lora/ops.py `_EXACT_DELTA`, fused_head.py `HeadParts.exact_delta`)."""
+    from tuneloop.server.engine import fused_head, logprobs  # (the training pass's head)
+    from tuneloop.server.engine.lora import ops
+
+    made = fused_head.head_parts
+
+    def rounded(*args: Any) -> Any:
+        parts = made(*args)
+        if parts is not None:
+            parts.exact_delta = False
+        return parts
+
+    ops._EXACT_DELTA = not previous
+    logprobs.head_parts = rounded if previous else made  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        ops._EXACT_DELTA = True
+        logprobs.head_parts = made  # type: ignore[assignment]
 
 
 @contextmanager
@@ -251,15 +277,23 @@ def _micro_lora_node(repeats: int) -> str:
         (out.float().sum() + k.float().sum() + v.float().sum()).backward()
         return time.perf_counter() - begin
 
-    times: dict[str, list[float]] = {"four nodes": [], "one node": []}
-    ways = {"four nodes": two_nodes, "one node": one_node}
+    def one_node_rounded(name: str, x: torch.Tensor) -> torch.Tensor:
+        ops._EXACT_DELTA = False
+        try:
+            return one_node(name, x)
+        finally:
+            ops._EXACT_DELTA = True
+
+    ways = {"four nodes": two_nodes, "one node": one_node, "one node, addmm_": one_node_rounded}
+    times: dict[str, list[float]] = {name: [] for name in ways}
     for i in range(repeats):
         for name in list(ways) if i % 2 == 0 else list(reversed(ways)):
             times[name].append(layer(ways[name]))
-    a, b = (statistics.median(times[k]) * 1e3 for k in ("four nodes", "one node"))
+    a, b, c = (statistics.median(times[k]) * 1e3 for k in ways)
     return (
         f"one layer's seven adapted linears fwd+bwd, {rows} tokens: base + delta {a:.1f} ms, "
-        f"one node {b:.1f} ms, {a / b:.2f}x"
+        f"one node (delta in extra columns) {b:.1f} ms, {a / b:.2f}x; one node adding the "
+        f"delta by addmm_ {c:.1f} ms, {a / c:.2f}x"
     )
 
 
@@ -314,6 +348,7 @@ def main() -> int:
             "lora-add",
             "score-products",
             "lora-node",
+            "exact-delta",
         ],
         default="attention",
     )
@@ -367,6 +402,7 @@ def main() -> int:
         "lora-add": _lora_add,
         "score-products": _score_products,
         "lora-node": _lora_node,
+        "exact-delta": _exact_delta,
     }
     switch = switches[args.variant]
     times: dict[str, list[float]] = {"previous": [], "current": []}

@@ -49,6 +49,31 @@ def test_decode_logits_equal_the_matmul_plus_each_segment_delta(
     assert (got - want).abs().max().item() <= tol + 1e-4
 
 
+@pytest.mark.parametrize("exact", [True, False])
+def test_bf16_tiles_of_one_adapter_keep_a_delta_below_the_logits_last_bit(
+    monkeypatch: pytest.MonkeyPatch, exact: bool
+) -> None:
+    """A tile whose rows all use one adapter sums the delta with the base before its logits are
+    rounded (the one-adapter node's way); a sampling step's parts (`exact_delta` off) add it to
+    the rounded logits, where a young adapter's delta is mostly lost."""
+    monkeypatch.setattr(fused_head, "ROWS", 64)
+    monkeypatch.setattr(fused_head, "COLUMNS", 300)
+    gen = torch.Generator().manual_seed(1)
+    weight = (torch.randn(1000, 64, generator=gen) * 0.5).bfloat16()
+    x = torch.randn(128, 64, generator=gen).bfloat16()
+    low = torch.randn(128, 4, generator=gen).bfloat16()
+    b = (torch.randn(1000, 4, generator=gen) * 2e-3).bfloat16()
+    parts = HeadParts(weight, None, [Segment(0, 128, low, b)], exact_delta=exact)
+    got = fused_head.chunked_logits(parts, x).double()
+    base = x.double() @ weight.double().t()
+    delta = low.double() @ b.double().t()
+    kept = float(((got - base) * delta).sum() / (delta * delta).sum())
+    if exact:
+        assert kept == pytest.approx(1.0, abs=0.05)
+    else:
+        assert kept < 0.8
+
+
 class _Hooked(nn.Linear):
     pass
 

@@ -16,6 +16,7 @@ from tuneloop.server.engine.lora import (  # noqa: E402
     MLP_TARGETS,
     AdapterBank,
     inject,
+    ops,
     targets_of,
 )
 from tuneloop.server.engine.types import EngineError  # noqa: E402
@@ -414,3 +415,66 @@ def test_the_one_adapter_node_is_left_to_mixed_batches_inference_and_trained_bas
     q.base.weight.requires_grad_(False)
     with bank.routed(["a"] * 4):
         assert "_OneAdapterLinearBackward" in _nodes(q(x))
+
+
+def _kept(out: torch.Tensor, base: torch.Tensor, delta: torch.Tensor) -> float:
+    """The share of `delta` that `out` carries over `base` (a projection; fp64)."""
+    return float(((out.double() - base) * delta).sum() / (delta * delta).sum())
+
+
+def test_at_half_precision_the_one_adapter_node_keeps_a_delta_below_the_outputs_last_bit() -> None:
+    """A young adapter's delta is far below a bf16 output's last bit: added to the rounded base
+    output it is mostly lost; the node sums it with the base in one matmul and keeps it (as a
+    decode step's fused weights do, lora/fused.py)."""
+    g = torch.Generator().manual_seed(0)
+    rows, inp, out, rank = 256, 64, 48, 8
+    x = torch.randn(rows, inp, generator=g).bfloat16()
+    w = (torch.randn(out, inp, generator=g) * inp**-0.5).bfloat16()
+    a = (torch.randn(rank, inp, generator=g) * inp**-0.5).bfloat16()
+    b = (torch.randn(out, rank, generator=g) * 1e-3 / rank**0.5).bfloat16()
+    base = x.double() @ w.double().t()
+    delta = 2.0 * (x.double() @ a.double().t()) @ b.double().t()
+    node = ops.one_adapter_linear(x, w, None, (a, b, 2.0))
+    products = ops.add_lora(x @ w.t(), x, [rows], [(a, b, 2.0)], {})
+    assert _kept(node, base, delta) == pytest.approx(1.0, abs=0.05)
+    assert _kept(products, base, delta) < 0.8
+    # fp32 has the bits to spare: the node adds the delta to the base output as before
+    x32, w32 = x.float(), w.float()
+    node32 = ops.one_adapter_linear(x32, w32, None, (a.float(), b.float(), 2.0))
+    torch.testing.assert_close(
+        node32, ops.add_lora(x32 @ w32.t(), x32, [rows], [(a.float(), b.float(), 2.0)], {})
+    )
+
+
+def test_the_node_runs_in_bf16_inference_passes_but_not_in_sampling_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sampling step runs per token: there a copy of each weight per call would cost more
+    than the step (it takes the lone key's fused weights or the products instead)."""
+    model, bank = make()
+    bank.create(adapter_spec("a", rank=2, seed=1), CPU)
+    randomise(bank, "a", 1)
+    model.bfloat16()
+    calls = [0]
+    original = ops.one_adapter_linear
+
+    def counting(*args: object) -> torch.Tensor:
+        calls[0] += 1
+        return original(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ops, "one_adapter_linear", counting)
+    q = bank.modules["block.q_proj"]
+    x = torch.randn(4, 6).bfloat16()
+    with torch.no_grad():
+        with bank.routed(["a"] * 4):
+            q(x)
+        assert calls[0] == 1
+        with bank.routed(["a"] * 4):
+            assert q.routing is not None
+            q.routing.steps = True  # type: ignore[attr-defined]
+            q(x)
+        assert calls[0] == 1
+        model.float()
+        with bank.routed(["a"] * 4):
+            q(x.float())
+        assert calls[0] == 1  # fp32 inference: the products, as before

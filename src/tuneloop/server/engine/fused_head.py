@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine.lora.linear import LoRALinear
-from tuneloop.server.engine.lora.ops import shrink
+from tuneloop.server.engine.lora.ops import HALF, shrink
 from tuneloop.server.engine.memory import SAVED_LOGITS_BYTES
 
 __all__ = ["HeadParts", "chunked_logits", "fused_target_logprobs", "head_parts"]
@@ -64,6 +64,10 @@ class HeadParts:
     bias: torch.Tensor | None
     segments: list[Segment]
     sharded: Any = None  # an FSDPModule: weight and bias come from it, gathered per pass
+    # Whether a half-precision tile of one adapter sums the delta with the base before
+    # rounding (`_tile`): for passes over many tokens, not sampling steps, where its copy of
+    # the weight tile per call would cost more than the step.
+    exact_delta: bool = True
 
     @property
     def vocab(self) -> int:
@@ -123,7 +127,8 @@ def head_parts(head: nn.Module, hidden: torch.Tensor) -> HeadParts | None:
                     low = shrink(hidden[start : start + size], factors)
                     segments.append(Segment(start, start + size, low, factors[1]))
                 start += size
-    return HeadParts(weight, bias, segments, sharded)
+    exact = not getattr(head.routing, "steps", False) if isinstance(head, LoRALinear) else True
+    return HeadParts(weight, bias, segments, sharded, exact)
 
 
 def _tiles(rows: int, vocab: int, device: torch.device) -> Iterator[tuple[int, int, int, int]]:
@@ -150,6 +155,18 @@ def _tile(
     to write them to (a slice of the whole logits: BLAS writes strided rows, no copy)."""
     r0, r1, v0, v1 = tile
     w, bias = head[0][v0:v1], head[1]
+    whole = [
+        (seg, low)
+        for seg, low in zip(parts.segments, lows, strict=True)
+        if seg.start <= r0 and r1 <= seg.end
+    ]
+    if into is None and x.dtype in HALF and whole and parts.exact_delta:
+        # One adapter over the tile's rows at half precision: [x | low] @ [W | B].T, the delta
+        # summed with the base before the logits are rounded (lora/ops.py's one-adapter node).
+        seg, low = whole[0]
+        rows = torch.cat([x[r0:r1], low[r0 - seg.start : r1 - seg.start]], dim=1)
+        wide = torch.cat([w, seg.b[v0:v1]], dim=1)
+        return rows @ wide.t() if bias is None else torch.addmm(bias[v0:v1], rows, wide.t())
     if into is not None:
         out = torch.mm(x[r0:r1], w.t(), out=into)
         if bias is not None:

@@ -61,6 +61,7 @@ class ModelRunner:
         layout = tuple(zip(keys, lengths, strict=True))
         if held.get("layout") != layout:
             routing = Routing.from_lengths(keys, lengths)
+            routing.steps = True
             lone = routing.keys
             if self.lone_weights is not None and len(lone) == 1:
                 routing.lone = self.bank.lone_weights(lone[0], merge=self.lone_weights == "merged")

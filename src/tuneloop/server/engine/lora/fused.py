@@ -10,8 +10,10 @@ matmul per group of siblings, with the delta kept exact:
 - The adapter's up-projection rides in extra input columns instead of being merged into the
   weights: with `low = x @ A.T`, `x @ W.T + scale * low @ B.T = [x | low] @ [W | scale*B].T`.
   Merging `W + scale * B @ A` into a bf16 weight rounds most of a young adapter's delta away
-  with the weight's last bits (docs/benchmarks.md); here the delta's products are made in the
-  same matmul, summed in fp32 with the base's, and rounded once.
+  with the weight's last bits, and adding the delta to a rounded bf16 output (the products)
+  loses about half of it (bench/fused_linears.py, docs/benchmarks.md); here the delta's
+  products are made in the same matmul, summed in fp32 with the base's, and rounded once, as
+  a training pass's one-adapter node does (ops.py).
 
 The stacked weight is packed for oneDNN once (packed.py). The first sibling called with an
 input computes every sibling's output; the others take theirs while the input is the same

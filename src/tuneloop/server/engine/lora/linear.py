@@ -65,11 +65,17 @@ class LoRALinear(Slotted):
         )
 
     def _one_adapter(self, x: torch.Tensor, routing: Routing | None) -> torch.Tensor | None:
-        """Base and delta as one autograd node (`ops.one_adapter_linear`) where a graph is
-        recorded for one adapter over every row through a plain, frozen `nn.Linear`; None
-        elsewhere (the base and `add_lora` then run as before)."""
-        if routing is None or len(routing.runs) != 1 or not torch.is_grad_enabled():
+        """Base and delta as one autograd node (`ops.one_adapter_linear`) for one adapter over
+        every row through a plain, frozen `nn.Linear`, where a graph is recorded or, outside
+        sampling steps, the weights are half precision (there the node sums the delta with the
+        base before rounding, as a decode step's fused weights do); None elsewhere (the base
+        and `add_lora` then run)."""
+        if routing is None or len(routing.runs) != 1:
             return None
+        if not torch.is_grad_enabled() and (
+            routing.steps or self.base.weight.dtype not in ops.HALF
+        ):
+            return None  # (a sampling step: the lone key's fused weights, or the products)
         base = self.base
         if type(base) is not nn.Linear or base._forward_hooks or base._forward_pre_hooks:
             return None  # a sharded or hooked layer runs its own forward

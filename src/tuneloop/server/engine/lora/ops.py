@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 __all__ = [
+    "HALF",
     "Factors",
     "add_lora",
     "add_lora_torch",
@@ -33,6 +34,9 @@ Kernel = Callable[
     [torch.Tensor, torch.Tensor, Sequence[int], Sequence["Factors | None"], "dict[str, Stacked]"],
     torch.Tensor,
 ]
+
+HALF = (torch.bfloat16, torch.float16)
+_EXACT_DELTA = True  # (bench/train_variants.py --micro switches it to compare)
 
 _kernel: Kernel | None = None
 _kernel_devices: frozenset[str] = frozenset()
@@ -163,9 +167,17 @@ class _OneAdapterLinear(torch.autograd.Function):
     in place, the scale rides on the small [rows, r] products, and the delta's input gradient
     is added by `addmm_` into the base's: on SmolLM2-135M's layer shapes (1,408 tokens, rank
     32, bf16, an AMX Xeon) a decoder layer's seven adapted linears forward + backward took
-    29.8-30.9 ms against 31.7-32.5 ms (1.05-1.06x; bench/train_variants.py --micro). Values
-    as the two-node path's; gradients to rounding (fewer roundings in bf16: the scale is
-    applied inside the sums).
+    29.8-30.9 ms against 31.7-32.5 ms (1.05-1.06x; bench/train_variants.py --micro).
+
+    At half precision the forward is one matmul of [x | x @ A.T] by [W | scale * B]: the delta
+    summed with the base in fp32 and rounded once. Added to the rounded output instead (what
+    the two-node path and PEFT do), a young adapter's delta, far below the output's last bit,
+    is mostly lost: bench/fused_linears.py measures about half of it kept. The decode step's
+    fused weights (fused.py) compute the same sum, so sampler and trainer see the same policy.
+    The copy of W this takes per call is one pass over the weight per forward pass: a bf16
+    training step on an AVX-512-BF16 Xeon read 0.98x, within its step-to-step noise
+    (bench/train_variants.py --variant exact-delta, docs/benchmarks.md).
+    Gradients as the two-node path's to rounding.
     """
 
     @staticmethod
@@ -179,9 +191,16 @@ class _OneAdapterLinear(torch.autograd.Function):
         scale: float,
     ) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        out = torch.nn.functional.linear(flat, weight, bias)
-        low = shrink(flat, (a, b, scale))  # [rows, r]
-        out.addmm_(low, b.t())
+        low = flat @ a.t()  # [rows, r], before its scale
+        if _EXACT_DELTA and weight.dtype in HALF:
+            # [x | low] @ [W | scale * B].T: the delta summed with the base in fp32 and the
+            # sum rounded once. Added to a rounded half-precision output, a young adapter's
+            # delta (far below the output's last bit) is mostly lost (fused.py's docstring).
+            wide = torch.cat([weight, b * scale], dim=1)
+            out = torch.nn.functional.linear(torch.cat([flat, low], dim=1), wide, bias)
+        else:
+            out = torch.nn.functional.linear(flat, weight, bias)
+            out.addmm_(low, b.t(), alpha=scale)
         ctx.save_for_backward(flat, weight, a, b, low)
         ctx.scale = scale  # type: ignore[attr-defined]
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -202,16 +221,16 @@ class _OneAdapterLinear(torch.autograd.Function):
         if needs[3]:
             d_a = (d_low.t() @ flat).mul_(scale)
         if needs[4]:
-            d_b = dy.t() @ low
+            d_b = (dy.t() @ low).mul_(scale)
         return d_x, None, None, d_a, d_b, None
 
 
 def one_adapter_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, factors: Factors
 ) -> torch.Tensor:
-    """`linear(x, weight, bias)` plus one adapter's delta on every row, for training: the
-    weight and bias frozen, the factors in x's dtype (their gradients reach their masters
-    through the cast that made them)."""
+    """`linear(x, weight, bias)` plus one adapter's delta on every row, for passes over many
+    tokens: the weight and bias frozen, the factors in x's dtype (their gradients reach their
+    masters through the cast that made them)."""
     a, b, scale = factors
     out: torch.Tensor = _OneAdapterLinear.apply(x, weight, bias, a, b, scale)
     return out
