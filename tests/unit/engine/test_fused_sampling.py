@@ -231,3 +231,26 @@ def test_bf16_weights_sample_on_fused_weights_where_the_cpu_packs_them(
         assert a.tokens == b.tokens
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=0.1)
     be.close()
+
+
+def test_released_lone_weights_are_freed_once_the_runner_forgets_its_routings(
+    backend: Any,
+) -> None:
+    """A GPU's sampling call ends by dropping the lone key's copy (torch_backend.py): the copy
+    is freed only if the decode steps' held routings let go of it too."""
+    import gc
+    import weakref
+
+    be = _trained(backend)
+    be.fuse_lone_key = True
+    ok(be.sample([sw("sA", prompt(4, 2), seed=1)])[0])
+    held = bank(be).lone_weights("sA")
+    assert held is not None
+    group = weakref.ref(next(iter(held.values()))[0])
+    del held
+    bank(be).release_lone()
+    gc.collect()
+    assert group() is not None  # still held by the runner's routings
+    be._runtimes[TINY].decoder.runner.forget_routings()
+    gc.collect()
+    assert group() is None

@@ -69,6 +69,12 @@ class ModelRunner:
         routing = held["routing"]
         return routing
 
+    def forget_routings(self) -> None:
+        """Drop the routings held for the next steps (and the lone key's weights they hold):
+        the next step routes anew."""
+        self._body.clear()
+        self._head.clear()
+
     def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
         size = self.pool.block_size
         positions = np.arange(start, end)

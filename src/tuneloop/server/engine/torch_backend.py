@@ -338,6 +338,8 @@ class TorchBackend:
             if self.device.type == "cuda":  # device memory is for KV blocks and training
                 for runtime in self._runtimes.values():
                     runtime.bank.release_lone()
+                    if runtime.decoder is not None:  # its held routings point at them too
+                        runtime.decoder.runner.forget_routings()
 
     def _decoder(self, runtime: Runtime) -> Decoder:
         merge = bool(self.merge_lone_adapter)  # None: off (see __init__)
