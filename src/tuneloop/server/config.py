@@ -35,11 +35,12 @@ class ServerConfig:
     # seconds of compiling at load pay back.
     compile_norms: bool | None = None
     # torch: True, a decode step whose rows all sample one adapter snapshot runs on its merged
-    # weights (one matmul a layer, no LoRA products); None or False: the LoRA products.
-    # Merged is faster (1.44x a bf16 decode step on an AMX Xeon), but bf16 merged weights
-    # round most of a young adapter's delta away, so the sampler draws further from the
-    # trained policy (SmolLM2-135M bf16: largest logprob gap to a training pass 0.42-0.54
-    # merged against 0.13-0.21; docs/benchmarks.md).
+    # weights (sibling layers stacked, no LoRA products); False: never; None: at fp32 on a CPU
+    # (merging loses nothing there), else the fused weights where the CPU packs half-precision
+    # ones (the delta exact, in extra columns) or the LoRA products. bf16 merged weights are
+    # faster (1.15-1.2x the fused ones) but round most of a young adapter's delta away, so the
+    # sampler draws further from the trained policy (SmolLM2-135M bf16: largest logprob gap
+    # to a training pass 0.44-0.55 merged against 0.13-0.21; docs/benchmarks.md).
     merged_sampling: bool | None = None
     # Converted and downloaded models, shared by every server on the machine.
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "tuneloop")

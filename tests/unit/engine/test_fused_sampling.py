@@ -154,8 +154,8 @@ def test_a_lone_snapshot_samples_on_fused_weights_like_with_its_products(
 ) -> None:
     be = _trained(backend)
     works = [sw("sA", prompt(5, 1), num_samples=3, seed=4, max_tokens=10)]
-    assert be.fuse_lone_key is None
-    assert bank(be).lone_bytes == 0
+    be.merge_lone_adapter = False  # (fp32's default merges: test_merged_sampling.py)
+    assert be.fuse_lone_key is None  # fp32: products unless asked
     with_products = ok(be.sample(works)[0])
     assert products[0] > 0
     assert bank(be).lone_bytes == 0
@@ -254,3 +254,24 @@ def test_released_lone_weights_are_freed_once_the_runner_forgets_its_routings(
     be._runtimes[TINY].decoder.runner.forget_routings()
     gc.collect()
     assert group() is None
+
+
+def test_a_copy_too_large_for_free_memory_is_not_made_and_not_measured_every_step(
+    backend: Any, products: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tuneloop.server.engine.lora import bank as bank_module
+
+    be = _trained(backend)
+    be.fuse_lone_key = True
+    reads = [0]
+
+    def full(device: Any) -> int:
+        reads[0] += 1
+        return 1024  # bytes free: far less than four times the weights
+
+    monkeypatch.setattr(bank_module, "free_bytes", full)
+    result = ok(be.sample([sw("sA", prompt(4, 2), seed=1, max_tokens=8)])[0])
+    assert len(result.sequences[0].tokens) == 8
+    assert products[0] > 0  # the products ran
+    assert bank(be).lone_bytes == 0
+    assert reads[0] == 1  # refused once, remembered for the next steps

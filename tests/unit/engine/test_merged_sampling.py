@@ -1,7 +1,8 @@
-"""A decode batch whose rows all sample one adapter snapshot runs on its merged weights when
-asked (`serve --merged-sampling`): the same tokens and, to rounding, the same logprobs as with
-the LoRA products; mixed batches, trainable adapters and the base model keep the products, and
-so does every batch by default, bf16 weights included."""
+"""A decode batch whose rows all sample one adapter snapshot runs on its merged weights by
+default at fp32 on a CPU (merging loses nothing there) and when asked (`serve
+--merged-sampling`): the same tokens and, to fp32 rounding, the same logprobs as with the LoRA
+products; mixed batches and trainable adapters keep the products; bf16 weights are merged only
+when asked (they would round a young adapter's delta away)."""
 
 from __future__ import annotations
 
@@ -47,11 +48,11 @@ def test_a_lone_snapshot_samples_on_merged_weights_like_with_its_products(
     be = _trained(backend)
     # (no prompt logprobs: those are scored by a forward pass of their own, with the products)
     works = [sw("sA", prompt(5, 1), num_samples=3, seed=4, max_tokens=10)]
-    assert be.merge_lone_adapter is None  # fp32 weights: products unless asked
+    be.merge_lone_adapter = False
     products[0] = 0
     with_products = ok(be.sample(works)[0])
     assert products[0] > 0
-    be.merge_lone_adapter = True
+    be.merge_lone_adapter = None  # the default: merged at fp32 on a CPU
     products[0] = 0
     merged = ok(be.sample(works)[0])
     assert products[0] == 0  # every adapted linear layer ran one matmul

@@ -489,7 +489,7 @@ def test_serve_hands_the_merged_sampling_switch_to_the_engine(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`--merged-sampling` / `--no-merged-sampling` reach the server config, and the config the
-    torch engine (its merge_lone_adapter; None: the engine's default, off)."""
+    torch engine (its merge_lone_adapter; None: the engine's default, by dtype)."""
     pytest.importorskip("torch")
     import tuneloop.server.app as app_module
     import tuneloop.server.engine.torch_backend as torch_backend

@@ -62,11 +62,13 @@ class ModelRunner:
         if held.get("layout") != layout:
             routing = Routing.from_lengths(keys, lengths)
             routing.steps = True
-            lone = routing.keys
-            if self.lone_weights is not None and len(lone) == 1:
-                routing.lone = self.bank.lone_weights(lone[0], merge=self.lone_weights == "merged")
             held["layout"], held["routing"] = layout, routing
         routing = held["routing"]
+        lone = routing.keys
+        if self.lone_weights is not None and len(lone) == 1:
+            # Asked every step, not once per layout: a sampler made again under the same id
+            # (new factors), or a base weight changed in place, makes the bank build anew.
+            routing.lone = self.bank.lone_weights(lone[0], merge=self.lone_weights == "merged")
         return routing
 
     def forget_routings(self) -> None:

@@ -88,21 +88,22 @@ class TorchBackend:
         # Prompt tokens a joining request prefills per decode step (decoder.py).
         self.prefill_chunk = prefill_chunk
         self.kv_block_size = kv_block_size  # None: 16 tokens, 256 with the CUDA kernel
-        # True: a decode step whose rows all sample one adapter snapshot runs on that adapter's
-        # merged weights (model_runner.py), one matmul a layer. None or False: the LoRA
-        # products, so that the sampler draws from the policy a training pass computes. Merged
-        # weights in bf16 round the adapter's delta away with the base weight's last bits (2
-        # steps at lr 1e-3 on SmolLM2-135M: the rounding's error is 72 % of the delta's norm;
-        # at lr 1e-5, 98-99.7 %): the sampler's logprobs sit ~3x further from a training
-        # pass's (docs/benchmarks.md), for ~1.4x faster bf16 decode steps. At fp32 the
-        # products also keep a request's results independent of what shares its batch but for
-        # the fp32 matmul kernels' rounding by row count (none on some CPUs, ~1e-7 on others).
+        # How a decode step whose rows all use one key (a frozen adapter snapshot or the base
+        # model) runs its linear layers (model_runner.py, lora/fused.py): on a copy of their
+        # weights with sibling layers (q/k/v, gate/up) stacked into one matmul, the adapter's
+        # delta either merged into it (`merge_lone_adapter`) or in extra columns, its products
+        # exact (`fuse_lone_key`); otherwise the base layers and the LoRA products.
+        # merge_lone_adapter None: merged at fp32 on a CPU, where merging loses nothing (fp32
+        # has the bits for a young adapter's delta) and decode steps ran 1.18x the products;
+        # not at half precision, where merged weights round most of the delta away (2 AdamW
+        # steps at lr 1e-3 on SmolLM2-135M: 72 % of its norm) and the sampler's logprobs sit
+        # 2-3x further from a training pass's (docs/benchmarks.md). True: always; False: never.
+        # fuse_lone_key None: where this CPU packs the model's weights (bf16/fp16 with native
+        # kernels: 1.19x the products there, the delta kept whole); True: always; False: never.
+        # A merged copy wins where both are asked. Steps shared by several keys keep the
+        # products (at fp32 a row's result then differs from its lone steps' by the kernels'
+        # rounding, ~1e-7 in a logprob).
         self.merge_lone_adapter = merge_lone_adapter
-        # True: a decode step whose rows all use one key (a frozen adapter snapshot or the base
-        # model) runs each group of sibling linear layers as one matmul with the adapter's
-        # delta in extra columns, the products exact (lora/fused.py), on a copy of the weights
-        # packed for oneDNN. None: where this CPU packs the model's weights (bf16/fp16 with
-        # native kernels: the measured gain, docs/benchmarks.md); False: never.
         self.fuse_lone_key = fuse_lone_key
         self._runtimes: dict[str, Runtime] = {}
         for name in models:
@@ -342,10 +343,12 @@ class TorchBackend:
                         runtime.decoder.runner.forget_routings()
 
     def _decoder(self, runtime: Runtime) -> Decoder:
-        merge = bool(self.merge_lone_adapter)  # None: off (see __init__)
-        fuse = self.fuse_lone_key
+        weight = next(runtime.model.parameters())
+        merge, fuse = self.merge_lone_adapter, self.fuse_lone_key  # None: as __init__ says
+        if merge is None:
+            merge = fuse is not True and weight.dtype == torch.float32 and weight.is_cpu
         if fuse is None:
-            fuse = packed.packable(next(runtime.model.parameters()))
+            fuse = packed.packable(weight)
         return runtime.sampling_decoder(
             self.sample_token_budget, self.prefill_chunk, self.kv_block_size, merge, fuse
         )

@@ -87,6 +87,7 @@ class AdapterBank:
         self._trainable: set[str] = set()
         # One key's decode weights (`lone_weights`), kept while it is sampled alone.
         self._lone: tuple[tuple[str | None, bool], LoneWeights] | None = None
+        self._refused: tuple[str | None, bool] | None = None  # too large for free memory
 
     # ---- slots --------------------------------------------------------------------------
 
@@ -226,6 +227,8 @@ class AdapterBank:
         or `release_lone` (a GPU's sampling calls end with it)."""
         if key is not None and (key in self._trainable or key not in self.specs):
             return None
+        if self._refused == (key, merge):
+            return None
         held = self._lone
         fresh = held is not None and all(group.fresh for group, _ in held[1].values())
         if held is not None and held[0] == (key, merge) and fresh:
@@ -239,6 +242,7 @@ class AdapterBank:
         need = sum(m.base.weight.numel() * m.base.weight.element_size() for m in linears.values())
         free = free_bytes(next(iter(linears.values())).base.weight.device)
         if free is not None and need > MERGED_SHARE * free:
+            self._refused = (key, merge)  # asked every step: not measured again until freed
             return None  # a large model on a full device: keep the LoRA products
         table: LoneWeights = {}
         bases = {n: m.base for n, m in linears.items()}
@@ -254,6 +258,7 @@ class AdapterBank:
     def _forget_lone(self, key: str) -> None:
         if self._lone is not None and self._lone[0][0] == key:
             self._lone = None
+        self._refused = None
 
     @property
     def lone_bytes(self) -> int:
@@ -266,6 +271,7 @@ class AdapterBank:
     def release_lone(self) -> None:
         """Drop the weights kept for the last sampled key (made again when asked)."""
         self._lone = None
+        self._refused = None
 
     def delete(self, key: str) -> None:
         self._forget_lone(key)
