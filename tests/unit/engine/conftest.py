@@ -50,6 +50,22 @@ def backend(tmp_path: Path) -> Iterator[Any]:
     be.close()
 
 
+@pytest.fixture
+def products(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the LoRA products (`add_lora` calls) the adapted linear layers compute."""
+    from tuneloop.server.engine.lora import linear
+
+    calls = [0]
+    original = linear.add_lora
+
+    def counting(*args: Any) -> Any:
+        calls[0] += 1
+        return original(*args)
+
+    monkeypatch.setattr(linear, "add_lora", counting)
+    return calls
+
+
 @pytest.fixture(scope="module")
 def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One 2-rank worker group of the tiny model per test module (starting one costs seconds)."""

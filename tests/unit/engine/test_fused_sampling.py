@@ -14,10 +14,11 @@ torch = pytest.importorskip("torch")
 
 from torch import nn  # noqa: E402
 
-from tests.unit.engine.conftest import TINY, adapter_spec, bank, ok, train  # noqa: E402
-from tests.unit.engine.test_sampler import TRAIN_DATA, prompt, sequence_logprobs, sw  # noqa: E402
+from tests.unit.engine.conftest import TINY, bank, ok  # noqa: E402
+from tests.unit.engine.test_merged_sampling import _trained  # noqa: E402
+from tests.unit.engine.test_sampler import prompt, sequence_logprobs, sw  # noqa: E402
 from tuneloop.server.engine import packed  # noqa: E402
-from tuneloop.server.engine.lora import fused, linear  # noqa: E402
+from tuneloop.server.engine.lora import fused  # noqa: E402
 from tuneloop.server.engine.lora.fused import FusedLinear, fusable, sibling_groups  # noqa: E402
 
 
@@ -123,30 +124,6 @@ def test_siblings_are_grouped_by_parent_family_and_input() -> None:
     hooked = _linear(4, 8, bias=False, seed=0)
     hooked.register_forward_hook(lambda *_: None)
     assert not fusable(hooked)
-
-
-@pytest.fixture
-def products(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the LoRA products the linear layers compute."""
-    calls = [0]
-    original = linear.add_lora
-
-    def counting(*args: Any) -> Any:
-        calls[0] += 1
-        return original(*args)
-
-    monkeypatch.setattr(linear, "add_lora", counting)
-    return calls
-
-
-def _trained(backend: Any) -> Any:
-    backend.create_adapter(adapter_spec("A", rank=4, seed=1))
-    backend.create_adapter(adapter_spec("B", rank=8, seed=2))
-    train(backend, "A", TRAIN_DATA, 3, lr=2e-2)
-    train(backend, "B", TRAIN_DATA[1:], 3, lr=2e-2)
-    backend.create_sampler("sA", TINY, adapter_id="A")
-    backend.create_sampler("sB", TINY, adapter_id="B")
-    return backend
 
 
 def test_a_lone_snapshot_samples_on_fused_weights_like_with_its_products(

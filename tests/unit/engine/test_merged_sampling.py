@@ -15,21 +15,6 @@ torch = pytest.importorskip("torch")
 
 from tests.unit.engine.conftest import TINY, adapter_spec, bank, ok, train  # noqa: E402
 from tests.unit.engine.test_sampler import TRAIN_DATA, prompt, sequence_logprobs, sw  # noqa: E402
-from tuneloop.server.engine.lora import linear  # noqa: E402
-
-
-@pytest.fixture
-def products(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the LoRA products the linear layers compute."""
-    calls = [0]
-    original = linear.add_lora
-
-    def counting(*args: Any) -> Any:
-        calls[0] += 1
-        return original(*args)
-
-    monkeypatch.setattr(linear, "add_lora", counting)
-    return calls
 
 
 def _trained(backend: Any) -> Any:
