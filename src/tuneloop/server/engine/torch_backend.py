@@ -94,7 +94,7 @@ class TorchBackend:
         # delta either merged into it (`merge_lone_adapter`) or in extra columns, its products
         # exact (`fuse_lone_key`); otherwise the base layers and the LoRA products.
         # merge_lone_adapter None: merged at fp32 on a CPU, where merging loses nothing (fp32
-        # has the bits for a young adapter's delta) and decode steps ran 1.18x the products;
+        # has the bits for a young adapter's delta) and sampling calls ran 1.18x the products';
         # not at half precision, where merged weights round most of the delta away (2 AdamW
         # steps at lr 1e-3 on SmolLM2-135M: 72 % of its norm) and the sampler's logprobs sit
         # 2-3x further from a training pass's (docs/benchmarks.md). True: always; False: never.

@@ -36,7 +36,7 @@ Kernel = Callable[
 ]
 
 HALF = (torch.bfloat16, torch.float16)
-_EXACT_DELTA = True  # (bench/train_variants.py --micro switches it to compare)
+_EXACT_DELTA = True  # (bench/train_variants.py switches it off to compare: --micro, exact-delta)
 
 _kernel: Kernel | None = None
 _kernel_devices: frozenset[str] = frozenset()
