@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine.lora.linear import LoRALinear
-from tuneloop.server.engine.lora.ops import HALF, shrink
+from tuneloop.server.engine.lora.ops import HALF, shrink, summed_linear
 from tuneloop.server.engine.memory import SAVED_LOGITS_BYTES
 
 __all__ = ["HeadParts", "chunked_logits", "fused_target_logprobs", "head_parts"]
@@ -164,9 +164,8 @@ def _tile(
         # One adapter over the tile's rows at half precision: [x | low] @ [W | B].T, the delta
         # summed with the base before the logits are rounded (lora/ops.py's one-adapter node).
         seg, low = whole[0]
-        rows = torch.cat([x[r0:r1], low[r0 - seg.start : r1 - seg.start]], dim=1)
-        wide = torch.cat([w, seg.b[v0:v1]], dim=1)
-        return rows @ wide.t() if bias is None else torch.addmm(bias[v0:v1], rows, wide.t())
+        rows = low[r0 - seg.start : r1 - seg.start]
+        return summed_linear(x[r0:r1], rows, w, seg.b[v0:v1], None if bias is None else bias[v0:v1])
     if into is not None:
         out = torch.mm(x[r0:r1], w.t(), out=into)
         if bias is not None:

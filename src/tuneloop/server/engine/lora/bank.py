@@ -229,9 +229,12 @@ class AdapterBank:
             return None
         if self._refused == (key, merge):
             return None
-        held = self._lone
-        fresh = held is not None and all(group.fresh for group, _ in held[1].values())
-        if held is not None and held[0] == (key, merge) and fresh:
+        held = self._lone  # (its freshness is read only when it is the one asked for)
+        if (
+            held is not None
+            and held[0] == (key, merge)
+            and all(group.fresh for group, _ in held[1].values())
+        ):
             return held[1]
         self._lone = None  # the previous key's go first: never two copies at once
         linears = {

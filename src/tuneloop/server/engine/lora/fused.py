@@ -30,7 +30,7 @@ from torch import nn
 
 from tuneloop.server.engine import packed
 
-__all__ = ["SIBLINGS", "FusedLinear", "fusable", "sibling_groups"]
+__all__ = ["SIBLINGS", "FusedLinear", "fusable", "plain_frozen", "sibling_groups"]
 
 # Layer names under one parent module that take the same input in the model families served.
 SIBLINGS: tuple[frozenset[str], ...] = (
@@ -41,13 +41,20 @@ SIBLINGS: tuple[frozenset[str], ...] = (
 )
 
 
-def fusable(base: nn.Module) -> bool:
-    """Whether a layer's weights can be copied into a group: a plain, frozen, unhooked Linear
-    (sharded or hooked layers run their own forward)."""
+def plain_frozen(base: nn.Module) -> bool:
+    """Whether a layer is a plain, unhooked `nn.Linear` with a frozen weight and bias (sharded
+    or hooked layers run their own forward): one the engine may compute itself."""
     if type(base) is not nn.Linear or base._forward_hooks or base._forward_pre_hooks:
         return False
-    params = [base.weight] if base.bias is None else [base.weight, base.bias]
-    return all(type(p) in (nn.Parameter, torch.Tensor) and not p.requires_grad for p in params)
+    return not base.weight.requires_grad and (base.bias is None or not base.bias.requires_grad)
+
+
+def fusable(base: nn.Module) -> bool:
+    """Whether a layer's weights can be copied into a group: `plain_frozen`, its parameters
+    plain tensors (not a sharded tensor type)."""
+    if not plain_frozen(base):
+        return False
+    return all(type(p) in (nn.Parameter, torch.Tensor) for p in base.parameters(recurse=False))
 
 
 def sibling_groups(names: Sequence[str], bases: Mapping[str, nn.Linear]) -> list[list[str]]:

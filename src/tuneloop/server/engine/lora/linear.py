@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine.lora import ops
+from tuneloop.server.engine.lora.fused import plain_frozen
 from tuneloop.server.engine.lora.ops import Factors, add_lora
 from tuneloop.server.engine.lora.routing import Routing, RoutingContext
 from tuneloop.server.engine.lora.slots import Slotted
@@ -76,12 +77,10 @@ class LoRALinear(Slotted):
             routing.steps or self.base.weight.dtype not in ops.HALF
         ):
             return None  # (a sampling step: the lone key's fused weights, or the products)
-        base = self.base
-        if type(base) is not nn.Linear or base._forward_hooks or base._forward_pre_hooks:
-            return None  # a sharded or hooked layer runs its own forward
-        weight, bias = base.weight, base.bias
-        frozen = not weight.requires_grad and (bias is None or not bias.requires_grad)
-        if not frozen or x.dtype != weight.dtype or ops.kernel_on(x.device):
+        if not plain_frozen(self.base):
+            return None  # a sharded, hooked or trained layer runs its own forward
+        weight, bias = self.base.weight, self.base.bias
+        if x.dtype != weight.dtype or ops.kernel_on(x.device):
             return None
         factors = self.lookup_as(routing.runs[0][0], weight.dtype)
         if factors is None or factors[0].dtype != weight.dtype:

@@ -25,6 +25,7 @@ __all__ = [
     "register_kernel",
     "registered_kernel",
     "shrink",
+    "summed_linear",
 ]
 
 # One adapter's factors on one layer: A [r, in], B [out, r], scale (alpha / r).
@@ -157,6 +158,21 @@ def _grouped(
     return torch.bmm(low, b.transpose(1, 2)).reshape(x.shape[0], -1).to(dtype)
 
 
+def summed_linear(
+    x: torch.Tensor,
+    low: torch.Tensor,
+    weight: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x @ W.T + low @ B.T (+ bias) as one matmul of [x | low] by [W | B]: the delta summed
+    with the base in fp32 and the sum rounded once. Added to a rounded half-precision output
+    instead, a young adapter's delta (far below the output's last bit) is mostly lost
+    (fused.py's docstring). Costs a copy of W per call: for passes over many tokens."""
+    wide = torch.cat([weight, b], dim=1)
+    return torch.nn.functional.linear(torch.cat([x, low], dim=1), wide, bias)
+
+
 class _OneAdapterLinear(torch.autograd.Function):
     """x @ W.T (+ bias) + scale * x @ A.T @ B.T with W and the bias frozen, as one graph node.
 
@@ -193,11 +209,7 @@ class _OneAdapterLinear(torch.autograd.Function):
         flat = x.reshape(-1, x.shape[-1])
         low = flat @ a.t()  # [rows, r], before its scale
         if _EXACT_DELTA and weight.dtype in HALF:
-            # [x | low] @ [W | scale * B].T: the delta summed with the base in fp32 and the
-            # sum rounded once. Added to a rounded half-precision output, a young adapter's
-            # delta (far below the output's last bit) is mostly lost (fused.py's docstring).
-            wide = torch.cat([weight, b * scale], dim=1)
-            out = torch.nn.functional.linear(torch.cat([flat, low], dim=1), wide, bias)
+            out = summed_linear(flat, low, weight, b * scale, bias)
         else:
             out = torch.nn.functional.linear(flat, weight, bias)
             out.addmm_(low, b.t(), alpha=scale)
