@@ -123,6 +123,31 @@ def test_shared_prefixes_across_requests_and_adapters_equal_the_dense_reference(
     idle(be)
 
 
+def test_decode_rows_are_grouped_by_adapter(be, monkeypatch) -> None:
+    """Requests of two adapters, interleaved: every decode step routes one LoRA segment per
+    adapter (not one per request), and each sample equals its dense reference."""
+    from tuneloop.server.engine import model_runner
+
+    segments: list[int] = []
+    original = model_runner.Routing.from_lengths
+
+    def counting(keys: list[str | None], lengths: list[int]) -> Any:
+        routing = original(keys, lengths)
+        if len(lengths) == 8 and set(lengths) == {1}:  # the 8 decode rows (body or head)
+            segments.append(len(routing.runs))
+        return routing
+
+    monkeypatch.setattr(model_runner.Routing, "from_lengths", staticmethod(counting))
+    works = [
+        sw("sA" if i % 2 == 0 else "base", seq(6 + i, 20 + i), num_samples=2, max_tokens=5, seed=i)
+        for i in range(4)
+    ]
+    results = be.sample(works)
+    assert segments and max(segments) == 2, segments
+    check_dense(be, works, results)
+    idle(be)
+
+
 def test_chunked_prefill_next_to_decoding_rows_equals_the_dense_reference(be) -> None:
     be.prefill_chunk = 3
     running = sw("base", seq(5, 5), max_tokens=20, seed=4)

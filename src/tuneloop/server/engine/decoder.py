@@ -77,6 +77,9 @@ log = logging.getLogger(__name__)
 DEFAULT_PREFILL_CHUNK = 256
 # Prompt tokens of one step when no row decodes (activations of one forward pass stay bounded).
 MAX_STEP_TOKENS = 8192
+# Decode rows kept grouped by adapter (`_grouped_by_key`; bench/mixed_decode.py switches it off
+# to compare).
+_GROUP_BY_KEY = True
 
 
 def _out_of_blocks(blocks: int) -> EngineError:
@@ -303,12 +306,16 @@ class Decoder:
                 self.blocks.seal(seq.table[index], live.digests[index], block)
             seq.sealed = max(seq.sealed, full)
         # Logits rows: the decoding rows', then one per completed prompt, repeated per sample.
-        picks = list(range(len(self.rows)))
+        # A completed prompt's rows join after the last row of their adapter: the decode rows
+        # stay grouped by key, so each adapted layer runs one LoRA segment per key and not one
+        # per request (`_grouped_by_key`).
+        entries = [(lv, row, i) for i, (lv, row) in enumerate(self.rows)]
         for offset, live in enumerate(completing, start=len(self.rows)):
             self.joining.remove(live)
             self._fork(live)
-            self.rows += [(live, row) for row in live.request.rows]
-            picks += [offset] * len(live.request.rows)
+            _grouped_by_key(entries, [(live, row, offset) for row in live.request.rows])
+        self.rows = [(lv, row) for lv, row, _ in entries]
+        picks = [i for _, _, i in entries]
         if picks and picks == list(range(len(logits))):  # decoding rows alone (most steps)
             self.logits = logits  # a copy of [rows, V] saved
         elif picks:
@@ -454,6 +461,25 @@ class Decoder:
 
 def _no_logits() -> torch.Tensor:
     return torch.zeros((0, 0), dtype=torch.float32)
+
+
+def _grouped_by_key(
+    entries: list[tuple[_Live, Row, int]], joining: list[tuple[_Live, Row, int]]
+) -> None:
+    """Insert `joining` (one request's rows) into `entries` after the last row routed through
+    the same adapter, or at the end. Across requests of several adapters in one decode batch
+    (tenants sampling at once, their requests interleaved) a step then has one LoRA segment
+    per adapter: per-request segments of a few rows each ran the products as many small
+    matmuls, 2x a lone adapter's step at 32 requests of two adapters (docs/benchmarks.md).
+    A row's values do not depend on its place in the batch (draws are seeded per row)."""
+    key = joining[0][1].seq.key if joining[0][1].seq is not None else None
+    at = len(entries)
+    for index in range(len(entries) - 1 if _GROUP_BY_KEY else -1, -1, -1):
+        seq = entries[index][1].seq
+        if seq is not None and seq.key == key:
+            at = index + 1
+            break
+    entries[at:at] = joining
 
 
 def _answer(request: RunningRequest) -> SampleResult | EngineError:
