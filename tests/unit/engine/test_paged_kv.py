@@ -143,7 +143,8 @@ def test_decode_rows_are_grouped_by_adapter(be, monkeypatch) -> None:
         for i in range(4)
     ]
     results = be.sample(works)
-    assert segments and max(segments) == 2, segments
+    assert segments
+    assert max(segments) == 2, segments
     check_dense(be, works, results)
     idle(be)
 
