@@ -29,7 +29,8 @@ if [[ "${1:-}" == "--fetch-wheels" ]]; then
     # The server extra's pins (pyproject.toml) with their dependencies; transformers and peft at
     # the pinned versions without theirs (the image has torch, tokenizers, huggingface_hub).
     "$PY" -m pip download "${common[@]}" "pydantic==2.14.4" "fastapi==0.165.0" \
-        "uvicorn==0.54.0" "sqlalchemy>=2.0,<2.2" "zstandard>=0.23" || exit 1
+        "uvicorn==0.54.0" "sqlalchemy>=2.0,<2.2" "zstandard>=0.23" "pyjwt==2.15.1" \
+        "python-json-logger==4.2.0" || exit 1
     "$PY" -m pip download "${common[@]}" --no-deps "transformers==5.24.0" "peft==0.21.2" ||
         exit 1
     du -sh "$WHEELS"
@@ -62,7 +63,8 @@ if ! "$PY" -c "import tuneloop.server.engine.torch_backend, peft" 2>>"$LOG"; the
     exit 1
 fi
 server_flag=()
-if ! "$PY" -c "import fastapi, uvicorn, sqlalchemy, zstandard" 2>/dev/null; then
+# The modules `tuneloop serve` imports, not a list of packages that can fall behind them.
+if ! "$PY" -c "import tuneloop.server.cli.serve, tuneloop.server.app" 2>>"$LOG"; then
     log "no server stack here: the server column is skipped (--no-server)"
     server_flag=(--no-server)
 fi
