@@ -689,6 +689,13 @@ def main() -> int:
         "(default) or through PEFT's unmerged LoRA layers",
     )
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="a folder: after the timed runs, one engine training step and one sampling call "
+        "under torch.profiler, their op tables written there",
+    )
     args = parser.parse_args()
     if args.quick:  # every code path on a fraction of the work; the numbers mean nothing
         args.steps, args.warmup, args.sample_rounds, args.latency_rounds = 1, 1, 1, 2
@@ -860,6 +867,12 @@ def main() -> int:
         add_bandwidth(report["sampling"], sequences, weight_bytes, kv_bytes, read_gbs)
         if remote is not None:
             report["server_rss_mib_end"] = rss_mib(remote.pid)
+        if args.profile is not None and engine is not None:
+            report["profile"] = profile_engine(
+                engine, batches[-1], prompts, args.samples, args.new_tokens, args.profile
+            )
+        if device.type == "cuda":
+            report["cuda_max_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     report["wall_s"] = round(time.perf_counter() - started, 1)
 
     expected = sequences * args.new_tokens * args.sample_rounds
@@ -872,6 +885,53 @@ def main() -> int:
         args.json.write_text(text_out)
     print_summary(report)
     return 0 if ok else 1
+
+
+def profile_engine(
+    engine: EngineColumn,
+    batch: list[list[int]],
+    prompts: list[list[int]],
+    samples: int,
+    new: int,
+    dest: Path,
+) -> dict[str, Any]:
+    """One training step and one sampling call of the in-process engine under torch.profiler:
+    the op table of each, by device time on a GPU (by CPU time elsewhere), to `dest`. Per
+    phase: wall time, the ops' summed device time (kernels, so the device's busy fraction) and
+    CPU time: where a GPU step is bound by the host issuing kernels, busy is far below wall."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = engine.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    dest.mkdir(parents=True, exist_ok=True)
+    phases: dict[str, Callable[[], Any]] = {
+        "train_step": lambda: engine.train_step(batch),
+        # a few decode steps: a profile of every step of a long call is slow to summarise
+        "sample": lambda: engine.sample(prompts, samples, min(new, 16)),
+    }
+    summary: dict[str, Any] = {}
+    for name, run in phases.items():
+        run()  # warm: nothing built for the first time under the profiler
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            run()
+            wall = time.perf_counter() - start
+        events = prof.key_averages()
+        device_ms = sum(e.self_device_time_total for e in events) / 1e3 if cuda else None
+        cpu_ms = sum(e.self_cpu_time_total for e in events) / 1e3
+        table = events.table(sort_by=sort, row_limit=40)
+        header = (
+            f"{name}: wall {wall * 1e3:.1f} ms, device {device_ms} ms, ops' cpu {cpu_ms:.1f} ms"
+        )
+        (dest / f"profile_{name}.txt").write_text(header + "\n" + table)
+        print(header, file=sys.stderr)
+        summary[name] = {
+            "wall_ms": round(wall * 1e3, 1),
+            "device_ms": None if device_ms is None else round(device_ms, 1),
+            "device_busy_fraction": None if device_ms is None else round(device_ms / wall / 1e3, 3),
+        }
+    return summary
 
 
 def print_summary(report: dict[str, Any]) -> None:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The engine benchmark on a GPU: the device's measured peak (bench/machine_peak.py), then
 # bench/engine.py on random-weight Qwen3 models (no download, no GGUF), bf16, every column on
-# the GPU. JSON and a log go to $OUT when it is set (else ./gpu-bench). Bounded: every step runs
-# under `timeout`, and the whole script stays inside BUDGET_S (default 470 s) so a lent machine
-# with an ~8-minute command limit returns what finished.
+# the GPU. JSON, a log and the engine's op profiles (engine.py --profile: is a step bound by
+# the device or by the host issuing kernels?) go to $OUT when it is set (else ./gpu-bench).
+# Bounded: every step runs under `timeout`, and the whole script stays inside BUDGET_S
+# (default 470 s) so a lent machine with an ~8-minute command limit returns what finished.
 #
 #   bash bench/gpu_run.sh                       # on the GPU machine, from the repo root
 #   CONFIGS="qwen3-1.7b qwen3-8b" bash bench/gpu_run.sh
@@ -97,7 +98,7 @@ for config in $CONFIGS; do
     # shellcheck disable=SC2086
     timeout --kill-after=15 "$budget" "$PY" bench/engine.py --random-init "$config" \
         --device "$DEVICE" --dtype "$DTYPE" --steps 10 --warmup 3 --sample-rounds 3 \
-        "${server_flag[@]}" "${peak_flag[@]}" $EXTRA \
+        "${server_flag[@]}" "${peak_flag[@]}" $EXTRA --profile "$DEST/profile_${config}" \
         --json "$DEST/engine_${config}_${DTYPE}.json" >/dev/null 2> >(tee -a "$LOG" >&2)
     rc=$?
     log "engine.py $config exited $rc"
