@@ -617,6 +617,12 @@ def drain(stream: Any, tail: list[str]) -> None:
         pass
 
 
+def print_tail(tail: list[str]) -> None:
+    """The server's last lines (its side of a failed request: the engine's traceback)."""
+    print("---- the server's last lines ----", file=sys.stderr)
+    print("".join(tail), end="", file=sys.stderr)
+
+
 def resolve_model(args: argparse.Namespace, cache_dir: Path, scratch: Path) -> tuple[str, Path]:
     """(the name the server and engine load, the HF folder the PEFT column loads)."""
     from tuneloop.server.engine import models
@@ -795,6 +801,7 @@ def main() -> int:
             )
             tail: list[str] = []
             threading.Thread(target=drain, args=(server.process.stdout, tail), daemon=True).start()
+            stack.push(lambda kind, *_: print_tail(tail) if kind is not None else None)
             client = TinkerColumn if args.sdk == "tinker" else ServerColumn
             remote = client(server.url, server.key, server.process.pid, model)
             stack.callback(remote.close)

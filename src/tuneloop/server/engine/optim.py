@@ -99,9 +99,10 @@ class AdapterOptimizer:
             for index, key in ((1, "exp_avg"), (2, "exp_avg_sq")):
                 if isinstance(state.get(key), torch.Tensor):
                     groups[index].append(state[key])
-        maxima = [
-            torch.stack([t.abs().max() for t in g]).max() if g else torch.zeros(()) for g in groups
-        ]
+        # Before the first step there are no moments: a zero on the weights' device (a CPU
+        # zero stacked with CUDA maxima fails).
+        zero = torch.zeros((), device=self._params[0].device)
+        maxima = [torch.stack([t.abs().max() for t in g]).max() if g else zero for g in groups]
         weight, m, v = (float(x) for x in torch.stack(maxima).tolist())
         return weight, m, v
 
