@@ -27,6 +27,10 @@ from tuneloop.server.engine.types import EngineError, SampleWork  # noqa: E402
 
 @pytest.fixture
 def be(backend) -> Any:
+    return with_samplers(backend)
+
+
+def with_samplers(backend: Any) -> Any:
     """A trained adapter's snapshot `sA` and a base-model sampler, blocks of 4 tokens (prompts
     of a few blocks, partly filled last blocks shared by samples)."""
     backend.create_adapter(adapter_spec("A", rank=4, seed=1))

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tuneloop.server.engine.decode_graphs import DecodeGraphs, StaticStep
 from tuneloop.server.engine.fused_head import chunked_logits, head_parts
 from tuneloop.server.engine.kv.paged_attention import KVPool, PagedStep, Prefill, paged
 from tuneloop.server.engine.kv.sequence import Sequence
@@ -49,6 +50,10 @@ class ModelRunner:
         # The decode rows' attention kernel (kv/decode_attention.py), or None for the
         # reference's gather + SDPA. Set by the runtime.
         self.decode_kernel: Callable[..., torch.Tensor] | None = None
+        # Steps of decode rows alone replayed as CUDA graphs (decode_graphs.py) while
+        # `graphs_on`; None until first asked for. Set by the runtime (`use_graphs`).
+        self.graphs: DecodeGraphs | None = None
+        self.graphs_on = False
         self.forwards = 0  # forward passes run (tests count prefills with it)
         self.tokens = 0  # tokens run through the model
         # The routings of the last step, reused while the layout of adapters is the same: its
@@ -73,9 +78,17 @@ class ModelRunner:
 
     def forget_routings(self) -> None:
         """Drop the routings held for the next steps (and the lone key's weights they hold):
-        the next step routes anew."""
+        the next step routes anew. Decode graphs hold routings of their own."""
         self._body.clear()
         self._head.clear()
+
+    def use_graphs(self, on: bool, *, capture: bool = True) -> None:
+        """Decode steps as CUDA graphs (`capture=False`: the same padded static steps run
+        eagerly, which the tests compare with the plain step) or not. Graphs made before are
+        kept while off (a call with them off, then on again, captures nothing anew)."""
+        self.graphs_on = on
+        if on and (self.graphs is None or self.graphs.capture != capture):
+            self.graphs = DecodeGraphs(self, capture=capture)
 
     def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
         size = self.pool.block_size
@@ -151,6 +164,10 @@ class ModelRunner:
     def run(self, work: Seq[Scheduled]) -> torch.Tensor:
         """Run the step; returns fp32 logits [len(wanting), V] of the items that want them, in
         order, and marks every item's tokens computed."""
+        if self.graphs is not None and self.graphs_on:
+            logits = self.graphs.run(work)
+            if logits is not None:
+                return logits
         step, tokens, positions = self._step(work)
         ends = list(itertools.accumulate(i.length for i in work))
         keep = [end - 1 for end, item in zip(ends, work, strict=True) if item.wants_logits]
@@ -174,12 +191,34 @@ class ModelRunner:
         # rows' adapters (an adapter may train the head too).
         wanting = [k for k, item in zip(keys, work, strict=True) if item.wants_logits]
         head_routing = self._route(self._head, wanting, [1] * len(wanting))
+        return self._logits(hidden[torch.tensor(keep, device=self.device)], head_routing)
+
+    def _logits(self, last: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """fp32 logits of the rows' last hidden states [rows, hidden], the head routed by
+        `routing` (one row per sequence)."""
         head: nn.Module = self.model.get_output_embeddings()  # type: ignore[operator]
-        with self.bank.using(head_routing):
-            last = hidden[torch.tensor(keep, device=self.device)]
+        with self.bank.using(routing):
             parts = head_parts(head, last)
             logits = chunked_logits(parts, last) if parts else head(last[None])[0].float()
         softcap = getattr(self.model.config, "final_logit_softcapping", None)
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
         return logits
+
+    @torch.no_grad()
+    def forward_static(self, static: StaticStep) -> torch.Tensor:
+        """A decode step on a graph's static inputs (decode_graphs.py): the forward pass and the
+        head, every padded row's fp32 logits [rows, V]. Captured on CUDA; run as it is on the
+        CPU (`use_graphs(capture=False)`)."""
+        step = PagedStep(
+            self.pool, static.slot_mapping, static.rows, static.decode_slots, static.decode_mask
+        )
+        decoder: nn.Module = self.model.get_decoder()  # type: ignore[operator]
+        with self.bank.using(static.body), paged(self.model):
+            hidden = decoder(
+                input_ids=static.ids,
+                position_ids=static.positions,
+                use_cache=False,
+                paged_step=step,
+            ).last_hidden_state[0]
+        return self._logits(hidden, static.head)

@@ -57,6 +57,7 @@ class Runtime:
         block_size: int | None = None,
         merge_lone_adapter: bool = False,
         fuse_lone_key: bool = False,
+        graphs: bool = False,
     ) -> Decoder:
         """This model's decoder, made on first use with a pool sized by the memory budget (and
         made again, while idle, if the budget or block size asked for changed)."""
@@ -89,6 +90,7 @@ class Runtime:
         lone = "merged" if merge_lone_adapter else "fused" if fuse_lone_key else None
         decoder.runner.lone_weights = lone
         decoder.runner.decode_kernel = decode_attention.compiled() if self.compiled_decode else None
+        decoder.runner.use_graphs(graphs, capture=self.device.type == "cuda")
         return decoder
 
     def compile_decode(self) -> bool:

@@ -75,6 +75,7 @@ class TorchBackend:
         merge_lone_adapter: bool | None = None,
         fuse_lone_key: bool | None = None,
         compile_norms: bool | None = None,
+        decode_graphs: bool | None = None,
     ) -> None:
         self.device = _device(device)
         if self.device.type == "cpu":
@@ -105,6 +106,8 @@ class TorchBackend:
         # rounding, ~1e-7 in a logprob).
         self.merge_lone_adapter = merge_lone_adapter
         self.fuse_lone_key = fuse_lone_key
+        # Decode steps replayed as CUDA graphs (decode_graphs.py). None: on a GPU.
+        self.decode_graphs = decode_graphs
         self._runtimes: dict[str, Runtime] = {}
         for name in models:
             loaded = load_model(
@@ -349,8 +352,11 @@ class TorchBackend:
             merge = fuse is not True and weight.dtype == torch.float32 and weight.is_cpu
         if fuse is None:
             fuse = packed.packable(weight)
+        graphs = self.decode_graphs
+        if graphs is None:
+            graphs = self.device.type == "cuda"
         return runtime.sampling_decoder(
-            self.sample_token_budget, self.prefill_chunk, self.kv_block_size, merge, fuse
+            self.sample_token_budget, self.prefill_chunk, self.kv_block_size, merge, fuse, graphs
         )
 
     def _route(self, sampler_id: str, runtime: Runtime) -> tuple[str | None, str]:

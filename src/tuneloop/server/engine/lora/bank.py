@@ -88,10 +88,28 @@ class AdapterBank:
         # One key's decode weights (`lone_weights`), kept while it is sampled alone.
         self._lone: tuple[tuple[str | None, bool], LoneWeights] | None = None
         self._refused: tuple[str | None, bool] | None = None  # too large for free memory
+        # Per key, the count of changes to the bank when its factors were last set (made,
+        # snapshotted, loaded): what a CUDA graph that read them checks (`version`).
+        self._versions: dict[str, int] = {}
+        self._changes = 0
 
     # ---- slots --------------------------------------------------------------------------
 
+    def _changed(self, key: str) -> None:
+        self._changes += 1
+        self._versions[key] = self._changes
+
+    def version(self, key: str | None) -> int | None:
+        """A number that changes whenever `key`'s factors are set anew (0: the base model), or
+        None for a trainable adapter, whose factors change in place at every optimizer step."""
+        if key is None:
+            return 0
+        if key in self._trainable or key not in self._versions:
+            return None
+        return self._versions[key]
+
     def _take_slot(self, key: str) -> str:
+        self._changed(key)
         used = set(self._slot_of.values())
         slot = next(str(i) for i in range(len(used) + 1) if str(i) not in used)
         self._slot_of[key] = slot
@@ -183,6 +201,7 @@ class AdapterBank:
     def load(self, key: str, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy factors in place (trainable adapters keep their Parameter objects)."""
         self._forget_lone(key)
+        self._changed(key)
         for name, module, a, b in list(self._layers(key)):
             new_a, new_b = self._read(name, module, tensors)
             if new_a.shape != a.shape or new_b.shape != b.shape:
@@ -278,6 +297,7 @@ class AdapterBank:
 
     def delete(self, key: str) -> None:
         self._forget_lone(key)
+        self._changed(key)
         slot = self._slot_of.pop(key, None)
         if slot is not None:
             for module in self.modules.values():
