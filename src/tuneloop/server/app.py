@@ -85,6 +85,7 @@ def build_backend(config: ServerConfig) -> Backend:
                 shard_weights=config.shard_weights,
                 compile_norms=config.compile_norms,
                 merged_sampling=config.merged_sampling,
+                decode_graphs=config.decode_graphs,
             )
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, None: None}[config.dtype]
         return TorchBackend(
@@ -94,6 +95,7 @@ def build_backend(config: ServerConfig) -> Backend:
             dtype=dtype,
             compile_norms=config.compile_norms,
             merge_lone_adapter=config.merged_sampling,
+            decode_graphs=config.decode_graphs,
         )
     raise ValueError(f"unknown backend {config.backend!r} (available: torch, fake)")
 

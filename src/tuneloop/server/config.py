@@ -42,6 +42,8 @@ class ServerConfig:
     # sampler draws further from the trained policy (SmolLM2-135M bf16: largest logprob gap
     # to a training pass 0.44-0.55 merged against 0.13-0.21; docs/benchmarks.md).
     merged_sampling: bool | None = None
+    # torch: decode steps replayed as CUDA graphs (engine/decode_graphs.py); None: on a GPU.
+    decode_graphs: bool | None = None
     # Converted and downloaded models, shared by every server on the machine.
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "tuneloop")
     # retrieve_future holds a poll this long before answering try_again; the official SDK's

@@ -485,11 +485,11 @@ def test_serve_hands_the_compile_switch_to_the_engine(
     assert seen == [None, True, False]
 
 
-def test_serve_hands_the_merged_sampling_switch_to_the_engine(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def _switch_reaches_the_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: str, field: str, engine_kwarg: str
 ) -> None:
-    """`--merged-sampling` / `--no-merged-sampling` reach the server config, and the config the
-    torch engine (its merge_lone_adapter; None: the engine's default, by dtype)."""
+    """`--flag` / `--no-flag` reach the server config's `field`, and the config the torch
+    engine's `engine_kwarg` (None: the engine's default)."""
     pytest.importorskip("torch")
     import tuneloop.server.app as app_module
     import tuneloop.server.engine.torch_backend as torch_backend
@@ -498,17 +498,35 @@ def test_serve_hands_the_merged_sampling_switch_to_the_engine(
     seen: list[bool | None] = []
 
     def capture(config: Any, *args: Any, **kwargs: Any) -> Any:
-        seen.append(config.merged_sampling)
+        seen.append(getattr(config, field))
         raise ValueError("captured")
 
     monkeypatch.setattr(app_module, "create_app", capture)
-    for flags in ((), ("--merged-sampling",), ("--no-merged-sampling",)):
+    for flags in ((), (f"--{flag}",), (f"--no-{flag}",)):
         assert run("serve", "--backend", "fake", *flags, *data(tmp_path)).exit_code == 2
     assert seen == [None, True, False]
 
     made: list[dict[str, Any]] = []
     monkeypatch.setattr(torch_backend, "TorchBackend", lambda *a, **k: made.append(k))
     for choice in (None, True, False):
-        config = ServerConfig(tmp_path, backend="torch", merged_sampling=choice)
+        config = ServerConfig(tmp_path, backend="torch", **{field: choice})
         app_module.build_backend(config)
-    assert [k["merge_lone_adapter"] for k in made] == [None, True, False]
+    assert [k[engine_kwarg] for k in made] == [None, True, False]
+
+
+def test_serve_hands_the_merged_sampling_switch_to_the_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """merge_lone_adapter None: the engine's default, by dtype."""
+    _switch_reaches_the_engine(
+        tmp_path, monkeypatch, "merged-sampling", "merged_sampling", "merge_lone_adapter"
+    )
+
+
+def test_serve_hands_the_decode_graphs_switch_to_the_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """decode_graphs None: CUDA graphs on a GPU, none on a CPU."""
+    _switch_reaches_the_engine(
+        tmp_path, monkeypatch, "decode-graphs", "decode_graphs", "decode_graphs"
+    )

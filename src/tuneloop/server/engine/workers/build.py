@@ -31,6 +31,7 @@ def worker_group(
     rank_memory: int | None = None,
     compile_norms: bool | None = None,
     merged_sampling: bool | None = None,
+    decode_graphs: bool | None = None,
 ) -> WorkerGroupBackend:
     """A local group of `workers` processes (one per GPU, else sharing the CPU cores), or
     with `ray_address` one Ray actor per worker. `shard_weights="fsdp"`: the base weights are
@@ -60,6 +61,7 @@ def worker_group(
             threads=max(1, int(ray_cpus)),
             compile_norms=compile_norms,
             merged_sampling=merged_sampling,
+            decode_graphs=decode_graphs,
         )
 
         def make() -> Placement:
@@ -88,6 +90,7 @@ def worker_group(
         gpus_per_host=gpus,
         compile_norms=compile_norms,
         merged_sampling=merged_sampling,
+        decode_graphs=decode_graphs,
     )
     return group_class(
         lambda: LocalPlacement(settings, workers, runtime_class), state_dir=state_dir

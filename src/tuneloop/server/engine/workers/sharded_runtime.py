@@ -113,6 +113,7 @@ class ShardedWorkerRuntime(WorkerRuntime):
                     merge_lone_adapter=False,
                     fuse_lone_key=False,
                     compile_norms=False,  # FSDP2 hands the norms DTensor weights
+                    decode_graphs=False,  # the forward gathers the shards (collectives)
                 )
                 for name, model in self.backend.resident_models().items():
                     self.sharded[name] = shard_model(model, mesh)

@@ -63,6 +63,7 @@ class WorkerSettings:
     gpus_per_host: int = 0  # local groups: rank r uses cuda:(r % gpus_per_host)
     compile_norms: bool | None = None  # TorchBackend's; None: where it pays (compiled.py)
     merged_sampling: bool | None = None  # TorchBackend's merge_lone_adapter
+    decode_graphs: bool | None = None  # TorchBackend's; None: on a GPU
 
 
 def worker_device(settings: WorkerSettings, rank: int) -> str:
@@ -123,6 +124,7 @@ class WorkerRuntime:
             dtype=settings_dtype(settings),
             compile_norms=settings.compile_norms,
             merge_lone_adapter=settings.merged_sampling,
+            decode_graphs=settings.decode_graphs,
         )
         join_group(self.device, init_method, rank, size)
         # Gradients of each adapter as they were before the last forward_backward call, to
