@@ -10,6 +10,7 @@
 #   CONFIGS="qwen3-1.7b qwen3-8b" bash bench/gpu_run.sh
 #   DEVICE=cpu CONFIGS=tiny DTYPE=float32 EXTRA=--quick bash bench/gpu_run.sh   # smoke, no GPU
 #   PEAK_JSON=bench/results/peak_cuda_h200.json bash bench/gpu_run.sh  # peak measured before: kept
+#   GRAPHS_AB=1 bash bench/gpu_run.sh   # then bench/decode_graphs.py per config, time allowing
 #
 # The GPU image has torch, transformers and peft but not the server stack (pydantic, fastapi,
 # uvicorn, sqlalchemy, ...). Fetch those as wheels once, on a machine with network access:
@@ -110,6 +111,14 @@ for config in $CONFIGS; do
     rc=$?
     log "engine.py $config exited $rc"
     ((rc == 0)) || status=1
+    budget=$(left)
+    if [[ -n "${GRAPHS_AB:-}" ]] && ((budget >= 90)); then
+        log "decode_graphs.py $config: eager against CUDA-graph decode steps (limit ${budget}s)"
+        timeout --kill-after=15 "$budget" "$PY" bench/decode_graphs.py --random-init "$config" \
+            --device "$DEVICE" --dtype "$DTYPE" "${peak_flag[@]}" \
+            --json "$DEST/decode_graphs_${config}.json" 2>&1 | tee -a "$LOG" | tail -25
+        ((PIPESTATUS[0] == 0)) || status=1
+    fi
 done
 log "done; files in $DEST: $(ls "$DEST" | tr '\n' ' ')"
 exit $status

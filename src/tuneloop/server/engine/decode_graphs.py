@@ -20,7 +20,8 @@ then the capture. At most `MAX_GRAPHS` are kept, sharing one memory pool.
 Only steps whose rows all decode run as graphs (a step with prompt chunks runs eagerly), and
 only where the step needs no host-side decision inside the forward: dense models (mixture-of-
 experts layers route tokens with host-read counts), no lone-key weight copies (those are the
-CPU's), no flash-attn block tables. A graph reads its adapters' factors as cast when it was
+CPU's), no flash-attn block tables; sharded ranks (their forward gathers the shards with
+collectives) never ask for graphs. A graph reads its adapters' factors as cast when it was
 made, so it is kept across sampling calls only while each of its keys' factors are the same
 (`AdapterBank.version`: a sampler made again under its id, or loaded, makes a new graph), and
 rows of a trainable adapter (its factors change in place at every optimizer step) run eagerly.
@@ -109,10 +110,6 @@ class DecodeGraphs:
 
     def __len__(self) -> int:
         return len(self._steps)
-
-    def clear(self) -> None:
-        """Drop every graph (the factors they read may change after this)."""
-        self._steps.clear()
 
     def _supported(self) -> bool:
         runner = self.runner
