@@ -88,8 +88,8 @@ class AdapterBank:
         # One key's decode weights (`lone_weights`), kept while it is sampled alone.
         self._lone: tuple[tuple[str | None, bool], LoneWeights] | None = None
         self._refused: tuple[str | None, bool] | None = None  # too large for free memory
-        # Per key, the count of changes to the bank when its factors were last set (made,
-        # snapshotted, loaded): what a CUDA graph that read them checks (`version`).
+        # Per live key, the count of changes to the bank when its factors were last set
+        # (made, snapshotted, loaded): what a CUDA graph that read them checks (`version`).
         self._versions: dict[str, int] = {}
         self._changes = 0
 
@@ -297,7 +297,8 @@ class AdapterBank:
 
     def delete(self, key: str) -> None:
         self._forget_lone(key)
-        self._changed(key)
+        # (the count is global: a key made again later gets a number no graph has seen)
+        self._versions.pop(key, None)
         slot = self._slot_of.pop(key, None)
         if slot is not None:
             for module in self.modules.values():
