@@ -21,6 +21,8 @@ At SmolLM2-135M's shapes, bf16 (the engine's dtype where the CPU has bf16 units)
 Prints the CPU model, the load and the medians with their ratios.
 
     python bench/cpu_kernels.py [--repeats 20] [--threads 2] [--dtype bfloat16]
+    python bench/cpu_kernels.py --dtype float32 --only linears   # oneDNN's fp32 kernel, packed,
+                                                                 # against MKL's sgemm
 """
 
 from __future__ import annotations
@@ -65,9 +67,14 @@ def _linears(dtype: torch.dtype, repeats: int) -> str:
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(s, generator=g).to(dtype) for _ in range(LAYERS) for s in shapes]
     weights.append(torch.randn(VOCAB, HIDDEN, generator=g).to(dtype))
-    if not packed.packable(weights[0]):
+    if dtype == torch.float32:
+        # Not packed by the engine (fp32 goes to MKL's sgemm): oneDNN's fp32 kernel on its
+        # blocked layout, measured as a candidate.
+        packs = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+    elif not packed.packable(weights[0]):
         return f"packed linear: {dtype} weights cannot be packed on this CPU (no native kernels)"
-    packs = [packed.pack(w) for w in weights]
+    else:
+        packs = [packed.pack(w) for w in weights]
     xs = {n: torch.randn(128, n, generator=g).to(dtype) for n in (HIDDEN, INTER)}
 
     def run(ws: list[torch.Tensor]) -> None:
@@ -256,11 +263,23 @@ def _padded_backward(dtype: torch.dtype, repeats: int) -> str:
     )
 
 
+SECTIONS: dict[str, Callable[[torch.dtype, int], str]] = {
+    "linears": _linears,
+    "decode-attention": _decode_attention,
+    "training-attention": _training_attention,
+    "score-products": _score_products,
+    "padded-backward": _padded_backward,
+}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument(
+        "--only", choices=sorted(SECTIONS), default=None, help="one of the five comparisons"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from tuneloop.server.engine import host_allocator
@@ -268,11 +287,9 @@ def main() -> int:
     host_allocator.tune_for_cpu_engine()  # the engine's allocator settings, as it runs
     dtype = getattr(torch, args.dtype)
     print(f"cpu: {cpu_model()}  threads {args.threads}  load {os.getloadavg()}")
-    print(_linears(dtype, args.repeats))
-    print(_decode_attention(dtype, args.repeats))
-    print(_training_attention(dtype, args.repeats))
-    print(_score_products(dtype, args.repeats))
-    print(_padded_backward(dtype, args.repeats))
+    for name, section in SECTIONS.items():
+        if args.only in (None, name):
+            print(section(dtype, args.repeats))
     print("load:", os.getloadavg())
     return 0
 
