@@ -60,7 +60,8 @@ def test_static_steps_sample_what_the_plain_steps_do(be) -> None:
     """Requests of an adapter and of the base model, 5 decode rows (3 pad rows in the bucket of
     8, the pad rows on the last row's adapter), contexts growing across width buckets: every
     sample's tokens are the plain steps', logprobs within fp32 rounding, and each equals HF's
-    dense decoding. A plain run afterwards (the pad slot written by pad rows) is unchanged."""
+    dense decoding. The pool's zero pad slot stays zero (pad rows write a scratch slot), and a
+    plain run afterwards is unchanged."""
     _products(be)
     works = [
         sw("sA", seq(6, 30), num_samples=2, max_tokens=12, seed=1),
@@ -86,6 +87,10 @@ def test_static_steps_sample_what_the_plain_steps_do(be) -> None:
         "static decode steps",
     )
     check_dense(be, works, static)
+    pool = be._runtimes[TINY].decoder.runner.pool
+    for tensors in (pool.keys, pool.values):  # pad rows wrote the scratch slot, never the pad
+        assert all(not t[pool.pad_slot].any() for t in tensors.values())
+        assert all(t[pool.scratch_slot].any() for t in tensors.values())
     be.decode_graphs = False
     replayed, made = graphs.replayed, len(graphs)
     again = be.sample(works)

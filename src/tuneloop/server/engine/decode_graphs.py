@@ -9,13 +9,14 @@ the LM head; its inputs are static tensors (token ids, positions, the slot each 
 value goes to, each row's slots and mask) that a step fills before the replay.
 
 Shapes are fixed per graph, so a step is padded to its bucket: rows to the next of
-`ROW_BUCKETS` (pad rows read token 0 at position 0, write their keys to the pool's pad slot and
-attend to it alone; their logits are dropped), the context width to a bucket at most a quarter
-above it (`width_bucket`; masked pad slots, as the eager step pads to its longest row). Pad
-rows use the last row's adapter, so the adapter layout of a bucket is the step's with its last
-segment longer. A graph is made the first time its (rows, width, layout) is seen: one eager
-run outside the graph (caches of cast and stacked factors are built there, not captured),
-then the capture. At most `MAX_GRAPHS` are kept, sharing one memory pool.
+`ROW_BUCKETS` (pad rows read token 0 at position 0, write their keys to the pool's scratch
+slot, attend to its zero pad slot alone, and their logits are dropped: whatever a pad row
+computes, a broken adapter's NaN included, no other row reads), the context width to a bucket
+at most a quarter above it (`width_bucket`; masked pad slots, as the eager step pads to its
+longest row). Pad rows use the last row's adapter, so the adapter layout of a bucket is the
+step's with its last segment longer. A graph is made the first time its (rows, width,
+layout) is seen: one eager run outside the graph (caches of cast and stacked factors are built
+there, not captured), then the capture. At most `MAX_GRAPHS` are kept, sharing one memory pool.
 
 Only steps whose rows all decode run as graphs (a step with prompt chunks runs eagerly), and
 only where the step needs no host-side decision inside the forward: dense models (mixture-of-
@@ -201,7 +202,7 @@ class DecodeGraphs:
         count, rows, width = len(work), static.rows, static.width
         ids = np.zeros(rows, dtype=np.int64)
         positions = np.zeros(rows, dtype=np.int64)
-        new_slots = np.full(rows, pad, dtype=np.int64)
+        new_slots = np.full(rows, pool.scratch_slot, dtype=np.int64)  # the pad rows' writes
         blocks = -(-width // size)
         tables = np.zeros((rows, blocks), dtype=np.int64)
         for row, item in enumerate(work):
@@ -213,7 +214,7 @@ class DecodeGraphs:
         slots = (tables[:, :, None] * size + np.arange(size)).reshape(rows, blocks * size)
         mask = np.zeros((rows, width), dtype=bool)
         mask[:count] = np.arange(width)[None, :] < contexts[:, None]
-        mask[count:, 0] = True  # a pad row attends to the pad slot alone (no empty softmax)
+        mask[count:, 0] = True  # a pad row attends to the zero pad slot (no empty softmax)
         slots = np.where(mask, slots[:, :width], pad)
         slots[count:] = pad  # the pad slot: never a block's stale (maybe NaN) slots
         static.ids.copy_(torch.from_numpy(ids)[None])

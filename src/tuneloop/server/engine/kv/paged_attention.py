@@ -59,7 +59,9 @@ class KVPool:
     block's slots are always written before they are read. One more slot, `pad_slot`, past the
     blocks, is zeros and never written: the padding of decode rows gathered to the step's
     longest context reads it, so that a masked position never reads stale memory (a NaN there
-    would leak through the attention's 0 x NaN into another request's row).
+    would leak through the attention's 0 x NaN into another request's row). One more,
+    `scratch_slot`, is written and never read: the pad rows of a decode step padded to a
+    CUDA graph's bucket (decode_graphs.py) write their keys and values there.
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class KVPool:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device, self.dtype = device, dtype
         self.pad_slot = num_blocks * block_size
+        self.scratch_slot = self.pad_slot + 1
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
 
@@ -79,7 +82,7 @@ class KVPool:
         if index not in self.keys:
             for pools, like in ((self.keys, keys), (self.values, values)):
                 pool = torch.empty(
-                    (self.pad_slot + 1, *like.shape[1:]), dtype=self.dtype, device=self.device
+                    (self.scratch_slot + 1, *like.shape[1:]), dtype=self.dtype, device=self.device
                 )
                 pool[self.pad_slot] = 0
                 pools[index] = pool
