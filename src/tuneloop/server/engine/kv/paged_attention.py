@@ -84,7 +84,7 @@ class KVPool:
                 pool = torch.empty(
                     (self.scratch_slot + 1, *like.shape[1:]), dtype=self.dtype, device=self.device
                 )
-                pool[self.pad_slot] = 0
+                pool[self.pad_slot :] = 0  # the pad slot, and the scratch slot's first state
                 pools[index] = pool
         return self.keys[index], self.values[index]
 
