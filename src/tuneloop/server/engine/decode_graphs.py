@@ -198,29 +198,24 @@ class DecodeGraphs:
     def _fill(self, static: StaticStep, work: Sequence[Scheduled], contexts: np.ndarray) -> None:
         """Copy the step's rows into the static inputs; pad rows after them."""
         pool = self.runner.pool
-        size, pad = pool.block_size, pool.pad_slot
         count, rows, width = len(work), static.rows, static.width
         ids = np.zeros(rows, dtype=np.int64)
         positions = np.zeros(rows, dtype=np.int64)
-        new_slots = np.full(rows, pool.scratch_slot, dtype=np.int64)  # the pad rows' writes
-        blocks = -(-width // size)
-        tables = np.zeros((rows, blocks), dtype=np.int64)
         for row, item in enumerate(work):
-            seq, at = item.seq, item.seq.computed
-            ids[row], positions[row] = seq.tokens[at], at
-            used = -(-int(contexts[row]) // size)
-            tables[row, :used] = seq.table[:used]
-            new_slots[row] = seq.table[at // size] * size + at % size
-        slots = (tables[:, :, None] * size + np.arange(size)).reshape(rows, blocks * size)
+            ids[row], positions[row] = item.seq.tokens[item.seq.computed], item.seq.computed
+        # Pad rows read the zero pad slot alone (no empty softmax) and write the scratch slot.
+        slots = np.full((rows, width), pool.pad_slot, dtype=np.int64)
         mask = np.zeros((rows, width), dtype=bool)
-        mask[:count] = np.arange(width)[None, :] < contexts[:, None]
-        mask[count:, 0] = True  # a pad row attends to the zero pad slot (no empty softmax)
-        slots = np.where(mask, slots[:, :width], pad)
-        slots[count:] = pad  # the pad slot: never a block's stale (maybe NaN) slots
+        mask[count:, 0] = True
+        slots[:count], mask[:count] = self.runner.decode_layout(
+            [i.seq for i in work], contexts, width
+        )
+        new_slots = np.full(rows, pool.scratch_slot, dtype=np.int64)
+        new_slots[:count] = slots[np.arange(count), contexts - 1]  # each row's new position
         static.ids.copy_(torch.from_numpy(ids)[None])
         static.positions.copy_(torch.from_numpy(positions)[None])
         static.slot_mapping.copy_(torch.from_numpy(new_slots))
-        static.decode_slots.copy_(torch.from_numpy(np.ascontiguousarray(slots)))
+        static.decode_slots.copy_(torch.from_numpy(slots))
         static.decode_mask.copy_(torch.from_numpy(mask)[:, None, None, :])
 
     def _record(self, static: StaticStep) -> bool:

@@ -474,11 +474,12 @@ def _grouped_by_key(
     A row's values do not depend on its place in the batch (draws are seeded per row)."""
     key = joining[0][1].seq.key if joining[0][1].seq is not None else None
     at = len(entries)
-    for index in range(len(entries) - 1 if _GROUP_BY_KEY else -1, -1, -1):
-        seq = entries[index][1].seq
-        if seq is not None and seq.key == key:
-            at = index + 1
-            break
+    if _GROUP_BY_KEY:
+        for index in range(len(entries) - 1, -1, -1):
+            seq = entries[index][1].seq
+            if seq is not None and seq.key == key:
+                at = index + 1
+                break
     entries[at:at] = joining
 
 

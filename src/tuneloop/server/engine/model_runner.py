@@ -97,7 +97,6 @@ class ModelRunner:
 
     def _step(self, work: Seq[Scheduled]) -> tuple[PagedStep, list[int], list[int]]:
         """The step's attention metadata, its tokens and their positions."""
-        size = self.pool.block_size
         tokens: list[int] = []
         positions: list[int] = []
         slot_mapping: list[np.ndarray] = []
@@ -117,16 +116,9 @@ class ModelRunner:
         # Decode rows: every row's slots, gathered to the longest context of the step.
         contexts = np.array([i.seq.computed + 1 for i in work[:decoding]], dtype=np.int64)
         width = int(contexts.max()) if decoding else 0
-        blocks = -(-width // size)
-        tables = np.zeros((decoding, blocks), dtype=np.int64)
-        for row, item in enumerate(work[:decoding]):
-            used = -(-int(contexts[row]) // size)
-            tables[row, :used] = item.seq.table[:used]
-        slots_of_rows = tables[:, :, None] * size + np.arange(size)  # [D, blocks, size]
-        decode_slots = slots_of_rows.reshape(decoding, blocks * size)[:, :width]
-        decode_mask = np.arange(width)[None, :] < contexts[:, None]
-        # Past a row's context: the zero pad slot, never a block's stale (maybe NaN) slots.
-        decode_slots = np.where(decode_mask, decode_slots, self.pool.pad_slot)
+        decode_slots, decode_mask = self.decode_layout(
+            [i.seq for i in work[:decoding]], contexts, width
+        )
         flash = self._flash_metadata(work) if self.kernel else None
         step = PagedStep(
             self.pool,
@@ -139,6 +131,23 @@ class ModelRunner:
             self.decode_kernel,
         )
         return step, tokens, positions
+
+    def decode_layout(
+        self, seqs: Seq[Sequence], contexts: np.ndarray, width: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Decode rows' slots [rows, width] and mask: row i reads the first contexts[i] slots
+        of its block table, and past its context the zero pad slot, never a block's stale
+        (maybe NaN) slots."""
+        size = self.pool.block_size
+        blocks = -(-width // size)
+        tables = np.zeros((len(seqs), blocks), dtype=np.int64)
+        for row, seq in enumerate(seqs):
+            used = -(-int(contexts[row]) // size)
+            tables[row, :used] = seq.table[:used]
+        slots_of_rows = tables[:, :, None] * size + np.arange(size)  # [rows, blocks, size]
+        slots = slots_of_rows.reshape(len(seqs), blocks * size)[:, :width]
+        mask = np.arange(width)[None, :] < contexts[:, None]
+        return np.where(mask, slots, self.pool.pad_slot), mask
 
     def _flash_metadata(self, work: Seq[Scheduled]) -> dict[str, Any]:
         """The varlen kernel's view of the step: sequence boundaries and block tables."""
