@@ -10,7 +10,9 @@
 #   CONFIGS="qwen3-1.7b qwen3-8b" bash bench/gpu_run.sh
 #   DEVICE=cpu CONFIGS=tiny DTYPE=float32 EXTRA=--quick bash bench/gpu_run.sh   # smoke, no GPU
 #   PEAK_JSON=bench/results/peak_cuda_h200.json bash bench/gpu_run.sh  # peak measured before: kept
-#   GRAPHS_AB=1 bash bench/gpu_run.sh   # then bench/decode_graphs.py per config, time allowing
+#   GRAPHS_AB=1 bash bench/gpu_run.sh   # first bench/decode_graphs.py per config (half the
+#                                       # time left at most), with GRAPHS_ARGS
+#                                       # (default: --compiled --profile)
 #
 # The GPU image has torch, transformers and peft but not the server stack (pydantic, fastapi,
 # uvicorn, sqlalchemy, ...). Fetch those as wheels once, on a machine with network access:
@@ -44,6 +46,7 @@ DEVICE=${DEVICE:-cuda}
 DTYPE=${DTYPE:-bfloat16}
 CONFIGS=${CONFIGS:-qwen3-1.7b}
 EXTRA=${EXTRA:-}
+GRAPHS_ARGS=${GRAPHS_ARGS:---compiled --profile}
 BUDGET_S=${BUDGET_S:-470}
 DEST=${OUT:-gpu-bench}
 mkdir -p "$DEST"
@@ -101,6 +104,22 @@ for config in $CONFIGS; do
         status=1
         continue
     fi
+    if [[ -n "${GRAPHS_AB:-}" ]]; then
+        log "decode_graphs.py $config $GRAPHS_ARGS: eager against CUDA-graph decode steps" \
+            "(limit $((budget / 2))s)"
+        # shellcheck disable=SC2086
+        timeout --kill-after=15 "$((budget / 2))" "$PY" bench/decode_graphs.py \
+            --random-init "$config" --device "$DEVICE" --dtype "$DTYPE" "${peak_flag[@]}" \
+            $GRAPHS_ARGS --json "$DEST/decode_graphs_${config}.json" 2>&1 | tee -a "$LOG" |
+            tail -40
+        ((PIPESTATUS[0] == 0)) || status=1
+        budget=$(left)
+        if ((budget < 60)); then
+            log "skipping engine.py $config: ${budget}s left"
+            status=1
+            continue
+        fi
+    fi
     log "engine.py --random-init $config --dtype $DTYPE on $DEVICE (limit ${budget}s)"
     # On a GPU a step takes well under a second: more steps and rounds than the CPU default.
     # shellcheck disable=SC2086
@@ -111,14 +130,6 @@ for config in $CONFIGS; do
     rc=$?
     log "engine.py $config exited $rc"
     ((rc == 0)) || status=1
-    budget=$(left)
-    if [[ -n "${GRAPHS_AB:-}" ]] && ((budget >= 90)); then
-        log "decode_graphs.py $config: eager against CUDA-graph decode steps (limit ${budget}s)"
-        timeout --kill-after=15 "$budget" "$PY" bench/decode_graphs.py --random-init "$config" \
-            --device "$DEVICE" --dtype "$DTYPE" "${peak_flag[@]}" \
-            --json "$DEST/decode_graphs_${config}.json" 2>&1 | tee -a "$LOG" | tail -25
-        ((PIPESTATUS[0] == 0)) || status=1
-    fi
 done
 log "done; files in $DEST: $(ls "$DEST" | tr '\n' ' ')"
 exit $status

@@ -3,6 +3,7 @@ where it agrees, the model's training and sampling unchanged to rounding, eager 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -91,7 +92,43 @@ def test_a_compile_failure_leaves_the_model_eager(monkeypatch: pytest.MonkeyPatc
     assert "forward" not in vars(norm)
 
 
-def test_the_default_compiles_wide_models_on_a_cpu_only() -> None:
+class _AsIfCuda(torch.Tensor):
+    """A CPU tensor that reports itself on CUDA: the norm's device switch, without a GPU."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
+def test_on_cuda_the_compiled_norm_runs_inside_graph_captures_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Op by op, a compiled call costs the host more than the kernels it saves on a GPU: there
+    the norm keeps its own forward outside `graph_capture()` and runs the compiled kernel
+    inside it; on a CPU it always runs the compiled kernel."""
+    norm = _norm_classes()[0](32)
+    assert compiled.install(norm) == 1
+    calls: list[str] = []
+
+    def counted(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        calls.append(type(x).__name__)
+        return compiled.rms_norm(x, weight, eps)
+
+    monkeypatch.setattr(compiled, "_compiled_norm", lambda: counted)
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        expected = compiled.rms_norm(x, norm.weight, norm.variance_epsilon)
+        cuda = x.as_subclass(_AsIfCuda)
+        assert torch.equal(norm(cuda), expected)
+        assert calls == []  # the module's own forward
+        with compiled.graph_capture():
+            assert torch.equal(norm(cuda), expected)
+        assert calls == ["_AsIfCuda"]
+        assert torch.equal(norm(x), expected)  # a CPU tensor: compiled outside captures too
+        assert calls == ["_AsIfCuda", "Tensor"]
+
+
+def test_the_default_compiles_wide_models_on_a_cpu_or_a_gpu() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     def model(hidden: int) -> torch.nn.Module:
@@ -109,15 +146,18 @@ def test_the_default_compiles_wide_models_on_a_cpu_only() -> None:
     assert not compiled.wanted(model(64), cpu)  # the tiny test models: nothing to gain
     wide = model(compiled.MIN_HIDDEN)
     assert compiled.wanted(wide, cpu)
-    assert not compiled.wanted(wide, cuda)  # not measured on a GPU yet
+    assert compiled.wanted(wide, cuda)  # Triton kernels inside the decode graphs
 
 
 def test_a_backend_with_compiled_kernels_trains_and_samples_as_the_eager_one(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The tiny Qwen3 (fp32) with every norm compiled (hidden, final, per-head q/k) and the
     compiled decode attention: the same logprobs, loss and LoRA gradients as the eager backend
-    to fp32 rounding, and the same sampled tokens and their logprobs."""
+    to fp32 rounding, and the same sampled tokens and their logprobs. Its two norm widths take
+    twelve graphs: none falls back to eager past dynamo's limit of graphs per function."""
+    caplog.set_level(logging.WARNING, logger="torch._dynamo")
+    torch._dynamo.reset()  # the graphs earlier tests compiled outside `install` count too
     backends = {
         flag: TorchBackend([TINY], cache_dir=tmp_path / "cache", device="cpu", compile_norms=flag)
         for flag in (False, True)
@@ -148,3 +188,5 @@ def test_a_backend_with_compiled_kernels_trains_and_samples_as_the_eager_one(
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
     for be in backends.values():
         be.close()
+    limits = [r.getMessage() for r in caplog.records if "limit" in r.getMessage()]
+    assert not limits

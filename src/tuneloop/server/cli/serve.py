@@ -92,8 +92,9 @@ def serve(
             "--compile-norms/--no-compile-norms",
             help=(
                 "Run the model's RMSNorms and, on a CPU, its decode attention as kernels"
-                " compiled by torch.compile, at load (default: on CPUs for models 256 or more"
-                " wide; seconds of compiling at start, ~1.1x faster training and decode steps)."
+                " compiled by torch.compile, at load (default: for models 256 or more wide;"
+                " seconds of compiling at start; on a CPU ~1.1x faster training and decode"
+                " steps, on a GPU inside the decode graphs only, 1.07x an 8B model's step)."
             ),
             show_default=False,
         ),

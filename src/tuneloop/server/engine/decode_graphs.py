@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from tuneloop.server.engine import compiled
 from tuneloop.server.engine.lora import Routing
 
 if TYPE_CHECKING:
@@ -225,15 +226,18 @@ class DecodeGraphs:
             current = torch.cuda.current_stream(runner.device)
             side = torch.cuda.Stream(runner.device)
             side.wait_stream(current)
-            with torch.cuda.stream(side):  # caches built here, outside the graph
-                runner.forward_static(static)
-            current.wait_stream(side)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: CUDA calls of other threads (none in a step) do not spoil it
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                static.logits = runner.forward_static(static)
+            # Compiled norms (compiled.py) run their kernels here, and compile any graph they
+            # lack in the warm-up, before the capture.
+            with compiled.graph_capture():
+                with torch.cuda.stream(side):  # caches built here, outside the graph
+                    runner.forward_static(static)
+                current.wait_stream(side)
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: CUDA calls of other threads (none in a step) do not spoil it
+                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                    static.logits = runner.forward_static(static)
         except Exception as exc:  # any capture failure: eager from now on
             self.disabled = True
             log.warning(

@@ -119,8 +119,8 @@ class TorchBackend:
             pad = getattr(loaded.model.config, "pad_token_id", None)
             loaded, bank = with_adapters(loaded)  # or refused: layers LoRA cannot adapt
             # RMSNorms and the decode attention as compiled kernels (compiled.py,
-            # kv/decode_attention.py). None: on a CPU for models wide enough to pay for the
-            # seconds of compiling.
+            # kv/decode_attention.py). None: for models wide enough to pay for the seconds of
+            # compiling (on CUDA the norms' kernels run inside decode graphs only).
             compile_kernels = compile_norms or (
                 compile_norms is None and compiled.wanted(loaded.model, self.device)
             )

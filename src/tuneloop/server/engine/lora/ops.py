@@ -80,7 +80,11 @@ def shrink(x: torch.Tensor, factors: Factors) -> torch.Tensor:
     The scale goes on this small product (not on B, [out, r], re-scaled every call: 1.5M
     elements for a 49k-vocab head, per adapter, per decode step)."""
     a, _, scale = factors
-    return (x.to(a.dtype) @ a.t()) * scale
+    low = x.to(a.dtype) @ a.t()
+    # alpha = rank (the default) makes the scale 1: multiplying by it changes no bit but is one
+    # more kernel per adapted layer (~250 a decode step of an 8B Qwen3 on a GPU) and one more
+    # autograd node in training.
+    return low if scale == 1.0 else low * scale
 
 
 def _delta(x: torch.Tensor, factors: Factors, dtype: torch.dtype) -> torch.Tensor:
@@ -154,7 +158,9 @@ def _grouped(
         stacked = cache["grouped"] = (a, b, scale)
     a, b, scale = stacked
     groups = x.reshape(len(sizes), -1, x.shape[-1]).to(a.dtype)  # [G, rows, in]
-    low = torch.bmm(groups, a.transpose(1, 2)) * scale[:, None, None]  # [G, rows, r]
+    low = torch.bmm(groups, a.transpose(1, 2))  # [G, rows, r]
+    if any(f[2] != 1.0 for f in present):
+        low = low * scale[:, None, None]
     return torch.bmm(low, b.transpose(1, 2)).reshape(x.shape[0], -1).to(dtype)
 
 
