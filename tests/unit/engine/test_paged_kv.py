@@ -349,6 +349,37 @@ def test_freed_prefix_blocks_stay_findable_until_reused() -> None:
     assert bm.usage().blocks_cached == 0
 
 
+def test_new_blocks_reuse_the_most_recently_freed_memory_and_cached_blocks_last() -> None:
+    """A new block is the most recently freed one holding nothing findable (its memory warm,
+    on a CPU its pages faulted in), so steps keep landing on the same blocks instead of
+    cycling through the pool; cached prefix blocks are taken only when no other is free,
+    oldest freed first."""
+    bm = BlockManager(num_blocks=6, block_size=2)
+
+    def take(count: int) -> list[int]:
+        assert bm.reserve(count)
+        return [bm.allocate() for _ in range(count)]
+
+    first = take(2)
+    assert first == [0, 1]  # a new pool from its first block on
+    bm.free(first)
+    assert take(2) == [0, 1]  # again, not blocks 2 and 3
+    tokens = [1, 2, 3, 4]
+    cached = take(2)  # 2 and 3, sealed: a findable prefix
+    assert cached == [2, 3]
+    for i, (block, digest) in enumerate(
+        zip(cached, BlockManager.chain("", tokens, 2), strict=True)
+    ):
+        bm.seal(block, digest, tokens[2 * i : 2 * i + 2])
+    bm.free(cached)
+    bm.free(first)
+    assert sorted(take(4)) == [0, 1, 4, 5]  # the plain ones, then never-used ones
+    assert bm.usage().blocks_cached == 2  # the prefix is still findable
+    # at last, oldest freed first (a table is freed from its end: a prefix's head lasts longest)
+    assert take(2) == cached[::-1]
+    assert bm.usage().blocks_cached == 0
+
+
 def test_paged_decoding_needs_no_per_architecture_code(tmp_path) -> None:
     """Llama's attention (no q/k norms, other rotary code) goes through the same paged path."""
     from tuneloop.server.engine.models import TINY_LLAMA

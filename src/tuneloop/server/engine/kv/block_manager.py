@@ -12,7 +12,12 @@ A sequence that is about to write into a block another sequence also references 
 shared, partly filled last prompt block) gets a private copy first: copy-on-write.
 
 Free blocks that still hold a full, hashed block stay findable until they are reused, oldest
-freed first, so a prompt sent again soon after skips its prefill too.
+freed first, so a prompt sent again soon after skips its prefill too; a new block is one
+holding nothing findable, the most recently freed, wherever there is one. So a cached prefix
+lives as long as the pool allows, and the blocks in use keep landing on the same memory: on a
+CPU its pages stay faulted in and its lines warm in the caches, where cycling through the whole
+pool wrote each step's new keys to never-touched pages (a write of 128 rows into such blocks
+took 190 us against 15 us, docs/benchmarks.md).
 
 Admission reserves a request's worst case (its prompt plus every sample's `max_tokens`) up
 front, so a running sequence never finds the pool empty: no preemption, no recompute.
@@ -76,9 +81,12 @@ class BlockManager:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self._blocks = [_Block() for _ in range(num_blocks)]
-        # Free block ids, oldest freed first (an OrderedDict: a prefix hit takes one out of the
-        # middle in O(1)).
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # Free blocks holding nothing findable, most recently freed last (taken first); block
+        # 0 first in a new pool.
+        self._plain: list[int] = list(range(num_blocks - 1, -1, -1))
+        # Free blocks still findable by digest, oldest freed first (an OrderedDict: a prefix
+        # hit takes one out of the middle in O(1)).
+        self._free: OrderedDict[int, None] = OrderedDict()
         self._by_digest: dict[bytes, int] = {}
         self.reserved = 0
         self._cached = 0  # free blocks still findable by digest
@@ -103,11 +111,11 @@ class BlockManager:
 
     def available(self) -> int:
         """Blocks a new request may still reserve."""
-        return len(self._free) - self.reserved
+        return len(self._plain) + len(self._free) - self.reserved
 
     def used(self) -> int:
-        """Blocks referenced by a sequence; a plain read, safe from another thread."""
-        return self.num_blocks - len(self._free)
+        """Blocks referenced by a sequence; plain reads, safe from another thread."""
+        return self.num_blocks - len(self._plain) - len(self._free)
 
     def usage(self) -> KVUsage:
         """Counters only (no iteration), so another thread may read it while a step runs."""
@@ -163,8 +171,12 @@ class BlockManager:
             block.ref_count += 1
 
     def allocate(self) -> int:
-        """A fresh block out of a reservation (the oldest freed; its cached prefix is lost)."""
-        block_id, _ = self._free.popitem(last=False)
+        """A fresh block out of a reservation: the most recently freed of those holding nothing
+        findable, else the oldest freed cached one (its prefix is lost)."""
+        if self._plain:
+            block_id = self._plain.pop()
+        else:
+            block_id, _ = self._free.popitem(last=False)
         self.unreserve(1)
         block = self._blocks[block_id]
         if block.digest is not None:
@@ -207,5 +219,8 @@ class BlockManager:
             assert block.ref_count > 0, block_id
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._free[block_id] = None
-                self._cached += block.digest is not None
+                if block.digest is None:
+                    self._plain.append(block_id)
+                else:
+                    self._free[block_id] = None
+                    self._cached += 1

@@ -144,7 +144,10 @@ class FusedLinear:
                         for b, n in zip(biases, sizes, strict=True)
                     ]
                 )
-        a_all = torch.cat(downs) if downs else None
+        # The down-projections packed too: oneDNN's kernel on a packed [LoRA columns, in] took
+        # 22-28 us against 24-36 us for a plain bf16 matmul at 128 rows (SmolLM2's shapes, an
+        # AMX Xeon), 121 of them a decode step.
+        a_all = packed.pack(torch.cat(downs)) if downs else None
         versions = [(base.weight, base.weight._version) for base in bases]
         return cls(packed.pack(weight), bias, a_all, sizes, versions)
 
@@ -174,7 +177,7 @@ class FusedLinear:
     def _compute(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         flat = x.reshape(-1, x.shape[-1])
         if self.a is not None:
-            flat = torch.cat([flat, flat @ self.a.t()], dim=1)
+            flat = torch.cat([flat, packed.linear(flat, self.a, None)], dim=1)
         y = packed.linear(flat, self.weight, self.bias)
         lead = x.shape[:-1]
         if len(self.sizes) == 1:
