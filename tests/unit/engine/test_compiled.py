@@ -58,12 +58,15 @@ def test_compiled_norm_matches_eager_forward_and_backward() -> None:
             fused = Qwen3RMSNorm(48, eps=1e-6).to(dtype)
             fused.load_state_dict(eager.state_dict())
             assert compiled.install(fused) == 1
-            x = torch.randn(shape).to(dtype)
+            x = torch.randn(shape, generator=torch.Generator().manual_seed(7)).to(dtype)
             x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
             y1, y2 = eager(x1), fused(x2)
             assert y2.shape == y1.shape
             assert y2.dtype == y1.dtype
-            assert_near(y2.float(), y1.float(), atol, f"{dtype} {shape} values")
+            tol = atol  # bf16: one unit in the last place of the largest value
+            if dtype == torch.bfloat16:
+                tol = max(atol, float(y1.detach().abs().max()) * 2**-7)
+            assert_near(y2.float(), y1.float(), tol, f"{dtype} {shape} values")
             g = torch.randn(shape).to(dtype)
             y1.backward(g)
             y2.backward(g)
