@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser lint test test-slow serve demo bench clean
+.PHONY: install browser jemalloc lint test test-slow serve demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	  pylatexenc==2.11 math-verify==0.9.0 pyrage==1.4.0 torch==2.13.0
 	touch $(STAMP)
 
-install: $(STAMP) browser
+install: $(STAMP) browser jemalloc
 
 # Headless Chromium for the console's browser test (tests/integration/test_console_browser.py),
 # from the distribution's packages; Playwright drives it with executable_path, so no browser
@@ -32,18 +32,25 @@ browser:
 	  command -v apt-get >/dev/null || { echo "install Chromium at /usr/bin/chromium" >&2; exit 1; }; \
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; fi
 
+# jemalloc, which `tuneloop serve` preloads under a CPU engine (src/tuneloop/server/cli/preload.py;
+# tests/integration/test_serve_jemalloc.py), from the distribution's packages.
+jemalloc:
+	@if ! /sbin/ldconfig -p | grep -q 'libjemalloc\.so\.2'; then \
+	  command -v apt-get >/dev/null || { echo "install libjemalloc2 (jemalloc 5)" >&2; exit 1; }; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libjemalloc2; fi
+
 lint: $(STAMP)
 	$(BIN)/ruff format --check src tests bench
 	$(BIN)/ruff check src tests bench
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-test: lint browser
+test: lint browser jemalloc
 	TINKER_TELEMETRY=0 HF_HUB_OFFLINE=1 $(BIN)/pytest -q -m "not slow"
 
 # The slow tier: whole-operation fuzzing, kill-and-restart, Ray, zoo servers, recipes and
 # exports end to end (each over ~8 s on a 2-core host).
-test-slow: $(STAMP) browser
+test-slow: $(STAMP) browser jemalloc
 	TINKER_TELEMETRY=0 HF_HUB_OFFLINE=1 $(BIN)/pytest -q -m slow
 
 serve: $(STAMP)
