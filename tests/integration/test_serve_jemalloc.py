@@ -53,7 +53,8 @@ def test_the_environment_names_the_library_once_and_keeps_what_was_preloaded() -
     assert preload.jemalloc_environment(env) is None  # preloaded: no second start
     assert preload.jemalloc_environment({**base, preload.DISABLE_ENV: "0"}) is None
     mine = preload.jemalloc_environment({"MALLOC_CONF": "narenas:2"})
-    assert mine is not None and mine["MALLOC_CONF"] == "narenas:2"  # an operator's own kept
+    assert mine is not None
+    assert mine["MALLOC_CONF"] == "narenas:2"  # an operator's own setting is kept
 
 
 def test_only_a_cpu_torch_engine_asks_for_it() -> None:
