@@ -63,3 +63,26 @@ def test_only_a_cpu_torch_engine_asks_for_it() -> None:
     assert not preload.cpu_engine("torch", "cuda:1")
     assert not preload.cpu_engine("fake", "cpu")
     assert preload.cpu_engine("torch", None) == (not Path("/dev/nvidiactl").exists())
+
+
+def test_only_a_process_started_as_serve_is_started_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve` run inside another program (a CLI test runner) never replaces that program."""
+    import os
+    import sys
+
+    calls: list[tuple[str, list[str], dict[str, str]]] = []
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: calls.append((path, argv, env)))
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv(preload.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "pytest", "tests"])
+    preload.restart_with_jemalloc()
+    assert calls == []
+    argv = ["python", "-m", "tuneloop", "serve", "--port", "0"]
+    monkeypatch.setattr(sys, "orig_argv", argv)
+    preload.restart_with_jemalloc()
+    if LIBRARY is None:
+        assert calls == []
+        return
+    [(path, new_argv, env)] = calls
+    assert (path, new_argv) == (sys.executable, argv)
+    assert env["LD_PRELOAD"] == LIBRARY

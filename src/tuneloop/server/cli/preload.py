@@ -74,6 +74,8 @@ def cpu_engine(backend: str, device: str | None) -> bool:
 def restart_with_jemalloc() -> None:
     """Start this process again with jemalloc preloaded (see the module docstring); returns
     only where that is not done."""
+    if "serve" not in sys.orig_argv[1:]:
+        return  # `serve` called inside another program (a CLI test runner): never replace it
     env = jemalloc_environment(os.environ)
     if env is None:
         return
