@@ -15,9 +15,9 @@ Free blocks that still hold a full, hashed block stay findable until they are re
 freed first, so a prompt sent again soon after skips its prefill too; a new block is one
 holding nothing findable, the most recently freed, wherever there is one. So a cached prefix
 lives as long as the pool allows, and the blocks in use keep landing on the same memory: on a
-CPU its pages stay faulted in and its lines warm in the caches, where cycling through the whole
-pool wrote each step's new keys to never-touched pages (a write of 128 rows into such blocks
-took 190 us against 15 us, docs/benchmarks.md).
+CPU a new pool's first calls no longer cycle through all of it, writing each step's new keys
+to never-touched pages (128 rows into such blocks took 190 us against 15 us; in steady state,
+once every page was touched, the two orders measured the same: docs/benchmarks.md).
 
 Admission reserves a request's worst case (its prompt plus every sample's `max_tokens`) up
 front, so a running sequence never finds the pool empty: no preemption, no recompute.
