@@ -140,19 +140,15 @@ def _warm_up(norms: list[Any]) -> None:
     specialises on each). On CUDA inference only: the compiled kernel runs inside decode
     graphs alone (`_norm_forward`)."""
     norm = _compiled_norm()
+    kinds = {
+        (m.weight.shape[0], m.weight.dtype, m.weight.device, m._tuneloop_eps): m for m in norms
+    }
     # Every kind compiled in this process counts: the limit is per function, and a process
     # may hold several models.
-    _KINDS.update(
-        (m.weight.shape[0], m.weight.dtype, m.weight.device, m._tuneloop_eps) for m in norms
-    )
+    _KINDS.update(kinds)
     _allow_graphs(GRAPHS_PER_KIND * len(_KINDS))
-    seen: set[tuple[Any, ...]] = set()
-    for module in norms:
+    for module in kinds.values():
         w, eps = module.weight, module._tuneloop_eps
-        key = (w.shape[0], w.dtype, w.device, eps)
-        if key in seen:
-            continue
-        seen.add(key)
         for rows in (1, 5):
             x = torch.randn((rows, w.shape[0]), dtype=w.dtype, device=w.device)
             with torch.no_grad():

@@ -86,10 +86,9 @@ class BlockManager:
         self._plain: list[int] = list(range(num_blocks - 1, -1, -1))
         # Free blocks still findable by digest, oldest freed first (an OrderedDict: a prefix
         # hit takes one out of the middle in O(1)).
-        self._free: OrderedDict[int, None] = OrderedDict()
+        self._findable: OrderedDict[int, None] = OrderedDict()
         self._by_digest: dict[bytes, int] = {}
         self.reserved = 0
-        self._cached = 0  # free blocks still findable by digest
         self.prefix_hits = 0
         self.prefix_queries = 0
 
@@ -111,11 +110,11 @@ class BlockManager:
 
     def available(self) -> int:
         """Blocks a new request may still reserve."""
-        return len(self._plain) + len(self._free) - self.reserved
+        return len(self._plain) + len(self._findable) - self.reserved
 
     def used(self) -> int:
         """Blocks referenced by a sequence; plain reads, safe from another thread."""
-        return self.num_blocks - len(self._plain) - len(self._free)
+        return self.num_blocks - len(self._plain) - len(self._findable)
 
     def usage(self) -> KVUsage:
         """Counters only (no iteration), so another thread may read it while a step runs."""
@@ -124,7 +123,7 @@ class BlockManager:
             self.num_blocks,
             self.used(),
             self.reserved,
-            self._cached,
+            len(self._findable),
             self.prefix_hits,
             self.prefix_queries,
         )
@@ -165,8 +164,7 @@ class BlockManager:
         for block_id in found:
             block = self._blocks[block_id]
             if block.ref_count == 0:
-                del self._free[block_id]
-                self._cached -= 1
+                del self._findable[block_id]
                 self.unreserve(1)
             block.ref_count += 1
 
@@ -176,13 +174,11 @@ class BlockManager:
         if self._plain:
             block_id = self._plain.pop()
         else:
-            block_id, _ = self._free.popitem(last=False)
+            block_id, _ = self._findable.popitem(last=False)
         self.unreserve(1)
         block = self._blocks[block_id]
-        if block.digest is not None:
-            self._cached -= 1
-            if self._by_digest.get(block.digest) == block_id:
-                del self._by_digest[block.digest]
+        if block.digest is not None and self._by_digest.get(block.digest) == block_id:
+            del self._by_digest[block.digest]
         block.digest, block.tokens, block.ref_count = None, (), 1
         return block_id
 
@@ -222,5 +218,4 @@ class BlockManager:
                 if block.digest is None:
                     self._plain.append(block_id)
                 else:
-                    self._free[block_id] = None
-                    self._cached += 1
+                    self._findable[block_id] = None
