@@ -254,8 +254,10 @@ async def test_expired_packages_are_collected_row_then_files(api: Api, server: A
         run_package_gc(registry, interval_s=0.01, clock=lambda: now + timedelta(hours=4))
     )
     try:
-        for _ in range(300):
-            if later not in await packages(api):
+        # The row goes first and its files a moment later in the collector's thread: wait
+        # for both (the test checked the files as soon as the row went, and lost that race).
+        for _ in range(500):
+            if later not in await packages(api) and not directories[later].exists():
                 break
             await asyncio.sleep(0.01)
     finally:
