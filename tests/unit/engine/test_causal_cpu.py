@@ -87,3 +87,31 @@ def test_scores_use_bf16_units_only_for_bf16_and_only_inside(
     fp32 = [precision for operand, precision in seen if operand == torch.float32]
     assert fp32 == [during or before]  # the scores: the one fp32 product
     assert all(p == before for operand, p in seen if operand != torch.float32)
+
+
+@pytest.mark.parametrize("length", [1, 50, 64])
+def test_matmul_kernel_runs_lengths_padded_to_the_granule(length: int, monkeypatch: Any) -> None:
+    """The kernel sees a multiple of LENGTH_GRANULE tokens; the caller gets its own length, with
+    the unpadded kernel's outputs and gradients (the padded keys are masked, the padded
+    queries' rows dropped)."""
+    (q, k, v), grad = _case(4, 2, length, torch.bfloat16)
+    granule = causal_cpu.LENGTH_GRANULE
+    seen: list[int] = []
+    real = causal_cpu._MatmulCausal.apply
+    monkeypatch.setattr(
+        causal_cpu._MatmulCausal, "apply", lambda *a: seen.append(a[0].shape[2]) or real(*a)
+    )
+    out = causal_cpu.causal_attention(q, k, v, 0.2)
+    out.backward(grad)
+    padded = [out.detach(), *(t.grad for t in (q, k, v))]
+    monkeypatch.setattr(causal_cpu, "LENGTH_GRANULE", 1)
+    for t in (q, k, v):
+        t.grad = None
+    out = causal_cpu.causal_attention(q, k, v, 0.2)
+    out.backward(grad)
+    plain = [out.detach(), *(t.grad for t in (q, k, v))]
+    assert seen == [-(-length // granule) * granule, length]
+    for got, want in zip(padded, plain, strict=True):
+        assert got.shape == want.shape
+        # the same products; only the order of some fp32 sums may differ: one bf16 rounding
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-5)

@@ -29,6 +29,7 @@ from tests.unit.engine.conftest import (  # noqa: E402
     work,
 )
 from tuneloop.server.engine import logprobs as logprobs_module  # noqa: E402
+from tuneloop.server.engine import packing, training  # noqa: E402
 from tuneloop.server.engine.torch_backend import TorchBackend  # noqa: E402
 from tuneloop.server.engine.types import AdapterSpec, EngineError, Example  # noqa: E402
 
@@ -238,6 +239,46 @@ def test_packed_batches_equal_padded_ones(tmp_path: Path, model: str) -> None:
     assert_near(lp_p, lp_u, 1e-5, "packed vs padded logprobs")
     assert_near(loss_p, loss_u, 1e-4, "packed vs padded loss", relative=True)
     assert_near(g_p, g_u, 1e-5, "packed vs padded grads", relative=True)
+    be.close()
+
+
+def test_a_packed_row_padded_to_its_bucket_scores_as_unpadded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pad segment that takes a packed row to its bucket length changes no logprob, loss
+    or gradient: it attends only to itself, and no loss reads it."""
+    be = TorchBackend([TINY], cache_dir=tmp_path, device="cpu")
+    runtime = be._runtimes[TINY]
+    for i, key in enumerate("AB"):
+        be.create_adapter(AdapterSpec(key, TINY, 4, i))
+        with torch.no_grad():
+            for p in runtime.bank.parameters(key):
+                p.normal_(0, 0.05)
+    batch = [work("A", DATA_A), work("B", DATA_B), work("A", DATA_C, forward_only=True)]
+    total = sum(len(ex.tokens) for w in batch for ex in w.examples)
+    seen: list[list[int]] = []
+    real = packing.packed_segments
+    monkeypatch.setattr(training, "packed_segments", lambda n: seen.append(list(n)) or real(n))
+    runs = {}
+    for buckets in (0, 16):
+        monkeypatch.setattr(packing, "BUCKETS_PER_OCTAVE", buckets)
+        for key in "AB":
+            for p in runtime.bank.parameters(key):
+                p.grad = None
+        results = [ok(r) for r in be.forward_backward(batch)]
+        runs[buckets] = (
+            [r.logprobs for r in results],
+            [r.metrics["loss:sum"] for r in results],
+            {key: grads(be, key) for key in "AB"},
+        )
+    unpadded, padded = seen
+    assert sum(unpadded) == total
+    assert sum(padded) == packing.bucketed(total) > total  # (the data is not a bucket length)
+    assert padded[: len(unpadded)] == unpadded
+    (lp_p, loss_p, g_p), (lp_u, loss_u, g_u) = runs[16], runs[0]
+    assert_near(lp_p, lp_u, 1e-5, "bucketed vs unpadded logprobs")
+    assert_near(loss_p, loss_u, 1e-4, "bucketed vs unpadded loss", relative=True)
+    assert_near(g_p, g_u, 1e-5, "bucketed vs unpadded grads", relative=True)
     be.close()
 
 

@@ -28,9 +28,14 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["MATMUL_MAX_HEAD_DIMS", "causal_attention", "uses_matmul"]
+__all__ = ["LENGTH_GRANULE", "MATMUL_MAX_HEAD_DIMS", "causal_attention", "uses_matmul"]
 
 MATMUL_MAX_HEAD_DIMS = 4
+# The matmul kernel runs a sequence padded to a multiple of this many tokens: oneDNN builds a
+# kernel for each batched-matmul shape it meets (0.3-3.6 ms each), and each new length brings
+# eight. Bucketed, a step's lengths reuse the kernels of earlier steps' (`packing.bucketed`
+# does the same for the packed row).
+LENGTH_GRANULE = 16
 
 _bias_lock = threading.Lock()
 _bias = torch.empty(0, 0)
@@ -46,9 +51,17 @@ def causal_attention(
 ) -> torch.Tensor:
     """Causal attention of q [1, heads, len, d] over k, v [1, key heads, len, d] (key heads
     may divide heads: grouped-query), [1, heads, len, d] in the inputs' dtype."""
-    if uses_matmul(q.shape[2], q.shape[3]):
+    length = q.shape[2]
+    if not uses_matmul(length, q.shape[3]):
+        return _FlashFp32Backward.apply(q, k, v, scale)
+    padded = -(-length // LENGTH_GRANULE) * LENGTH_GRANULE
+    if padded == length:
         return _MatmulCausal.apply(q, k, v, scale)
-    return _FlashFp32Backward.apply(q, k, v, scale)
+    # Zero rows past the end: the causal mask hides the padded keys from every real query,
+    # and the padded queries' outputs are dropped (their gradients are zero).
+    grow = (0, 0, 0, padded - length)
+    out = _MatmulCausal.apply(*(torch.nn.functional.pad(t, grow) for t in (q, k, v)), scale)
+    return out[:, :, :length]
 
 
 def _causal_bias(length: int) -> torch.Tensor:

@@ -110,6 +110,25 @@ def packed_segments(lengths: Sequence[int]) -> Iterator[None]:
         _state.lengths = previous
 
 
+# A packed pass of `n` tokens runs at `bucketed(n)`: n rounded up to one of BUCKETS_PER_OCTAVE
+# lengths per power of two (at least MIN_GRANULE apart). oneDNN builds (JITs) a kernel for
+# every matmul shape it has not seen, 0.3-5 ms each, and a packed batch's token count is new at
+# almost every step: ~20 matmul shapes depend on it, 50-75 ms a step of 1.5 s on SmolLM2-135M
+# (an AMX Xeon). Bucketed, the shapes recur; the padding costs at most 1/BUCKETS_PER_OCTAVE.
+BUCKETS_PER_OCTAVE = 16
+MIN_GRANULE = 16
+
+
+def bucketed(tokens: int) -> int:
+    """The length a packed row of `tokens` tokens is padded to (`tokens` itself when 0 or
+    BUCKETS_PER_OCTAVE is 0)."""
+    if tokens <= 0 or BUCKETS_PER_OCTAVE <= 0:
+        return tokens
+    shift = tokens.bit_length() - 1 - (BUCKETS_PER_OCTAVE.bit_length() - 1)
+    granule = max(MIN_GRANULE, 1 << max(shift, 0))
+    return -(-tokens // granule) * granule
+
+
 def packed_positions(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
     """Position ids [1, sum(lengths)] restarting at 0 for each segment."""
     return torch.cat([torch.arange(n) for n in lengths])[None].to(device)

@@ -34,7 +34,7 @@ from tuneloop.server.engine.logprobs import (
     target_logprobs,
 )
 from tuneloop.server.engine.losses import batch_losses
-from tuneloop.server.engine.packing import packed_positions, packed_segments
+from tuneloop.server.engine.packing import bucketed, packed_positions, packed_segments
 from tuneloop.server.engine.runtime import Runtime
 from tuneloop.server.engine.types import EngineError, ForwardBackwardResult, ForwardBackwardWork
 
@@ -126,7 +126,9 @@ def train(
             params = runtime.bank.parameters(works[alone].adapter_id)
             saved = (alone, [None if p.grad is None else p.grad.clone() for p in params])
         try:
-            _isolated_micro_batch(runtime, works, micro, losses, logprobs, failed, metric_sums)
+            _isolated_micro_batch(
+                runtime, works, micro, losses, logprobs, failed, metric_sums, token_budget
+            )
         except torch.OutOfMemoryError:
             for row in micro:
                 failed.setdefault(
@@ -154,6 +156,7 @@ def _isolated_micro_batch(
     logprobs: list[list[np.ndarray]],
     failed: dict[int, EngineError],
     metric_sums: list[dict[str, float]],
+    budget: int,
 ) -> None:
     """`_run_micro_batch`, its gradients accumulated only if they are finite.
 
@@ -182,7 +185,7 @@ def _isolated_micro_batch(
         {i: dict(metric_sums[i]) for i in indices},
     )
     try:
-        _run_micro_batch(runtime, works, micro, losses, logprobs, failed, metric_sums)
+        _run_micro_batch(runtime, works, micro, losses, logprobs, failed, metric_sums, budget)
     except torch.OutOfMemoryError:
         _put_back(params, held, keep_new=False)
         raise
@@ -210,7 +213,7 @@ def _isolated_micro_batch(
         return
     for i in indices:
         alone = [r for r in micro if r.work_index == i]
-        _isolated_micro_batch(runtime, works, alone, losses, logprobs, failed, metric_sums)
+        _isolated_micro_batch(runtime, works, alone, losses, logprobs, failed, metric_sums, budget)
 
 
 def _put_back(
@@ -243,17 +246,29 @@ def _run_micro_batch(
     logprobs: list[list[np.ndarray]],
     failed: dict[int, EngineError],
     metric_sums: list[dict[str, float]],
+    budget: int,
 ) -> None:
+    """One forward (and backward) pass of `micro`; a packed row is padded to its bucket length
+    (packing.bucketed) within the token `budget`."""
     device = runtime.device
     needs_grad = any(not works[r.work_index].forward_only for r in micro)
     lengths = [len(r.tokens) for r in micro]
     row_targets = [r.inputs["target_tokens"] for r in micro]
+    keys: list[str | None] = [r.key for r in micro]
     if runtime.packed:
-        input_ids = pack_rows([r.tokens for r in micro], device)
-        targets = pack_targets(row_targets, device)
-        positions: torch.Tensor | None = packed_positions(lengths, device)
+        rows = [r.tokens for r in micro]
         # row i's positions in the [1, total] output start after the rows before it
         offsets = [(0, start) for start in itertools.accumulate([0, *lengths[:-1]])]
+        total = sum(lengths)
+        pad = min(bucketed(total), max(total, budget)) - total
+        if pad:  # a segment of its own, through the last row's adapter, scored by no loss
+            rows.append(np.full(pad, runtime.pad_id, dtype=np.int64))
+            row_targets = [*row_targets, np.zeros(pad, dtype=np.int64)]
+            lengths = [*lengths, pad]
+            keys.append(keys[-1])
+        input_ids = pack_rows(rows, device)
+        targets = pack_targets(row_targets, device)
+        positions: torch.Tensor | None = packed_positions(lengths, device)
         segments: Any = packed_segments(lengths)
     else:
         input_ids = pad_rows([r.tokens for r in micro], runtime.pad_id, device)
@@ -262,7 +277,7 @@ def _run_micro_batch(
         offsets = [(i, 0) for i in range(len(micro))]
         segments = contextlib.nullcontext()
     with (
-        runtime.bank.routed([r.key for r in micro], lengths if runtime.packed else None),
+        runtime.bank.routed(keys, lengths if runtime.packed else None),
         segments,
         torch.set_grad_enabled(needs_grad),
     ):
