@@ -15,6 +15,7 @@ model and the load. `--profile` prints the top ops of one step of the current va
     python bench/train_variants.py --variant score-products  # bf16 units for fp32 scores
     python bench/train_variants.py --variant lora-node  # one adapter's layer as one node
     python bench/train_variants.py --variant exact-delta  # bf16 deltas rounded with the base
+    python bench/train_variants.py --variant buckets  # packed and attention lengths bucketed
     python bench/train_variants.py --profile
     python bench/train_variants.py --micro          # each piece alone, 422 AdamW tensors,
                                                     # one layer's packed attention fwd+bwd and
@@ -166,6 +167,21 @@ def _lora_node(previous: bool) -> Any:
         return None
 
     return _swapped(LoRALinear, "_one_adapter", two_nodes if previous else None)
+
+
+@contextmanager
+def _buckets(previous: bool) -> Iterator[None]:
+    """previous: the packed row and each sequence's attention at their own lengths; current:
+    padded to shape buckets (packing.bucketed, causal_cpu.LENGTH_GRANULE), so that oneDNN's
+    kernels built for earlier steps' shapes serve later ones. Every step here is a new batch,
+    as in training: the previous variant meets new matmul shapes at almost every step."""
+    from tuneloop.server.engine import causal_cpu, packing
+
+    with (
+        _swapped(packing, "BUCKETS_PER_OCTAVE", 0 if previous else None),
+        _swapped(causal_cpu, "LENGTH_GRANULE", 1 if previous else None),
+    ):
+        yield
 
 
 @contextmanager
@@ -349,6 +365,7 @@ def main() -> int:
             "score-products",
             "lora-node",
             "exact-delta",
+            "buckets",
         ],
         default="attention",
     )
@@ -357,6 +374,11 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--micro", action="store_true")
+    parser.add_argument(
+        "--shapes",
+        default="aten::fill_,aten::bmm",
+        help="with --profile: the ops whose calls are listed by input shape (comma-separated)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.micro:
@@ -385,10 +407,10 @@ def main() -> int:
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             train_step(batches[1])
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-        # where the zero fills and the batched matmuls come from: their shapes name them
+        # where the listed ops come from (zero fills, batched matmuls...): their shapes name them
         events = prof.key_averages(group_by_input_shape=True)
-        picked = [e for e in events if e.key in ("aten::fill_", "aten::bmm")]
-        for event in sorted(picked, key=lambda e: -e.self_cpu_time_total)[:12]:
+        picked = [e for e in events if e.key in args.shapes.split(",")]
+        for event in sorted(picked, key=lambda e: -e.self_cpu_time_total)[:20]:
             ms = event.self_cpu_time_total / 1e3
             print(f"{event.key} {event.input_shapes} x{event.count}: {ms:.0f} ms")
         return 0
@@ -403,6 +425,7 @@ def main() -> int:
         "score-products": _score_products,
         "lora-node": _lora_node,
         "exact-delta": _exact_delta,
+        "buckets": _buckets,
     }
     switch = switches[args.variant]
     times: dict[str, list[float]] = {"previous": [], "current": []}
