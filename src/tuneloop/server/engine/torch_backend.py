@@ -204,7 +204,14 @@ class TorchBackend:
             trained = bisect_failures(train, [batch[i] for i in indices], "forward_backward")
             for index, result in zip(indices, trained, strict=True):
                 results[index] = result
+        self._release_host_memory()
         return [r if r is not None else EngineError("not run") for r in results]
+
+    def _release_host_memory(self) -> None:
+        """After a pass on a CPU: unused allocator pages back to the OS once past a slack over
+        the working set (host_allocator.release_fragmentation; under jemalloc only)."""
+        if self.device.type == "cpu":
+            host_allocator.release_fragmentation()
 
     def optim_step(self, adapter_id: str, step: AdamStep) -> dict[str, float]:
         return self._adapter(adapter_id).optimizer.step(step)
@@ -339,6 +346,7 @@ class TorchBackend:
                 waiting = run.run(waiting, admit)
         finally:
             self._run = None
+            self._release_host_memory()
             if self.device.type == "cuda":  # device memory is for KV blocks and training
                 for runtime in self._runtimes.values():
                     runtime.bank.release_lone()
