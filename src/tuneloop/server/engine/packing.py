@@ -1,4 +1,4 @@
-"""Padding-free training batches: variable-length sequences packed into one row.
+"""Training batches without per-sequence padding: variable-length sequences packed into one row.
 
 A padded batch of 8 sequences of 64-256 tokens spends about a third of its matmuls on padding.
 Packed, the sequences sit end to end in one row of their total length; positions restart at 0
@@ -11,7 +11,8 @@ Attention is a transformers attention function registered under `PACKED_ATTENTIO
 q/k/v (SDPA; in bf16/fp16 on a CPU, causal_cpu.py's kernels); outside it, it is plain SDPA
 with the usual mask, so sampling (padded prompts, KV cache) is unchanged. Per-sequence
 attention costs sum(len^2) instead of the (sum len)^2 a block-diagonal mask over the packed
-row would.
+row would. The packed row is padded at its end to a bucket length (`bucketed`), by a segment
+of its own that no loss reads.
 """
 
 from __future__ import annotations

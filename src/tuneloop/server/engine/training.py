@@ -259,8 +259,8 @@ def _run_micro_batch(
         rows = [r.tokens for r in micro]
         # row i's positions in the [1, total] output start after the rows before it
         offsets = [(0, start) for start in itertools.accumulate([0, *lengths[:-1]])]
-        total = sum(lengths)
-        pad = min(bucketed(total), max(total, budget)) - total
+        tokens = sum(lengths)
+        pad = min(bucketed(tokens), max(tokens, budget)) - tokens
         if pad:  # a segment of its own, through the last row's adapter, scored by no loss
             rows.append(np.full(pad, runtime.pad_id, dtype=np.int64))
             row_targets = [*row_targets, np.zeros(pad, dtype=np.int64)]
