@@ -822,6 +822,8 @@ def main() -> int:
         hf_peak = float(peak["matmul_tflops"][args.hf_dtype or args.dtype])
         add_mfu(report["training"], timed_flops, peak_tflops, {"hf_peft": hf_peak})
         report["load_average_after_training"] = [round(x, 2) for x in os.getloadavg()]
+        if remote is not None:  # what the allocator kept after warmup + steps training steps
+            report["server_rss_mib_after_training"] = rss_mib(remote.pid)
         if args.no_sampling:
             report["wall_s"] = round(time.perf_counter() - started, 1)
             print(json.dumps(report, indent=2))
