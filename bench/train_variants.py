@@ -174,7 +174,9 @@ def _buckets(previous: bool) -> Iterator[None]:
     """previous: the packed row and each sequence's attention at their own lengths; current:
     padded to shape buckets (packing.bucketed, causal_cpu.LENGTH_GRANULE), so that oneDNN's
     kernels built for earlier steps' shapes serve later ones. Every step here is a new batch,
-    as in training: the previous variant meets new matmul shapes at almost every step."""
+    as in training: the previous variant meets new matmul shapes at almost every step. In one
+    process its new kernels and fragmented heap slow the current variant's steps as well (40
+    pairs read 1.015x): bench/train_long.py runs each variant in a process of its own."""
     from tuneloop.server.engine import causal_cpu, packing
 
     with (
