@@ -6,6 +6,7 @@ import itertools
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -211,30 +212,42 @@ def test_fused_lm_head_matches_the_head_module(
     assert_near(fused_g, module_g, 1e-5, "fused grads", relative=True)
 
 
-@pytest.mark.parametrize("model", ["tuneloop/tiny-qwen3", "tuneloop/tiny-llama"])
-def test_packed_batches_equal_padded_ones(tmp_path: Path, model: str) -> None:
-    """Sequences packed end to end give the padded batch's logprobs, losses and gradients."""
+def _two_adapters(tmp_path: Path, model: str) -> tuple[TorchBackend, Any, list[Any]]:
+    """A backend with adapters A and B (B != 0: each changes the outputs its own way) and a
+    batch of both, one request forward only."""
     be = TorchBackend([model], cache_dir=tmp_path, device="cpu")
     runtime = be._runtimes[model]
-    assert runtime.packed  # SDPA models pack by default
     for i, key in enumerate("AB"):
         be.create_adapter(AdapterSpec(key, model, 4, i))
-        with torch.no_grad():  # B != 0: each adapter changes the outputs its own way
+        with torch.no_grad():
             for p in runtime.bank.parameters(key):
                 p.normal_(0, 0.05)
     batch = [work("A", DATA_A), work("B", DATA_B), work("A", DATA_C, forward_only=True)]
+    return be, runtime, batch
+
+
+def _scored(be: TorchBackend, runtime: Any, batch: list[Any]) -> tuple[Any, ...]:
+    """The batch's logprobs, losses and both adapters' gradients, from zero gradients."""
+    for key in "AB":
+        for p in runtime.bank.parameters(key):
+            p.grad = None
+    results = [ok(r) for r in be.forward_backward(batch)]
+    return (
+        [r.logprobs for r in results],
+        [r.metrics["loss:sum"] for r in results],
+        {key: grads(be, key) for key in "AB"},
+    )
+
+
+@pytest.mark.parametrize("model", ["tuneloop/tiny-qwen3", "tuneloop/tiny-llama"])
+def test_packed_batches_equal_padded_ones(tmp_path: Path, model: str) -> None:
+    """Sequences packed end to end give the padded batch's logprobs, losses and gradients."""
+    be, runtime, batch = _two_adapters(tmp_path, model)
+    assert runtime.packed  # SDPA models pack by default
     runs = {}
     for packed in (True, False):
         runtime.packed = packed
-        for key in "AB":
-            for p in runtime.bank.parameters(key):
-                p.grad = None
-        results = [ok(r) for r in be.forward_backward(batch)]
-        runs[packed] = (
-            [r.logprobs for r in results],
-            [r.metrics["loss:sum"] for r in results],
-            {key: grads(be, key) for key in "AB"},
-        )
+        runs[packed] = _scored(be, runtime, batch)
     (lp_p, loss_p, g_p), (lp_u, loss_u, g_u) = runs[True], runs[False]
     assert_near(lp_p, lp_u, 1e-5, "packed vs padded logprobs")
     assert_near(loss_p, loss_u, 1e-4, "packed vs padded loss", relative=True)
@@ -247,14 +260,7 @@ def test_a_packed_row_padded_to_its_bucket_scores_as_unpadded(
 ) -> None:
     """The pad segment that takes a packed row to its bucket length changes no logprob, loss
     or gradient: it attends only to itself, and no loss reads it."""
-    be = TorchBackend([TINY], cache_dir=tmp_path, device="cpu")
-    runtime = be._runtimes[TINY]
-    for i, key in enumerate("AB"):
-        be.create_adapter(AdapterSpec(key, TINY, 4, i))
-        with torch.no_grad():
-            for p in runtime.bank.parameters(key):
-                p.normal_(0, 0.05)
-    batch = [work("A", DATA_A), work("B", DATA_B), work("A", DATA_C, forward_only=True)]
+    be, runtime, batch = _two_adapters(tmp_path, TINY)
     total = sum(len(ex.tokens) for w in batch for ex in w.examples)
     seen: list[list[int]] = []
     real = packing.packed_segments
@@ -262,15 +268,7 @@ def test_a_packed_row_padded_to_its_bucket_scores_as_unpadded(
     runs = {}
     for buckets in (0, 16):
         monkeypatch.setattr(packing, "BUCKETS_PER_OCTAVE", buckets)
-        for key in "AB":
-            for p in runtime.bank.parameters(key):
-                p.grad = None
-        results = [ok(r) for r in be.forward_backward(batch)]
-        runs[buckets] = (
-            [r.logprobs for r in results],
-            [r.metrics["loss:sum"] for r in results],
-            {key: grads(be, key) for key in "AB"},
-        )
+        runs[buckets] = _scored(be, runtime, batch)
     unpadded, padded = seen
     assert sum(unpadded) == total
     assert sum(padded) == packing.bucketed(total) > total  # (the data is not a bucket length)
