@@ -75,7 +75,7 @@ def resident():
 
 assert h._find_jemalloc() is not None
 print("steady", h.release_fragmentation())  # a small process: far below the slack
-blocks = [np.ones((1 << 17) + 512 * i) for i in range(400)]  # ~230 MB of sizes never reused
+blocks = [np.ones((1 << 17) + 512 * i) for i in range(400)]  # ~750 MB of sizes never reused
 del blocks
 before = resident()
 h.SLACK, h.MIN_SLACK_BYTES = 0.0, 0  # any unused page is past the slack now
