@@ -114,8 +114,10 @@ def packed_segments(lengths: Sequence[int]) -> Iterator[None]:
 # A packed pass of `n` tokens runs at `bucketed(n)`: n rounded up to one of BUCKETS_PER_OCTAVE
 # lengths per power of two (at least MIN_GRANULE apart). oneDNN builds (JITs) a kernel for
 # every matmul shape it has not seen, 0.3-5 ms each, and a packed batch's token count is new at
-# almost every step: ~20 matmul shapes depend on it, 50-75 ms a step of 1.5 s on SmolLM2-135M
-# (an AMX Xeon). Bucketed, the shapes recur; the padding costs at most 1/BUCKETS_PER_OCTAVE.
+# almost every step: ~20 matmul shapes depend on it (with the attention's, 40-100 ms a step of
+# 1.6 s on SmolLM2-135M, an AMX Xeon), and jemalloc, which keeps freed pages (cli/preload.py),
+# fragments on sizes that never recur. Bucketed, the shapes and sizes recur; the padding costs
+# at most 1/BUCKETS_PER_OCTAVE. Training pads to buckets on a CPU only (training.py).
 BUCKETS_PER_OCTAVE = 16
 MIN_GRANULE = 16
 
