@@ -293,6 +293,20 @@ def test_packed_attention_stays_within_each_sequence(tmp_path: Path) -> None:
 # ---- 3. losses through the engine -------------------------------------------------------------
 
 
+def test_a_cpu_pass_offers_its_freed_memory_back(
+    backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After each forward_backward on a CPU the engine asks the allocator to give back what
+    fragmentation piled up (host_allocator.release_fragmentation: a no-op off jemalloc)."""
+    from tuneloop.server.engine import host_allocator
+
+    calls: list[int] = []
+    monkeypatch.setattr(host_allocator, "release_fragmentation", lambda: calls.append(1) or False)
+    backend.create_adapter(adapter_spec("A"))
+    ok(backend.forward_backward([work("A", DATA_B)])[0])
+    assert calls == [1]
+
+
 def test_cross_entropy_loss_is_weighted_sum_of_logprobs(backend) -> None:
     backend.create_adapter(adapter_spec("A"))
     [r] = backend.forward_backward([work("A", DATA_B)])
