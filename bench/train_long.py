@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -35,14 +34,8 @@ from engine import (
     cpu_model,
     cross_entropy_pass,
     make_batches,
+    rss_mib,
 )
-
-
-def _rss_mib() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS"):
-            return int(line.split()[1]) // 1024
-    return 0
 
 
 def main() -> int:
@@ -85,7 +78,8 @@ def main() -> int:
         per_token.append((time.perf_counter() - begin) / sum(len(r) for r in rows) * 1e3)
         if i % 10 == 9:
             line = (
-                f"steps {i + 1:4d}  ms/token {np.mean(per_token[-10:]):.3f}  rss {_rss_mib()} MiB"
+                f"steps {i + 1:4d}  ms/token {np.mean(per_token[-10:]):.3f}  "
+                f"rss {rss_mib(os.getpid())['VmRSS']:.0f} MiB"
             )
             if je is not None:
                 je.refresh()
