@@ -21,8 +21,9 @@ At SmolLM2-135M's shapes, bf16 (the engine's dtype where the CPU has bf16 units)
 Prints the CPU model, the load and the medians with their ratios.
 
     python bench/cpu_kernels.py [--repeats 20] [--threads 2] [--dtype bfloat16]
-    python bench/cpu_kernels.py --dtype float32 --only linears   # oneDNN's fp32 kernel, packed,
-                                                                 # against MKL's sgemm
+    python bench/cpu_kernels.py --dtype float32 --only linears   # oneDNN's fp32 kernel, packed
+                                                                 # (x86-64), against MKL's sgemm
+    python bench/cpu_kernels.py --dtype float32 --only linears --rows 1,4,16,64,128,256,512,1024
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from torch.nn import functional
 from event_loop import cpu_model  # a sibling: a script's folder is on sys.path
 
 HIDDEN, INTER, KV, HEADS, DIM, VOCAB, LAYERS = 576, 1536, 192, 9, 64, 49152, 30
+LINEAR_ROWS: tuple[int, ...] = (128,)  # the packed-linear comparison's row counts (--rows)
 
 
 def _alternate(pair: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
@@ -67,25 +69,23 @@ def _linears(dtype: torch.dtype, repeats: int) -> str:
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(s, generator=g).to(dtype) for _ in range(LAYERS) for s in shapes]
     weights.append(torch.randn(VOCAB, HIDDEN, generator=g).to(dtype))
-    if dtype == torch.float32:
-        # Not packed by the engine (fp32 goes to MKL's sgemm): oneDNN's fp32 kernel on its
-        # blocked layout, measured as a candidate.
-        packs = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
-    elif not packed.packable(weights[0]):
-        return f"packed linear: {dtype} weights cannot be packed on this CPU (no native kernels)"
-    else:
-        packs = [packed.pack(w) for w in weights]
-    xs = {n: torch.randn(128, n, generator=g).to(dtype) for n in (HIDDEN, INTER)}
+    if not packed.packable(weights[0]):
+        return f"packed linear: {dtype} weights are not packed on this CPU"
+    packs = [packed.pack(w) for w in weights]  # fp32: oneDNN's kernel against MKL's sgemm
+    lines = []
+    for rows in LINEAR_ROWS:
+        xs = {n: torch.randn(rows, n, generator=g).to(dtype) for n in (HIDDEN, INTER)}
 
-    def run(ws: list[torch.Tensor]) -> None:
-        for w in ws:
-            packed.linear(xs[w.shape[1]], w, None)
+        def run(ws: list[torch.Tensor], xs: dict[int, torch.Tensor] = xs) -> None:
+            for w in ws:
+                packed.linear(xs[w.shape[1]], w, None)
 
-    ms = _alternate({"plain": lambda: run(weights), "packed": lambda: run(packs)}, repeats)
-    return (
-        f"decode step's {len(weights)} linear layers at 128 rows: plain {ms['plain']:.1f} ms, "
-        f"packed {ms['packed']:.1f} ms, {ms['plain'] / ms['packed']:.2f}x"
-    )
+        ms = _alternate({"plain": lambda: run(weights), "packed": lambda: run(packs)}, repeats)
+        lines.append(
+            f"decode step's {len(weights)} linear layers at {rows} rows: plain "
+            f"{ms['plain']:.1f} ms, packed {ms['packed']:.1f} ms, {ms['plain'] / ms['packed']:.2f}x"
+        )
+    return "\n".join(lines)
 
 
 def _decode_attention(dtype: torch.dtype, repeats: int) -> str:
@@ -280,7 +280,12 @@ def main() -> int:
     parser.add_argument(
         "--only", choices=sorted(SECTIONS), default=None, help="one of the five comparisons"
     )
+    parser.add_argument(
+        "--rows", default="128", help="packed linears: comma-separated row counts (1,16,128)"
+    )
     args = parser.parse_args()
+    global LINEAR_ROWS
+    LINEAR_ROWS = tuple(int(r) for r in args.rows.split(","))
     torch.set_num_threads(args.threads)
     from tuneloop.server.engine import host_allocator
 

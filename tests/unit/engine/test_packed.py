@@ -1,10 +1,13 @@
-"""Frozen weights packed for oneDNN's half-precision kernels give `functional.linear`'s bits; what
-cannot be packed (fp32, no native kernels) stays a plain tensor; a lone bf16 snapshot's fused or
-merged weights are packed where the CPU can, and sample as they did unpacked."""
+"""Frozen weights packed for oneDNN's half-precision kernels give `functional.linear`'s bits, fp32
+ones (x86-64) its values to fp32 rounding; what cannot be packed (no native kernels, fp32 on
+other machines) stays a plain tensor; a lone snapshot's fused or merged weights are packed where
+the CPU can, and sample as they did unpacked."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import platform
 
 import numpy as np
 import pytest
@@ -22,12 +25,52 @@ native = pytest.mark.skipif(
 )
 
 
-def test_fp32_and_one_dimensional_weights_stay_plain() -> None:
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+x86 = pytest.mark.skipif(not X86, reason="fp32 is packed on x86-64 only")
+
+
+def test_one_dimensional_and_integer_weights_stay_plain() -> None:
+    assert not packed.packable(torch.zeros(4, dtype=BF16))
+    assert not packed.packable(torch.zeros(4))
+    w = torch.ones(8, 4, dtype=torch.int64)
+    assert packed.pack(w) is w
+
+
+def test_fp32_stays_plain_off_x86(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packed.platform, "machine", lambda: "aarch64")
     w = torch.randn(8, 4)
     assert packed.pack(w) is w
-    assert not packed.packable(torch.zeros(4, dtype=BF16))
     x = torch.randn(3, 4)
     assert torch.equal(packed.linear(x, w, None), x @ w.t())
+
+
+@x86
+@pytest.mark.parametrize("rows", [1, 7, 128, 300])
+@pytest.mark.parametrize("shape", [(1536, 576), (192, 576), (576, 1536)])
+def test_packed_fp32_linear_is_functional_linear_to_fp32_rounding(
+    rows: int, shape: tuple[int, int]
+) -> None:
+    """Within the textbook bound of a K-term fp32 dot product's rounding, K eps (|x| @ |w|.T):
+    a bf16 product (or any kernel rounding its inputs) would be ~2^16 times past it."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(shape, generator=g)
+    bias = torch.randn(shape[0], generator=g)
+    p = packed.pack(w)
+    assert p.is_mkldnn
+    assert p.shape == w.shape
+    eps = torch.finfo(torch.float32).eps
+    for x in (
+        torch.randn(rows, shape[1], generator=g),
+        torch.randn(1, rows, shape[1], generator=g),
+        torch.randn(rows, shape[1] + 5, generator=g)[:, : shape[1]],
+    ):
+        exact = x.double() @ w.double().t()
+        bound = (shape[1] + 1) * eps * (x.double().abs() @ w.double().abs().t() + bias.abs())
+        for b in (None, bias):
+            got = packed.linear(x, p, b).double()
+            want = exact if b is None else exact + b.double()
+            assert got.shape == want.shape
+            assert bool(((got - want).abs() <= bound).all())
 
 
 def test_without_native_kernels_nothing_is_packed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,4 +123,31 @@ def test_a_lone_bf16_snapshot_samples_on_packed_weights_as_unpacked(
     for a, b in zip(got.sequences, plain.sequences, strict=True):
         assert a.tokens == b.tokens
         np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    be.close()
+
+
+@x86
+def test_a_lone_fp32_snapshot_samples_on_packed_merged_weights_as_on_sgemm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fp32 on a CPU: merged by default, the merged copy packed; the same tokens as on plain
+    weights (MKL's sgemm) and logprobs within a few fp32 roundings of theirs."""
+    be = TorchBackend([TINY], cache_dir=tmp_path, device="cpu", dtype=torch.float32)
+    be.create_adapter(adapter_spec("A", rank=4, seed=1))
+    train(be, "A", TRAIN_DATA, 3, lr=2e-2)
+    be.create_sampler("sA", TINY, adapter_id="A")
+    works = [sw("sA", prompt(5, 1), num_samples=3, seed=4, max_tokens=10)]
+    got = ok(be.sample(works)[0])
+    weights = bank(be).lone_weights("sA", merge=True)
+    assert weights
+    assert all(group.weight.is_mkldnn and group.a is None for group, _ in weights.values())
+    bank(be).release_lone()
+    monkeypatch.setattr(packed, "packable", lambda weight: False)
+    plain = ok(be.sample(works)[0])
+    held = bank(be).lone_weights("sA", merge=True) or {}
+    assert held
+    assert not any(group.weight.is_mkldnn for group, _ in held.values())
+    for a, b in zip(got.sequences, plain.sequences, strict=True):
+        assert a.tokens == b.tokens
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
     be.close()

@@ -99,8 +99,9 @@ class TorchBackend:
         # not at half precision, where merged weights round most of the delta away (2 AdamW
         # steps at lr 1e-3 on SmolLM2-135M: 72 % of its norm) and the sampler's logprobs sit
         # 2-3x further from a training pass's (docs/benchmarks.md). True: always; False: never.
-        # fuse_lone_key None: where this CPU packs the model's weights (bf16/fp16 with native
-        # kernels: 1.19x the products there, the delta kept whole); True: always; False: never.
+        # fuse_lone_key None: where this CPU packs the model's half-precision weights (bf16/fp16
+        # with native kernels: 1.19x the products there, the delta kept whole; fp32 merged
+        # copies are packed too, packed.py); True: always; False: never.
         # A merged copy wins where both are asked. Steps shared by several keys keep the
         # products (at fp32 a row's result then differs from its lone steps' by the kernels'
         # rounding, ~1e-7 in a logprob).
@@ -359,7 +360,7 @@ class TorchBackend:
         if merge is None:
             merge = fuse is not True and weight.dtype == torch.float32 and weight.is_cpu
         if fuse is None:
-            fuse = packed.packable(weight)
+            fuse = weight.dtype != torch.float32 and packed.packable(weight)
         graphs = self.decode_graphs
         if graphs is None:
             graphs = self.device.type == "cuda"
