@@ -9,6 +9,9 @@ noise hits all alike:
   decode batch (decoder.py's `_grouped_by_key`);
 - "mixed, rows by request": the same requests, each request's rows where it joined (the
   decoder before the grouping): one LoRA segment per request;
+- "mixed, own base weights": grouped, but each layer's base output from the model's own weight
+  (`functional.linear`, what ran before `AdapterBank.shared_weights`) instead of the shared,
+  sibling-stacked copy packed for the CPU's kernels;
 Per side the median of `--rounds` decode-step times (a call of `--new` tokens minus a call of
 2, per step) and its ratio to "lone". Prints the CPU model and the load.
 
@@ -40,6 +43,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     from tuneloop.server.engine import decoder
     from tuneloop.server.engine import types as t
+    from tuneloop.server.engine.lora.bank import AdapterBank
 
     backend = adapted_backend(DTYPES[args.dtype])
     print(f"cpu: {cpu_model()}  {args.dtype}  threads {args.threads}  load {os.getloadavg()}")
@@ -57,13 +61,18 @@ def main() -> int:
         backend.sample(works)
         return time.perf_counter() - start
 
-    def side(samplers: list[str], grouped: bool) -> Callable[[], float]:
+    shared_weights = AdapterBank.shared_weights
+
+    def side(samplers: list[str], grouped: bool, shared: bool = True) -> Callable[[], float]:
         def measure() -> float:
             decoder._GROUP_BY_KEY = grouped
+            if not shared:
+                AdapterBank.shared_weights = lambda self: None  # type: ignore[method-assign]
             try:
                 return (call(args.new, samplers) - call(2, samplers)) / (args.new - 2) * 1e3
             finally:
                 decoder._GROUP_BY_KEY = True
+                AdapterBank.shared_weights = shared_weights  # type: ignore[method-assign]
 
         return measure
 
@@ -71,6 +80,7 @@ def main() -> int:
         "lone": side(names[:1], True),
         "mixed": side(names, True),
         "mixed, rows by request": side(names, False),
+        "mixed, own base weights": side(names, True, shared=False),
     }
     for measure in sides.values():  # warm-up: every path built once
         call(4, names[:1])

@@ -102,8 +102,8 @@ def _fsdp(module: nn.Module) -> Any:
 
 def head_parts(head: nn.Module, hidden: torch.Tensor) -> HeadParts | None:
     """The head's weight and, per routed segment of `hidden` ([N, d]), its LoRA factors; None
-    where the head is not a plain Linear or runs a decode step's lone-key weights (then
-    `head(hidden)` is the way)."""
+    where the head is not a plain Linear or runs a decode step's lone-key or shared weights
+    (then `head(hidden)` is the way)."""
     base = head.base if isinstance(head, LoRALinear) else head
     if not isinstance(base, nn.Linear) or not _plain(head):
         return None
@@ -118,6 +118,9 @@ def head_parts(head: nn.Module, hidden: torch.Tensor) -> HeadParts | None:
         lone = getattr(routing, "lone", None)
         if lone and id(head) in lone:
             return None  # the decode step's one matmul (lora/fused.py), by the module's forward
+        shared = getattr(routing, "shared", None)
+        if shared and id(head) in shared:
+            return None  # the base part on the packed copy, by the module's forward too
         runs = getattr(routing, "runs", None)
         if runs:
             start = 0

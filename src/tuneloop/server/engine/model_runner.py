@@ -74,6 +74,8 @@ class ModelRunner:
             # Asked every step, not once per layout: a sampler made again under the same id
             # (new factors), or a base weight changed in place, makes the bank build anew.
             routing.lone = self.bank.lone_weights(lone[0], merge=self.lone_weights == "merged")
+        elif self.lone_weights is not None:
+            routing.shared = self.bank.shared_weights()  # (None: the layers' own weights)
         return routing
 
     def forget_routings(self) -> None:

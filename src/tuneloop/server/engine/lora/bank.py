@@ -17,6 +17,7 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from tuneloop.server.engine import packed
 from tuneloop.server.engine.lora.experts import EXPERT_PARAMETERS, ExpertFactors
 from tuneloop.server.engine.lora.fused import FusedLinear, fusable, sibling_groups
 from tuneloop.server.engine.lora.linear import LoRALinear
@@ -88,6 +89,8 @@ class AdapterBank:
         # One key's decode weights (`lone_weights`), kept while it is sampled alone.
         self._lone: tuple[tuple[str | None, bool], LoneWeights] | None = None
         self._refused: tuple[str | None, bool] | None = None  # too large for free memory
+        self._shared: LoneWeights | None = None  # the base weights of steps of several keys
+        self._refused_shared = False
         # Per live key, the count of changes to the bank when its factors were last set
         # (made, snapshotted, loaded): what a CUDA graph that read them checks (`version`).
         self._versions: dict[str, int] = {}
@@ -255,16 +258,50 @@ class AdapterBank:
             and all(group.fresh for group, _ in held[1].values())
         ):
             return held[1]
-        self._lone = None  # the previous key's go first: never two copies at once
+        self._lone = None  # the previous key's go first: never two copies of a key's at once
+        table = self._build(key, merge)
+        if table is None:
+            self._refused = (key, merge)  # asked every step: not measured again until freed
+            return None
+        self._lone = ((key, merge), table)
+        return table
+
+    def shared_weights(self) -> LoneWeights | None:
+        """Layer id -> (its group, its index there): the linear layers' base weights for decode
+        steps whose rows use several keys, siblings stacked into one matmul each and packed for
+        this CPU's kernels (fused.py, no LoRA columns); each key's LoRA products are then added
+        to its rows' part of the output. Only where the weights pack (a CPU, packed.py): a
+        plain stacked copy gains little for its memory. Kept beside the lone key's copy (a
+        server alternates between steps of one tenant and steps of several) until
+        `release_lone`; None where it is not made."""
+        held = self._lone
+        if held is not None and held[0][0] is None and all(g.fresh for g, _ in held[1].values()):
+            return held[1]  # the base model's own lone copy is the same weights
+        shared = self._shared
+        if shared is not None and all(group.fresh for group, _ in shared.values()):
+            return shared
+        self._shared = None
+        if self._refused_shared:
+            return None
+        self._shared = self._build(None, False, packed_only=True)
+        self._refused_shared = self._shared is None
+        return self._shared
+
+    def _build(self, key: str | None, merge: bool, *, packed_only: bool = False) -> LoneWeights | None:
+        """The groups of `lone_weights` for `key`; None where no layer is fusable, where the
+        copy would take more than MERGED_SHARE of the free memory or, with `packed_only`, where
+        the weights do not pack."""
         linears = {
             n: m for n, m in self.modules.items() if isinstance(m, LoRALinear) and fusable(m.base)
         }
         if not linears:
             return None
+        first = next(iter(linears.values())).base.weight
+        if packed_only and not packed.packable(first):
+            return None
         need = sum(m.base.weight.numel() * m.base.weight.element_size() for m in linears.values())
-        free = free_bytes(next(iter(linears.values())).base.weight.device)
+        free = free_bytes(first.device)
         if free is not None and need > MERGED_SHARE * free:
-            self._refused = (key, merge)  # asked every step: not measured again until freed
             return None  # a large model on a full device: keep the LoRA products
         table: LoneWeights = {}
         bases = {n: m.base for n, m in linears.items()}
@@ -274,7 +311,6 @@ class AdapterBank:
             group = FusedLinear.build([m.base for m in members], factors, merge=merge)
             for index, module in enumerate(members):
                 table[id(module)] = (group, index)
-        self._lone = ((key, merge), table)
         return table
 
     def _forget_lone(self, key: str) -> None:
@@ -284,16 +320,18 @@ class AdapterBank:
 
     @property
     def lone_bytes(self) -> int:
-        """Memory of the lone key's weights kept now (0: none)."""
-        if self._lone is None:
-            return 0
-        groups = {id(group): group for group, _ in self._lone[1].values()}
+        """Memory of the lone key's weights and the shared base weights kept now (0: none)."""
+        tables = [t for t in (self._lone[1] if self._lone else None, self._shared) if t]
+        groups = {id(group): group for table in tables for group, _ in table.values()}
         return sum(group.nbytes for group in groups.values())
 
     def release_lone(self) -> None:
-        """Drop the weights kept for the last sampled key (made again when asked)."""
+        """Drop the weights kept for the last sampled key and the shared base weights (made
+        again when asked)."""
         self._lone = None
         self._refused = None
+        self._shared = None
+        self._refused_shared = False
 
     def delete(self, key: str) -> None:
         self._forget_lone(key)

@@ -51,7 +51,8 @@ class LoRALinear(Slotted):
         fused = self._one_adapter(x, routing)
         if fused is not None:
             return fused
-        out = self.base(x)
+        shared = routing.shared.get(id(self)) if routing is not None and routing.shared else None
+        out = self.base(x) if shared is None else shared[0].output(shared[1], x)
         if routing is None or not routing.runs:
             return out
         factors: list[Factors | None] = [

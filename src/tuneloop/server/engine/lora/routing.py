@@ -40,6 +40,9 @@ class Routing:
     # (`AdapterBank.lone_weights`): set by a decode step whose rows all use one frozen adapter
     # or the base model; those layers then run one matmul a group and no separate products.
     lone: LoneWeights | None = None
+    # The same for a decode step of several keys (`AdapterBank.shared_weights`): the layers'
+    # base outputs from the base model's stacked, packed weights, each key's products added.
+    shared: LoneWeights | None = None
     # A sampling step's routing (model_runner.py): its layers run per step, where a copy of a
     # weight per call (the one-adapter node's at half precision) would cost more than a step.
     steps: bool = False
