@@ -5,9 +5,8 @@ the CPU can, and sample as they did unpacked."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import platform
+from pathlib import Path
 
 import numpy as np
 import pytest

@@ -287,7 +287,9 @@ class AdapterBank:
         self._refused_shared = self._shared is None
         return self._shared
 
-    def _build(self, key: str | None, merge: bool, *, packed_only: bool = False) -> LoneWeights | None:
+    def _build(
+        self, key: str | None, merge: bool, *, packed_only: bool = False
+    ) -> LoneWeights | None:
         """The groups of `lone_weights` for `key`; None where no layer is fusable, where the
         copy would take more than MERGED_SHARE of the free memory or, with `packed_only`, where
         the weights do not pack."""
