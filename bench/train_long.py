@@ -1,12 +1,13 @@
 """A long training loop on new batches: ms per token and the process's memory every 10 steps.
 
 forward_backward + optim_step of SmolLM2-135M (rank-32 LoRA on every linear layer and the LM
-head, bf16) on one `TorchBackend`, each step a new batch of 8 sequences of 64-256 tokens, as
-bench/engine.py's training. With `--no-buckets` the packed row and the attention's sequences
-run at their own lengths (packing.BUCKETS_PER_OCTAVE = 0, causal_cpu.LENGTH_GRANULE = 1), as
-before they were bucketed. Run it once per variant, each in its own process (in one process
-the unbucketed steps' new kernels and fragmented heap slow the other variant's steps too), and
-under the allocator to compare, e.g. the one `tuneloop serve` preloads:
+head, `--dtype`, bf16 by default) on one `TorchBackend`, each step a new batch of 8 sequences
+of 64-256 tokens, as bench/engine.py's training. With `--no-buckets` the packed row and the
+attention's sequences run at their own lengths (packing.BUCKETS_PER_OCTAVE = 0,
+causal_cpu.LENGTH_GRANULE = 1), as before they were bucketed. Run it once per variant, each in
+its own process (in one process the unbucketed steps' new kernels and fragmented heap slow the
+other variant's steps too), and under the allocator to compare, e.g. the one `tuneloop serve`
+preloads:
 
     LD_PRELOAD=libjemalloc.so.2 MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1 \\
         PYTHONPATH=../src python train_long.py --steps 60 [--no-buckets]
@@ -27,6 +28,7 @@ import torch
 
 from engine import (
     BETAS,
+    DTYPES,
     EPS,
     LR,
     SEED,
@@ -43,6 +45,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-buckets", action="store_true")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -61,13 +64,13 @@ def main() -> int:
         return purged
 
     host_allocator.release_fragmentation = counted  # (the backend calls it by module attribute)
-    backend = adapted_backend(torch.bfloat16)
+    backend = adapted_backend(DTYPES[args.dtype])
     step = t.AdamStep(LR, BETAS[0], BETAS[1], EPS, 0.0, 0.0)
     stream = list(np.random.default_rng(SEED).integers(100, 40000, 60 * args.steps * 256))
     batches = make_batches(stream, args.steps, 8, 64, 256)
     je = host_allocator._find_jemalloc()
     print(
-        f"cpu: {cpu_model()}  threads {args.threads}  buckets {not args.no_buckets}  "
+        f"cpu: {cpu_model()}  {args.dtype}  threads {args.threads}  buckets {not args.no_buckets}  "
         f"jemalloc {je is not None}  MALLOC_CONF {os.environ.get('MALLOC_CONF', '')}"
     )
     per_token: list[float] = []

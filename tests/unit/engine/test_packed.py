@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import platform
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -97,30 +98,44 @@ def test_packed_linear_gives_functional_linear_bits(rows: int, shape: tuple[int,
         assert torch.equal(packed.linear(x, p, bias), torch.nn.functional.linear(x, w, bias))
 
 
-@native
-@pytest.mark.parametrize("merge", [False, True])
-def test_a_lone_bf16_snapshot_samples_on_packed_weights_as_unpacked(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, merge: bool
-) -> None:
-    be = TorchBackend([TINY], cache_dir=tmp_path, device="cpu", dtype=BF16)
+def _lone_sampler(tmp_path: Path, dtype: torch.dtype) -> TorchBackend:
+    be = TorchBackend([TINY], cache_dir=tmp_path, device="cpu", dtype=dtype)
     be.create_adapter(adapter_spec("A", rank=4, seed=1))
     train(be, "A", TRAIN_DATA, 3, lr=2e-2)
     be.create_sampler("sA", TINY, adapter_id="A")
+    return be
+
+
+def _packed_then_plain(
+    be: TorchBackend, monkeypatch: pytest.MonkeyPatch, merge: bool
+) -> tuple[Any, Any]:
+    """A lone snapshot's samples on its packed copy, then on a plain one (`packable` off)."""
     works = [sw("sA", prompt(5, 1), num_samples=3, seed=4, max_tokens=10)]
-    be.merge_lone_adapter = merge  # fused by default here; merged with `serve --merged-sampling`
     got = ok(be.sample(works)[0])
     weights = bank(be).lone_weights("sA", merge=merge)
     assert weights
     assert all(group.weight.is_mkldnn for group, _ in weights.values())
     bank(be).release_lone()
     monkeypatch.setattr(packed, "packable", lambda weight: False)
-    be.fuse_lone_key = True  # (the default follows `packable`)
     plain = ok(be.sample(works)[0])
     held = bank(be).lone_weights("sA", merge=merge) or {}
     assert held
     assert not any(group.weight.is_mkldnn for group, _ in held.values())
     for a, b in zip(got.sequences, plain.sequences, strict=True):
         assert a.tokens == b.tokens
+    return got, plain
+
+
+@native
+@pytest.mark.parametrize("merge", [False, True])
+def test_a_lone_bf16_snapshot_samples_on_packed_weights_as_unpacked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, merge: bool
+) -> None:
+    be = _lone_sampler(tmp_path, BF16)
+    be.merge_lone_adapter = merge  # fused by default here; merged with `serve --merged-sampling`
+    be.fuse_lone_key = True  # (the default follows `packable`, switched off half-way)
+    got, plain = _packed_then_plain(be, monkeypatch, merge)
+    for a, b in zip(got.sequences, plain.sequences, strict=True):
         np.testing.assert_array_equal(a.logprobs, b.logprobs)
     be.close()
 
@@ -131,22 +146,11 @@ def test_a_lone_fp32_snapshot_samples_on_packed_merged_weights_as_on_sgemm(
 ) -> None:
     """fp32 on a CPU: merged by default, the merged copy packed; the same tokens as on plain
     weights (MKL's sgemm) and logprobs within a few fp32 roundings of theirs."""
-    be = TorchBackend([TINY], cache_dir=tmp_path, device="cpu", dtype=torch.float32)
-    be.create_adapter(adapter_spec("A", rank=4, seed=1))
-    train(be, "A", TRAIN_DATA, 3, lr=2e-2)
-    be.create_sampler("sA", TINY, adapter_id="A")
-    works = [sw("sA", prompt(5, 1), num_samples=3, seed=4, max_tokens=10)]
-    got = ok(be.sample(works)[0])
-    weights = bank(be).lone_weights("sA", merge=True)
-    assert weights
-    assert all(group.weight.is_mkldnn and group.a is None for group, _ in weights.values())
-    bank(be).release_lone()
-    monkeypatch.setattr(packed, "packable", lambda weight: False)
-    plain = ok(be.sample(works)[0])
-    held = bank(be).lone_weights("sA", merge=True) or {}
-    assert held
-    assert not any(group.weight.is_mkldnn for group, _ in held.values())
+    be = _lone_sampler(tmp_path, torch.float32)
+    got, plain = _packed_then_plain(be, monkeypatch, merge=True)
+    assert all(
+        group.a is None for group, _ in (bank(be).lone_weights("sA", merge=True) or {}).values()
+    )
     for a, b in zip(got.sequences, plain.sequences, strict=True):
-        assert a.tokens == b.tokens
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
     be.close()

@@ -29,6 +29,11 @@ def _packs(dtype: Any) -> bool:
     return packed.packable(torch.zeros(2, 2, dtype=dtype))
 
 
+fp32_packs = pytest.mark.skipif(
+    not _packs(torch.float32), reason="fp32 weights are not packed on this CPU"
+)
+
+
 def _mixed(be: Any, products: list[int]) -> list[Any]:
     products[0] = 0
     out = [ok(r) for r in be.sample(WORKS)]
@@ -74,11 +79,10 @@ def test_steps_of_two_adapters_run_the_base_on_the_shared_packed_copy(
     be.close()
 
 
+@fp32_packs
 def test_the_shared_copy_is_kept_beside_the_lone_one_and_made_again_when_stale(
     backend: Any, products: list[int]
 ) -> None:
-    if not _packs(torch.float32):
-        pytest.skip("fp32 weights are not packed on this CPU")
     be = _trained(backend)
     _mixed(be, products)
     shared = bank(be).shared_weights()
@@ -99,11 +103,10 @@ def test_the_shared_copy_is_kept_beside_the_lone_one_and_made_again_when_stale(
     assert bank(be).lone_bytes == 0
 
 
+@fp32_packs
 def test_a_base_model_sampler_s_copy_serves_as_the_shared_one(
     backend: Any, products: list[int]
 ) -> None:
-    if not _packs(torch.float32):
-        pytest.skip("fp32 weights are not packed on this CPU")
     be = _trained(backend)
     be.create_sampler("base", TINY)
     ok(be.sample([sw("base", prompt(5, 1), seed=4, max_tokens=4)])[0])
