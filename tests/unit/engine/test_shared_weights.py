@@ -104,6 +104,20 @@ def test_the_shared_copy_is_kept_beside_the_lone_one_and_made_again_when_stale(
 
 
 @fp32_packs
+def test_a_refused_shared_copy_is_asked_again_once_a_sampler_is_deleted(
+    backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    be = _trained(backend)
+    held = bank(be)
+    monkeypatch.setattr(packed, "packable", lambda weight: False)
+    assert held.shared_weights() is None  # refused, and not measured again every step
+    monkeypatch.undo()
+    assert held.shared_weights() is None
+    be.delete_sampler("sB")  # memory freed: asked again
+    assert held.shared_weights()
+
+
+@fp32_packs
 def test_a_base_model_sampler_s_copy_serves_as_the_shared_one(
     backend: Any, products: list[int]
 ) -> None:

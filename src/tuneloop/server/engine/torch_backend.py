@@ -104,7 +104,8 @@ class TorchBackend:
         # copies are packed too, packed.py); True: always; False: never.
         # A merged copy wins where both are asked. Steps shared by several keys keep the
         # products (at fp32 a row's result then differs from its lone steps' by the kernels'
-        # rounding, ~1e-7 in a logprob).
+        # rounding, ~1e-7 in a logprob), their base part on a CPU from a shared packed copy
+        # of the base weights (`AdapterBank.shared_weights`).
         self.merge_lone_adapter = merge_lone_adapter
         self.fuse_lone_key = fuse_lone_key
         # Decode steps replayed as CUDA graphs (decode_graphs.py). None: on a GPU.

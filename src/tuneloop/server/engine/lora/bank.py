@@ -319,6 +319,7 @@ class AdapterBank:
         if self._lone is not None and self._lone[0][0] == key:
             self._lone = None
         self._refused = None
+        self._refused_shared = False  # (memory freed: a copy refused for it may fit now)
 
     @property
     def lone_bytes(self) -> int:
