@@ -77,6 +77,11 @@ def peft_targets(keys: Collection[str]) -> tuple[list[str], list[str]]:
 MERGED_SHARE = 0.25
 
 
+def _fresh(table: LoneWeights) -> bool:
+    """Whether no base weight copied into `table`'s groups changed in place since."""
+    return all(group.fresh for group, _ in table.values())
+
+
 class AdapterBank:
     """The LoRA factors of every adapter and sampler snapshot on one base model."""
 
@@ -252,11 +257,7 @@ class AdapterBank:
         if self._refused == (key, merge):
             return None
         held = self._lone  # (its freshness is read only when it is the one asked for)
-        if (
-            held is not None
-            and held[0] == (key, merge)
-            and all(group.fresh for group, _ in held[1].values())
-        ):
+        if held is not None and held[0] == (key, merge) and _fresh(held[1]):
             return held[1]
         self._lone = None  # the previous key's go first: never two copies of a key's at once
         table = self._build(key, merge)
@@ -275,10 +276,10 @@ class AdapterBank:
         server alternates between steps of one tenant and steps of several) until
         `release_lone`; None where it is not made."""
         held = self._lone
-        if held is not None and held[0][0] is None and all(g.fresh for g, _ in held[1].values()):
+        if held is not None and held[0][0] is None and _fresh(held[1]):
             return held[1]  # the base model's own lone copy is the same weights
         shared = self._shared
-        if shared is not None and all(group.fresh for group, _ in shared.values()):
+        if shared is not None and _fresh(shared):
             return shared
         self._shared = None
         if self._refused_shared:
