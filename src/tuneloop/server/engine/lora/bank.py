@@ -100,6 +100,12 @@ class AdapterBank:
         # (made, snapshotted, loaded): what a CUDA graph that read them checks (`version`).
         self._versions: dict[str, int] = {}
         self._changes = 0
+        linears = {n: m for n, m in self.modules.items() if isinstance(m, LoRALinear)}
+        for names in sibling_groups(list(linears), {n: m.base for n, m in linears.items()}):
+            if len(names) > 1:  # (siblings.py: one training node per group)
+                group = tuple(linears[n] for n in names)
+                for index, module in enumerate(group):
+                    module.siblings = (group, index)
 
     # ---- slots --------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import nn
 
-from tuneloop.server.engine.lora import ops
+from tuneloop.server.engine.lora import ops, siblings
 from tuneloop.server.engine.lora.fused import plain_frozen
 from tuneloop.server.engine.lora.ops import Factors, add_lora
 from tuneloop.server.engine.lora.routing import Routing, RoutingContext
@@ -24,6 +24,9 @@ class LoRALinear(Slotted):
     ) -> None:
         super().__init__(slot_of, context)
         self.base = base
+        # The layers fed the same input, this one among them, and its index there (set by the
+        # bank: fused.py's sibling groups): one autograd node for the group in training.
+        self.siblings: tuple[tuple[LoRALinear, ...], int] | None = None
 
     @property
     def in_features(self) -> int:
@@ -83,7 +86,31 @@ class LoRALinear(Slotted):
         weight, bias = self.base.weight, self.base.bias
         if x.dtype != weight.dtype or ops.kernel_on(x.device):
             return None
-        factors = self.lookup_as(routing.runs[0][0], weight.dtype)
+        key = routing.runs[0][0]
+        factors = self.lookup_as(key, weight.dtype)
         if factors is None or factors[0].dtype != weight.dtype:
             return None
+        if self.siblings is not None and bias is None and siblings._GROUPED:
+            group, index = self.siblings
+            if all(_groupable(m, key, x) for m in group):
+                return siblings.take(
+                    routing.siblings, id(group), index, x, lambda: _group_outputs(group, key, x)
+                )
         return ops.one_adapter_linear(x, weight, bias, factors)
+
+
+def _groupable(module: LoRALinear, key: str | None, x: torch.Tensor) -> bool:
+    """Whether a sibling can join its group's node for `key`: a plain frozen layer without a
+    bias, x's dtype, `key`'s factors in it."""
+    base = module.base
+    if not plain_frozen(base) or base.bias is not None or base.weight.dtype != x.dtype:
+        return False
+    factors = module.lookup_as(key, x.dtype)
+    return factors is not None and factors[0].dtype == x.dtype
+
+
+def _group_outputs(
+    group: tuple[LoRALinear, ...], key: str | None, x: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    factors = [m.lookup_as(key, x.dtype) for m in group]
+    return siblings.sibling_linears(x, [m.base.weight for m in group], factors)  # type: ignore[arg-type]

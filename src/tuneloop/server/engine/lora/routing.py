@@ -43,6 +43,11 @@ class Routing:
     # The same for a decode step of several keys (`AdapterBank.shared_weights`): the layers'
     # base outputs from the base model's stacked, packed weights, each key's products added.
     shared: LoneWeights | None = None
+    # Sibling groups' outputs computed by their first member for one input and not yet taken
+    # by the others (siblings.py): group id -> (the input, the outputs left).
+    siblings: dict[int, tuple[torch.Tensor, list[torch.Tensor | None]]] = field(
+        default_factory=dict
+    )
     # A sampling step's routing (model_runner.py): its layers run per step, where a copy of a
     # weight per call (the one-adapter node's at half precision) would cost more than a step.
     steps: bool = False

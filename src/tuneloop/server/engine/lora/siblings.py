@@ -1,0 +1,139 @@
+"""Sibling linears under one adapter as one autograd node, for passes over many tokens.
+
+An attention's q/k/v projections and an MLP's gate/up take the same input (fused.py's
+SIBLINGS). Run one by one, each adapted layer is its own node (ops.py's one-adapter node):
+a down-projection x @ A.T per layer, a concatenation of its input with it and of its weight
+with B, one matmul; in the backward pass one input gradient, one A gradient per layer. For
+the group at once (`SiblingLinears`):
+
+- forward: one down-projection x @ [A_1; ...; A_G].T ([rows, G r]), then one matmul of
+  [x | low] by the siblings' weights stacked with their B blocks in the extra columns, the
+  delta summed with the base in fp32 and rounded once, as the one-adapter node does; each
+  sibling's output is its columns' part, made contiguous;
+- backward: the input gradient by one chain of accumulating matmuls, the down-projections'
+  gradients by one matmul [G r, rows] @ [rows, in].
+
+On SmolLM2-135M's shapes (1,408 tokens, rank 32, bf16, an AMX Xeon) a decoder layer's seven
+adapted linears forward + backward ran 1.04x faster grouped (22.9 -> 22.0 ms,
+`bench/train_variants.py --micro`, docs/benchmarks.md): the small k/v matmuls and the rank-32
+products, slow for their FLOPs, run once per group instead of once per layer.
+
+The first sibling called with an input computes the group's outputs; the others take theirs
+while the input is the same tensor (`take`), as fused.py's decode groups do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from tuneloop.server.engine.lora.ops import Factors
+
+__all__ = ["SiblingLinears", "sibling_linears", "take"]
+
+_GROUPED = True  # (bench/train_variants.py switches it off to compare: --variant siblings)
+
+
+class SiblingLinears(torch.autograd.Function):
+    """x @ W_i.T + scale_i * x @ A_i.T @ B_i.T for each sibling i, the weights frozen, as one
+    graph node with one output per sibling. Inputs: x, the weights (a tuple, no gradient), the
+    scales, then A_1, B_1, ..., A_G, B_G in x's dtype."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        x: torch.Tensor,
+        weights: tuple[torch.Tensor, ...],
+        scales: tuple[float, ...],
+        *factors: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        flat = x.reshape(-1, x.shape[-1])
+        downs, ups = factors[0::2], factors[1::2]
+        a_all = torch.cat(downs)  # [G r, in]
+        low = flat @ a_all.t()  # [rows, G r], before the scales
+        sizes = [w.shape[0] for w in weights]
+        width = flat.shape[1]
+        wide = flat.new_zeros((sum(sizes), width + low.shape[1]))
+        torch.cat(weights, out=wide[:, :width])
+        row = column = 0
+        for b, scale, size in zip(ups, scales, sizes, strict=True):
+            rank = b.shape[1]
+            wide[row : row + size, width + column : width + column + rank] = b * scale
+            row, column = row + size, column + rank
+        out = torch.nn.functional.linear(torch.cat([flat, low], dim=1), wide)
+        ctx.save_for_backward(flat, low, a_all, *weights, *ups)
+        ctx.scales = scales  # type: ignore[attr-defined]
+        ctx.count = len(weights)  # type: ignore[attr-defined]
+        ctx.shape = x.shape  # type: ignore[attr-defined]
+        lead = x.shape[:-1]
+        return tuple(
+            part.contiguous().view(*lead, part.shape[1]) for part in out.split(sizes, dim=1)
+        )
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, *grads: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        flat, low, a_all, *rest = ctx.saved_tensors  # type: ignore[attr-defined]
+        scales: tuple[float, ...] = ctx.scales  # type: ignore[attr-defined]
+        count: int = ctx.count  # type: ignore[attr-defined]
+        weights, ups = rest[:count], rest[count:]
+        rows = flat.shape[0]
+        dys = [
+            flat.new_zeros((rows, w.shape[0])) if g is None else g.reshape(rows, -1)
+            for g, w in zip(grads, weights, strict=True)
+        ]
+        # the gradient of low, scaled: scale_i * dy_i @ B_i per sibling
+        d_low = torch.cat(
+            [(dy @ b).mul_(s) for dy, b, s in zip(dys, ups, scales, strict=True)], dim=1
+        )
+        d_x = None
+        if ctx.needs_input_grad[0]:  # type: ignore[attr-defined]
+            d_x = dys[0] @ weights[0]
+            for dy, w in zip(dys[1:], weights[1:], strict=True):
+                d_x.addmm_(dy, w)
+            d_x = d_x.addmm_(d_low, a_all).view(ctx.shape)  # type: ignore[attr-defined]
+        d_a_all = d_low.t() @ flat  # [G r, in]
+        d_factors: list[torch.Tensor] = []
+        column = 0
+        for dy, b, scale in zip(dys, ups, scales, strict=True):
+            rank = b.shape[1]
+            d_b = (dy.t() @ low[:, column : column + rank]).mul_(scale)
+            d_factors += [d_a_all[column : column + rank], d_b]
+            column += rank
+        return (d_x, None, None, *d_factors)
+
+
+def sibling_linears(
+    x: torch.Tensor, weights: Sequence[torch.Tensor], factors: Sequence[Factors]
+) -> tuple[torch.Tensor, ...]:
+    """Each sibling's `linear(x, weight) + delta`: frozen weights without biases, each
+    sibling's factors in x's dtype."""
+    flat: list[torch.Tensor] = []
+    for a, b, _ in factors:
+        flat += [a, b]
+    scales = tuple(float(f[2]) for f in factors)
+    out: tuple[torch.Tensor, ...] = SiblingLinears.apply(x, tuple(weights), scales, *flat)
+    return out
+
+
+def take(
+    held: dict[int, tuple[torch.Tensor, list[torch.Tensor | None]]],
+    group: int,
+    index: int,
+    x: torch.Tensor,
+    compute: Callable[[], Sequence[torch.Tensor]],
+) -> torch.Tensor:
+    """Sibling `index`'s output of group `group` for input x: from the group's outputs made
+    for this very x and not yet taken, else from `compute()` (all of them, kept in `held` for
+    the other siblings until each took its own)."""
+    entry = held.get(group)
+    if entry is None or entry[0] is not x or entry[1][index] is None:
+        entry = held[group] = (x, list(compute()))
+    out = entry[1][index]
+    assert out is not None
+    entry[1][index] = None
+    if all(o is None for o in entry[1]):
+        del held[group]  # every sibling served: hold nothing
+    return out

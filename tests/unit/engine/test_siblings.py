@@ -1,0 +1,137 @@
+"""Sibling linears of one adapter as one autograd node (lora/siblings.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from tests.unit.engine.conftest import (  # noqa: E402
+    adapter_spec,
+    example,
+    grads,
+    ok,
+    seq,
+    train,
+    work,
+)
+from tuneloop.server.engine.lora import ops, siblings  # noqa: E402
+
+SIZES = (24, 8, 8)  # q, k, v of a grouped-query attention
+WIDTH, RANK = 16, 4
+
+
+def _layers(dtype: torch.dtype) -> tuple[list[Any], list[Any]]:
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, WIDTH, generator=gen).to(dtype) for n in SIZES]
+    masters = [
+        (
+            torch.randn(RANK, WIDTH, generator=gen).requires_grad_(),
+            torch.randn(n, RANK, generator=gen).requires_grad_(),
+            scale,
+        )
+        for n, scale in zip(SIZES, (2.0, 0.5, 1.0), strict=True)
+    ]
+    return weights, masters
+
+
+def _run(dtype: torch.dtype, grouped: bool, used: tuple[int, ...]) -> tuple[list[Any], list[Any]]:
+    """Outputs of the siblings and the gradients of x and every factor master, of a loss that
+    reads the outputs `used` (the others get no gradient)."""
+    weights, masters = _layers(dtype)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 5, WIDTH, generator=gen).to(dtype).requires_grad_()
+    factors = [(a.to(dtype), b.to(dtype), s) for a, b, s in masters]
+    if grouped:
+        outs = list(siblings.sibling_linears(x, weights, factors))
+    else:
+        pairs = zip(weights, factors, strict=True)
+        outs = [ops.one_adapter_linear(x, w, None, f) for w, f in pairs]
+    probe = torch.Generator().manual_seed(2)
+    loss = sum((outs[i].float() * torch.randn(outs[i].shape, generator=probe)).sum() for i in used)
+    loss.backward()  # type: ignore[union-attr]
+    found = [x.grad] + [
+        t.grad if t.grad is not None else torch.zeros_like(t) for a, b, _ in masters for t in (a, b)
+    ]
+    return [o.detach().float() for o in outs], [g.float() for g in found]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("used", [(0, 1, 2), (0, 2)])
+def test_the_group_node_equals_each_layer_own_node(dtype: torch.dtype, used: tuple) -> None:
+    """Outputs and gradients (input, every A and B) as the one-adapter node of each layer; an
+    output the loss does not read gives its factors zero gradients."""
+    got_out, got_grads = _run(dtype, True, used)
+    want_out, want_grads = _run(dtype, False, used)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: each product rounded once
+    for got, want in zip(got_out + got_grads, want_out + want_grads, strict=True):
+        assert got.shape == want.shape
+        scale = want.abs().max().item() or 1.0
+        assert (got - want).abs().max().item() <= tol * scale
+    if 1 not in used:
+        assert got_grads[3].abs().max() == 0
+        assert got_grads[4].abs().max() == 0
+
+
+def test_take_computes_a_group_once_per_input() -> None:
+    """Each sibling takes its output of the group made for this input; a sibling asking twice
+    or another input computes the group again; nothing is held once all took theirs."""
+    calls = []
+
+    def compute(x: torch.Tensor) -> Any:
+        calls.append(1)
+        return [x + i for i in range(3)]
+
+    held: dict = {}
+    x, y = torch.zeros(2), torch.ones(2)
+    assert [siblings.take(held, 7, i, x, lambda: compute(x))[0].item() for i in range(3)] == [
+        0.0,
+        1.0,
+        2.0,
+    ]
+    assert len(calls) == 1
+    assert held == {}
+    siblings.take(held, 7, 0, x, lambda: compute(x))
+    siblings.take(held, 7, 0, x, lambda: compute(x))  # asked twice: made again
+    assert len(calls) == 3
+    assert siblings.take(held, 7, 1, y, lambda: compute(y))[0].item() == 2.0  # another input
+    assert len(calls) == 4
+    assert held[7][0] is y
+
+
+def test_a_training_pass_runs_q_k_v_and_gate_up_as_groups(
+    backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiny Qwen3's attention projections and gated MLP run one node a group in training,
+    with the logprobs and gradients of one node a layer (fp32: to 1e-5)."""
+    backend.create_adapter(adapter_spec("A", seed=3))
+    data = [example(seq(12, 1)), example(seq(7, 2))]
+    train(backend, "A", data, 1)  # B != 0: every delta counts
+    calls = [0]
+    real = siblings.SiblingLinears.apply
+
+    def counting(*args: Any) -> Any:
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(siblings.SiblingLinears, "apply", counting)
+
+    def scored() -> tuple[list, list]:
+        for p in backend._adapters["A"].optimizer._params:
+            p.grad = None
+        result = ok(backend.forward_backward([work("A", data)])[0])
+        return result.logprobs, grads(backend, "A")
+
+    grouped = scored()
+    layers = backend._runtimes[next(iter(backend._runtimes))].model.config.num_hidden_layers
+    assert calls[0] == 2 * layers
+    monkeypatch.setattr(siblings, "_GROUPED", False)
+    single = scored()
+    assert calls[0] == 2 * layers
+    for got, want in zip(grouped[0], single[0], strict=True):
+        assert abs(got - want).max() <= 1e-5
+    for got, want in zip(grouped[1], single[1], strict=True):
+        assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
