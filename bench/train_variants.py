@@ -16,6 +16,7 @@ model and the load. `--profile` prints the top ops of one step of the current va
     python bench/train_variants.py --variant lora-node  # one adapter's layer as one node
     python bench/train_variants.py --variant exact-delta  # bf16 deltas rounded with the base
     python bench/train_variants.py --variant buckets  # packed and attention lengths bucketed
+    python bench/train_variants.py --variant siblings  # q/k/v and gate/up as one node a group
     python bench/train_variants.py --profile
     python bench/train_variants.py --micro          # each piece alone, 422 AdamW tensors,
                                                     # one layer's packed attention fwd+bwd and
@@ -146,6 +147,14 @@ def _lora_add(previous: bool) -> Any:
     return _swapped(ops, "_plus_delta", plus_delta if previous else None)
 
 
+def _siblings(previous: bool) -> Any:
+    """previous: each adapted linear its own node; current: q/k/v and gate/up one node a group
+    (lora/siblings.py)."""
+    from tuneloop.server.engine.lora import siblings
+
+    return _swapped(siblings, "_GROUPED", False if previous else None)
+
+
 def _score_products(previous: bool) -> Any:
     """previous: the matmul kernel's fp32 scores by fp32 matmuls; current: the same fp32
     matmuls on oneDNN's bf16 units, exact for bf16 inputs (causal_cpu.py)."""
@@ -259,8 +268,9 @@ def _micro_attention(repeats: int) -> str:
 def _micro_lora_node(repeats: int) -> str:
     """One SmolLM2 decoder layer's seven rank-32 adapted linears (q, k, v from one input, o,
     gate, up, down; 1,408 tokens, bf16) forward + backward: the base layer followed by
-    `_plus_delta`'s delta (autograd's four nodes) against `one_adapter_linear`'s one node."""
-    from tuneloop.server.engine.lora import ops
+    `_plus_delta`'s delta (autograd's four nodes) against `one_adapter_linear`'s one node, and
+    q/k/v and gate/up each one node (`siblings.sibling_linears`)."""
+    from tuneloop.server.engine.lora import ops, siblings
 
     functional = torch.nn.functional
     rows, bf16, scale = 1408, torch.bfloat16, 2.0
@@ -275,43 +285,58 @@ def _micro_lora_node(repeats: int) -> str:
     }
     x0 = torch.randn(rows, 576, generator=gen).to(bf16)
 
-    def two_nodes(name: str, x: torch.Tensor) -> torch.Tensor:
+    def factors(name: str) -> tuple[torch.Tensor, torch.Tensor, float]:
         a, b = (m.to(bf16) for m in masters[name])
-        return ops._plus_delta(functional.linear(x, weights[name]), x, (a, b, scale))
+        return a, b, scale
 
-    def one_node(name: str, x: torch.Tensor) -> torch.Tensor:
-        a, b = (m.to(bf16) for m in masters[name])
-        return ops.one_adapter_linear(x, weights[name], None, (a, b, scale))
+    def two_nodes(names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
+        return [ops._plus_delta(functional.linear(x, weights[n]), x, factors(n)) for n in names]
 
-    def layer(linear: Callable[[str, torch.Tensor], torch.Tensor]) -> float:
+    def one_node(names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
+        return [ops.one_adapter_linear(x, weights[n], None, factors(n)) for n in names]
+
+    def grouped(names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
+        if len(names) == 1:
+            return one_node(names, x)
+        found = [factors(n) for n in names]
+        return list(siblings.sibling_linears(x, [weights[n] for n in names], found))
+
+    def layer(linears: Callable[[list[str], torch.Tensor], list[torch.Tensor]]) -> float:
         for pair in masters.values():
             for m in pair:
                 m.grad = None
         x = x0.clone().requires_grad_()
         begin = time.perf_counter()
-        q, k, v = (linear(n, x) for n in "qkv")
-        h = linear("o", q) + x
-        out = linear("down", functional.silu(linear("gate", h)) * linear("up", h)) + h
+        q, k, v = linears(["q", "k", "v"], x)
+        h = linears(["o"], q)[0] + x
+        gate, up = linears(["gate", "up"], h)
+        out = linears(["down"], functional.silu(gate) * up)[0] + h
         (out.float().sum() + k.float().sum() + v.float().sum()).backward()
         return time.perf_counter() - begin
 
-    def one_node_rounded(name: str, x: torch.Tensor) -> torch.Tensor:
+    def one_node_rounded(names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
         ops._EXACT_DELTA = False
         try:
-            return one_node(name, x)
+            return one_node(names, x)
         finally:
             ops._EXACT_DELTA = True
 
-    ways = {"four nodes": two_nodes, "one node": one_node, "one node, addmm_": one_node_rounded}
+    ways = {
+        "four nodes": two_nodes,
+        "one node": one_node,
+        "one node, addmm_": one_node_rounded,
+        "siblings": grouped,
+    }
     times: dict[str, list[float]] = {name: [] for name in ways}
     for i in range(repeats):
         for name in list(ways) if i % 2 == 0 else list(reversed(ways)):
             times[name].append(layer(ways[name]))
-    a, b, c = (statistics.median(times[k]) * 1e3 for k in ways)
+    a, b, c, d = (statistics.median(times[k]) * 1e3 for k in ways)
     return (
         f"one layer's seven adapted linears fwd+bwd, {rows} tokens: base + delta {a:.1f} ms, "
         f"one node (delta in extra columns) {b:.1f} ms, {a / b:.2f}x; one node adding the "
-        f"delta by addmm_ {c:.1f} ms, {a / c:.2f}x"
+        f"delta by addmm_ {c:.1f} ms, {a / c:.2f}x; q/k/v and gate/up one node a group "
+        f"{d:.1f} ms, {b / d:.2f}x the one node"
     )
 
 
@@ -368,6 +393,7 @@ def main() -> int:
             "lora-node",
             "exact-delta",
             "buckets",
+            "siblings",
         ],
         default="attention",
     )
@@ -375,7 +401,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per variant")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--warm", action="store_true", help="run every timed batch once, untimed, before timing"
+    )
     parser.add_argument("--micro", action="store_true")
+    parser.add_argument("--micro-repeats", type=int, default=20, help="--micro: layer passes")
     parser.add_argument(
         "--shapes",
         default="aten::fill_,aten::bmm",
@@ -387,7 +417,7 @@ def main() -> int:
         print(f"cpu: {cpu_model()}  threads {args.threads}  load {os.getloadavg()}")
         print(_micro_attention(30))
         print(_micro_adamw(12))
-        print(_micro_lora_node(20))
+        print(_micro_lora_node(args.micro_repeats))
         print("load:", os.getloadavg())
         return 0
 
@@ -428,10 +458,14 @@ def main() -> int:
         "lora-node": _lora_node,
         "exact-delta": _exact_delta,
         "buckets": _buckets,
+        "siblings": _siblings,
     }
     switch = switches[args.variant]
     times: dict[str, list[float]] = {"previous": [], "current": []}
     train_step(batches[1])
+    if args.warm:  # every timed batch once first: oneDNN builds its kernels for new shapes
+        for rows in batches[2:]:
+            train_step(rows)
     for i in range(args.steps):
         for name in ("previous", "current") if i % 2 == 0 else ("current", "previous"):
             rows = batches[2 + i]  # the same batch for both variants of a pair
