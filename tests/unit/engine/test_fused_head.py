@@ -92,13 +92,14 @@ def test_only_a_plain_linear_head_is_fused() -> None:
     assert fused_head.head_parts(nn.Sequential(nn.Linear(8, 20)), x) is None
 
 
+@pytest.mark.parametrize("softcap", [30.0, None])
 @pytest.mark.parametrize("kept", [True, False])
 def test_target_logprobs_and_gradients_equal_autograd_through_log_softmax(
-    monkeypatch: pytest.MonkeyPatch, kept: bool
+    monkeypatch: pytest.MonkeyPatch, kept: bool, softcap: float | None
 ) -> None:
-    """Two adapted segments and base rows, a bias, a softcap and two targets per row, in tiles
-    of 64 rows by 300 columns, the logits kept for the backward pass or recomputed there:
-    logprobs and the gradients of hidden, low and B as autograd's through log_softmax."""
+    """Two adapted segments and base rows, a bias, a softcap or none and two targets per row,
+    in tiles of 64 rows by 300 columns, the logits kept for the backward pass or recomputed
+    there: logprobs and the gradients of hidden, low and B as autograd's through log_softmax."""
     monkeypatch.setattr(fused_head, "ROWS", 64)
     monkeypatch.setattr(fused_head, "COLUMNS", 300)
     if not kept:
@@ -121,10 +122,11 @@ def test_target_logprobs_and_gradients_equal_autograd_through_log_softmax(
     spans = [(0, 50), (90, 140)]
     segments = [Segment(s, e, low, b) for (s, e), (low, b) in zip(spans, factors, strict=True)]
     z = _reference(hidden, weight, bias, segments)
-    want = torch.log_softmax(torch.tanh(z / 30.0) * 30.0, -1).gather(-1, targets)
+    capped = torch.tanh(z / softcap) * softcap if softcap else z
+    want = torch.log_softmax(capped, -1).gather(-1, targets)
     want_grads = torch.autograd.grad((want * grad).sum(), inputs)
     parts = HeadParts(weight, bias, segments)
-    got = fused_head.fused_target_logprobs(parts, hidden, targets, 30.0)
+    got = fused_head.fused_target_logprobs(parts, hidden, targets, softcap)
     got_grads = torch.autograd.grad((got * grad).sum(), inputs)
     assert (got - want).abs().max().item() < 1e-5
     for g, w in zip(got_grads, want_grads, strict=True):
