@@ -6,10 +6,11 @@ a down-projection x @ A.T per layer, a concatenation of its input with it and of
 with B, one matmul; in the backward pass one input gradient, one A gradient per layer. For
 the group at once (`SiblingLinears`):
 
-- forward: one down-projection x @ [A_1; ...; A_G].T ([rows, G r]), then one matmul of
-  [x | low] by the siblings' weights stacked with their B blocks in the extra columns, the
-  delta summed with the base in fp32 and rounded once, as the one-adapter node does; each
-  sibling's output is its columns' part, made contiguous;
+- forward: one down-projection x @ [A_1; ...; A_G].T ([rows, G r]), then, at half
+  precision, one matmul of [x | low] by the siblings' weights stacked with their B blocks in
+  the extra columns, the delta summed with the base in fp32 and rounded once, as the
+  one-adapter node does (in fp32, the stacked base matmul and each delta added into its
+  columns); each sibling's output is its columns' part, made contiguous;
 - backward: the input gradient by one chain of accumulating matmuls, the down-projections'
   gradients by one matmul [G r, rows] @ [rows, in].
 
@@ -28,7 +29,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from tuneloop.server.engine.lora.ops import Factors
+from tuneloop.server.engine.lora import ops
+from tuneloop.server.engine.lora.ops import HALF, Factors
 
 __all__ = ["SiblingLinears", "sibling_linears", "take"]
 
@@ -53,15 +55,16 @@ class SiblingLinears(torch.autograd.Function):
         a_all = torch.cat(downs)  # [G r, in]
         low = flat @ a_all.t()  # [rows, G r], before the scales
         sizes = [w.shape[0] for w in weights]
-        width = flat.shape[1]
-        wide = flat.new_zeros((sum(sizes), width + low.shape[1]))
-        torch.cat(weights, out=wide[:, :width])
-        row = column = 0
-        for b, scale, size in zip(ups, scales, sizes, strict=True):
-            rank = b.shape[1]
-            wide[row : row + size, width + column : width + column + rank] = b * scale
-            row, column = row + size, column + rank
-        out = torch.nn.functional.linear(torch.cat([flat, low], dim=1), wide)
+        if x.dtype in HALF and ops._EXACT_DELTA:
+            out = _summed(flat, low, weights, ups, scales)
+        else:  # fp32: each delta added into its columns, no zero blocks multiplied
+            out = torch.nn.functional.linear(flat, torch.cat(weights))
+            row = column = 0
+            for b, scale, size in zip(ups, scales, sizes, strict=True):
+                rank = b.shape[1]
+                part = low[:, column : column + rank]
+                out[:, row : row + size].addmm_(part, b.t(), alpha=scale)
+                row, column = row + size, column + rank
         ctx.save_for_backward(flat, low, a_all, *weights, *ups)
         ctx.scales = scales  # type: ignore[attr-defined]
         ctx.count = len(weights)  # type: ignore[attr-defined]
@@ -103,6 +106,27 @@ class SiblingLinears(torch.autograd.Function):
             d_factors += [d_a_all[column : column + rank], d_b]
             column += rank
         return (d_x, None, None, *d_factors)
+
+
+def _summed(
+    flat: torch.Tensor,
+    low: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    ups: Sequence[torch.Tensor],
+    scales: Sequence[float],
+) -> torch.Tensor:
+    """[flat | low] @ [W_all | B blocks].T: every sibling's delta summed with its base in the
+    matmul's fp32 accumulator and rounded once (each sibling's B in its own block of columns,
+    zero elsewhere)."""
+    width = flat.shape[1]
+    wide = flat.new_zeros((sum(w.shape[0] for w in weights), width + low.shape[1]))
+    torch.cat(list(weights), out=wide[:, :width])
+    row = column = 0
+    for w, b, scale in zip(weights, ups, scales, strict=True):
+        size, rank = w.shape[0], b.shape[1]
+        wide[row : row + size, width + column : width + column + rank] = b * scale
+        row, column = row + size, column + rank
+    return torch.nn.functional.linear(torch.cat([flat, low], dim=1), wide)
 
 
 def sibling_linears(
