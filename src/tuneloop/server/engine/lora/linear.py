@@ -73,8 +73,9 @@ class LoRALinear(Slotted):
         """Base and delta as one autograd node (`ops.one_adapter_linear`) for one adapter over
         every row through a plain, frozen `nn.Linear`, where a graph is recorded or, outside
         sampling steps, the weights are half precision (there the node sums the delta with the
-        base before rounding, as a decode step's fused weights do); None elsewhere (the base
-        and `add_lora` then run)."""
+        base before rounding, as a decode step's fused weights do); with its siblings one node
+        for the group where every one of them qualifies (siblings.py); None elsewhere (the
+        base and `add_lora` then run)."""
         if routing is None or len(routing.runs) != 1:
             return None
         if not torch.is_grad_enabled() and (

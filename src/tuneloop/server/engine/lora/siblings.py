@@ -119,8 +119,9 @@ def _summed(
     matmul's fp32 accumulator and rounded once (each sibling's B in its own block of columns,
     zero elsewhere)."""
     width = flat.shape[1]
-    wide = flat.new_zeros((sum(w.shape[0] for w in weights), width + low.shape[1]))
+    wide = flat.new_empty((sum(w.shape[0] for w in weights), width + low.shape[1]))
     torch.cat(list(weights), out=wide[:, :width])
+    wide[:, width:].zero_()  # (only the B columns: the weights' part is written once)
     row = column = 0
     for w, b, scale in zip(weights, ups, scales, strict=True):
         size, rank = w.shape[0], b.shape[1]
