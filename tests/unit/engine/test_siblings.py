@@ -24,9 +24,13 @@ SIZES = (24, 8, 8)  # q, k, v of a grouped-query attention
 WIDTH, RANK = 16, 4
 
 
-def _layers(dtype: torch.dtype) -> tuple[list[Any], list[Any]]:
+def _layers(dtype: torch.dtype) -> tuple[list[Any], list[Any], list[Any]]:
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, WIDTH, generator=gen).to(dtype) for n in SIZES]
+    # q and v with a bias, k without: the group adds zeros for k
+    biases = [
+        torch.randn(n, generator=gen).to(dtype) if i != 1 else None for i, n in enumerate(SIZES)
+    ]
     masters = [
         (
             torch.randn(RANK, WIDTH, generator=gen).requires_grad_(),
@@ -35,21 +39,25 @@ def _layers(dtype: torch.dtype) -> tuple[list[Any], list[Any]]:
         )
         for n, scale in zip(SIZES, (2.0, 0.5, 1.0), strict=True)
     ]
-    return weights, masters
+    return weights, biases, masters
 
 
-def _run(dtype: torch.dtype, grouped: bool, used: tuple[int, ...]) -> tuple[list[Any], list[Any]]:
+def _run(
+    dtype: torch.dtype, grouped: bool, used: tuple[int, ...], with_bias: bool
+) -> tuple[list[Any], list[Any]]:
     """Outputs of the siblings and the gradients of x and every factor master, of a loss that
     reads the outputs `used` (the others get no gradient)."""
-    weights, masters = _layers(dtype)
+    weights, biases, masters = _layers(dtype)
+    if not with_bias:
+        biases = [None] * len(weights)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(2, 5, WIDTH, generator=gen).to(dtype).requires_grad_()
     factors = [(a.to(dtype), b.to(dtype), s) for a, b, s in masters]
     if grouped:
-        outs = list(siblings.sibling_linears(x, weights, factors))
+        outs = list(siblings.sibling_linears(x, weights, factors, biases))
     else:
-        pairs = zip(weights, factors, strict=True)
-        outs = [ops.one_adapter_linear(x, w, None, f) for w, f in pairs]
+        layers = zip(weights, biases, factors, strict=True)
+        outs = [ops.one_adapter_linear(x, w, bias, f) for w, bias, f in layers]
     probe = torch.Generator().manual_seed(2)
     loss = sum((outs[i].float() * torch.randn(outs[i].shape, generator=probe)).sum() for i in used)
     loss.backward()  # type: ignore[union-attr]
@@ -61,11 +69,15 @@ def _run(dtype: torch.dtype, grouped: bool, used: tuple[int, ...]) -> tuple[list
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("used", [(0, 1, 2), (0, 2)])
-def test_the_group_node_equals_each_layer_own_node(dtype: torch.dtype, used: tuple) -> None:
-    """Outputs and gradients (input, every A and B) as the one-adapter node of each layer; an
-    output the loss does not read gives its factors zero gradients."""
-    got_out, got_grads = _run(dtype, True, used)
-    want_out, want_grads = _run(dtype, False, used)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_group_node_equals_each_layer_own_node(
+    dtype: torch.dtype, used: tuple, with_bias: bool
+) -> None:
+    """Outputs and gradients (input, every A and B) as the one-adapter node of each layer, with
+    biases on some siblings or none; an output the loss does not read gives its factors zero
+    gradients."""
+    got_out, got_grads = _run(dtype, True, used, with_bias)
+    want_out, want_grads = _run(dtype, False, used, with_bias)
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: each product rounded once
     for got, want in zip(got_out + got_grads, want_out + want_grads, strict=True):
         assert got.shape == want.shape
@@ -102,11 +114,21 @@ def test_take_computes_a_group_once_per_input() -> None:
     assert held[7][0] is y
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
 def test_a_training_pass_runs_q_k_v_and_gate_up_as_groups(
-    backend: Any, monkeypatch: pytest.MonkeyPatch
+    backend: Any, monkeypatch: pytest.MonkeyPatch, with_bias: bool
 ) -> None:
     """The tiny Qwen3's attention projections and gated MLP run one node a group in training,
-    with the logprobs and gradients of one node a layer (fp32: to 1e-5)."""
+    with the logprobs and gradients of one node a layer (fp32: to 1e-5); with frozen biases
+    on q/k/v (as Qwen2's) too."""
+    model = backend._runtimes[next(iter(backend._runtimes))].model
+    if with_bias:
+        gen = torch.Generator().manual_seed(4)
+        for layer in model.model.layers:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                base = getattr(layer.self_attn, name).base
+                values = torch.randn(base.out_features, generator=gen) * 0.1
+                base.bias = torch.nn.Parameter(values, requires_grad=False)
     backend.create_adapter(adapter_spec("A", seed=3))
     data = [example(seq(12, 1)), example(seq(7, 2))]
     train(backend, "A", data, 1)  # B != 0: every delta counts
@@ -126,7 +148,7 @@ def test_a_training_pass_runs_q_k_v_and_gate_up_as_groups(
         return result.logprobs, grads(backend, "A")
 
     grouped = scored()
-    layers = backend._runtimes[next(iter(backend._runtimes))].model.config.num_hidden_layers
+    layers = model.config.num_hidden_layers
     assert calls[0] == 2 * layers
     monkeypatch.setattr(siblings, "_GROUPED", False)
     single = scored()

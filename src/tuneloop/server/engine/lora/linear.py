@@ -91,7 +91,7 @@ class LoRALinear(Slotted):
         factors = self.lookup_as(key, weight.dtype)
         if factors is None or factors[0].dtype != weight.dtype:
             return None
-        if self.siblings is not None and bias is None and siblings._GROUPED:
+        if self.siblings is not None and siblings._GROUPED:
             group, index = self.siblings
             if all(_groupable(m, key, x) for m in group):
                 return siblings.take(
@@ -101,10 +101,12 @@ class LoRALinear(Slotted):
 
 
 def _groupable(module: LoRALinear, key: str | None, x: torch.Tensor) -> bool:
-    """Whether a sibling can join its group's node for `key`: a plain frozen layer without a
-    bias, x's dtype, `key`'s factors in it."""
+    """Whether a sibling can join its group's node for `key`: a plain frozen layer in x's
+    dtype (its bias too), `key`'s factors in it."""
     base = module.base
-    if not plain_frozen(base) or base.bias is not None or base.weight.dtype != x.dtype:
+    if not plain_frozen(base) or base.weight.dtype != x.dtype:
+        return False
+    if base.bias is not None and base.bias.dtype != x.dtype:
         return False
     factors = module.lookup_as(key, x.dtype)
     return factors is not None and factors[0].dtype == x.dtype
@@ -114,4 +116,6 @@ def _group_outputs(
     group: tuple[LoRALinear, ...], key: str | None, x: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
     factors = [m.lookup_as(key, x.dtype) for m in group]
-    return siblings.sibling_linears(x, [m.base.weight for m in group], factors)  # type: ignore[arg-type]
+    weights = [m.base.weight for m in group]
+    biases = [m.base.bias for m in group]
+    return siblings.sibling_linears(x, weights, factors, biases)  # type: ignore[arg-type]

@@ -39,14 +39,16 @@ _GROUPED = True  # (bench/train_variants.py switches it off to compare: --varian
 
 class SiblingLinears(torch.autograd.Function):
     """x @ W_i.T + scale_i * x @ A_i.T @ B_i.T for each sibling i, the weights frozen, as one
-    graph node with one output per sibling. Inputs: x, the weights (a tuple, no gradient), the
-    scales, then A_1, B_1, ..., A_G, B_G in x's dtype."""
+    graph node with one output per sibling. Inputs: x, the weights (a tuple, no gradient), their
+    stacked bias or None (no gradient), the scales, then A_1, B_1, ..., A_G, B_G in x's
+    dtype."""
 
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx,
         x: torch.Tensor,
         weights: tuple[torch.Tensor, ...],
+        bias: torch.Tensor | None,
         scales: tuple[float, ...],
         *factors: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
@@ -56,9 +58,9 @@ class SiblingLinears(torch.autograd.Function):
         low = flat @ a_all.t()  # [rows, G r], before the scales
         sizes = [w.shape[0] for w in weights]
         if x.dtype in HALF and ops._EXACT_DELTA:
-            out = _summed(flat, low, weights, ups, scales)
+            out = _summed(flat, low, weights, bias, ups, scales)
         else:  # fp32: each delta added into its columns, no zero blocks multiplied
-            out = torch.nn.functional.linear(flat, torch.cat(weights))
+            out = torch.nn.functional.linear(flat, torch.cat(weights), bias)
             row = column = 0
             for b, scale, size in zip(ups, scales, sizes, strict=True):
                 rank = b.shape[1]
@@ -105,13 +107,14 @@ class SiblingLinears(torch.autograd.Function):
             d_b = (dy.t() @ low[:, column : column + rank]).mul_(scale)
             d_factors += [d_a_all[column : column + rank], d_b]
             column += rank
-        return (d_x, None, None, *d_factors)
+        return (d_x, None, None, None, *d_factors)
 
 
 def _summed(
     flat: torch.Tensor,
     low: torch.Tensor,
     weights: Sequence[torch.Tensor],
+    bias: torch.Tensor | None,
     ups: Sequence[torch.Tensor],
     scales: Sequence[float],
 ) -> torch.Tensor:
@@ -127,19 +130,31 @@ def _summed(
         size, rank = w.shape[0], b.shape[1]
         wide[row : row + size, width + column : width + column + rank] = b * scale
         row, column = row + size, column + rank
-    return torch.nn.functional.linear(torch.cat([flat, low], dim=1), wide)
+    return torch.nn.functional.linear(torch.cat([flat, low], dim=1), wide, bias)
 
 
 def sibling_linears(
-    x: torch.Tensor, weights: Sequence[torch.Tensor], factors: Sequence[Factors]
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    factors: Sequence[Factors],
+    biases: Sequence[torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Each sibling's `linear(x, weight) + delta`: frozen weights without biases, each
-    sibling's factors in x's dtype."""
+    """Each sibling's `linear(x, weight, bias) + delta`: frozen weights and biases (None: none;
+    a group where some have one adds zeros for the others), each sibling's factors in x's
+    dtype."""
     flat: list[torch.Tensor] = []
     for a, b, _ in factors:
         flat += [a, b]
     scales = tuple(float(f[2]) for f in factors)
-    out: tuple[torch.Tensor, ...] = SiblingLinears.apply(x, tuple(weights), scales, *flat)
+    bias = None
+    if biases is not None and any(b is not None for b in biases):
+        bias = torch.cat(
+            [
+                x.new_zeros(w.shape[0]) if b is None else b.detach()
+                for w, b in zip(weights, biases, strict=True)
+            ]
+        )
+    out: tuple[torch.Tensor, ...] = SiblingLinears.apply(x, tuple(weights), bias, scales, *flat)
     return out
 
 
