@@ -85,8 +85,7 @@ def test_siblings_share_one_computation_per_input(monkeypatch: pytest.MonkeyPatc
     x, y = torch.randn(3, 4), torch.randn(3, 4)
     outs = [group.output(i, x) for i in range(3)]
     assert calls[0] == 1
-    assert group._x is None
-    assert group._outs == ()
+    assert group._held == {}  # every sibling served: nothing held
     assert [group.output(i, y) for i in (1, 0)]
     assert calls[0] == 2
     group.output(0, y)  # asked again before its siblings: computed again, same values

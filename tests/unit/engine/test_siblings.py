@@ -18,7 +18,7 @@ from tests.unit.engine.conftest import (  # noqa: E402
     train,
     work,
 )
-from tuneloop.server.engine.lora import ops, siblings  # noqa: E402
+from tuneloop.server.engine.lora import fused, ops, siblings  # noqa: E402
 
 SIZES = (24, 8, 8)  # q, k, v of a grouped-query attention
 WIDTH, RANK = 16, 4
@@ -99,17 +99,17 @@ def test_take_computes_a_group_once_per_input() -> None:
 
     held: dict = {}
     x, y = torch.zeros(2), torch.ones(2)
-    assert [siblings.take(held, 7, i, x, lambda: compute(x))[0].item() for i in range(3)] == [
+    assert [fused.take(held, 7, i, x, lambda: compute(x))[0].item() for i in range(3)] == [
         0.0,
         1.0,
         2.0,
     ]
     assert len(calls) == 1
     assert held == {}
-    siblings.take(held, 7, 0, x, lambda: compute(x))
-    siblings.take(held, 7, 0, x, lambda: compute(x))  # asked twice: made again
+    fused.take(held, 7, 0, x, lambda: compute(x))
+    fused.take(held, 7, 0, x, lambda: compute(x))  # asked twice: made again
     assert len(calls) == 3
-    assert siblings.take(held, 7, 1, y, lambda: compute(y))[0].item() == 2.0  # another input
+    assert fused.take(held, 7, 1, y, lambda: compute(y))[0].item() == 2.0  # another input
     assert len(calls) == 4
     assert held[7][0] is y
 

@@ -23,14 +23,14 @@ never values).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from tuneloop.server.engine import packed
 
-__all__ = ["SIBLINGS", "FusedLinear", "fusable", "plain_frozen", "sibling_groups"]
+__all__ = ["SIBLINGS", "FusedLinear", "fusable", "plain_frozen", "sibling_groups", "take"]
 
 # Layer names under one parent module that take the same input in the model families served.
 SIBLINGS: tuple[frozenset[str], ...] = (
@@ -78,6 +78,27 @@ def sibling_groups(names: Sequence[str], bases: Mapping[str, nn.Linear]) -> list
     return out
 
 
+def take(
+    held: dict[int, tuple[torch.Tensor, list[torch.Tensor | None]]],
+    group: int,
+    index: int,
+    x: torch.Tensor,
+    compute: Callable[[], Sequence[torch.Tensor]],
+) -> torch.Tensor:
+    """Sibling `index`'s output of group `group` for input x: from the group's outputs made
+    for this very x and not yet taken, else from `compute()` (all of them, kept in `held` for
+    the other siblings until each took its own)."""
+    entry = held.get(group)
+    if entry is None or entry[0] is not x or entry[1][index] is None:
+        entry = held[group] = (x, list(compute()))
+    out = entry[1][index]
+    assert out is not None
+    entry[1][index] = None
+    if all(o is None for o in entry[1]):
+        del held[group]  # every sibling served: hold nothing
+    return out
+
+
 class FusedLinear:
     """One group of sibling linears for one key: the stacked (and maybe packed) weight
     [sum of outputs, in + LoRA columns], the stacked down-projections A [LoRA columns, in]
@@ -94,9 +115,7 @@ class FusedLinear:
         self.weight, self.bias, self.a, self.sizes = weight, bias, a, sizes
         # The base weights copied, with their versions then: an in-place change makes it stale.
         self._versions = versions
-        self._x: torch.Tensor | None = None
-        self._outs: tuple[torch.Tensor, ...] = ()
-        self._taken: set[int] = set()
+        self._held: dict[int, tuple[torch.Tensor, list[torch.Tensor | None]]] = {}  # `take`
 
     @classmethod
     def build(
@@ -165,14 +184,7 @@ class FusedLinear:
         """Member `index`'s output for input x [..., in]."""
         if len(self.sizes) == 1:
             return self._compute(x)[0]
-        if x is not self._x or index in self._taken:
-            self._outs = self._compute(x)
-            self._x, self._taken = x, set()
-        self._taken.add(index)
-        out = self._outs[index]
-        if len(self._taken) == len(self.sizes):  # every sibling served: hold nothing
-            self._x, self._outs, self._taken = None, (), set()
-        return out
+        return take(self._held, 0, index, x, lambda: self._compute(x))
 
     def _compute(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         flat = x.reshape(-1, x.shape[-1])

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine.lora import ops, siblings
-from tuneloop.server.engine.lora.fused import plain_frozen
+from tuneloop.server.engine.lora.fused import plain_frozen, take
 from tuneloop.server.engine.lora.ops import Factors, add_lora
 from tuneloop.server.engine.lora.routing import Routing, RoutingContext
 from tuneloop.server.engine.lora.slots import Slotted
@@ -94,7 +94,7 @@ class LoRALinear(Slotted):
         if self.siblings is not None and siblings._GROUPED:
             group, index = self.siblings
             if all(_groupable(m, key, x) for m in group):
-                return siblings.take(
+                return take(
                     routing.siblings, id(group), index, x, lambda: _group_outputs(group, key, x)
                 )
         return ops.one_adapter_linear(x, weight, bias, factors)

@@ -20,19 +20,19 @@ adapted linears forward + backward ran 1.04x faster grouped (22.9 -> 22.0 ms,
 products, slow for their FLOPs, run once per group instead of once per layer.
 
 The first sibling called with an input computes the group's outputs; the others take theirs
-while the input is the same tensor (`take`), as fused.py's decode groups do.
+while the input is the same tensor (fused.py's `take`, which its decode groups use too).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from tuneloop.server.engine.lora import ops
 from tuneloop.server.engine.lora.ops import HALF, Factors
 
-__all__ = ["SiblingLinears", "sibling_linears", "take"]
+__all__ = ["SiblingLinears", "sibling_linears"]
 
 _GROUPED = True  # (bench/train_variants.py switches it off to compare: --variant siblings)
 
@@ -155,25 +155,4 @@ def sibling_linears(
             ]
         )
     out: tuple[torch.Tensor, ...] = SiblingLinears.apply(x, tuple(weights), bias, scales, *flat)
-    return out
-
-
-def take(
-    held: dict[int, tuple[torch.Tensor, list[torch.Tensor | None]]],
-    group: int,
-    index: int,
-    x: torch.Tensor,
-    compute: Callable[[], Sequence[torch.Tensor]],
-) -> torch.Tensor:
-    """Sibling `index`'s output of group `group` for input x: from the group's outputs made
-    for this very x and not yet taken, else from `compute()` (all of them, kept in `held` for
-    the other siblings until each took its own)."""
-    entry = held.get(group)
-    if entry is None or entry[0] is not x or entry[1][index] is None:
-        entry = held[group] = (x, list(compute()))
-    out = entry[1][index]
-    assert out is not None
-    entry[1][index] = None
-    if all(o is None for o in entry[1]):
-        del held[group]  # every sibling served: hold nothing
     return out
