@@ -9,7 +9,9 @@ is measured:
 - decode: one decode step of 128 rows (32 prompts x 4 samples from a lone sampler snapshot): a
   call of `--new` tokens minus a call of 2, per step, so the prefill is left out;
 - decode-attention: the same decode step, switching the decode rows' attention instead of
-  the norms;
+  the norms: gathered for SDPA ("eager") or the kernel the engine picked ("compiled");
+- decode-native: the same, inductor's decode kernel (kv/decode_attention.py) against the
+  native one (kv/native_decode.py; bf16 on CPUs with AVX512-BF16);
 - micro: one RMSNorm at SmolLM2's width, training (forward + backward of 1,408 tokens) and
   decoding (forward of 128 rows); also the gated MLP's SiLU product, compiled the same way
   (not adopted: slower than eager).
@@ -18,6 +20,7 @@ Prints the CPU model, the load, each side's median and their ratio.
     python bench/step_variants.py train [--rounds 5]
     python bench/step_variants.py decode [--rounds 3] [--new 24]
     python bench/step_variants.py decode-attention [--rounds 3] [--new 64]
+    python bench/step_variants.py decode-native [--rounds 5] [--new 64]
     python bench/step_variants.py micro
 """
 
@@ -110,22 +113,45 @@ def _switch_norms(backend: Any) -> Callable[[str], None]:
 
 
 def _switch_decode_attention(backend: Any) -> Callable[[str], None]:
-    """Sides: decode rows gathered for SDPA ("eager"), or the compiled decode attention
-    (kv/decode_attention.py); the norms compiled on both."""
+    """Sides: decode rows gathered for SDPA ("eager"), or the decode kernel the engine picked
+    (kv/native_decode.py or kv/decode_attention.py); the norms compiled on both."""
     [runtime] = backend._runtimes.values()
-    assert runtime.compiled_decode, "the compiled decode attention did not warm up"
+    assert runtime.compiled_decode, "no decode kernel warmed up"
+    kernel = runtime.decode_kernel
 
     def switch(side: str) -> None:
-        runtime.compiled_decode = side == "compiled"
+        runtime.decode_kernel = kernel if side == "compiled" else None
+
+    return switch
+
+
+def _switch_native(backend: Any) -> Callable[[str], None]:
+    """Sides: inductor's decode kernel, or the native one."""
+    from tuneloop.server.engine.kv import decode_attention, native_decode
+
+    [runtime] = backend._runtimes.values()
+    assert runtime.decode_kernel is native_decode.attend, "the native kernel is not in use"
+    heads, kv_heads, dim = 9, 3, 64  # SmolLM2's
+    assert decode_attention.warm_up(
+        heads, kv_heads, dim, dim, dim**-0.5, torch.bfloat16, torch.device("cpu")
+    )
+
+    def switch(side: str) -> None:
+        native = side == "native"
+        runtime.decode_kernel = native_decode.attend if native else decode_attention.compiled()
 
     return switch
 
 
 def _alternate(
-    switch: Callable[[str], None], rounds: int, measure: Callable[[], float], unit: str
+    switch: Callable[[str], None],
+    rounds: int,
+    measure: Callable[[], float],
+    unit: str,
+    sides: tuple[str, str] = ("eager", "compiled"),
 ) -> dict[str, list[float]]:
-    """`measure()` on the eager side, then the compiled one, `rounds` times; per side."""
-    results: dict[str, list[float]] = {"eager": [], "compiled": []}
+    """`measure()` on the first side, then the second, `rounds` times; per side."""
+    results: dict[str, list[float]] = {side: [] for side in sides}
     for _ in range(rounds):
         for side in results:
             switch(side)
@@ -136,12 +162,14 @@ def _alternate(
             f"load {os.getloadavg()[0]:.2f}",
             flush=True,
         )
-    return results  # compiled again, as the engine runs
+    return results  # the second side again, as the engine runs
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["train", "decode", "decode-attention", "micro"])
+    parser.add_argument(
+        "what", choices=["train", "decode", "decode-attention", "decode-native", "micro"]
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--new", type=int, default=24, help="decode: new tokens per call")
     parser.add_argument("--threads", type=int, default=2)
@@ -184,12 +212,18 @@ def main() -> int:
         def measure() -> float:
             return (call(args.new) - call(2)) / (args.new - 2) * 1e3
 
-        switch = (_switch_norms if args.what == "decode" else _switch_decode_attention)(backend)
-        results = _alternate(switch, args.rounds, measure, "ms per decode step")
+        switches = {
+            "decode": _switch_norms,
+            "decode-attention": _switch_decode_attention,
+            "decode-native": _switch_native,
+        }
+        sides = ("inductor", "native") if args.what == "decode-native" else ("eager", "compiled")
+        switch = switches[args.what](backend)
+        results = _alternate(switch, args.rounds, measure, "ms per decode step", sides)
     medians = {k: statistics.median(v) for k, v in results.items()}
-    eager, fused = medians["eager"], medians["compiled"]
+    (first, before), (second, after) = medians.items()
     print(
-        f"{args.what}: eager {eager:.1f} ms, compiled {fused:.1f} ms, {eager / fused:.2f}x "
+        f"{args.what}: {first} {before:.1f} ms, {second} {after:.1f} ms, {before / after:.2f}x "
         f"(medians of {args.rounds}); load {os.getloadavg()}"
     )
     return 0

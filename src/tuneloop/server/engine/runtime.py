@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine.decoder import Decoder
-from tuneloop.server.engine.kv import decode_attention
+from tuneloop.server.engine.kv import decode_attention, native_decode
 from tuneloop.server.engine.kv.paged_attention import FLASH_BLOCK_SIZE, kernel_available
 from tuneloop.server.engine.lora import AdapterBank
 from tuneloop.server.engine.memory import attention_heads, kv_cache_blocks
@@ -30,8 +31,10 @@ class Runtime:
     packed: bool = False  # training batches packed end to end (see packing.py)
     tokenizer: Any = None
     decoder: Decoder | None = None  # made at the first sampling request: a KV pool is large
-    # Decode rows attend with the compiled CPU kernel (kv/decode_attention.py), once warmed up.
+    # Decode rows attend with a CPU kernel once `compile_decode` found one: the native one
+    # (kv/native_decode.py) or inductor's (kv/decode_attention.py).
     compiled_decode: bool = False
+    decode_kernel: Callable[..., torch.Tensor] | None = None
 
     @property
     def model(self) -> nn.Module:
@@ -89,18 +92,24 @@ class Runtime:
         decoder.prefill_chunk = max(1, prefill_chunk)
         lone = "merged" if merge_lone_adapter else "fused" if fuse_lone_key else None
         decoder.runner.lone_weights = lone
-        decoder.runner.decode_kernel = decode_attention.compiled() if self.compiled_decode else None
+        decoder.runner.decode_kernel = self.decode_kernel
         decoder.runner.use_graphs(graphs, capture=self.device.type == "cuda")
         return decoder
 
     def compile_decode(self) -> bool:
-        """Warm up the compiled decode attention for this model's heads; whether it is used."""
+        """Pick the decode rows' attention kernel for this model's heads: the native one where
+        it takes them (bf16 on a CPU with AVX512-BF16), else inductor's, warmed up; whether
+        either is used."""
         heads, kv_heads, dim = attention_heads(self.model.config)
+        dtype = next(self.model.parameters()).dtype
+        if native_decode.available(heads, kv_heads, dim, dim, dtype, self.device):
+            self.decode_kernel, self.compiled_decode = native_decode.attend, True
+            return True
         # The scale the attention modules pass (Gemma's is not 1 / sqrt(head size)).
         scales = (getattr(m, "scaling", None) for m in self.model.modules())
         scale = next((s for s in scales if isinstance(s, float)), dim**-0.5)
-        dtype = next(self.model.parameters()).dtype
         self.compiled_decode = decode_attention.warm_up(
             heads, kv_heads, dim, dim, scale, dtype, self.device
         )
+        self.decode_kernel = decode_attention.compiled() if self.compiled_decode else None
         return self.compiled_decode
