@@ -8,7 +8,8 @@ At SmolLM2-135M's shapes, bf16 (the engine's dtype where the CPU has bf16 units)
    query heads, 30-70 keys): on keys gathered beforehand, SDPA's grouped-query form against
    the query heads folded into each key head's queries; then the reference's gather + folded
    SDPA (kv/paged_attention.py) against the kernel compiled by inductor that reads the pool by
-   slot (kv/decode_attention.py);
+   slot (kv/decode_attention.py), and, at bf16 on a CPU with AVX512-BF16, the native kernel
+   that replaced it there (kv/native_decode.py);
 3. training attention: one layer's packed attention (8 sequences of 64-256 tokens) forward
    and backward: SDPA in bf16, torch's flash kernel with an fp32 backward (what the engine ran
    before) and the matmul kernel it runs now for short sequences (causal_cpu.py);
@@ -147,14 +148,26 @@ def _decode_attention(dtype: torch.dtype, repeats: int) -> str:
         return float((out.double() - exact).abs().max())
 
     pair = {"gqa": gqa, "folded": folded, "gather+folded": gather_folded, "compiled": compiled}
+    from tuneloop.server.engine.kv import native_decode
+
+    native_built = native_decode.available(HEADS, kv_heads, DIM, DIM, dtype, torch.device("cpu"))
+    if native_built:
+        pair["native"] = lambda: native_decode.attend(q, k_pool, v_pool, slots, live, scale)
     ms = _alternate(pair, repeats * 5)
     us = {name: f"{t * 1e3:.0f} us" for name, t in ms.items()}
+    native = (
+        f"; native {us['native']} ({ms['compiled'] / ms['native']:.2f}x the compiled one), "
+        f"error {error(pair['native']()):.1e}"
+        if native_built
+        else ""
+    )
     return (
         f"decode attention, 128 rows x 30-{width} keys, one layer: SDPA GQA {us['gqa']}, folded "
         f"{us['folded']} (keys gathered beforehand, {ms['gqa'] / ms['folded']:.2f}x); gather + "
         f"folded {us['gather+folded']}, compiled from the pool {us['compiled']} "
         f"({ms['gather+folded'] / ms['compiled']:.2f}x); largest error against fp64: folded "
         f"{error(folded().reshape(rows, HEADS, DIM)):.1e}, compiled {error(compiled()):.1e}"
+        f"{native}"
     )
 
 

@@ -193,3 +193,60 @@ def test_a_backend_with_compiled_kernels_trains_and_samples_as_the_eager_one(
         be.close()
     limits = [r.getMessage() for r in caplog.records if "limit" in r.getMessage()]
     assert not limits
+
+
+NATIVE = compiled._native_norm() is not None
+
+
+@pytest.mark.skipif(not NATIVE, reason="no C++ compiler here")
+@pytest.mark.parametrize(("rows", "width"), [(1, 576), (128, 576), (7, 64), (300, 1536)])
+def test_the_native_norm_is_the_functions_arithmetic(rows: int, width: int) -> None:
+    """A sampling step's C++ norm against `rms_norm` eager (bf16): the same bits but where the
+    order of the fp32 sum of squares flips a rounding, and then by one bf16 step."""
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, width, generator=gen) * 3).bfloat16()
+    weight = torch.randn(width, generator=gen).bfloat16()
+    with torch.no_grad():
+        native = compiled._native_rms_norm(x, weight, 1e-5)
+        eager = compiled.rms_norm(x, weight, 1e-5)
+    assert native is not None
+    differ = native != eager
+    assert differ.float().mean().item() < 1e-3
+    step = eager.float().abs() * 2.0**-7  # one bf16 step at the value's scale, at most
+    assert ((native.float() - eager.float()).abs() <= step)[differ].all()
+
+
+@pytest.mark.skipif(not NATIVE, reason="no C++ compiler here")
+def test_the_native_norm_runs_in_sampling_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Installed norms take the C++ loop inside `sampling_step` for bf16 CPU inputs without
+    autograd; outside a step, for an input that requires grad (training, which needs the
+    compiled kernel's backward) and at fp32 they keep the compiled kernel."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    real = compiled._native_norm()
+    calls: list[int] = []
+
+    def counting(*args: object) -> None:
+        calls.append(1)
+        real(*args)
+
+    monkeypatch.setattr(compiled, "_native_norm", lambda: counting)
+    norms = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        norm = LlamaRMSNorm(576, eps=1e-5).to(dtype)
+        assert compiled.install(norm) == 1
+        norms[dtype] = norm
+    x = torch.randn(1, 5, 576).bfloat16()
+    with torch.no_grad():
+        outside = norms[torch.bfloat16](x)
+        assert not calls
+        with compiled.sampling_step():
+            inside = norms[torch.bfloat16](x)
+            assert len(calls) == 1
+            norms[torch.float32](x.float())
+    with compiled.sampling_step():
+        trained = norms[torch.bfloat16](x.clone().requires_grad_(True))
+    assert trained.requires_grad
+    assert len(calls) == 1
+    assert torch.equal(inside, compiled.rms_norm(x, norms[torch.bfloat16].weight, 1e-5))
+    torch.testing.assert_close(inside, outside, atol=0.0, rtol=2.0**-7)

@@ -95,7 +95,9 @@ def serve(
                 "Run the model's RMSNorms and, on a CPU, its decode attention as kernels"
                 " compiled by torch.compile, at load (default: for models 256 or more wide;"
                 " seconds of compiling at start; on a CPU ~1.1x faster training and decode"
-                " steps, on a GPU inside the decode graphs only, 1.07x an 8B model's step)."
+                " steps, on a GPU inside the decode graphs only, 1.07x an 8B model's step;"
+                " bf16 on a CPU with AVX512-BF16: the decode attention is a C++ kernel built"
+                " with the system compiler instead)."
             ),
             show_default=False,
         ),

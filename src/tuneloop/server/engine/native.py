@@ -1,0 +1,101 @@
+"""C++ kernels of the engine's CPU steps, built at first use for the host CPU and loaded.
+
+Some small kernels cost more in torch's machinery around them than in their arithmetic, or
+are written by a compiler in a form far from what the CPU can do (kv/native_decode.py,
+rms_norm.cpp's wrapper in compiled.py). Their sources ship beside their wrappers; `library`
+builds one with the system's C++ compiler (the one torch.compile needs on a CPU anyway;
+`CXX` picks another) for this CPU (`-march=native`) into a folder of the user's own under
+the temporary directory, named by a hash of the source, the flags, the compiler's version and
+the CPU's flags, so a later process loads it without compiling. A library links the OpenMP
+runtime torch has already loaded (libgomp.so.1), so its threads are torch's. Calls go through
+ctypes, which releases the GIL for them. Where a library cannot be built (no compiler, a CPU
+without the instructions it needs, not x86-64 Linux) `library` gives None, with a warning
+where the build itself failed, and the callers keep their torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["cpu_flags", "library"]
+
+log = logging.getLogger(__name__)
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def _compiler() -> str | None:
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
+    return next((path for name in names if (path := shutil.which(name))), None)
+
+
+def _cache_dir() -> Path:
+    """A folder only this user can write: nobody else's library is ever loaded from it."""
+    folder = Path(tempfile.gettempdir()) / f"tuneloop-kernels-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    info = folder.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise RuntimeError(f"{folder} is not this user's own folder")
+    return folder
+
+
+def _build(source: Path) -> ctypes.CDLL:
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++, c++, clang++ or $CXX)")
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    parts = [" ".join(FLAGS), version, " ".join(sorted(cpu_flags()))]
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), *(p.encode() for p in parts)]))
+    folder = _cache_dir()
+    built = folder / f"{source.stem}_{key.hexdigest()[:24]}.so"
+    if not built.exists():
+        with tempfile.TemporaryDirectory(dir=folder) as scratch:
+            fresh = Path(scratch) / built.name
+            result = subprocess.run(
+                [compiler, *FLAGS, "-o", str(fresh), str(source)],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            if result.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+            os.replace(fresh, built)  # atomic: a concurrent process loads one or the other
+    return ctypes.CDLL(str(built))
+
+
+@functools.cache
+def library(source: Path, needs: Sequence[str] = ()) -> ctypes.CDLL | None:
+    """The kernels of the C++ file `source`, built for this CPU and loaded; None on a CPU
+    without every feature flag in `needs`, or where building fails (with a warning)."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    if not set(needs) <= cpu_flags():
+        return None
+    try:
+        return _build(source)
+    except Exception as exc:  # any failure leaves the caller's torch path
+        log.warning("the native kernels of %s could not be built: %s", source.name, exc)
+        return None
