@@ -1,0 +1,81 @@
+"""Native kernels' build (engine/native.py): built once per source, flags and CPU into the
+user's own cache folder, reused by later loads, refused where the CPU lacks what a source
+needs, and a failed build reported and given as None (the callers keep their torch path)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tuneloop.server.engine import native
+
+SOURCE = 'extern "C" int twice(int x) { return 2 * x; }\n'
+COMPILER = native._compiler() is not None and native.platform.system() == "Linux"
+pytestmark = pytest.mark.skipif(not COMPILER, reason="no C++ compiler on this host")
+
+
+@pytest.fixture(autouse=True)
+def _own_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A temporary directory of the test's own, and nothing cached from other tests."""
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path))
+    native.library.cache_clear()
+    yield
+    native.library.cache_clear()
+
+
+def test_a_source_is_built_once_and_loaded_again(tmp_path: Path) -> None:
+    source = tmp_path / "twice.cpp"
+    source.write_text(SOURCE)
+    lib = native.library(source)
+    assert lib is not None
+    assert lib.twice(21) == 42
+    [built] = (tmp_path / f"tuneloop-kernels-{os.getuid()}").glob("twice_*.so")
+    stamp = built.stat().st_mtime_ns
+    native.library.cache_clear()
+    assert native.library(source) is not None
+    assert built.stat().st_mtime_ns == stamp  # loaded, not compiled again
+    source.write_text(SOURCE.replace("2 * x", "3 * x"))  # another source: another library
+    native.library.cache_clear()
+    again = native.library(source)
+    assert again is not None
+    assert again.twice(2) == 6
+    assert len(list(built.parent.glob("twice_*.so"))) == 2
+
+
+def test_a_cpu_without_the_needed_flags_gets_none(tmp_path: Path) -> None:
+    source = tmp_path / "twice.cpp"
+    source.write_text(SOURCE)
+    assert native.library(source, ("no_such_cpu_flag",)) is None
+    assert not (tmp_path / f"tuneloop-kernels-{os.getuid()}").exists()  # nothing was built
+
+
+def test_a_failed_build_is_reported(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    source = tmp_path / "broken.cpp"
+    source.write_text("this is not C++\n")
+    with caplog.at_level(logging.WARNING):
+        assert native.library(source) is None
+    assert "broken.cpp could not be built" in caplog.text
+
+
+def test_a_cache_folder_others_can_write_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / f"tuneloop-kernels-{os.getuid()}"
+    folder.mkdir()
+    folder.chmod(0o777)
+    source = tmp_path / "twice.cpp"
+    source.write_text(SOURCE)
+    with caplog.at_level(logging.WARNING):
+        assert native.library(source) is None
+    assert "not this user's own folder" in caplog.text
+
+
+def test_cpu_flags_are_read() -> None:
+    flags = native.cpu_flags()
+    assert isinstance(flags, frozenset)
+    if native.platform.machine() == "x86_64":
+        assert "sse2" in flags
