@@ -22,7 +22,7 @@ from tests.unit.engine.conftest import (  # noqa: E402
     seq,
     work,
 )
-from tuneloop.server.engine import compiled  # noqa: E402
+from tuneloop.server.engine import compiled, native  # noqa: E402
 from tuneloop.server.engine.torch_backend import TorchBackend  # noqa: E402
 from tuneloop.server.engine.types import SampleWork  # noqa: E402
 
@@ -218,8 +218,8 @@ def test_the_native_norm_is_the_functions_arithmetic(rows: int, width: int) -> N
 
 @pytest.mark.skipif(not NATIVE, reason="no C++ compiler here")
 def test_the_native_norm_runs_in_sampling_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Installed norms take the C++ loop inside `sampling_step` for bf16 CPU inputs without
-    autograd; outside a step, for an input that requires grad (training, which needs the
+    """Installed norms take the C++ loop inside native.py's `sampling_step` for bf16 CPU inputs
+    without autograd; outside a step, for an input that requires grad (training, which needs the
     compiled kernel's backward) and at fp32 they keep the compiled kernel."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -240,11 +240,11 @@ def test_the_native_norm_runs_in_sampling_steps_only(monkeypatch: pytest.MonkeyP
     with torch.no_grad():
         outside = norms[torch.bfloat16](x)
         assert not calls
-        with compiled.sampling_step():
+        with native.sampling_step():
             inside = norms[torch.bfloat16](x)
             assert len(calls) == 1
             norms[torch.float32](x.float())
-    with compiled.sampling_step():
+    with native.sampling_step():
         trained = norms[torch.bfloat16](x.clone().requires_grad_(True))
     assert trained.requires_grad
     assert len(calls) == 1

@@ -21,10 +21,11 @@ small its work (an 8B Qwen3's graph step 17.2 -> 16.1 ms on an H200); issued op 
 compiled call costs the host dynamo's guards and wrappers, more than it saves, so eager passes
 (prefill, training) keep the norm's own forward.
 
-A sampling step's norms (`sampling_step`, around the model runner's forward) at bf16 on a CPU
-run a C++ loop instead (rms_norm.cpp, built by native.py): the same arithmetic in the same
-order, bit for bit but for the order of one fp32 sum, where each compiled call cost ~0.1 ms
-of dynamo's guards and wrappers for a few microseconds of work (61 calls a SmolLM2 step).
+A sampling step's norms (native.py's `sampling_step`, around the model runner's forward) at
+bf16 on a CPU run a C++ loop instead (rms_norm.cpp, built by native.py): the same arithmetic
+in the same order, bit for bit but for the order of one fp32 sum, where each compiled call
+cost ~0.1 ms of dynamo's guards and wrappers for a few microseconds of work (61 calls a
+SmolLM2 step).
 Training passes keep the compiled kernel, which has a backward.
 
 Compiling costs seconds once per process (inductor's on-disk cache makes later processes
@@ -56,7 +57,7 @@ from torch import nn
 
 from tuneloop.server.engine import native
 
-__all__ = ["graph_capture", "install", "rms_norm", "sampling_step", "uninstall", "wanted"]
+__all__ = ["graph_capture", "install", "rms_norm", "uninstall", "wanted"]
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +69,7 @@ MIN_HIDDEN = 256
 # each without grad, with grad mode on, and with an input that requires grad.
 GRAPHS_PER_KIND = 6
 _KINDS: set[tuple[Any, ...]] = set()  # the kinds compiled in this process
-# On this thread: `capturing` inside `graph_capture()`, `sampling` inside `sampling_step()`.
-_state = threading.local()
+_state = threading.local()  # `capturing`: inside `graph_capture()` on this thread
 NATIVE_SOURCE = Path(__file__).with_name("rms_norm.cpp")
 
 
@@ -146,20 +146,8 @@ def graph_capture() -> Iterator[None]:
         _state.capturing = previous
 
 
-@contextlib.contextmanager
-def sampling_step() -> Iterator[None]:
-    """Inside the block (a sampling step's forward, model_runner.py), bf16 CPU norms run the
-    C++ loop (see `_norm_forward`)."""
-    previous = getattr(_state, "sampling", False)
-    _state.sampling = True
-    try:
-        yield
-    finally:
-        _state.sampling = previous
-
-
 def _norm_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-    if getattr(_state, "sampling", False):
+    if native.in_sampling_step():
         out = _native_rms_norm(x, self.weight, self._tuneloop_eps)
         if out is not None:
             return out

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tuneloop.server.engine import compiled
+from tuneloop.server.engine import native
 from tuneloop.server.engine.decode_graphs import DecodeGraphs, StaticStep
 from tuneloop.server.engine.fused_head import chunked_logits, head_parts
 from tuneloop.server.engine.kv.paged_attention import KVPool, PagedStep, Prefill, paged
@@ -186,7 +186,7 @@ class ModelRunner:
         keys = [i.seq.key for i in work]
         body_routing = self._route(self._body, keys, [i.length for i in work])
         decoder: nn.Module = self.model.get_decoder()  # type: ignore[operator]
-        with self.bank.using(body_routing), paged(self.model), compiled.sampling_step():
+        with self.bank.using(body_routing), paged(self.model), native.sampling_step():
             hidden = decoder(
                 input_ids=torch.tensor([tokens], device=self.device),
                 position_ids=torch.tensor([positions], device=self.device),

@@ -15,6 +15,7 @@ where the build itself failed, and the callers keep their torch path.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -24,14 +25,32 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-__all__ = ["cpu_flags", "library"]
+__all__ = ["cpu_flags", "in_sampling_step", "library", "sampling_step"]
 
 log = logging.getLogger(__name__)
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+FLAGS = ("-O3", "-march=native", "-std=c++20", "-fopenmp", "-fPIC", "-shared")
+_state = threading.local()  # `sampling`: inside `sampling_step()` on this thread
+
+
+@contextlib.contextmanager
+def sampling_step() -> Iterator[None]:
+    """Inside the block (a sampling step's forward pass, model_runner.py), operations without
+    autograd may take their native form (compiled.py's norms)."""
+    previous = getattr(_state, "sampling", False)
+    _state.sampling = True
+    try:
+        yield
+    finally:
+        _state.sampling = previous
+
+
+def in_sampling_step() -> bool:
+    return bool(getattr(_state, "sampling", False))
 
 
 @functools.cache
