@@ -144,6 +144,12 @@ def test_what_it_does_not_take() -> None:
     inputs = _layout((4, 2, 64, 64), [3, 5], seed=8)
     with pytest.raises(ValueError, match="bf16"):
         native_decode.attend(inputs[0].float(), *inputs[1:], 0.125)
+    q, k_pool, v_pool, slots, mask = inputs
+    for wrong in (k_pool.shape[0], -1):  # the kernel reads raw memory: never past the pool
+        outside = slots.clone()
+        outside[1, 0] = wrong
+        with pytest.raises(ValueError, match="outside the pool"):
+            native_decode.attend(q, k_pool, v_pool, outside, mask, 0.125)
     # head sizes a model's check would have refused (MLA's values): the eager sums instead
     q, k_pool, v_pool, slots, mask = _layout((4, 2, 64, 48), [3, 5], seed=9)
     out = native_decode.attend(q, k_pool, v_pool, slots, mask, 0.125)

@@ -25,8 +25,7 @@ A sampling step's norms (native.py's `sampling_step`, around the model runner's 
 bf16 on a CPU run a C++ loop instead (rms_norm.cpp, built by native.py): the same arithmetic
 in the same order, bit for bit but for the order of one fp32 sum, where each compiled call
 cost ~0.1 ms of dynamo's guards and wrappers for a few microseconds of work (61 calls a
-SmolLM2 step).
-Training passes keep the compiled kernel, which has a backward.
+SmolLM2 step). Training passes keep the compiled kernel, which has a backward.
 
 Compiling costs seconds once per process (inductor's on-disk cache makes later processes
 faster), so `install` compiles at once, with dynamic shapes, on warm-up inputs: the first

@@ -76,6 +76,9 @@ def attend(
         raise ValueError(
             "the native decode attention takes bf16 CPU tensors, long slots, a bool mask"
         )
+    low, high = torch.aminmax(slots) if slots.numel() else (slots.new_zeros(()),) * 2
+    if int(low) < 0 or int(high) >= min(k_pool.shape[0], v_pool.shape[0]):
+        raise ValueError("a decode row's slot lies outside the pool")  # never read past it
     rows, heads, dim = q.shape
     dim_v = v_pool.shape[-1]
     q, k_pool, v_pool = q.contiguous(), k_pool.contiguous(), v_pool.contiguous()
