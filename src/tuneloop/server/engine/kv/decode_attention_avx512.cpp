@@ -34,7 +34,8 @@ inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __m512i biased = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+  const __m512i e = _mm512_slli_epi32(biased, 23);
   const __m512 out = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
   const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), out);
@@ -79,7 +80,8 @@ void attend_row(const uint16_t* q, const uint16_t* kp, const uint16_t* vp, const
     for (int64_t jj = 0; jj < 16; ++jj) {
       const int64_t j = j0 + jj;
       if (j >= width || !live[j]) {
-        for (int64_t hq = 0; hq < heads; ++hq) _mm512_storeu_ps(part + (hq * 16 + jj) * 16, _mm512_setzero_ps());
+        for (int64_t hq = 0; hq < heads; ++hq)
+          _mm512_storeu_ps(part + (hq * 16 + jj) * 16, _mm512_setzero_ps());
         continue;
       }
       const uint16_t* k = kp + at[j] * kv_heads * dim;
@@ -114,7 +116,8 @@ void attend_row(const uint16_t* q, const uint16_t* kp, const uint16_t* vp, const
   for (int64_t hq = 0; hq < heads; ++hq) {
     float* s = scores + hq * padded;
     __m512 best = _mm512_set1_ps(-INFINITY);
-    for (int64_t j0 = 0; j0 < padded; j0 += 16) best = _mm512_max_ps(best, _mm512_loadu_ps(s + j0));
+    for (int64_t j0 = 0; j0 < padded; j0 += 16)
+      best = _mm512_max_ps(best, _mm512_loadu_ps(s + j0));
     const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(best));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j0 = 0; j0 < padded; j0 += 16) {
@@ -146,8 +149,10 @@ void attend_row(const uint16_t* q, const uint16_t* kp, const uint16_t* vp, const
           const int64_t hq = h * groups + g0 + g;
           const __m512 inv = _mm512_set1_ps(1.0f / total[hq]);
           uint16_t* o = out + hq * dim_v + d0;
-          _mm256_storeu_si256((__m256i*)o, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(a[g][0], inv)));
-          _mm256_storeu_si256((__m256i*)(o + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(a[g][1], inv)));
+          for (int half = 0; half < 2; ++half) {
+            const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_mul_ps(a[g][half], inv));
+            _mm256_storeu_si256((__m256i*)(o + 16 * half), (__m256i)rounded);
+          }
         }
       }
     }
