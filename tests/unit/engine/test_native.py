@@ -4,6 +4,7 @@ needs, and a failed build reported and given as None (the callers keep their tor
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from collections.abc import Iterator
@@ -23,8 +24,10 @@ def _own_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A temporary directory of the test's own, and nothing cached from other tests."""
     monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path))
     native.library.cache_clear()
+    native.function.cache_clear()
     yield
     native.library.cache_clear()
+    native.function.cache_clear()
 
 
 def test_a_source_is_built_once_and_loaded_again(tmp_path: Path) -> None:
@@ -44,6 +47,18 @@ def test_a_source_is_built_once_and_loaded_again(tmp_path: Path) -> None:
     assert again is not None
     assert again.twice(2) == 6
     assert len(list(built.parent.glob("twice_*.so"))) == 2
+
+
+def test_a_function_comes_with_its_signature(tmp_path: Path) -> None:
+    """ctypes converts the arguments by the signature set: a float given to an int parameter
+    is refused rather than passed as raw bits."""
+    source = tmp_path / "twice.cpp"
+    source.write_text(SOURCE)
+    twice = native.function(source, "twice", (ctypes.c_int,), ctypes.c_int)
+    assert twice(21) == 42
+    with pytest.raises(ctypes.ArgumentError):
+        twice(1.5)
+    assert native.function(source, "twice", (ctypes.c_int,), ctypes.c_int, ("no_flag",)) is None
 
 
 def test_a_cpu_without_the_needed_flags_gets_none(tmp_path: Path) -> None:

@@ -85,17 +85,12 @@ def _compiled_norm() -> Callable[..., torch.Tensor]:
     return torch.compile(rms_norm, dynamic=True)
 
 
-@functools.cache
 def _native_norm() -> Any:
-    """rms_norm.cpp's entry point with its C signature, or None where it cannot be built."""
-    lib = native.library(NATIVE_SOURCE)
-    if lib is None:
-        return None
-    fn = lib.rms_norm_bf16
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-    fn.argtypes += [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-    return fn
+    """rms_norm.cpp's entry point (x, weight, rows, width, eps, out, threads), or None where
+    it cannot be built."""
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    signature = (pointer, pointer, size, size, ctypes.c_float, pointer, ctypes.c_int)
+    return native.function(NATIVE_SOURCE, "rms_norm_bf16", signature)
 
 
 def _native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

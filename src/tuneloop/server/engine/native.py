@@ -26,10 +26,11 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-__all__ = ["cpu_flags", "in_sampling_step", "library", "sampling_step"]
+__all__ = ["cpu_flags", "function", "in_sampling_step", "library", "sampling_step"]
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ def _build(source: Path) -> ctypes.CDLL:
 
 
 @functools.cache
-def library(source: Path, needs: Sequence[str] = ()) -> ctypes.CDLL | None:
+def library(source: Path, needs: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The kernels of the C++ file `source`, built for this CPU and loaded; None on a CPU
     without every feature flag in `needs`, or where building fails (with a warning)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
@@ -118,3 +119,21 @@ def library(source: Path, needs: Sequence[str] = ()) -> ctypes.CDLL | None:
     except Exception as exc:  # any failure leaves the caller's torch path
         log.warning("the native kernels of %s could not be built: %s", source.name, exc)
         return None
+
+
+@functools.cache
+def function(
+    source: Path,
+    name: str,
+    argtypes: tuple[Any, ...],
+    restype: Any = None,
+    needs: tuple[str, ...] = (),
+) -> Any:
+    """The C function `name` of `library(source, needs)` with its signature set (ctypes
+    converts the arguments by it), or None where the library cannot be built."""
+    lib = library(source, needs)
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = list(argtypes), restype
+    return fn

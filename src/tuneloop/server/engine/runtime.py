@@ -33,8 +33,12 @@ class Runtime:
     decoder: Decoder | None = None  # made at the first sampling request: a KV pool is large
     # Decode rows attend with a CPU kernel once `compile_decode` found one: the native one
     # (kv/native_decode.py) or inductor's (kv/decode_attention.py).
-    compiled_decode: bool = False
     decode_kernel: Callable[..., torch.Tensor] | None = None
+
+    @property
+    def compiled_decode(self) -> bool:
+        """Whether decode rows attend with a CPU kernel (`compile_decode` found one)."""
+        return self.decode_kernel is not None
 
     @property
     def model(self) -> nn.Module:
@@ -103,13 +107,11 @@ class Runtime:
         heads, kv_heads, dim = attention_heads(self.model.config)
         dtype = next(self.model.parameters()).dtype
         if native_decode.available(heads, kv_heads, dim, dim, dtype, self.device):
-            self.decode_kernel, self.compiled_decode = native_decode.attend, True
+            self.decode_kernel = native_decode.attend
             return True
         # The scale the attention modules pass (Gemma's is not 1 / sqrt(head size)).
         scales = (getattr(m, "scaling", None) for m in self.model.modules())
         scale = next((s for s in scales if isinstance(s, float)), dim**-0.5)
-        self.compiled_decode = decode_attention.warm_up(
-            heads, kv_heads, dim, dim, scale, dtype, self.device
-        )
-        self.decode_kernel = decode_attention.compiled() if self.compiled_decode else None
-        return self.compiled_decode
+        warm = decode_attention.warm_up(heads, kv_heads, dim, dim, scale, dtype, self.device)
+        self.decode_kernel = decode_attention.compiled() if warm else None
+        return warm

@@ -12,7 +12,6 @@ by native.py; where it cannot be, `available` is False and the engine keeps indu
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 from typing import Any
 
@@ -26,24 +25,16 @@ __all__ = ["attend", "available"]
 SOURCE = Path(__file__).with_name("decode_attention_avx512.cpp")
 
 
-@functools.cache
+_POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
+# q, k_pool, v_pool, slots, mask; rows, width, heads, kv_heads, dim, dim_v; scale; out; threads
+_SIGNATURE = (*[_POINTER] * 5, *[_SIZE] * 6, ctypes.c_float, _POINTER, ctypes.c_int)
+
+
 def _kernel() -> Any:
-    """The library's entry point with its C signature, or None where it cannot be built."""
-    lib = native.library(SOURCE, ("avx512f", "avx512_bf16"))
-    if lib is None:
-        return None
-    fn = lib.decode_attention_bf16
-    fn.restype = ctypes.c_int
-    fn.argtypes = (
-        [ctypes.c_void_p] * 5
-        + [ctypes.c_int64] * 6
-        + [ctypes.c_float]
-        + [
-            ctypes.c_void_p,
-            ctypes.c_int,
-        ]
+    """The library's entry point, or None where it cannot be built."""
+    return native.function(
+        SOURCE, "decode_attention_bf16", _SIGNATURE, ctypes.c_int, ("avx512f", "avx512_bf16")
     )
-    return fn
 
 
 def available(
