@@ -12,6 +12,8 @@ is measured:
   the norms: gathered for SDPA ("eager") or the kernel the engine picked ("compiled");
 - decode-native: the same, inductor's decode kernel (kv/decode_attention.py) against the
   native one (kv/native_decode.py; bf16 on CPUs with AVX512-BF16);
+- lora-columns: the same, a lone adapter's [x | x @ A.T] by oneDNN's matmul and a
+  concatenation against the native kernel (lora/native_columns.py);
 - micro: one RMSNorm at SmolLM2's width, training (forward + backward of 1,408 tokens) and
   decoding (forward of 128 rows); also the gated MLP's SiLU product, compiled the same way
   (not adopted: slower than eager).
@@ -21,6 +23,7 @@ Prints the CPU model, the load, each side's median and their ratio.
     python bench/step_variants.py decode [--rounds 3] [--new 24]
     python bench/step_variants.py decode-attention [--rounds 3] [--new 64]
     python bench/step_variants.py decode-native [--rounds 5] [--new 64]
+    python bench/step_variants.py lora-columns [--rounds 5] [--new 64]
     python bench/step_variants.py micro
 """
 
@@ -143,6 +146,25 @@ def _switch_native(backend: Any) -> Callable[[str], None]:
     return switch
 
 
+def _switch_columns(backend: Any) -> Callable[[str], None]:
+    """Sides: the lone adapter's LoRA columns by oneDNN and `torch.cat`, or natively; the
+    fused weights are made again at each switch (the next step builds them)."""
+    from tuneloop.server.engine.lora import fused, native_columns
+
+    [runtime] = backend._runtimes.values()
+    available = native_columns.available
+    assert available(torch.bfloat16, torch.device("cpu")), "no native LoRA columns kernel here"
+
+    def switch(side: str) -> None:
+        native = side == "native"
+        fused.native_columns.available = available if native else lambda *_: False  # type: ignore[method-assign]
+        runtime.bank.release_lone()
+        if runtime.decoder is not None:
+            runtime.decoder.runner.forget_routings()
+
+    return switch
+
+
 def _alternate(
     switch: Callable[[str], None],
     rounds: int,
@@ -168,7 +190,8 @@ def _alternate(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "what", choices=["train", "decode", "decode-attention", "decode-native", "micro"]
+        "what",
+        choices=["train", "decode", "decode-attention", "decode-native", "lora-columns", "micro"],
     )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--new", type=int, default=24, help="decode: new tokens per call")
@@ -216,8 +239,10 @@ def main() -> int:
             "decode": _switch_norms,
             "decode-attention": _switch_decode_attention,
             "decode-native": _switch_native,
+            "lora-columns": _switch_columns,
         }
-        sides = ("inductor", "native") if args.what == "decode-native" else ("eager", "compiled")
+        named = {"decode-native": ("inductor", "native"), "lora-columns": ("onednn", "native")}
+        sides = named.get(args.what, ("eager", "compiled"))
         switch = switches[args.what](backend)
         results = _alternate(switch, args.rounds, measure, "ms per decode step", sides)
     medians = {k: statistics.median(v) for k, v in results.items()}

@@ -29,6 +29,8 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine import packed
+from tuneloop.server.engine.lora import native_columns
+from tuneloop.server.engine.lora.native_columns import DownPairs
 
 __all__ = ["SIBLINGS", "FusedLinear", "fusable", "plain_frozen", "sibling_groups", "take"]
 
@@ -102,13 +104,13 @@ def take(
 class FusedLinear:
     """One group of sibling linears for one key: the stacked (and maybe packed) weight
     [sum of outputs, in + LoRA columns], the stacked down-projections A [LoRA columns, in]
-    (None: no LoRA columns) and the outputs' sizes."""
+    (None: no LoRA columns; `DownPairs`: for the native kernel) and the outputs' sizes."""
 
     def __init__(
         self,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        a: torch.Tensor | None,
+        a: torch.Tensor | DownPairs | None,
         sizes: list[int],
         versions: list[tuple[torch.Tensor, int]],
     ) -> None:
@@ -165,8 +167,13 @@ class FusedLinear:
                 )
         # The down-projections packed too: oneDNN's kernel on a packed [LoRA columns, in] took
         # 22-28 us against 24-36 us for a plain bf16 matmul at 128 rows (SmolLM2's shapes, an
-        # AMX Xeon), 121 of them a decode step.
-        a_all = packed.pack(torch.cat(downs)) if downs else None
+        # AMX Xeon), 121 of them a decode step. Where the native kernel takes them, it makes
+        # [x | x @ A.T] in one call instead (native_columns.py).
+        a_all: torch.Tensor | DownPairs | None = None
+        if downs and native_columns.available(dtype, device):
+            a_all = native_columns.pack(torch.cat(downs))
+        elif downs:
+            a_all = packed.pack(torch.cat(downs))
         versions = [(base.weight, base.weight._version) for base in bases]
         return cls(packed.pack(weight), bias, a_all, sizes, versions)
 
@@ -177,7 +184,8 @@ class FusedLinear:
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.weight, self.bias, self.a]
+        down = self.a.pairs if isinstance(self.a, DownPairs) else self.a
+        tensors = [self.weight, self.bias, down]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
@@ -188,7 +196,9 @@ class FusedLinear:
 
     def _compute(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         flat = x.reshape(-1, x.shape[-1])
-        if self.a is not None:
+        if isinstance(self.a, DownPairs):
+            flat = native_columns.extend(flat, self.a)
+        elif self.a is not None:
             flat = torch.cat([flat, packed.linear(flat, self.a, None)], dim=1)
         y = packed.linear(flat, self.weight, self.bias)
         lead = x.shape[:-1]

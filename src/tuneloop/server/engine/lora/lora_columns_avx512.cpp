@@ -1,0 +1,118 @@
+// A decode step's input with its LoRA columns, [x | x @ A.T] in bf16, for x86-64 CPUs with
+// AVX512-BF16 (native_columns.py builds and loads it). A lone adapter's sibling linears run as
+// one matmul over [x | x @ A.T] (fused.py); at 128 rows the small product x @ A.T (A: the
+// adapter's stacked down-projections, 32-96 rows) and the concatenation took oneDNN and torch
+// 36-99 us a layer each, about twice what their arithmetic needs, 120 of them a step.
+//
+// A comes in "pairs" layout, [ceil(K / 2), Rp, 2] with Rp = R rounded up to 16 (zeros past
+// R, and past K when K is odd): one 64-byte load holds 16 outputs' weights for two inputs,
+// which vdpbf16ps multiplies by the two inputs broadcast to every lane and sums in fp32 into
+// those 16 outputs; no sum across lanes is ever needed. Blocks of 6 rows x 64 outputs (12 x 32, 24 x
+// 16) keep 24 fp32 accumulators in registers; each output is rounded to bf16 once (nearest even), as
+// oneDNN's bf16 matmul does. Rows run in parallel under OpenMP; a row's values depend on
+// that row alone.
+#if !defined(__AVX512F__) || !defined(__AVX512BF16__)
+#error "this kernel needs AVX512F and AVX512-BF16"
+#endif
+#include <immintrin.h>
+#include <omp.h>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+namespace {
+
+constexpr int kAccumulators = 24;  // fp32 vectors held per block (of 32 registers)
+constexpr int kVectors = 4;  // at most, 16 outputs each: 6 rows a block; 2 vectors, 12 rows
+
+// Rows [0, MB) of a block times outputs [n0, n0 + 16 J) of A, written from column `n0`
+// of each row's LoRA part (`low`); `valid` of those outputs exist (R - n0).
+template <int MB, int J>
+void block(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* pairs, int64_t rp,
+           int64_t n0, uint16_t* low, int64_t ldo, int64_t valid) {
+  __m512 acc[MB][J];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < J; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t full = k / 2;
+  for (int64_t p = 0; p < full; ++p) {
+    __m512bh b[J];
+    for (int j = 0; j < J; ++j)
+      b[j] = (__m512bh)_mm512_loadu_si512(pairs + (p * rp + n0 + 16 * j) * 2);
+#pragma GCC unroll 24
+    for (int i = 0; i < MB; ++i) {
+      int32_t two;
+      std::memcpy(&two, x + i * ldx + 2 * p, sizeof(two));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(two);
+      for (int j = 0; j < J; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xb, b[j]);
+    }
+  }
+  if (k % 2) {  // the last input alone, paired with a zero (A's pad is zero too)
+    __m512bh b[J];
+    for (int j = 0; j < J; ++j)
+      b[j] = (__m512bh)_mm512_loadu_si512(pairs + (full * rp + n0 + 16 * j) * 2);
+#pragma GCC unroll 24
+    for (int i = 0; i < MB; ++i) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(int32_t(x[i * ldx + k - 1]));
+      for (int j = 0; j < J; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xb, b[j]);
+    }
+  }
+  for (int j = 0; j < J; ++j) {
+    const int64_t left = valid - 16 * j;
+    const __mmask16 keep =
+        left >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+    for (int i = 0; i < MB; ++i) {
+      const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(acc[i][j]);
+      _mm256_mask_storeu_epi16(low + i * ldo + n0 + 16 * j, keep, rounded);
+    }
+  }
+}
+
+using Block = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
+                       uint16_t*, int64_t, int64_t);
+
+// block<m, J> for m = 1 .. 24 / J: the rows of a block fill 24 accumulators whatever J.
+template <int J, int... M>
+constexpr std::array<Block, sizeof...(M)> blocks_of(std::integer_sequence<int, M...>) {
+  return {block<M + 1, J>...};
+}
+template <int J>
+constexpr auto kBlocks = blocks_of<J>(std::make_integer_sequence<int, kAccumulators / J>{});
+
+Block pick(int64_t rows, int vectors) {
+  switch (vectors) {
+    case 1: return kBlocks<1>[rows - 1];
+    case 2: return kBlocks<2>[rows - 1];
+    case 3: return kBlocks<3>[rows - 1];
+    default: return kBlocks<4>[rows - 1];
+  }
+}
+
+}  // namespace
+
+// x [rows, k] (row stride ldx, elements), pairs [ceil(k / 2), rp, 2], out [rows, k + r]
+// contiguous: out[:, :k] = x, out[:, k:] = x @ A.T rounded to bf16. rp: r rounded up to 16.
+extern "C" int lora_columns_bf16(const uint16_t* x, int64_t ldx, const uint16_t* pairs,
+                                 int64_t rows, int64_t k, int64_t r, int64_t rp, uint16_t* out,
+                                 int threads) {
+  if (rows < 0 || k <= 0 || r <= 0 || rp % 16 || rp < r || ldx < k) return 1;
+  const int64_t ldo = k + r;
+  // Each thread one even share of the rows (a decode step's 128 rows: 64 and 64), in blocks
+  // sized to the outputs' vectors: tasks of whole blocks left one thread 72 rows to 56.
+  #pragma omp parallel num_threads(threads) if (rows * (k + r) >= 16384)
+  {
+    const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
+    const int64_t begin = rows * part / parts, end = rows * (part + 1) / parts;
+    for (int64_t i = begin; i < end; ++i)
+      std::memcpy(out + i * ldo, x + i * ldx, k * sizeof(uint16_t));
+    for (int64_t n0 = 0; n0 < rp; n0 += 16 * kVectors) {
+      const int vectors = (rp - n0) / 16 < kVectors ? int((rp - n0) / 16) : kVectors;
+      const int64_t step = kAccumulators / vectors;
+      for (int64_t i0 = begin; i0 < end; i0 += step) {
+        const int64_t m = end - i0 < step ? end - i0 : step;
+        pick(m, vectors)(x + i0 * ldx, ldx, k, pairs, rp, n0, out + i0 * ldo + k, ldo, r - n0);
+      }
+    }
+  }
+  return 0;
+}
