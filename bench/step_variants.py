@@ -14,6 +14,8 @@ is measured:
   native one (kv/native_decode.py; bf16 on CPUs with AVX512-BF16);
 - lora-columns: the same, a lone adapter's [x | x @ A.T] by oneDNN's matmul and a
   concatenation against the native kernel (lora/native_columns.py);
+- silu-product, rotary: the same, the gated MLPs' SiLU product (gated_mlp.py) or the
+  rotary embedding (rotary.py) eager against the native loop;
 - micro: one RMSNorm at SmolLM2's width, training (forward + backward of 1,408 tokens) and
   decoding (forward of 128 rows); also the gated MLP's SiLU product, compiled the same way
   (not adopted: slower than eager).
@@ -24,6 +26,7 @@ Prints the CPU model, the load, each side's median and their ratio.
     python bench/step_variants.py decode-attention [--rounds 3] [--new 64]
     python bench/step_variants.py decode-native [--rounds 5] [--new 64]
     python bench/step_variants.py lora-columns [--rounds 5] [--new 64]
+    python bench/step_variants.py silu-product|rotary [--rounds 5] [--new 64]
     python bench/step_variants.py micro
 """
 
@@ -165,6 +168,36 @@ def _switch_columns(backend: Any) -> Callable[[str], None]:
     return switch
 
 
+def _switch_silu_product(backend: Any) -> Callable[[str], None]:
+    """Sides: the gated MLPs' own forward, or the native SiLU product in sampling steps."""
+    from tuneloop.server.engine import gated_mlp
+
+    model = next(iter(backend.resident_models().values()))
+    assert gated_mlp.uninstall(model), "no gated MLP takes the native product here"
+
+    def switch(side: str) -> None:
+        gated_mlp.uninstall(model)
+        if side == "native":
+            gated_mlp.install(model)
+
+    return switch
+
+
+def _switch_rotary(backend: Any) -> Callable[[str], None]:
+    """Sides: the model family's own rotary function, or the native loop in sampling steps."""
+    from tuneloop.server.engine import rotary
+
+    model = next(iter(backend.resident_models().values()))
+    assert rotary.installed(), "the native rotary is not in use here"
+
+    def switch(side: str) -> None:
+        rotary.uninstall()
+        if side == "native":
+            rotary.install(model)
+
+    return switch
+
+
 def _alternate(
     switch: Callable[[str], None],
     rounds: int,
@@ -191,7 +224,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "what",
-        choices=["train", "decode", "decode-attention", "decode-native", "lora-columns", "micro"],
+        choices=[
+            "train",
+            "decode",
+            "decode-attention",
+            "decode-native",
+            "lora-columns",
+            "silu-product",
+            "rotary",
+            "micro",
+        ],
     )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--new", type=int, default=24, help="decode: new tokens per call")
@@ -240,8 +282,15 @@ def main() -> int:
             "decode-attention": _switch_decode_attention,
             "decode-native": _switch_native,
             "lora-columns": _switch_columns,
+            "silu-product": _switch_silu_product,
+            "rotary": _switch_rotary,
         }
-        named = {"decode-native": ("inductor", "native"), "lora-columns": ("onednn", "native")}
+        named = {
+            "decode-native": ("inductor", "native"),
+            "lora-columns": ("onednn", "native"),
+            "silu-product": ("eager", "native"),
+            "rotary": ("eager", "native"),
+        }
         sides = named.get(args.what, ("eager", "compiled"))
         switch = switches[args.what](backend)
         results = _alternate(switch, args.rounds, measure, "ms per decode step", sides)

@@ -15,7 +15,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from tuneloop.server.engine import checkpoints, compiled, host_allocator, packed, training
+from tuneloop.server.engine import (
+    checkpoints,
+    compiled,
+    gated_mlp,
+    host_allocator,
+    packed,
+    rotary,
+    training,
+)
 from tuneloop.server.engine.backend import KVCacheUse
 from tuneloop.server.engine.decoder import DEFAULT_PREFILL_CHUNK, Decoder
 from tuneloop.server.engine.isolation import bisect_failures
@@ -128,6 +136,9 @@ class TorchBackend:
             )
             if compile_kernels:
                 compiled.install(loaded.model)
+                if self.device.type == "cpu":  # sampling steps' SiLU product and rotary
+                    gated_mlp.install(loaded.model)  # (gated_mlp.py, rotary.py)
+                    rotary.install(loaded.model)
             runtime = Runtime(
                 loaded,
                 bank,

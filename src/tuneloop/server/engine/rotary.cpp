@@ -1,0 +1,61 @@
+// transformers' apply_rotary_pos_emb at bf16 (rotary.py), queries and keys in one call:
+// out = q * cos + rotate_half(q) * sin, where rotate_half(q) = [-q2, q1] for q's halves q1,
+// q2. Each product is rounded to bf16 and so is their sum, as eager torch rounds each of its
+// operations, so the result is the eager one bit for bit. A sampling step's rotary is eight
+// small operations a layer on [heads, tokens, head size] views (~140 us on an EPYC at 128
+// rows, 30 layers a step), where this loop takes a few microseconds.
+#include <bit>
+#include <cstdint>
+
+namespace {
+
+inline float from_bf16(uint16_t v) { return std::bit_cast<float>(uint32_t(v) << 16); }
+
+inline uint16_t to_bf16(float v) {  // round to nearest even, as torch's conversion; NaN kept
+  const uint32_t bits = std::bit_cast<uint32_t>(v);
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const uint32_t quiet = (bits >> 16) | 0x40u;
+  return uint16_t((bits & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+}
+
+inline float round_bf16(float v) { return from_bf16(to_bf16(v)); }
+
+// One head of one token: x [dim] (contiguous), c and s [dim], out [dim].
+inline void rotate(const uint16_t* x, const uint16_t* c, const uint16_t* s, int64_t dim,
+                   uint16_t* out) {
+  const int64_t half = dim / 2;
+  #pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = round_bf16(from_bf16(x[i]) * from_bf16(c[i]));
+    const float b = round_bf16(-from_bf16(x[i + half]) * from_bf16(s[i]));
+    out[i] = to_bf16(a + b);
+  }
+  #pragma omp simd
+  for (int64_t i = half; i < dim; ++i) {
+    const float a = round_bf16(from_bf16(x[i]) * from_bf16(c[i]));
+    const float b = round_bf16(from_bf16(x[i - half]) * from_bf16(s[i]));
+    out[i] = to_bf16(a + b);
+  }
+}
+
+}  // namespace
+
+// q [tokens, q_heads, dim] and k [tokens, k_heads, dim] read with the given token and head
+// strides (elements; the head size contiguous), cos and sin [tokens, dim] with a token stride;
+// q_out and k_out [tokens, heads, dim] contiguous.
+extern "C" void rotary_bf16(const uint16_t* q, int64_t q_token, int64_t q_head, int64_t q_heads,
+                            const uint16_t* k, int64_t k_token, int64_t k_head, int64_t k_heads,
+                            const uint16_t* cos, const uint16_t* sin, int64_t cs_token,
+                            int64_t tokens, int64_t dim, uint16_t* q_out, uint16_t* k_out,
+                            int threads) {
+  #pragma omp parallel for num_threads(threads) schedule(static) \
+      if (tokens * (q_heads + k_heads) * dim >= 32768)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const uint16_t* c = cos + t * cs_token;
+    const uint16_t* s = sin + t * cs_token;
+    for (int64_t h = 0; h < q_heads; ++h)
+      rotate(q + t * q_token + h * q_head, c, s, dim, q_out + (t * q_heads + h) * dim);
+    for (int64_t h = 0; h < k_heads; ++h)
+      rotate(k + t * k_token + h * k_head, c, s, dim, k_out + (t * k_heads + h) * dim);
+  }
+}

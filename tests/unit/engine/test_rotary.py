@@ -1,0 +1,130 @@
+"""A sampling step's rotary embedding by the C++ loop (rotary.py): the bits of the model
+families' own `apply_rotary_pos_emb`, switched in for families whose function agrees, inside
+sampling steps only, and back on `uninstall`. Skipped where the loop cannot be built."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.models.llama import modeling_llama  # noqa: E402
+from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
+
+from tuneloop.server.engine import native, rotary  # noqa: E402
+
+pytestmark = pytest.mark.skipif(rotary._kernel() is None, reason="no C++ compiler here")
+
+
+@pytest.fixture(autouse=True)
+def _restored() -> Iterator[None]:
+    yield
+    rotary.uninstall()
+
+
+def _inputs(
+    heads: int, kv_heads: int, tokens: int, dim: int, seed: int, scale: float = 4.0
+) -> tuple[Any, ...]:
+    """q and k as the projections' transposed views, cos and sin of random angles, bf16."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn((1, tokens, heads, dim), generator=gen).mul(scale).bfloat16().transpose(1, 2)
+    k = torch.randn((1, tokens, kv_heads, dim), generator=gen).mul(scale)
+    angles = torch.randn((1, tokens, dim), generator=gen).mul(5)
+    return q, k.bfloat16().transpose(1, 2), angles.cos().bfloat16(), angles.sin().bfloat16()
+
+
+@pytest.mark.parametrize("family", [modeling_llama, modeling_qwen3])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "tokens", "dim"),
+    [(9, 3, 128, 64), (8, 2, 7, 128), (4, 4, 1, 32), (2, 1, 33, 6)],
+)
+def test_the_loop_gives_the_families_bits(
+    family: Any, heads: int, kv_heads: int, tokens: int, dim: int
+) -> None:
+    q, k, cos, sin = _inputs(heads, kv_heads, tokens, dim, seed=heads * tokens + dim)
+    q[0, 0, 0, :2] = torch.tensor([float("nan"), 3e38])  # NaN kept, overflow to inf as eager
+    own = family.apply_rotary_pos_emb
+    got = rotary.rotate(q, k, cos, sin)
+    assert got is not None
+    want = own(q, k, cos, sin)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        assert torch.equal(g.nan_to_num(), w.nan_to_num())
+        assert torch.equal(g.isnan(), w.isnan())
+    # laid out as eager lays out its results: [tokens, heads, dim] in memory
+    assert got[0][0].transpose(0, 1).is_contiguous()
+
+
+def test_what_the_loop_does_not_take_is_left_to_the_family() -> None:
+    q, k, cos, sin = _inputs(4, 2, 5, 16, seed=1)
+    assert rotary.rotate(q.float(), k.float(), cos.float(), sin.float()) is None
+    assert rotary.rotate(q, k, cos[0], sin[0]) is None  # cos without its batch dimension
+    assert rotary.rotate(torch.cat([q, q]), torch.cat([k, k]), cos, sin) is None  # a batch of 2
+    odd = _inputs(4, 2, 5, 15, seed=2)
+    assert rotary.rotate(*odd) is None
+    assert rotary.rotate(q.requires_grad_(True), k, cos, sin) is None
+
+
+def _tiny_llama(act: str = "silu") -> Any:
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        hidden_act=act,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).bfloat16().eval()
+
+
+def test_a_switched_family_samples_the_same_logits_and_trains_on_its_own_function() -> None:
+    model = _tiny_llama()
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        before = model(ids).logits
+    own = modeling_llama.apply_rotary_pos_emb
+    assert rotary.install(model) == 1
+    assert rotary.installed() == ["transformers.models.llama.modeling_llama"]
+    assert modeling_llama.apply_rotary_pos_emb is not own
+    assert rotary.install(model) == 1  # a second model of the family: switched already
+    calls: list[int] = []
+    rotate = rotary.rotate
+
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        return rotate(*args)
+
+    try:
+        rotary.rotate = counted  # type: ignore[assignment]
+        with torch.no_grad(), native.sampling_step():
+            inside = model(ids).logits
+        assert len(calls) == 2  # one call a layer
+        assert torch.equal(inside, before)
+        calls.clear()
+        loss = model(ids).logits.float().logsumexp(-1).sum()  # training: the family's own
+        loss.backward()
+        assert not calls
+    finally:
+        rotary.rotate = rotate  # type: ignore[assignment]
+    assert rotary.uninstall() == 1
+    assert modeling_llama.apply_rotary_pos_emb is own
+
+
+def test_a_family_whose_rotary_differs_keeps_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    def interleaved(q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: int = 1) -> Any:
+        def turn(x: Any) -> Any:  # pairs (x0, x1), (x2, x3), ... rotated: GPT-J's layout
+            pairs = x.unflatten(-1, (-1, 2))
+            return torch.stack([-pairs[..., 1], pairs[..., 0]], -1).flatten(-2)
+
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * cos + turn(q) * sin, k * cos + turn(k) * sin
+
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", interleaved)
+    assert rotary.install(_tiny_llama()) == 0
+    assert modeling_llama.apply_rotary_pos_emb is interleaved
