@@ -1,4 +1,4 @@
-"""Five CPU kernel choices of the engine, each against what it replaced or was tried, alternated.
+"""Six CPU kernel choices of the engine, each against what it replaced or was tried, alternated.
 
 At SmolLM2-135M's shapes, bf16 (the engine's dtype where the CPU has bf16 units), 2 threads:
 1. packed: a decode step's linear layers (128 rows; q/k/v/o, gate/up/down of 30 layers and the
@@ -18,13 +18,19 @@ At SmolLM2-135M's shapes, bf16 (the engine's dtype where the CPU has bf16 units)
    inputs), with each one's largest error against fp64;
 5. that fp32 flash backward per sequence (8 calls, as packing.py runs it) against one call over
    the 8 sequences right-padded to the longest (causal masking keeps every real query off the
-   padded keys; the padded rows' gradients are zero), tried and not adopted.
+   padded keys; the padded rows' gradients are zero), tried and not adopted;
+6. a bf16 decode step's small loops at 128 rows, per layer, eager torch against the engine's
+   C++ loops: a lone adapter's LoRA columns [x | x @ A.T] of the four sibling groups (oneDNN's
+   packed matmul and `torch.cat` against lora/native_columns.py), the gated MLP's SiLU product
+   on the split halves of one matmul (gated_mlp.py) and the rotary embedding of q and k
+   (rotary.py), with how many outputs differ from eager's (bf16 on CPUs with AVX512-BF16).
 Prints the CPU model, the load and the medians with their ratios.
 
     python bench/cpu_kernels.py [--repeats 20] [--threads 2] [--dtype bfloat16]
     python bench/cpu_kernels.py --dtype float32 --only linears   # oneDNN's fp32 kernel, packed
                                                                  # (x86-64), against MKL's sgemm
     python bench/cpu_kernels.py --dtype float32 --only linears --rows 1,4,16,64,128,256,512,1024
+    python bench/cpu_kernels.py --only sampling-loops --repeats 200
 """
 
 from __future__ import annotations
@@ -276,12 +282,69 @@ def _padded_backward(dtype: torch.dtype, repeats: int) -> str:
     )
 
 
+def _sampling_loops(dtype: torch.dtype, repeats: int) -> str:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from tuneloop.server.engine import gated_mlp, rotary
+    from tuneloop.server.engine.lora import native_columns
+
+    if dtype != torch.bfloat16 or not native_columns.available(dtype, torch.device("cpu")):
+        return "sampling loops: bf16 on a CPU with AVX512-BF16 only"
+    g = torch.Generator().manual_seed(0)
+    rows, rank = 128, 32
+    groups = [(HIDDEN, 3 * rank), (HIDDEN, rank), (HIDDEN, 2 * rank), (INTER, rank)]  # qkv o gu d
+    xs = [torch.randn(rows, k, generator=g).bfloat16() for k, _ in groups]
+    downs = [torch.randn(r, k, generator=g).mul(0.05).bfloat16() for k, r in groups]
+    packs = [torch.ops.mkldnn._reorder_linear_weight(a) for a in downs]
+    pairs = [native_columns.pack(a) for a in downs]
+
+    def onednn() -> list[torch.Tensor]:
+        return [
+            torch.cat([x, torch.ops.mkldnn._linear_pointwise(x, a, None, "none", [], "")], 1)
+            for x, a in zip(xs, packs, strict=True)
+        ]
+
+    def columns() -> list[torch.Tensor]:
+        return [native_columns.extend(x, a) for x, a in zip(xs, pairs, strict=True)]
+
+    halves = torch.randn(1, rows, 2 * INTER, generator=g).bfloat16().split([INTER, INTER], -1)
+    act = torch.nn.SiLU()
+    q = torch.randn(1, rows, HEADS, DIM, generator=g).bfloat16().transpose(1, 2)
+    k = torch.randn(1, rows, KV // DIM, DIM, generator=g).bfloat16().transpose(1, 2)
+    angles = torch.randn(1, rows, DIM, generator=g).mul(5)
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    sides: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
+        "LoRA columns, 4 groups": (onednn, columns),
+        "SiLU product": (lambda: act(halves[0]) * halves[1], lambda: gated_mlp.silu_mul(*halves)),
+        "rotary q and k": (
+            lambda: apply_rotary_pos_emb(q, k, cos, sin),
+            lambda: rotary.rotate(q, k, cos, sin),
+        ),
+    }
+    lines = []
+    with torch.no_grad():
+        for name, (eager, native) in sides.items():
+            want, got = eager(), native()
+            want = list(want) if isinstance(want, (list, tuple)) else [want]
+            got = list(got) if isinstance(got, (list, tuple)) else [got]
+            differ = sum(int((a != b).sum()) for a, b in zip(want, got, strict=True))
+            ms = _alternate({"eager": eager, "native": native}, repeats)
+            lines.append(
+                f"{name}, one layer at {rows} rows: eager {ms['eager'] * 1e3:.1f} us, native "
+                f"{ms['native'] * 1e3:.1f} us, {ms['eager'] / ms['native']:.2f}x "
+                f"({(ms['eager'] - ms['native']) * LAYERS:.2f} ms a step of {LAYERS} layers; "
+                f"{differ} of {sum(t.numel() for t in want)} outputs differ from eager's)"
+            )
+    return "\n".join(lines)
+
+
 SECTIONS: dict[str, Callable[[torch.dtype, int], str]] = {
     "linears": _linears,
     "decode-attention": _decode_attention,
     "training-attention": _training_attention,
     "score-products": _score_products,
     "padded-backward": _padded_backward,
+    "sampling-loops": _sampling_loops,
 }
 
 
@@ -291,7 +354,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument(
-        "--only", choices=sorted(SECTIONS), default=None, help="one of the five comparisons"
+        "--only", choices=sorted(SECTIONS), default=None, help="one of the six comparisons"
     )
     parser.add_argument(
         "--rows", default="128", help="packed linears: comma-separated row counts (1,16,128)"

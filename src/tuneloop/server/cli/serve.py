@@ -97,7 +97,8 @@ def serve(
                 " seconds of compiling at start; on a CPU ~1.1x faster training and decode"
                 " steps, on a GPU inside the decode graphs only, 1.07x an 8B model's step;"
                 " bf16 on a CPU with AVX512-BF16: the decode attention is a C++ kernel built"
-                " with the system compiler instead)."
+                " with the system compiler instead; at bf16 on a CPU, sampling steps' norms,"
+                " SiLU products and rotary embeddings run as C++ loops with eager's bits)."
             ),
             show_default=False,
         ),
