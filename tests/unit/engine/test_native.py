@@ -49,6 +49,22 @@ def test_a_source_is_built_once_and_loaded_again(tmp_path: Path) -> None:
     assert len(list(built.parent.glob("twice_*.so"))) == 2
 
 
+def test_a_header_beside_the_source_is_part_of_what_is_built(tmp_path: Path) -> None:
+    folder = tmp_path / "sources"
+    folder.mkdir()
+    (folder / "factor.h").write_text("constexpr int kFactor = 2;\n")
+    source = folder / "scaled.cpp"
+    source.write_text('#include "factor.h"\nextern "C" int scaled(int x) { return kFactor * x; }\n')
+    lib = native.library(source)
+    assert lib is not None
+    assert lib.scaled(21) == 42
+    (folder / "factor.h").write_text("constexpr int kFactor = 3;\n")  # the source unchanged
+    native.library.cache_clear()
+    again = native.library(source)
+    assert again is not None
+    assert again.scaled(2) == 6  # built again, not the library of the old header
+
+
 def test_a_function_comes_with_its_signature(tmp_path: Path) -> None:
     """ctypes converts the arguments by the signature set: a float given to an int parameter
     is refused rather than passed as raw bits."""

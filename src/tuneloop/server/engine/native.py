@@ -2,11 +2,12 @@
 
 Some small kernels cost more in torch's machinery around them than in their arithmetic, or
 are written by a compiler in a form far from what the CPU can do (kv/native_decode.py,
-rms_norm.cpp's wrapper in compiled.py). Their sources ship beside their wrappers; `library`
-builds one with the system's C++ compiler (the one torch.compile needs on a CPU anyway;
-`CXX` picks another) for this CPU (`-march=native`) into a folder of the user's own under
-the temporary directory, named by a hash of the source, the flags, the compiler's version and
-the CPU's flags, so a later process loads it without compiling. A library links the OpenMP
+lora/native_columns.py, rms_norm.cpp's wrapper in compiled.py, gated_mlp.py, rotary.py).
+Their sources ship beside their wrappers; `library` builds one with the system's C++
+compiler (the one torch.compile needs on a CPU anyway; `CXX` picks another) for this CPU
+(`-march=native`) into a folder of the user's own under the temporary directory, named by a
+hash of the source and the headers of its folder, the flags, the compiler's version and the
+CPU's flags, so a later process loads it without compiling. A library links the OpenMP
 runtime torch has already loaded (libgomp.so.1), so its threads are torch's. Calls go through
 ctypes, which releases the GIL for them. Where a library cannot be built (no compiler, a CPU
 without the instructions it needs, not x86-64 Linux) `library` gives None, with a warning
@@ -88,7 +89,9 @@ def _build(source: Path) -> ctypes.CDLL:
         [compiler, "--version"], capture_output=True, text=True, check=True, timeout=60
     ).stdout
     parts = [" ".join(FLAGS), version, " ".join(sorted(cpu_flags()))]
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), *(p.encode() for p in parts)]))
+    # the headers beside the source (bf16.h) are part of what is built
+    texts = [source.read_bytes(), *(h.read_bytes() for h in sorted(source.parent.glob("*.h")))]
+    key = hashlib.sha256(b"\0".join([*texts, *(p.encode() for p in parts)]))
     folder = _cache_dir()
     built = folder / f"{source.stem}_{key.hexdigest()[:24]}.so"
     if not built.exists():

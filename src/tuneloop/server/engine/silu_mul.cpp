@@ -15,17 +15,10 @@
 #include <bit>
 #include <cstdint>
 
+#include "bf16.h"
+
 namespace {
 
-// (branch-free, so that the compiler vectorizes the loops they are in)
-inline float from_bf16(uint16_t v) { return std::bit_cast<float>(uint32_t(v) << 16); }
-
-inline uint16_t to_bf16(float v) {  // round to nearest even, as torch's conversion; NaN kept
-  const uint32_t bits = std::bit_cast<uint32_t>(v);
-  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  const uint32_t quiet = (bits >> 16) | 0x40u;
-  return uint16_t((bits & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
-}
 
 inline float pow2(int32_t e) { return std::bit_cast<float>(uint32_t(e + 127) << 23); }
 
@@ -69,8 +62,8 @@ const std::array<uint32_t, 65536>& silu_table() {
   static const std::array<uint32_t, 65536> table = [] {
     std::array<uint32_t, 65536> filled{};
     for (uint32_t v = 0; v < filled.size(); ++v) {
-      const float x = from_bf16(uint16_t(v));
-      filled[v] = uint32_t(to_bf16(x / (1.0f + exp_f32(-x)))) << 16;
+      const float x = bf16::to_float(uint16_t(v));
+      filled[v] = uint32_t(bf16::from_float(x / (1.0f + exp_f32(-x)))) << 16;
     }
     return filled;
   }();
@@ -92,6 +85,6 @@ extern "C" void silu_mul_bf16(const uint16_t* gate, int64_t gate_stride, const u
     uint16_t* o = out + r * width;
     #pragma omp simd
     for (int64_t i = 0; i < width; ++i)
-      o[i] = to_bf16(std::bit_cast<float>(silu[g[i]]) * from_bf16(u[i]));
+      o[i] = bf16::from_float(std::bit_cast<float>(silu[g[i]]) * bf16::to_float(u[i]));
   }
 }

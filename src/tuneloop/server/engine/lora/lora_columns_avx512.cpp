@@ -7,9 +7,9 @@
 // A comes in "pairs" layout, [ceil(K / 2), Rp, 2] with Rp = R rounded up to 16 (zeros past
 // R, and past K when K is odd): one 64-byte load holds 16 outputs' weights for two inputs,
 // which vdpbf16ps multiplies by the two inputs broadcast to every lane and sums in fp32 into
-// those 16 outputs; no sum across lanes is ever needed. Blocks of 6 rows x 64 outputs (12 x 32, 24 x
-// 16) keep 24 fp32 accumulators in registers; each output is rounded to bf16 once (nearest even), as
-// oneDNN's bf16 matmul does. Rows run in parallel under OpenMP; a row's values depend on
+// those 16 outputs; no sum across lanes is ever needed. Blocks of 6 rows x 64 outputs (12 x
+// 32, 24 x 16) keep 24 fp32 accumulators in registers; each output is rounded to bf16 once
+// (nearest even), as oneDNN's bf16 matmul does. Rows run in parallel under OpenMP; a row's values depend on
 // that row alone.
 #if !defined(__AVX512F__) || !defined(__AVX512BF16__)
 #error "this kernel needs AVX512F and AVX512-BF16"
