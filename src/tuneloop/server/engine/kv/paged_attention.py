@@ -35,6 +35,8 @@ import torch
 from torch import nn
 from transformers import AttentionInterface
 
+from tuneloop.server.engine.kv import kv_write
+
 __all__ = [
     "PAGED_ATTENTION",
     "KVPool",
@@ -322,8 +324,9 @@ def paged_attention_forward(
     layer = int(getattr(module, "layer_idx", 0))
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [N, kv_heads, d]
     k_pool, v_pool = step.pool.layer(layer, k_new, v_new)
-    k_pool.index_copy_(0, step.slot_mapping, k_new.to(k_pool.dtype))
-    v_pool.index_copy_(0, step.slot_mapping, v_new.to(v_pool.dtype))
+    for pool, new in ((k_pool, k_new.to(k_pool.dtype)), (v_pool, v_new.to(v_pool.dtype))):
+        if not kv_write.write(pool, step.slot_mapping, new):  # (on a CPU, one C++ call)
+            pool.index_copy_(0, step.slot_mapping, new)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     softcap = kwargs.get("softcap")
     window = kwargs.get("sliding_window")
