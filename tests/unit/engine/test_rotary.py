@@ -116,6 +116,12 @@ def test_a_switched_family_samples_the_same_logits_and_trains_on_its_own_functio
     assert modeling_llama.apply_rotary_pos_emb is own
 
 
+def test_a_model_that_is_not_bf16_switches_nothing() -> None:
+    own = modeling_llama.apply_rotary_pos_emb
+    assert rotary.install(_tiny_llama().float()) == 0
+    assert modeling_llama.apply_rotary_pos_emb is own
+
+
 def test_a_family_whose_rotary_differs_keeps_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     def interleaved(q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: int = 1) -> Any:
         def turn(x: Any) -> Any:  # pairs (x0, x1), (x2, x3), ... rotated: GPT-J's layout

@@ -157,8 +157,11 @@ def _families(model: nn.Module) -> dict[str, tuple[int, int, int]]:
 
 def install(model: nn.Module) -> int:
     """Point the rotary function of `model`'s families at the native form where it agrees
-    with theirs; returns how many families are switched for it (0 where none, or where the
-    loop cannot be built)."""
+    with theirs; returns how many families are switched for it (0 where none, for a model
+    that is not bf16 on a CPU, or where the loop cannot be built)."""
+    weight = next(model.parameters(), None)
+    if weight is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return 0  # (the loop would never apply: no wrapper in its way)
     if _kernel() is None:
         return 0
     count = 0
