@@ -2,13 +2,14 @@
 
 A decode step on fused weights (fused.py) multiplies each group of sibling linears by
 [x | x @ A.T]: the input and its products with the adapter's stacked down-projections A
-[R, K]. torch makes that as a small oneDNN matmul and a concatenation, two calls that at 128
-rows took 36-99 us each a layer on an AVX-512-BF16 EPYC, about twice what the arithmetic
-needs, 120 times a step. `lora_columns_avx512.cpp` writes both parts in one pass: the copy of
-x and the product made by vdpbf16ps on A rearranged once ("pairs"), each output summed in
+[R, K]. torch makes that as a small oneDNN matmul and a concatenation: at 128 rows on an
+AVX-512-BF16 EPYC, 36-99 us a group and 228 us a layer, about twice what the arithmetic
+needs, 120 groups a step. `lora_columns_avx512.cpp` writes both parts in one pass: the copy
+of x and the product made by vdpbf16ps on A rearranged once ("pairs"), each output summed in
 fp32 and rounded to bf16 once, as oneDNN's kernel does (in another order of the sums: the two
-differ by a bf16 step now and then, bench/cpu_kernels.py). It is built and loaded by
-native.py; where it cannot be, `available` is False and fused.py keeps the oneDNN product.
+differ by a bf16 step in a few outputs in 10^4, tests/unit/engine/test_native_columns.py);
+143 us a layer (bench/cpu_kernels.py). It is built and loaded by native.py; where it cannot
+be, `available` is False and fused.py keeps the oneDNN product.
 """
 
 from __future__ import annotations
