@@ -110,3 +110,16 @@ def test_cpu_flags_are_read() -> None:
     assert isinstance(flags, frozenset)
     if native.platform.machine() == "x86_64":
         assert "sse2" in flags
+
+
+def test_bf16_loops_take_cpu_bf16_inputs_autograd_does_not_record() -> None:
+    import torch
+
+    x = torch.ones(2, dtype=torch.bfloat16)
+    assert native.bf16_without_autograd(x, x)
+    assert not native.bf16_without_autograd(x, x.float())
+    assert not native.bf16_without_autograd(x, x.to("meta"))
+    trained = x.clone().requires_grad_(True)
+    assert not native.bf16_without_autograd(x, trained)
+    with torch.no_grad():
+        assert native.bf16_without_autograd(x, trained)  # nothing recorded there

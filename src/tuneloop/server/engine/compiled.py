@@ -96,9 +96,7 @@ def _native_norm() -> Any:
 def _native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """`rms_norm` of a bf16 CPU tensor without autograd by the C++ loop; None where it does
     not apply (or could not be built)."""
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu":
-        return None
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if not native.bf16_without_autograd(x, weight):
         return None
     kernel = _native_norm()
     if kernel is None:

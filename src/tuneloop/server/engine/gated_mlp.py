@@ -80,11 +80,9 @@ def _row_stride(t: torch.Tensor) -> int | None:
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     """`silu(gate) * up` of bf16 CPU tensors of one shape, without autograd, by the C++ loop
     (bit for bit eager's); None where it does not apply (or could not be built)."""
-    if gate.dtype != torch.bfloat16 or up.dtype != torch.bfloat16 or gate.shape != up.shape:
+    if gate.shape != up.shape or gate.numel() == 0:
         return None
-    if not (gate.is_cpu and up.is_cpu) or gate.numel() == 0:
-        return None
-    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+    if not native.bf16_without_autograd(gate, up):
         return None
     kernel = _native_kernel()
     if kernel is None:

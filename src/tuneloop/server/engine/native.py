@@ -31,7 +31,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cpu_flags", "function", "in_sampling_step", "library", "sampling_step"]
+import torch
+
+__all__ = [
+    "bf16_without_autograd",
+    "cpu_flags",
+    "function",
+    "in_sampling_step",
+    "library",
+    "sampling_step",
+]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +62,14 @@ def sampling_step() -> Iterator[None]:
 
 def in_sampling_step() -> bool:
     return bool(getattr(_state, "sampling", False))
+
+
+def bf16_without_autograd(*tensors: torch.Tensor) -> bool:
+    """Whether a bf16 loop may take these inputs: each bf16 on a CPU (the loops read raw
+    memory), and none that autograd would record in grad mode (the loops have no backward)."""
+    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 @functools.cache

@@ -64,7 +64,7 @@ def rotate(
     The results are laid out [tokens, heads, dim] in memory, as eager torch lays out its
     results for the projections' transposed views."""
     tensors = (q, k, cos, sin)
-    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors):
+    if not native.bf16_without_autograd(*tensors):
         return None
     if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape:
         return None
@@ -74,8 +74,6 @@ def rotate(
     if cos.shape != (1, tokens, dim) or cos.stride() != sin.stride():
         return None
     if any(t.stride(-1) != 1 for t in tensors):
-        return None
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         return None
     kernel = _kernel()
     if kernel is None:
