@@ -187,7 +187,8 @@ async def test_trace_export_is_a_signed_json_file_of_the_sessions_requests(
 async def test_billing_usage_events_come_from_metering(api: Api) -> None:
     session_id, _model, _ = await _run_with_checkpoint(api, "research")
     sampler_id = await sampler(api, session_id)
-    await sample(api, sampler_id, [5, 7, 9], max_tokens=4)
+    # No stop tokens: an unseeded draw could end at EOS before the four tokens metered below.
+    await sample(api, sampler_id, [5, 7, 9], max_tokens=4, stop=[])
     hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
     window = {
         "starting_on": hour.isoformat(),
