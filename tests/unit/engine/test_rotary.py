@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(rotary._kernel() is None, reason="no C++ compile
 
 @pytest.fixture(autouse=True)
 def _restored() -> Iterator[None]:
+    rotary.uninstall()  # families an earlier test's backend switched in this process
     yield
     rotary.uninstall()
 
