@@ -8,7 +8,12 @@ greedy, a quarter filtered, the rest plain, 5 top-k logprobs on a quarter). Each
 its own process (bench/columns.py), rounds alternating; the figure is ms per step and the
 median ratio before / after.
 
+`--head-dtype bfloat16`: the logits arrive as a bf16 head's output, and the timed step includes
+what the tree's `ModelRunner._logits` does with them: the copy to fp32, except in a tree whose
+native draw reads them as they are (native_draw.py).
+
     python bench/draw_step.py --before-src /tmp/before/src [--rounds 3] [--json out.json]
+    python bench/draw_step.py --before-src /tmp/before/src --head-dtype bfloat16
 """
 
 from __future__ import annotations
@@ -45,6 +50,17 @@ def worker(args: argparse.Namespace) -> dict[str, float]:
     from tuneloop.server.engine.types import SampleWork
 
     logits = torch.randn(args.rows, args.vocab, generator=torch.Generator().manual_seed(0)) * 3
+    logits = logits.to(getattr(torch, args.head_dtype))
+    try:
+        from tuneloop.server.engine import native_draw
+
+        reads_head = native_draw.takes(logits)
+    except ImportError:  # a tree before the native draw
+        reads_head = False
+
+    def as_drawn(head: torch.Tensor) -> torch.Tensor:  # what `ModelRunner._logits` hands on
+        return head if reads_head else head.float()
+
     out: dict[str, float] = {}
     for workload in WORKLOADS:
         rows = []
@@ -64,11 +80,12 @@ def worker(args: argparse.Namespace) -> dict[str, float]:
         times = []
         for _ in range(args.warmup + args.steps):
             start = time.perf_counter()
+            drawn = as_drawn(logits)
             if params is None:
-                sampler.nonfinite_rows(logits)  # the decoder's separate finiteness check
-                sampler.sample_rows(logits, rows, lambda tokens: "")
+                sampler.nonfinite_rows(drawn)  # the decoder's separate finiteness check
+                sampler.sample_rows(drawn, rows, lambda tokens: "")
             else:
-                sampler.sample_rows(logits, rows, lambda tokens: "", params)
+                sampler.sample_rows(drawn, rows, lambda tokens: "", params)
             times.append(time.perf_counter() - start)
         out[f"{workload}_ms"] = 1000 * statistics.median(times[args.warmup :])
     return out
@@ -82,6 +99,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--head-dtype", choices=("float32", "bfloat16"), default="float32", help="the logits' dtype"
+    )
     parser.add_argument("--before-src", type=Path, required=True)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path)
@@ -91,8 +111,8 @@ def main() -> int:
         return 0
     here = Path(__file__).resolve()
     sources = {"before": str(args.before_src.resolve()), "after": this_tree_src()}
-    keys = ("threads", "rows", "vocab", "steps", "warmup")
-    passed = [f"--{k}={getattr(args, k)}" for k in keys]
+    keys = ("threads", "rows", "vocab", "steps", "warmup", "head_dtype")
+    passed = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys]
     passed += [f"--before-src={args.before_src}", "--worker"]
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in sources}
     for _ in range(args.rounds):

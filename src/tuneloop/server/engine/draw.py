@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tuneloop.server.engine import native_draw
+
 __all__ = ["GREEDY_BELOW", "DrawParams", "StepDraw", "draw", "uniforms"]
 
 # Temperatures this close to 0 are greedy: dividing fp32 logits by them overflows to inf (NaN
@@ -234,10 +236,10 @@ def _top_logits(
     own), without a pass over [R, V]. Equal logits may come in another order."""
     block = min(_BLOCK, logits.shape[-1])
     if width * block >= logits.shape[-1]:
-        return torch.topk(logits, width, dim=-1)
+        return torch.topk(logits.float(), width, dim=-1)
     best = torch.topk(maxima, width, dim=-1).indices  # [R, width]
     inside, cols = _blocks_of(logits, best, block, float("-inf"))  # [R, width * block]
-    values, at = torch.topk(inside, width, dim=-1)
+    values, at = torch.topk(inside.float(), width, dim=-1)  # (bf16 logits: exact in fp32)
     return values, cols.gather(1, at)
 
 
@@ -291,9 +293,15 @@ class StepDraw:
 
     @classmethod
     def fetch(cls, logits: torch.Tensor, params: DrawParams, positions: torch.Tensor) -> StepDraw:
-        chosen, logsumexp, maxima = _draw(logits, params, positions)
-        # Any NaN or infinity in a row shows in its max (hence its logsumexp) or its min.
-        finite = torch.isfinite(logsumexp) & torch.isfinite(logits.amin(-1))
+        """The step's draw from its logits [R, V]: fp32, or on a CPU whose native draw
+        takes them the head's own bf16 output."""
+        if native_draw.takes(logits):
+            chosen, logsumexp, finite, maxima = _native(logits, params, positions)
+        else:
+            logits = logits.float()
+            chosen, logsumexp, maxima = _draw(logits, params, positions)
+            # Any NaN or infinity in a row shows in its max (hence its logsumexp) or its min.
+            finite = torch.isfinite(logsumexp) & torch.isfinite(logits.amin(-1))
         columns = [
             chosen.to(torch.float64),  # token ids < 2**53: exact
             logits.gather(1, chosen[:, None])[:, 0].to(torch.float64) - logsumexp,
@@ -322,6 +330,27 @@ class StepDraw:
             [r[3] == 1.0 for r in host],
             topk,
         )
+
+
+def _native(
+    logits: torch.Tensor, params: DrawParams, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_draw` and the rows' finiteness by the native kernel (native_draw.py) for every row
+    but those with top-k or top-p: those are drawn here as `_draw` draws them, from their own
+    rows' softmax (row-wise: the same bits whichever rows share the step)."""
+    u = uniforms(params.seed_lo, params.seed_hi, positions)
+    block = min(_BLOCK, logits.shape[-1])
+    chosen, logsumexp, finite, maxima = native_draw.draw(
+        logits, u, params.temperature, params.greedy, block
+    )
+    if params.filters is not None:
+        rows, top_k, top_p = params.filters
+        # (greedy rows hold temperature 1, and dividing by 1 changes no bit)
+        tempered = logits.index_select(0, rows).float() / params.temperature[rows][:, None]
+        picked = _filtered_draw(torch.softmax(tempered, dim=-1), top_k, top_p, u[rows])
+        greedy = params.greedy[rows]
+        chosen = chosen.index_copy(0, rows, torch.where(greedy, chosen[rows], picked))
+    return chosen, logsumexp, finite, maxima
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

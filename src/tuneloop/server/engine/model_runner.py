@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tuneloop.server.engine import native
+from tuneloop.server.engine import native, native_draw
 from tuneloop.server.engine.decode_graphs import DecodeGraphs, StaticStep
 from tuneloop.server.engine.fused_head import chunked_logits, head_parts
 from tuneloop.server.engine.kv.paged_attention import KVPool, PagedStep, Prefill, paged
@@ -174,8 +174,9 @@ class ModelRunner:
 
     @torch.no_grad()
     def run(self, work: Seq[Scheduled]) -> torch.Tensor:
-        """Run the step; returns fp32 logits [len(wanting), V] of the items that want them, in
-        order, and marks every item's tokens computed."""
+        """Run the step; returns the logits [len(wanting), V] of the items that want them, in
+        order (fp32, or bf16 for the native draw: `_logits`), and marks every item's tokens
+        computed."""
         if self.graphs is not None and self.graphs_on:
             logits = self.graphs.run(work)
             if logits is not None:
@@ -206,13 +207,20 @@ class ModelRunner:
         return self._logits(hidden[torch.tensor(keep, device=self.device)], head_routing)
 
     def _logits(self, last: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """fp32 logits of the rows' last hidden states [rows, hidden], the head routed by
-        `routing` (one row per sequence)."""
+        """Logits of the rows' last hidden states [rows, hidden], the head routed by
+        `routing` (one row per sequence): fp32, or the head's own bf16 output where the CPU's
+        native draw reads it as it is (native_draw.py: an fp32 copy of 128 x 49,152 logits
+        cost 2.5 ms a step)."""
         head: nn.Module = self.model.get_output_embeddings()  # type: ignore[operator]
+        softcap = getattr(self.model.config, "final_logit_softcapping", None)
         with self.bank.using(routing):
             parts = head_parts(head, last)
-            logits = chunked_logits(parts, last) if parts else head(last[None])[0].float()
-        softcap = getattr(self.model.config, "final_logit_softcapping", None)
+            if parts:
+                logits = chunked_logits(parts, last)
+            else:
+                logits = head(last[None])[0]
+                if softcap or not native_draw.takes(logits):
+                    logits = logits.float()
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
         return logits
@@ -220,8 +228,8 @@ class ModelRunner:
     @torch.no_grad()
     def forward_static(self, static: StaticStep) -> torch.Tensor:
         """A decode step on a graph's static inputs (decode_graphs.py): the forward pass and the
-        head, every padded row's fp32 logits [rows, V]. Captured on CUDA; run as it is on the
-        CPU (`use_graphs(capture=False)`)."""
+        head, every padded row's logits [rows, V] (as `_logits` gives them). Captured on CUDA;
+        run as it is on the CPU (`use_graphs(capture=False)`)."""
         step = PagedStep(
             self.pool, static.slot_mapping, static.rows, static.decode_slots, static.decode_mask
         )

@@ -120,8 +120,9 @@ def sample_rows(
     decode: Callable[[list[int]], str],
     params: DrawParams | None = None,
 ) -> list[bool | EngineError | None]:
-    """Draw the next token of every row from its logits row ([len(rows), V], fp32), record it
-    with its logprob (and top-k), hand it to the row's stream, and set the row's stop reason.
+    """Draw the next token of every row from its logits row ([len(rows), V]: fp32, or bf16
+    where the CPU's native draw reads them), record it with its logprob (and top-k), hand it
+    to the row's stream, and set the row's stop reason.
 
     The draw, the logprobs, the stop-token checks and the finiteness of every row's logits are
     computed on the device in one batched pass and reach the host in one copy (draw.py).

@@ -1,0 +1,234 @@
+// A decode step's draw on the CPU, one row at a time (native_draw.py builds and loads it):
+// what draw.py's torch ops compute for rows without top-k or top-p, in two passes over the
+// row's logits instead of a softmax that writes [rows, V] probabilities and the passes that
+// read them again. Logits are fp32 or bf16 (the head's own output: no fp32 copy of it).
+//
+// Per row: pass 1, each block's maximum and whether any logit is NaN or infinite; the row's
+// max and its first index (torch.argmax's tie-break). Pass 2, each block's sum of
+// exp(logit - max), and at a temperature other than 1 of exp((logit - max) / temperature);
+// the row's totals in fp64. The logsumexp at temperature 1 is max + log(total). The draw is the
+// inverse CDF at the row's uniform u, in two levels as draw.py's: the block sums locate the
+// block, and that block alone is summed again token by token; a token whose probability is 0
+// is never drawn (where rounding puts u * total past the last sum, the last token with mass).
+// A row reads its own logits and uniform only, so its token and logsumexp do not depend on
+// the rows beside it.
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "bf16.h"
+
+namespace {
+
+// 16 lanes in GCC's vector extensions: AVX-512 registers where the host has them, pairs of
+// AVX2 ones elsewhere (-march=native), the same arithmetic either way.
+typedef float Floats __attribute__((vector_size(64)));
+typedef int32_t Ints __attribute__((vector_size(64)));
+typedef uint32_t Words __attribute__((vector_size(64)));
+typedef uint16_t Halves __attribute__((vector_size(32)));
+constexpr int64_t kLanes = 16;
+
+inline float value(const float* x, int64_t i) { return x[i]; }
+inline float value(const uint16_t* x, int64_t i) { return bf16::to_float(x[i]); }
+
+inline Floats load(const float* x, int64_t i) {
+  Floats v;
+  std::memcpy(&v, x + i, sizeof v);
+  return v;
+}
+inline Floats load(const uint16_t* x, int64_t i) {  // bf16: the high half of an fp32
+  Halves h;
+  std::memcpy(&h, x + i, sizeof h);
+  return reinterpret_cast<Floats>(__builtin_convertvector(h, Words) << 16);
+}
+
+// NaN or an infinity: every exponent bit set.
+inline bool not_finite(float v) {
+  return (std::bit_cast<uint32_t>(v) & 0x7f800000u) == 0x7f800000u;
+}
+
+// exp(x) for x <= 0, Cephes' expf: x = n ln 2 + r with n the nearest integer to x log2 e and
+// |r| <= ln 2 / 2 (ln 2 in two parts, so r is exact), exp(r) by a degree-7 polynomial, times
+// 2^n (relative error < 8e-8 over [-87, 0], measured against fp64); 0 below -87, where fp32's
+// exp leaves its normal range. The lanes' form and the scalar one give the same bits.
+inline Floats exp_nonpositive(Floats x) {
+  const Floats t = x * 1.44269504088896341f + 0.5f;
+  Ints whole = __builtin_convertvector(t, Ints);  // toward zero, then down: floor(t)
+  whole += __builtin_convertvector(whole, Floats) > t;  // (-1 where so)
+  const Floats n = __builtin_convertvector(whole, Floats);
+  Floats r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  Floats p = Floats{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const Floats y = p * (r * r) + r + 1.0f;
+  const Ints low = whole < -126;  // (only where x < -87: those lanes give 0 below)
+  const Floats scale = reinterpret_cast<Floats>(((low ? -126 : whole) + 127) << 23);
+  return x < -87.0f ? Floats{} : y * scale;
+}
+inline float exp_nonpositive(float x) {
+  Floats lanes = Floats{} + x;
+  return exp_nonpositive(lanes)[0];
+}
+
+inline float lane_sum(Floats v) {  // in lane order
+  float s = 0.0f;
+  for (int64_t k = 0; k < kLanes; ++k) s += v[k];
+  return s;
+}
+inline float lane_max(Floats v) {
+  float m = v[0];
+  for (int64_t k = 1; k < kLanes; ++k) m = v[k] > m ? v[k] : m;
+  return m;
+}
+
+// Block [lo, hi)'s largest logit, and whether any is NaN or infinite.
+template <typename T>
+inline float block_max(const T* x, int64_t lo, int64_t hi, bool* bad) {
+  Floats best = Floats{} - std::numeric_limits<float>::infinity();
+  Ints wrong = Ints{};
+  int64_t i = lo;
+  for (; i + kLanes <= hi; i += kLanes) {
+    const Floats v = load(x, i);
+    best = v > best ? v : best;
+    wrong |= (reinterpret_cast<Words>(v) & 0x7f800000u) == 0x7f800000u;
+  }
+  float m = lane_max(best);
+  bool any = false;
+  for (int64_t k = 0; k < kLanes; ++k) any |= wrong[k] != 0;
+  for (; i < hi; ++i) {
+    const float v = value(x, i);
+    m = v > m ? v : m;
+    any |= not_finite(v);
+  }
+  *bad = any;
+  return m;
+}
+
+// Block [lo, hi)'s sum of exp((logit - top) * scale).
+template <typename T>
+inline float block_sum(const T* x, int64_t lo, int64_t hi, float top, float scale) {
+  Floats acc = Floats{};
+  int64_t i = lo;
+  for (; i + kLanes <= hi; i += kLanes) acc += exp_nonpositive((load(x, i) - top) * scale);
+  float s = lane_sum(acc);
+  for (; i < hi; ++i) s += exp_nonpositive((value(x, i) - top) * scale);
+  return s;
+}
+
+struct Row {
+  int64_t token;
+  double logsumexp;
+  bool finite;
+};
+
+template <typename T>
+Row draw_row(const T* x, int64_t vocab, int64_t block, float u, float temperature, bool greedy,
+             float* maxima, float* sums, float* tempered) {
+  const int64_t blocks = (vocab + block - 1) / block;
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t lo = b * block, hi = lo + block < vocab ? lo + block : vocab;
+    bool bad = false;
+    const float best = block_max(x, lo, hi, &bad);
+    if (bad) return {0, std::numeric_limits<double>::quiet_NaN(), false};
+    maxima[b] = best;
+    top = best > top ? best : top;
+  }
+  int64_t at = 0;  // the first index holding the max: in the first block whose max it is
+  for (int64_t b = 0; b < blocks; ++b)
+    if (maxima[b] == top) {
+      at = b * block;
+      while (value(x, at) != top) ++at;
+      break;
+    }
+  double total = 0.0, tempered_total = 0.0;
+  const bool tempering = !greedy && temperature != 1.0f;
+  const float inverse = 1.0f / temperature;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t lo = b * block, hi = lo + block < vocab ? lo + block : vocab;
+    const float sum = block_sum(x, lo, hi, top, 1.0f);
+    sums[b] = sum;
+    total += sum;
+    if (tempering) {
+      tempered[b] = block_sum(x, lo, hi, top, inverse);
+      tempered_total += tempered[b];
+    }
+  }
+  const double logsumexp = static_cast<double>(top) + std::log(total);
+  if (greedy) return {at, logsumexp, true};
+  const float* mass = tempering ? tempered : sums;
+  const double target = static_cast<double>(u) * (tempering ? tempered_total : total);
+  // the block: the first whose cumulative sum reaches the target, among those with mass
+  double before = 0.0, before_last = 0.0;
+  int64_t chosen = -1, last = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (mass[b] <= 0.0f) continue;
+    if (before + mass[b] >= target) {
+      chosen = b;
+      break;
+    }
+    last = b;
+    before_last = before;
+    before += mass[b];
+  }
+  if (chosen < 0) {  // rounding: u * total past the last sum
+    chosen = last;
+    before = before_last;
+  }
+  // the token: the first in the block whose cumulative sum reaches it, among those with mass
+  const int64_t lo = chosen * block, hi = lo + block < vocab ? lo + block : vocab;
+  double running = before;
+  int64_t token = -1;
+  for (int64_t i = lo; i < hi; ++i) {
+    const float d = value(x, i) - top;
+    const float p = exp_nonpositive(d * (tempering ? inverse : 1.0f));
+    if (p <= 0.0f) continue;
+    token = i;
+    running += p;
+    if (running >= target) break;
+  }
+  return {token < 0 ? at : token, logsumexp, true};
+}
+
+template <typename T>
+void draw_rows(const T* logits, int64_t rows, int64_t vocab, int64_t stride, int64_t block,
+               const float* u, const float* temperature, const bool* greedy, int64_t* tokens,
+               double* logsumexp, bool* finite, float* maxima, int threads) {
+  const int64_t blocks = (vocab + block - 1) / block;
+  #pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> sums(blocks), tempered(blocks);
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const Row out = draw_row(logits + r * stride, vocab, block, u[r], temperature[r], greedy[r],
+                               maxima + r * blocks, sums.data(), tempered.data());
+      tokens[r] = out.token;
+      logsumexp[r] = out.logsumexp;
+      finite[r] = out.finite;
+    }
+  }
+}
+
+}  // namespace
+
+// logits [rows, vocab] (row `stride` elements apart), fp32 or bf16 (`bf16`); u, temperature
+// and greedy [rows]. Out: tokens [rows], logsumexp [rows] at temperature 1 (NaN where a logit
+// is not finite), finite [rows], the block maxima [rows, ceil(vocab / block)].
+extern "C" void draw_rows(const void* logits, int bf16, int64_t rows, int64_t vocab,
+                          int64_t stride, int64_t block, const float* u, const float* temperature,
+                          const bool* greedy, int64_t* tokens, double* logsumexp, bool* finite,
+                          float* maxima, int threads) {
+  if (bf16)
+    draw_rows(static_cast<const uint16_t*>(logits), rows, vocab, stride, block, u, temperature,
+              greedy, tokens, logsumexp, finite, maxima, threads);
+  else
+    draw_rows(static_cast<const float*>(logits), rows, vocab, stride, block, u, temperature,
+              greedy, tokens, logsumexp, finite, maxima, threads);
+}

@@ -1,0 +1,106 @@
+"""A decode step's draw on the CPU as one C++ call (draw.cpp): tokens, logsumexps, finiteness.
+
+draw.py's torch form reads a step's [rows, V] logits six times over (block maxima, a minimum,
+a softmax that writes [rows, V] probabilities, their block sums, the gathers) and needs them
+in fp32, so the head's bf16 output was first copied to fp32. At 128 rows x 49,152 tokens on
+an AVX-512-BF16 EPYC that was 7.4 ms for the draw and 2.5 ms for the copy a step;
+draw.cpp makes two passes over the head's own output (bench/draw_step.py,
+docs/benchmarks.md). It draws the rows without top-k or top-p, greedy and tempered rows
+included; draw.py keeps the filtered rows' draw (a sort of their own rows) and the top-k
+logprobs (from the block maxima this call returns).
+
+Its exp is a polynomial rather than torch's, and its sums add in another order, so a row's
+probabilities differ from torch's softmax in the last bits: a token differs from the torch
+form's only where the row's uniform falls within that rounding of a boundary between two
+tokens, and the logsumexp agrees with log_softmax's to ~1e-6 (tests/unit/engine/test_draw.py).
+Which form draws a row depends on the host and that row's own parameters only, never on the
+rows beside it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tuneloop.server.engine import native
+
+__all__ = ["available", "draw", "takes"]
+
+SOURCE = Path(__file__).with_name("draw.cpp")
+
+_POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
+# logits, bf16; rows, vocab, stride, block; u, temperature, greedy; tokens, logsumexp, finite,
+# maxima; threads
+_SIGNATURE = (
+    _POINTER,
+    ctypes.c_int,
+    *[_SIZE] * 4,
+    *[_POINTER] * 3,
+    *[_POINTER] * 4,
+    ctypes.c_int,
+)
+
+
+def _kernel() -> Any:
+    return native.function(SOURCE, "draw_rows", _SIGNATURE)
+
+
+def available() -> bool:
+    """Whether the kernel could be built for this host (x86-64 Linux with a C++ compiler)."""
+    return _kernel() is not None
+
+
+def takes(logits: torch.Tensor) -> bool:
+    """Whether `draw` takes these logits: [rows, V] fp32 or bf16 on a CPU, each row's tokens
+    contiguous, and the kernel built."""
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if logits.dim() != 2 or logits.shape[1] == 0 or logits.stride(1) != 1:
+        return False
+    return available()
+
+
+def draw(
+    logits: torch.Tensor,
+    u: torch.Tensor,
+    temperature: torch.Tensor,
+    greedy: torch.Tensor,
+    block: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every row's token [R] int64 (the argmax for greedy rows), its logits' logsumexp at
+    temperature 1 [R] fp64 (NaN where a logit is NaN or infinite), whether they are all finite
+    [R] bool, and the maxima of each `block` tokens [R, ceil(V / block)] fp32. u [R] fp32 in
+    (0, 1], temperature [R] fp32, greedy [R] bool; `takes(logits)` must hold."""
+    kernel = _kernel()
+    assert kernel is not None
+    assert takes(logits)
+    rows, vocab = logits.shape
+    u = u.to(torch.float32).contiguous()
+    temperature = temperature.to(torch.float32).contiguous()
+    greedy = greedy.to(torch.bool).contiguous()
+    if not (u.shape == temperature.shape == greedy.shape == (rows,)):
+        raise ValueError("u, temperature and greedy need one value per row")
+    tokens = torch.empty(rows, dtype=torch.long)
+    logsumexp = torch.empty(rows, dtype=torch.float64)
+    finite = torch.empty(rows, dtype=torch.bool)
+    maxima = torch.empty((rows, -(-vocab // block)), dtype=torch.float32)
+    kernel(
+        logits.data_ptr(),
+        int(logits.dtype == torch.bfloat16),
+        rows,
+        vocab,
+        logits.stride(0),
+        block,
+        u.data_ptr(),
+        temperature.data_ptr(),
+        greedy.data_ptr(),
+        tokens.data_ptr(),
+        logsumexp.data_ptr(),
+        finite.data_ptr(),
+        maxima.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return tokens, logsumexp, finite, maxima

@@ -1,0 +1,183 @@
+"""The CPU's native draw (native_draw.py, draw.cpp) against the torch form it stands in for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tests.unit.engine.test_draw import step_params, work  # noqa: E402
+from tuneloop.server.engine import draw as d  # noqa: E402
+from tuneloop.server.engine import native_draw  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not native_draw.available(), reason="no C++ compiler here")
+
+BLOCK = 256
+
+
+def _logits(rows: int, vocab: int, seed: int, scale: float = 3.0) -> Any:
+    """bf16-valued logits held in fp32 (the head's output, copied)."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, vocab, generator=gen) * scale).bfloat16().float()
+
+
+def _plain(rows: int) -> tuple[Any, Any]:
+    return torch.ones(rows), torch.zeros(rows, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("vocab", [49_152, 50_257, 1000, 17])
+def test_the_logsumexp_is_fp64s_and_the_maxima_torchs(vocab: int) -> None:
+    """Ragged last blocks and vocabularies that are not whole vectors included; logits from
+    flat to peaked. The logsumexp is within 2e-7 of one summed in fp64 (torch's fp32 softmax
+    is within ~4e-6 at 49,152 tokens)."""
+    for scale in (0.1, 3.0, 30.0):
+        logits = _logits(8, vocab, seed=int(scale * 10), scale=scale)
+        u = torch.rand(8, generator=torch.Generator().manual_seed(1)).clamp(min=2**-24)
+        tokens, logsumexp, finite, maxima = native_draw.draw(logits, u, *_plain(8), BLOCK)
+        exact = torch.logsumexp(logits.double(), -1)
+        assert float((logsumexp - exact).abs().max()) < 2e-7, scale
+        assert bool(finite.all())
+        assert torch.equal(maxima, d._per_block(logits, min(BLOCK, vocab), torch.amax))
+        assert bool(((tokens >= 0) & (tokens < vocab)).all())
+
+
+def test_bf16_logits_draw_what_their_fp32_copy_draws() -> None:
+    logits = _logits(16, 3000, seed=2)
+    u = torch.linspace(2**-24, 1.0, 16)
+    temperature = torch.tensor([1.0, 0.5, 2.0, 1.0] * 4)
+    greedy = torch.tensor([False, False, False, True] * 4)
+    ours = native_draw.draw(logits, u, temperature, greedy, BLOCK)
+    half = native_draw.draw(logits.bfloat16(), u, temperature, greedy, BLOCK)
+    for a, b in zip(ours, half, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_draw_is_the_torch_forms_but_at_rounding_boundaries() -> None:
+    """Against draw.py's torch form on 128 rows x 49,152 tokens at three temperatures: the
+    probabilities differ in their last bits only, so a token differs only where the row's
+    uniform lies within that rounding of a boundary between two tokens. Each row where they
+    part is checked to be one (against the CDF summed in fp64), and few are."""
+    vocab, rows = 49_152, 128
+    logits = _logits(rows, vocab, seed=3)
+    works = [work(seed=s, temperature=(0.7, 1.0, 1.3)[s % 3]) for s in range(rows)]
+    params = step_params(works, vocab)
+    positions = torch.arange(rows) + 40
+    theirs, their_lse = d.draw(logits, params, positions)
+    u = d.uniforms(params.seed_lo, params.seed_hi, positions)
+    tokens, logsumexp, _, _ = native_draw.draw(logits, u, params.temperature, params.greedy, BLOCK)
+    parted = (tokens != theirs).nonzero()[:, 0].tolist()
+    for r in parted:
+        cdf = torch.softmax(logits[r].double() / float(params.temperature[r]), -1).cumsum(0)
+        lo, hi = sorted((int(tokens[r]), int(theirs[r])))
+        assert abs(float(u[r]) - float(cdf[lo])) < 1e-6, (r, lo, hi)  # the boundary after lo
+        assert abs(float(u[r]) - float(cdf[hi - 1])) < 1e-6, (r, lo, hi)  # ... is before hi
+    assert len(parted) <= 3, parted
+    assert float((logsumexp - their_lse).abs().max()) < 1e-5
+
+
+def test_greedy_rows_take_the_first_of_tied_maxima() -> None:
+    logits = torch.zeros(3, 1000)
+    logits[0, [700, 300]] = 5.0  # tied: the first index, as torch.argmax
+    logits[1, [999, 256]] = 5.0  # in different blocks
+    logits[2, :] = 1.0  # all tied
+    tokens, _, _, _ = native_draw.draw(
+        logits, torch.ones(3), torch.ones(3), torch.ones(3, dtype=torch.bool), BLOCK
+    )
+    assert tokens.tolist() == [300, 256, 0] == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_row_with_a_logit_not_finite_is_reported_and_the_others_draw_as_alone(
+    bad: float,
+) -> None:
+    logits = _logits(4, 1000, seed=4)
+    u = torch.tensor([0.3, 0.6, 0.9, 0.1])
+    alone = native_draw.draw(logits, u, *_plain(4), BLOCK)
+    poisoned = logits.clone()
+    poisoned[2, 517] = bad
+    tokens, logsumexp, finite, _ = native_draw.draw(poisoned, u, *_plain(4), BLOCK)
+    assert finite.tolist() == [True, True, False, True]
+    assert torch.isnan(logsumexp[2])
+    keep = [0, 1, 3]
+    assert torch.equal(tokens[keep], alone[0][keep])
+    assert torch.equal(logsumexp[keep], alone[1][keep])
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it() -> None:
+    logits = _logits(32, 5000, seed=5)
+    u = torch.rand(32, generator=torch.Generator().manual_seed(6)).clamp(min=2**-24)
+    temperature = torch.rand(32, generator=torch.Generator().manual_seed(7)) + 0.5
+    greedy = torch.arange(32) % 5 == 0
+    together = native_draw.draw(logits, u, temperature, greedy, BLOCK)
+    order = torch.randperm(32, generator=torch.Generator().manual_seed(8))
+    shuffled = native_draw.draw(logits[order], u[order], temperature[order], greedy[order], BLOCK)
+    for a, b in zip(together, shuffled, strict=True):
+        assert torch.equal(a[order], b)
+    for i in (0, 7, 31):
+        one = native_draw.draw(
+            logits[i : i + 1], u[i : i + 1], temperature[i : i + 1], greedy[i : i + 1], BLOCK
+        )
+        assert int(one[0][0]) == int(together[0][i])
+        assert float(one[1][0]) == float(together[1][i])
+
+
+def test_rows_of_a_strided_view_draw_as_their_copies() -> None:
+    wide = _logits(6, 2000, seed=9)
+    view = wide[:, :1500]  # row stride 2000
+    assert native_draw.takes(view)
+    u = torch.full((6,), 0.5)
+    for a, b in zip(
+        native_draw.draw(view, u, *_plain(6), BLOCK),
+        native_draw.draw(view.contiguous(), u, *_plain(6), BLOCK),
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+
+
+def test_what_it_does_not_take() -> None:
+    assert not native_draw.takes(torch.zeros(2, 10, dtype=torch.float16))
+    assert not native_draw.takes(torch.zeros(10))
+    assert not native_draw.takes(torch.zeros(10, 2).t())  # tokens not contiguous
+    assert not native_draw.takes(torch.zeros(2, 0))
+    with pytest.raises(ValueError, match="one value per row"):
+        native_draw.draw(torch.zeros(2, 10), torch.ones(3), *_plain(2), BLOCK)
+
+
+def test_a_step_fetched_natively_matches_the_torch_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """StepDraw.fetch with bf16 logits (the native draw, filtered rows by torch) against fp32
+    logits through the torch form: plain, tempered, greedy, top-k, top-p rows, top-k logprobs
+    and stop tokens."""
+    vocab, n = 3000, 60
+    kinds: list[dict[str, Any]] = [
+        {"temperature": 1.0},
+        {"temperature": 0.6},
+        {"temperature": 0.0},
+        {"temperature": 0.9, "top_k": 20},
+        {"temperature": 1.0, "top_p": 0.8},
+        {"temperature": 0.0, "top_k": 5},
+        {"temperature": 1.0, "topk_sample_logprobs": 4},
+        {"temperature": 1.0, "stop_token_ids": tuple(range(0, 3000, 2))},
+    ]
+    works = [work(seed=s, **kinds[s % len(kinds)]) for s in range(n)]
+    logits = _logits(n, vocab, seed=10, scale=2.0)
+    positions = torch.arange(n) + 3
+    native = d.StepDraw.fetch(logits.bfloat16(), step_params(works, vocab), positions)
+    monkeypatch.setattr(native_draw, "takes", lambda logits: False)
+    torch_form = d.StepDraw.fetch(logits, step_params(works, vocab), positions)
+    assert native.tokens == torch_form.tokens
+    assert native.finite == torch_form.finite == [True] * n
+    assert native.stop_hit == torch_form.stop_hit
+    np.testing.assert_allclose(native.logprobs, torch_form.logprobs, rtol=0, atol=1e-5)
+    assert native.topk is not None
+    assert torch_form.topk is not None
+    for mine, theirs in zip(native.topk, torch_form.topk, strict=True):
+        assert [i for i, _ in mine] == [i for i, _ in theirs]
+        np.testing.assert_allclose([v for _, v in mine], [v for _, v in theirs], atol=1e-5)
+    exact = torch.log_softmax(logits.double(), -1)
+    expected = exact.gather(1, torch.tensor(native.tokens)[:, None])[:, 0]
+    np.testing.assert_allclose(native.logprobs, expected.numpy(), rtol=0, atol=2e-7)
+    assert any(native.stop_hit)
+    assert not all(native.stop_hit)
