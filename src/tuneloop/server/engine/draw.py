@@ -23,6 +23,9 @@ comes from the softmax rather than from a sum of our own: log_softmax adds its e
 the same order, so the two agree to ~1e-7 where an fp32 sum in another order (the block sums)
 differs from theirs by up to ~1e-5 at 49,152 tokens.
 
+On a CPU the rows without top-k or top-p are drawn by one C++ call instead (native_draw.py):
+the same two-level inverse CDF and logsumexp, in two passes over the logits.
+
 Everything the host needs from a step (token, its logprob, whether the row's logits were
 finite, whether the token is one of the row's stop tokens, the top-k logprobs asked for) is
 packed into one tensor and copied once (`StepDraw.fetch`).
