@@ -5,9 +5,9 @@ a softmax that writes [rows, V] probabilities, their block sums, the gathers) an
 in fp32, so the head's bf16 output was first copied to a fresh fp32 tensor. At 128 rows x
 49,152 tokens on an AVX-512-BF16 EPYC, a step's draw of fp32 logits took 5.7 ms and of a bf16
 head's, copy included, 14.2 ms; draw.cpp makes two passes over the head's own output, 2.2 and
-2.3 ms (bench/draw_step.py, docs/benchmarks.md). It draws the rows without top-k or top-p, greedy and tempered rows
-included; draw.py keeps the filtered rows' draw (a sort of their own rows) and the top-k
-logprobs (from the block maxima this call returns).
+2.3 ms (bench/draw_step.py, docs/benchmarks.md). It draws the rows without top-k or top-p,
+greedy and tempered rows included; draw.py keeps the filtered rows' draw (a sort of their own
+rows) and the top-k logprobs (from the block maxima this call returns).
 
 Its exp is a polynomial rather than torch's, and its sums add in another order, so a row's
 probabilities differ from torch's softmax in the last bits: a token differs from the torch
