@@ -98,9 +98,10 @@ def test_a_row_with_a_logit_not_finite_is_reported_and_the_others_draw_as_alone(
     alone = native_draw.draw(logits, u, *_plain(4), BLOCK)
     poisoned = logits.clone()
     poisoned[2, 517] = bad
-    tokens, logsumexp, finite, _ = native_draw.draw(poisoned, u, *_plain(4), BLOCK)
+    tokens, logsumexp, finite, maxima = native_draw.draw(poisoned, u, *_plain(4), BLOCK)
     assert finite.tolist() == [True, True, False, True]
     assert torch.isnan(logsumexp[2])
+    assert bool(torch.isnan(maxima[2]).all())
     keep = [0, 1, 3]
     assert torch.equal(tokens[keep], alone[0][keep])
     assert torch.equal(logsumexp[keep], alone[1][keep])

@@ -137,7 +137,10 @@ Row draw_row(const T* x, int64_t vocab, int64_t block, float u, float temperatur
     const int64_t lo = b * block, hi = lo + block < vocab ? lo + block : vocab;
     bool bad = false;
     const float best = block_max(x, lo, hi, &bad);
-    if (bad) return {0, std::numeric_limits<double>::quiet_NaN(), false};
+    if (bad) {  // (its maxima NaN, so that nothing reads stale values as this row's)
+      for (int64_t c = 0; c < blocks; ++c) maxima[c] = std::numeric_limits<float>::quiet_NaN();
+      return {0, std::numeric_limits<double>::quiet_NaN(), false};
+    }
     maxima[b] = best;
     top = best > top ? best : top;
   }
@@ -220,7 +223,8 @@ void draw_rows(const T* logits, int64_t rows, int64_t vocab, int64_t stride, int
 
 // logits [rows, vocab] (row `stride` elements apart), fp32 or bf16 (`bf16`); u, temperature
 // and greedy [rows]. Out: tokens [rows], logsumexp [rows] at temperature 1 (NaN where a logit
-// is not finite), finite [rows], the block maxima [rows, ceil(vocab / block)].
+// is not finite), finite [rows], the block maxima [rows, ceil(vocab / block)] (NaN in a row
+// that is not finite).
 extern "C" void draw_rows(const void* logits, int bf16, int64_t rows, int64_t vocab,
                           int64_t stride, int64_t block, const float* u, const float* temperature,
                           const bool* greedy, int64_t* tokens, double* logsumexp, bool* finite,

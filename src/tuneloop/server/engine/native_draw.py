@@ -72,8 +72,9 @@ def draw(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every row's token [R] int64 (the argmax for greedy rows), its logits' logsumexp at
     temperature 1 [R] fp64 (NaN where a logit is NaN or infinite), whether they are all finite
-    [R] bool, and the maxima of each `block` tokens [R, ceil(V / block)] fp32. u [R] fp32 in
-    (0, 1], temperature [R] fp32, greedy [R] bool; `takes(logits)` must hold."""
+    [R] bool, and the maxima of each `block` tokens [R, ceil(V / block)] fp32 (NaN in a row
+    that is not finite). u [R] fp32 in (0, 1], temperature [R] fp32, greedy [R] bool;
+    `takes(logits)` must hold."""
     kernel = _kernel()
     assert kernel is not None
     assert takes(logits)
