@@ -20,6 +20,7 @@ from tuneloop.server.engine import (
     compiled,
     gated_mlp,
     host_allocator,
+    native_draw,
     packed,
     rotary,
     training,
@@ -147,6 +148,8 @@ class TorchBackend:
             )
             if compile_kernels and self.device.type == "cpu":  # CUDA: flash-attn or SDPA
                 runtime.compile_decode()
+            if self.device.type == "cpu":  # the draw's C++ kernel built now, not at the first
+                native_draw.available()  # sampling step (native_draw.py)
             self._runtimes[loaded.spec.name] = runtime
             if token_budget is None:  # the tightest model's budget, measured after it loaded
                 budget = training_token_budget(
