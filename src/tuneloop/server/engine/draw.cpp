@@ -10,8 +10,8 @@
 // inverse CDF at the row's uniform u, in two levels as draw.py's: the block sums locate the
 // block, and that block alone is summed again token by token; a token whose probability is 0
 // is never drawn (where rounding puts u * total past the last sum, the last token with mass).
-// A row reads its own logits and uniform only, so its token and logsumexp do not depend on
-// the rows beside it.
+// A row reads its own logits, uniform and parameters only, so its token and logsumexp do not
+// depend on the rows beside it.
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -24,7 +24,7 @@
 namespace {
 
 // 16 lanes in GCC's vector extensions: AVX-512 registers where the host has them, pairs of
-// AVX2 ones elsewhere (-march=native), the same arithmetic either way.
+// AVX2 ones elsewhere (-march=native), lane by lane the same operations.
 typedef float Floats __attribute__((vector_size(64)));
 typedef int32_t Ints __attribute__((vector_size(64)));
 typedef uint32_t Words __attribute__((vector_size(64)));
