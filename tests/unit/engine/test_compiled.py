@@ -195,7 +195,7 @@ def test_a_backend_with_compiled_kernels_trains_and_samples_as_the_eager_one(
     assert not limits
 
 
-NATIVE = compiled._native_norm() is not None
+NATIVE = compiled.native_norm() is not None
 
 
 @pytest.mark.skipif(not NATIVE, reason="no C++ compiler here")
@@ -223,14 +223,14 @@ def test_the_native_norm_runs_in_sampling_steps_only(monkeypatch: pytest.MonkeyP
     compiled kernel's backward) and at fp32 they keep the compiled kernel."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    real = compiled._native_norm()
+    real = compiled.native_norm()
     calls: list[int] = []
 
     def counting(*args: object) -> None:
         calls.append(1)
         real(*args)
 
-    monkeypatch.setattr(compiled, "_native_norm", lambda: counting)
+    monkeypatch.setattr(compiled, "native_norm", lambda: counting)
     norms = {}
     for dtype in (torch.bfloat16, torch.float32):
         norm = LlamaRMSNorm(576, eps=1e-5).to(dtype)

@@ -20,7 +20,7 @@ from tuneloop.server.engine import gated_mlp, native  # noqa: E402
 from tuneloop.server.engine.torch_backend import TorchBackend  # noqa: E402
 from tuneloop.server.engine.types import SampleWork  # noqa: E402
 
-NATIVE = gated_mlp._native_kernel() is not None
+NATIVE = gated_mlp.native_kernel() is not None
 needs_native = pytest.mark.skipif(not NATIVE, reason="no C++ compiler here")
 
 
@@ -54,14 +54,14 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the loop's calls (taken for products of any size: the tiny models' are below
     `MIN_ELEMENTS`)."""
     monkeypatch.setattr(gated_mlp, "MIN_ELEMENTS", 0)
-    real = gated_mlp._native_kernel()
+    real = gated_mlp.native_kernel()
     calls: list[int] = []
 
     def counting(*args: object) -> None:
         calls.append(1)
         real(*args)
 
-    monkeypatch.setattr(gated_mlp, "_native_kernel", lambda: counting)
+    monkeypatch.setattr(gated_mlp, "native_kernel", lambda: counting)
     return calls
 
 
@@ -130,7 +130,7 @@ def test_the_loop_reads_rows_of_any_layout(take: Any) -> None:
 @needs_native
 def test_threads_split_the_rows_alike() -> None:
     """Past the size where the loop runs on several threads, the rows come out the same."""
-    kernel = gated_mlp._native_kernel()
+    kernel = gated_mlp.native_kernel()
     gen = torch.Generator().manual_seed(1)
     gate, up = (torch.randn(128, 2 * 1536, generator=gen) * 4).bfloat16().split(1536, -1)
     outs = []

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from tuneloop.server.engine.kv import kv_write  # noqa: E402
 
-pytestmark = pytest.mark.skipif(kv_write._kernel() is None, reason="no C++ compiler here")
+pytestmark = pytest.mark.skipif(kv_write.native_kernel() is None, reason="no C++ compiler here")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])

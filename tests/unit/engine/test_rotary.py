@@ -17,7 +17,7 @@ from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
 
 from tuneloop.server.engine import native, rotary  # noqa: E402
 
-pytestmark = pytest.mark.skipif(rotary._kernel() is None, reason="no C++ compiler here")
+pytestmark = pytest.mark.skipif(rotary.native_kernel() is None, reason="no C++ compiler here")
 
 
 @pytest.fixture(autouse=True)

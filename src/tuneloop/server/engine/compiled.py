@@ -56,7 +56,15 @@ from torch import nn
 
 from tuneloop.server.engine import native
 
-__all__ = ["graph_capture", "install", "rms_norm", "uninstall", "wanted"]
+__all__ = [
+    "graph_capture",
+    "install",
+    "native_norm",
+    "rms_norm",
+    "switched",
+    "uninstall",
+    "wanted",
+]
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +93,7 @@ def _compiled_norm() -> Callable[..., torch.Tensor]:
     return torch.compile(rms_norm, dynamic=True)
 
 
-def _native_norm() -> Any:
+def native_norm() -> Any:
     """rms_norm.cpp's entry point (x, weight, rows, width, eps, out, threads), or None where
     it cannot be built."""
     pointer, size = ctypes.c_void_p, ctypes.c_int64
@@ -98,7 +106,7 @@ def _native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
     not apply (or could not be built)."""
     if not native.bf16_without_autograd(x, weight):
         return None
-    kernel = _native_norm()
+    kernel = native_norm()
     if kernel is None:
         return None
     flat, weight = x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous()
@@ -235,6 +243,11 @@ def install(model: nn.Module) -> int:
         module.forward = types.MethodType(_norm_forward, module)
     log.info("%d RMSNorms compiled", len(norms))
     return len(norms)
+
+
+def switched(module: nn.Module) -> bool:
+    """Whether `install` switched this norm (to the native loop in sampling steps)."""
+    return getattr(vars(module).get("forward"), "__func__", None) is _norm_forward
 
 
 def uninstall(model: nn.Module) -> int:

@@ -35,7 +35,7 @@ from torch import nn
 
 from tuneloop.server.engine import native
 
-__all__ = ["install", "silu_mul", "uninstall"]
+__all__ = ["install", "native_kernel", "silu_mul", "switched", "uninstall"]
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ NATIVE_SOURCE = Path(__file__).with_name("silu_mul.cpp")
 MIN_ELEMENTS = 8192
 
 
-def _native_kernel() -> Any:
+def native_kernel() -> Any:
     """silu_mul.cpp's entry point (gate, gate's row stride, up, up's row stride, rows, width,
     out, threads), or None where it cannot be built."""
     pointer, size = ctypes.c_void_p, ctypes.c_int64
@@ -84,7 +84,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
         return None
     if not native.bf16_without_autograd(gate, up):
         return None
-    kernel = _native_kernel()
+    kernel = native_kernel()
     if kernel is None:
         return None
     width = gate.shape[-1]
@@ -180,7 +180,7 @@ def install(model: nn.Module) -> int:
     """Point the model's gated SiLU MLPs at the loop in sampling steps; returns how many were
     switched (0 where none qualifies or the loop cannot be built here)."""
     mlps = _candidates(model)
-    kernel = _native_kernel() if mlps else None
+    kernel = native_kernel() if mlps else None
     if kernel is None:
         return 0
     kernel(None, 0, None, 0, 0, 0, None, 1)  # no rows: fills the loop's table now, not in a step
@@ -188,6 +188,11 @@ def install(model: nn.Module) -> int:
         module.forward = types.MethodType(_mlp_forward, module)
     log.info("%d gated MLPs take the native SiLU product in sampling steps", len(mlps))
     return len(mlps)
+
+
+def switched(module: nn.Module) -> bool:
+    """Whether `install` pointed this MLP at the loop."""
+    return getattr(vars(module).get("forward"), "__func__", None) is _mlp_forward
 
 
 def uninstall(model: nn.Module) -> int:

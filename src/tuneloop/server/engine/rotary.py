@@ -29,7 +29,7 @@ from torch import nn
 
 from tuneloop.server.engine import native
 
-__all__ = ["install", "installed", "rotate", "uninstall"]
+__all__ = ["install", "installed", "native_kernel", "rotate", "uninstall"]
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,8 @@ NAME = "apply_rotary_pos_emb"
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
 
 
-def _kernel() -> Any:
+def native_kernel() -> Any:
+    """rotary.cpp's entry point (its arguments below), or None where it cannot be built."""
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     signature = (
         *(pointer, size, size, size) * 2,  # q and k: data, token stride, head stride, heads
@@ -75,7 +76,7 @@ def rotate(
         return None
     if any(t.stride(-1) != 1 for t in tensors):
         return None
-    kernel = _kernel()
+    kernel = native_kernel()
     if kernel is None:
         return None
     kv_heads = k.shape[1]
@@ -160,7 +161,7 @@ def install(model: nn.Module) -> int:
     weight = next(model.parameters(), None)
     if weight is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         return 0  # (the loop would never apply: no wrapper in its way)
-    if _kernel() is None:
+    if native_kernel() is None:
         return 0
     count = 0
     for name, (heads, kv_heads, dim) in _families(model).items():

@@ -21,7 +21,7 @@ import torch
 
 from tuneloop.server.engine import native
 
-__all__ = ["write"]
+__all__ = ["native_kernel", "write"]
 
 SOURCE = Path(__file__).with_name("kv_write.cpp")
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
@@ -29,7 +29,8 @@ _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURE = (_POINTER, _SIZE, _SIZE, _POINTER, _SIZE, _POINTER, _SIZE, ctypes.c_int)
 
 
-def _kernel() -> Any:
+def native_kernel() -> Any:
+    """kv_write.cpp's entry point (`_SIGNATURE`), or None where it cannot be built."""
     return native.function(SOURCE, "write_slots", _SIGNATURE, ctypes.c_int)
 
 
@@ -45,7 +46,7 @@ def write(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> bool:
         return False
     if not pool.is_contiguous() or not rows[0].is_contiguous() or not slots.is_contiguous():
         return False
-    kernel = _kernel()
+    kernel = native_kernel()
     if kernel is None:
         return False
     size = pool.element_size()

@@ -20,7 +20,7 @@ import torch
 from tuneloop.server.engine import native
 from tuneloop.server.engine.kv import decode_attention
 
-__all__ = ["attend", "available"]
+__all__ = ["attend", "available", "native_kernel"]
 
 SOURCE = Path(__file__).with_name("decode_attention_avx512.cpp")
 
@@ -30,7 +30,7 @@ _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURE = (*[_POINTER] * 5, *[_SIZE] * 6, ctypes.c_float, _POINTER, ctypes.c_int)
 
 
-def _kernel() -> Any:
+def native_kernel() -> Any:
     """The library's entry point, or None where it cannot be built."""
     return native.function(
         SOURCE, "decode_attention_bf16", _SIGNATURE, ctypes.c_int, ("avx512f", "avx512_bf16")
@@ -46,7 +46,7 @@ def available(
         return False
     if kv_heads <= 0 or heads % kv_heads or dim % 32 or dim_v % 32:
         return False
-    return _kernel() is not None
+    return native_kernel() is not None
 
 
 def attend(
@@ -59,7 +59,7 @@ def attend(
 ) -> torch.Tensor:
     """`decode_attention.attend`'s result, by the native kernel (`available` must hold); head
     sizes it does not take run that eager function instead."""
-    kernel = _kernel()
+    kernel = native_kernel()
     assert kernel is not None
     bf16 = (q.dtype, k_pool.dtype, v_pool.dtype) == (torch.bfloat16,) * 3
     indices = slots.dtype == torch.long and mask.dtype == torch.bool

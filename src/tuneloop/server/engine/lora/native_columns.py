@@ -23,7 +23,7 @@ import torch
 
 from tuneloop.server.engine import native
 
-__all__ = ["DownPairs", "available", "extend", "pack"]
+__all__ = ["DownPairs", "available", "extend", "native_kernel", "pack"]
 
 SOURCE = Path(__file__).with_name("lora_columns_avx512.cpp")
 _NEEDS = ("avx512f", "avx512_bf16")
@@ -32,14 +32,15 @@ _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURE = (_POINTER, _SIZE, _POINTER, *[_SIZE] * 4, _POINTER, ctypes.c_int)
 
 
-def _kernel() -> Any:
+def native_kernel() -> Any:
+    """The library's entry point (`_SIGNATURE`), or None where it cannot be built."""
     return native.function(SOURCE, "lora_columns_bf16", _SIGNATURE, ctypes.c_int, _NEEDS)
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether `pack` and `extend` take weights of `dtype` on `device`: bf16 on a CPU whose
     kernel could be built."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and _kernel() is not None
+    return device.type == "cpu" and dtype == torch.bfloat16 and native_kernel() is not None
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def extend(x: torch.Tensor, down: DownPairs) -> torch.Tensor:
         raise ValueError(f"inputs of {x.shape[1]} features for a {shape} down-projection")
     if x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1]):
         x = x.contiguous()
-    kernel = _kernel()
+    kernel = native_kernel()
     assert kernel is not None, "extend is used where available() holds"
     rows, k = x.shape
     out = torch.empty((rows, k + down.rank), dtype=x.dtype)
