@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tuneloop.server.engine import native, native_draw
+from tuneloop.server.engine import decode_layers, native, native_draw
 from tuneloop.server.engine.decode_graphs import DecodeGraphs, StaticStep
 from tuneloop.server.engine.fused_head import chunked_logits, head_parts
 from tuneloop.server.engine.kv.paged_attention import KVPool, PagedStep, Prefill, paged
@@ -51,6 +51,9 @@ class ModelRunner:
         # The decode rows' attention kernel (kv/decode_attention.py), or None for the
         # reference's gather + SDPA. Set by the runtime.
         self.decode_kernel: Callable[..., torch.Tensor] | None = None
+        # The decoder layers as one lean loop of their kernels for the steps it takes
+        # (decode_layers.py), or None. Set by the runtime.
+        self.layers: decode_layers.Plan | None = None
         # Steps of decode rows alone replayed as CUDA graphs (decode_graphs.py) while
         # `graphs_on`; None until first asked for. Set by the runtime (`use_graphs`).
         self.graphs: DecodeGraphs | None = None
@@ -187,13 +190,16 @@ class ModelRunner:
         keys = [i.seq.key for i in work]
         body_routing = self._route(self._body, keys, [i.length for i in work])
         decoder: nn.Module = self.model.get_decoder()  # type: ignore[operator]
+        lean = self._lean_weights(step, len(tokens), body_routing)
+        input_ids = torch.tensor([tokens], device=self.device)
+        position_ids = torch.tensor([positions], device=self.device)
         with self.bank.using(body_routing), paged(self.model), native.sampling_step():
-            hidden = decoder(
-                input_ids=torch.tensor([tokens], device=self.device),
-                position_ids=torch.tensor([positions], device=self.device),
-                use_cache=False,
-                paged_step=step,
-            ).last_hidden_state[0]
+            if lean is not None:
+                hidden = decode_layers.run(lean[0], lean[1], input_ids, position_ids, step)
+            else:
+                hidden = decoder(
+                    input_ids=input_ids, position_ids=position_ids, use_cache=False, paged_step=step
+                ).last_hidden_state[0]
         self.forwards += 1
         self.tokens += len(tokens)
         for item in work:
@@ -204,7 +210,23 @@ class ModelRunner:
         # rows' adapters (an adapter may train the head too).
         wanting = [k for k, item in zip(keys, work, strict=True) if item.wants_logits]
         head_routing = self._route(self._head, wanting, [1] * len(wanting))
-        return self._logits(hidden[torch.tensor(keep, device=self.device)], head_routing)
+        if len(keep) < hidden.shape[0]:  # (a decode step's rows all want theirs: no copy)
+            hidden = hidden[torch.tensor(keep, device=self.device)]
+        return self._logits(hidden, head_routing)
+
+    def _lean_weights(
+        self, step: PagedStep, tokens: int, routing: Routing
+    ) -> tuple[decode_layers.Plan, list[decode_layers.LayerWeights]] | None:
+        """The plan and the layers' weights where the lean loop takes the step: its layout
+        (`Plan.takes`), and one key's fused weights in `routing.lone` grouped as it computes
+        them. The weights are held with the routing, while the lone table is the same."""
+        plan, lone = self.layers, routing.lone
+        if plan is None or lone is None or not plan.takes(step, tokens):
+            return None
+        held = self._body.get("layers")
+        if held is None or held[0] is not lone:
+            held = self._body["layers"] = (lone, plan.weights(lone))
+        return None if held[1] is None else (plan, held[1])
 
     def _logits(self, last: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Logits of the rows' last hidden states [rows, hidden], the head routed by

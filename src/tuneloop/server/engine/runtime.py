@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tuneloop.server.engine import decode_layers
 from tuneloop.server.engine.decoder import Decoder
 from tuneloop.server.engine.kv import decode_attention, native_decode
 from tuneloop.server.engine.kv.paged_attention import FLASH_BLOCK_SIZE, kernel_available
@@ -34,6 +35,9 @@ class Runtime:
     # Decode rows attend with a CPU kernel once `compile_decode` found one: the native one
     # (kv/native_decode.py) or inductor's (kv/decode_attention.py).
     decode_kernel: Callable[..., torch.Tensor] | None = None
+    # The decoder layers' lean loop for lone decode steps (decode_layers.py), where the model
+    # qualifies once `compile_decode` picked the native attention.
+    layers_plan: decode_layers.Plan | None = None
 
     @property
     def compiled_decode(self) -> bool:
@@ -97,6 +101,7 @@ class Runtime:
         lone = "merged" if merge_lone_adapter else "fused" if fuse_lone_key else None
         decoder.runner.lone_weights = lone
         decoder.runner.decode_kernel = self.decode_kernel
+        decoder.runner.layers = self.layers_plan
         decoder.runner.use_graphs(graphs, capture=self.device.type == "cuda")
         return decoder
 
@@ -108,6 +113,7 @@ class Runtime:
         dtype = next(self.model.parameters()).dtype
         if native_decode.available(heads, kv_heads, dim, dim, dtype, self.device):
             self.decode_kernel = native_decode.attend
+            self.layers_plan = decode_layers.plan(self.model)
             return True
         # The scale the attention modules pass (Gemma's is not 1 / sqrt(head size)).
         scales = (getattr(m, "scaling", None) for m in self.model.modules())

@@ -1,0 +1,301 @@
+"""A CPU decode step's decoder layers as one lean loop over the kernels the modules would call.
+
+In a bf16 decode step on a CPU every piece of a Llama-style decoder layer already runs one
+native kernel: the norms (rms_norm.cpp), the LoRA columns (lora_columns_avx512.cpp), the fused
+sibling matmuls on packed weights (oneDNN), the rotary embedding (rotary.cpp), the KV writes
+(kv_write.cpp), the decode attention (decode_attention_avx512.cpp) and the SiLU product
+(silu_mul.cpp). What is left around them is Python: transformers' module calls, keyword
+plumbing and attention dispatch, the LoRA layers' routing, the wrappers' checks and
+allocations, about 600 us a layer, 13 % of a 128-row step of SmolLM2-135M on an AVX-512-BF16
+EPYC. `run` makes the same calls, in the same order, on the same inputs, with the checks made
+once per step: the same bits as the modules' forward (tests/unit/engine/test_decode_layers.py).
+
+`plan(model)` says whether a model's layers qualify, once per model: a Llama or Qwen2 decoder
+(pre-norm residual blocks, a gated SiLU MLP, no sliding window, no q/k norms) whose norms, MLPs
+and rotary function were switched to their native forms, every projection a LoRA layer, no
+hooks, every kernel built. A step qualifies where `Plan.takes` its layout (decode rows alone,
+on the native decode attention, enough rows for the native SiLU product) and `Plan.weights`
+finds its one key's fused weights (fused.py) grouped as `run` computes them. Anything else
+runs the modules (model_runner.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tuneloop.server.engine import compiled, gated_mlp, rotary
+from tuneloop.server.engine.kv import kv_write, native_decode
+from tuneloop.server.engine.kv.paged_attention import PagedStep
+from tuneloop.server.engine.lora import native_columns
+from tuneloop.server.engine.lora.fused import FusedLinear
+from tuneloop.server.engine.lora.linear import LoRALinear
+from tuneloop.server.engine.lora.native_columns import DownPairs
+
+__all__ = ["LayerWeights", "Plan", "plan", "run"]
+
+# The decoder layer classes whose forward `run` makes step for step: (module, class name).
+_LAYERS = {
+    ("transformers.models.llama.modeling_llama", "LlamaDecoderLayer"),
+    ("transformers.models.qwen2.modeling_qwen2", "Qwen2DecoderLayer"),
+}
+
+
+@dataclass(frozen=True)
+class _Layer:
+    index: int  # the attention's layer_idx: its pools in the KV pool
+    norm_in: torch.Tensor
+    eps_in: float
+    norm_post: torch.Tensor
+    eps_post: float
+    projections: tuple[LoRALinear, ...]  # q, k, v, o, gate, up, down
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """A layer's fused groups for one key: q/k/v, o, gate/up, down."""
+
+    qkv: FusedLinear
+    o: FusedLinear
+    gate_up: FusedLinear
+    down: FusedLinear
+
+
+@dataclass
+class _Kernels:
+    norm: Any
+    columns: Any
+    rotate: Any
+    write: Any
+    silu: Any
+    attend: Any
+
+
+class Plan:
+    """One model's decoder layers for `run`: their norms' weights, their projections (whose
+    lone weights a step looks up), the attention's shape and the kernels."""
+
+    def __init__(
+        self,
+        decoder: nn.Module,
+        layers: list[_Layer],
+        shape: tuple[int, int, int, int],
+        scale: float,
+        kernels: _Kernels,
+    ) -> None:
+        self.decoder, self.layers, self.kernels = decoder, layers, kernels
+        self.heads, self.kv_heads, self.dim, self.intermediate = shape
+        self.scale = scale
+
+    def takes(self, step: PagedStep, tokens: int) -> bool:
+        """Whether `run` takes a step of `tokens` tokens as far as its layout goes: decode
+        rows alone, the native attention, enough rows for the native SiLU product (below it
+        the modules' MLP takes its eager product)."""
+        if step.prefills or step.flash is not None or step.decoding != tokens:
+            return False
+        if step.decode_kernel is not native_decode.attend or step.decode_slots.shape[1] < 2:
+            return False  # (a step of one-slot rows keeps the reference's SDPA)
+        return tokens * self.intermediate >= gated_mlp.MIN_ELEMENTS
+
+    def weights(self, lone: Mapping[int, tuple[FusedLinear, int]]) -> list[LayerWeights] | None:
+        """The layers' groups in a lone table (`AdapterBank.lone_weights`), or None where a
+        layer's projections are not grouped as `run` computes them: q/k/v one group and
+        gate/up another, in that order, o and down alone, LoRA columns (if any) for the
+        native kernel."""
+        found: list[LayerWeights] = []
+        inner = self.heads * self.dim, self.kv_heads * self.dim
+        for layer in self.layers:
+            entries = [lone.get(id(m)) for m in layer.projections]
+            if any(e is None for e in entries):
+                return None
+            groups = [e[0] for e in entries if e is not None]
+            indices = [e[1] for e in entries if e is not None]
+            qkv, o, gate_up, down = groups[0], groups[3], groups[4], groups[6]
+            if groups[1] is not qkv or groups[2] is not qkv or groups[5] is not gate_up:
+                return None
+            if indices != [0, 1, 2, 0, 0, 1, 0]:
+                return None
+            if qkv.sizes != [inner[0], inner[1], inner[1]] or len(o.sizes) != 1:
+                return None
+            if gate_up.sizes != [self.intermediate] * 2 or len(down.sizes) != 1:
+                return None
+            if not all(g.a is None or isinstance(g.a, DownPairs) for g in (qkv, o, gate_up, down)):
+                return None
+            found.append(LayerWeights(qkv, o, gate_up, down))
+        return found
+
+
+def _hooked(module: nn.Module) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+
+
+def plan(model: nn.Module) -> Plan | None:
+    """The plan of `model`'s decoder layers, or None where they do not qualify (module
+    docstring)."""
+    get_decoder: Any = getattr(model, "get_decoder", None)
+    decoder: Any = get_decoder() if callable(get_decoder) else None
+    config: Any = getattr(model, "config", None)
+    if decoder is None or config is None:
+        return None
+    parts = ("embed_tokens", "rotary_emb", "layers", "norm")
+    if not all(hasattr(decoder, p) for p in parts) or _hooked(decoder):
+        return None
+    if len(decoder.layers) != config.num_hidden_layers or not len(decoder.layers):
+        return None
+    weight = next(model.parameters())
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return None
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or 0
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kernels = _Kernels(
+        compiled.native_norm(),
+        native_columns.native_kernel(),
+        rotary.native_kernel(),
+        kv_write.native_kernel(),
+        gated_mlp.native_kernel(),
+        native_decode.native_kernel(),
+    )
+    if any(k is None for k in vars(kernels).values()):
+        return None
+    if not native_decode.available(heads, kv_heads, dim, dim, weight.dtype, weight.device):
+        return None
+    layers: list[_Layer] = []
+    scales: set[float] = set()
+    intermediate = None
+    for layer in decoder.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if (type(layer).__module__, type(layer).__name__) not in _LAYERS:
+            return None
+        if attn is None or mlp is None or "forward" in vars(layer) or "forward" in vars(attn):
+            return None
+        if getattr(attn, "sliding_window", None) or hasattr(attn, "q_norm"):
+            return None
+        if type(attn).__module__ not in rotary.installed():
+            return None
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if not all(compiled.switched(n) for n in norms) or not gated_mlp.switched(mlp):
+            return None
+        names = ("q_proj", "k_proj", "v_proj", "o_proj")
+        projections = (*(getattr(attn, n) for n in names),)
+        projections += (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        if not all(isinstance(p, LoRALinear) for p in projections):
+            return None
+        if not isinstance(attn.scaling, float):
+            return None
+        scales.add(attn.scaling)
+        intermediate = mlp.gate_proj.out_features
+        layers.append(
+            _Layer(
+                int(attn.layer_idx),
+                norms[0].weight,
+                norms[0]._tuneloop_eps,
+                norms[1].weight,
+                norms[1]._tuneloop_eps,
+                projections,
+            )
+        )
+    if len(scales) != 1 or intermediate is None:
+        return None
+    return Plan(decoder, layers, (heads, kv_heads, dim, intermediate), scales.pop(), kernels)
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def run(
+    plan: Plan,
+    weights: list[LayerWeights],
+    input_ids: torch.Tensor,  # [1, N]
+    position_ids: torch.Tensor,  # [1, N]
+    step: PagedStep,
+) -> torch.Tensor:
+    """The decoder's last hidden states [N, hidden] for a step the plan takes (`Plan.takes`,
+    `Plan.weights`), inside the sampling step's blocks (the final norm's native form)."""
+    k = plan.kernels
+    threads = torch.get_num_threads()
+    decoder: Any = plan.decoder
+    hidden = decoder.embed_tokens(input_ids)
+    cos, sin = decoder.rotary_emb(hidden, position_ids=position_ids)
+    hidden = hidden[0]
+    rows, width = hidden.shape
+    heads, kv_heads, dim, inter = plan.heads, plan.kv_heads, plan.dim, plan.intermediate
+    q_width, kv_width = heads * dim, kv_heads * dim
+    # the attention's inputs, checked once for the step as native_decode.attend checks them
+    # for every layer
+    slots = step.decode_slots.contiguous()
+    mask = step.decode_mask.reshape(rows, -1).contiguous()
+    low, high = torch.aminmax(slots)
+    if int(low) < 0 or int(high) > step.pool.scratch_slot:  # (every layer's pools: that size)
+        raise ValueError("a decode row's slot lies outside the pool")  # never read past it
+    cos_stride = cos.stride(1)
+    slot_mapping = step.slot_mapping
+    linear = torch.ops.mkldnn._linear_pointwise.default
+    size = hidden.element_size()
+
+    def norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        out = torch.empty_like(x)
+        k.norm(_ptr(x), _ptr(w), rows, width, eps, _ptr(out), threads)
+        return out
+
+    def project(x: torch.Tensor, group: FusedLinear) -> torch.Tensor:
+        down = group.a
+        if isinstance(down, DownPairs):
+            extended = torch.empty((rows, x.shape[1] + down.rank), dtype=x.dtype)
+            code = k.columns(
+                _ptr(x), x.stride(0), _ptr(down.pairs), rows, x.shape[1], down.rank,
+                down.pairs.shape[1], _ptr(extended), threads,
+            )  # fmt: skip
+            if code:
+                raise ValueError("the LoRA columns kernel refused its shapes")
+            x = extended
+        if group.weight.is_mkldnn:
+            return linear(x, group.weight, group.bias, "none", [], "")
+        return torch.nn.functional.linear(x, group.weight, group.bias)
+
+    pools = step.pool
+    for layer, w in zip(plan.layers, weights, strict=True):
+        residual = hidden
+        qkv = project(norm(hidden, layer.norm_in, layer.eps_in), w.qkv)
+        q_out = torch.empty((rows, heads, dim), dtype=hidden.dtype)
+        k_out = torch.empty((rows, kv_heads, dim), dtype=hidden.dtype)
+        base = _ptr(qkv)
+        k.rotate(
+            base, qkv.stride(0), dim, heads,
+            base + q_width * size, qkv.stride(0), dim, kv_heads,
+            _ptr(cos), _ptr(sin), cos_stride, rows, dim, _ptr(q_out), _ptr(k_out), threads,
+        )  # fmt: skip
+        v_new = qkv[:, q_width + kv_width :].view(rows, kv_heads, dim)
+        k_pool, v_pool = pools.layer(layer.index, k_out, v_new)
+        for pool, new, stride in (
+            (k_pool, k_out, kv_width * size),
+            (v_pool, v_new, qkv.stride(0) * size),
+        ):
+            code = k.write(
+                _ptr(pool), pool.shape[0], kv_width * size, _ptr(new), stride,
+                _ptr(slot_mapping), rows, threads,
+            )  # fmt: skip
+            if code:
+                raise ValueError("a KV write refused its slots")
+        attended = torch.empty((rows, heads, dim), dtype=hidden.dtype)
+        code = k.attend(
+            _ptr(q_out), _ptr(k_pool), _ptr(v_pool), _ptr(slots), _ptr(mask), rows,
+            slots.shape[1], heads, kv_heads, dim, dim, plan.scale, _ptr(attended), threads,
+        )  # fmt: skip
+        if code:
+            raise ValueError("the decode attention refused its shapes")
+        hidden = residual + project(attended.view(rows, q_width), w.o)
+        residual = hidden
+        gate_up = project(norm(hidden, layer.norm_post, layer.eps_post), w.gate_up)
+        product = torch.empty((rows, inter), dtype=hidden.dtype)
+        base = _ptr(gate_up)
+        k.silu(
+            base, gate_up.stride(0), base + inter * size, gate_up.stride(0), rows, inter,
+            _ptr(product), threads,
+        )  # fmt: skip
+        hidden = residual + project(product, w.down)
+    return decoder.norm(hidden[None])[0]

@@ -1,0 +1,213 @@
+"""A CPU decode step's decoder layers as one lean loop (decode_layers.py): the same bits as the
+modules' forward, taken only where every piece is the native one, the modules everywhere else."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tests.unit.engine.conftest import adam, example, ok, seq, work  # noqa: E402
+from tests.zoo.archs import copy_tokenizer  # noqa: E402
+from tuneloop.server.engine import decode_layers  # noqa: E402
+from tuneloop.server.engine.kv import native_decode  # noqa: E402
+from tuneloop.server.engine.lora import native_columns  # noqa: E402
+from tuneloop.server.engine.types import AdapterSpec, SampleWork  # noqa: E402
+
+CPU = torch.device("cpu")
+BUILT = native_decode.available(4, 2, 32, 32, torch.bfloat16, CPU) and native_columns.available(
+    torch.bfloat16, CPU
+)
+pytestmark = pytest.mark.skipif(not BUILT, reason="needs the AVX512-BF16 kernels")
+LLAMA = "tuneloop/tiny-llama"
+
+
+def _qwen2(folder: Path) -> str:
+    """A tiny random Qwen2 (biased q/k/v projections) wide enough for the native kernels."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=259,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=258,
+        pad_token_id=256,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.5)  # (zeros at init: the bias path would prove nothing)
+    model.save_pretrained(folder)
+    copy_tokenizer(folder)
+    return str(folder)
+
+
+def _backend(name: str, cache: Path, **kw: Any) -> Any:
+    from tuneloop.server.engine.torch_backend import TorchBackend
+
+    options: dict[str, Any] = {"dtype": torch.bfloat16, "compile_norms": True, **kw}
+    return TorchBackend([name], cache_dir=cache, device="cpu", **options)
+
+
+def _runtime(be: Any) -> Any:
+    [runtime] = be._runtimes.values()
+    return runtime
+
+
+def _trained_sampler(be: Any, name: str) -> None:
+    """Sampler "s": a snapshot of an adapter on every linear layer trained a few steps (its
+    LoRA columns then carry a delta the tokens depend on)."""
+    be.create_adapter(AdapterSpec("A", name, rank=8, seed=3))
+    data = [example(seq(24, s)) for s in range(3)]
+    for _ in range(3):
+        ok(be.forward_backward([work("A", data)])[0])
+        be.optim_step("A", adam(5e-2))
+    be.create_sampler("s", name, adapter_id="A")
+
+
+def _works(prompts: int, samples: int, tokens: int, **kw: Any) -> list[SampleWork]:
+    return [
+        SampleWork("s", seq(7 + 3 * i, 40 + i), samples, tokens, 1.0, -1, 1.0, 11 + i, (), ())
+        for i in range(prompts)
+    ]
+
+
+def _outputs(be: Any, works: list[SampleWork]) -> list[tuple[list[int], list[float]]]:
+    out = []
+    for result in be.sample(works):
+        out += [(list(s.tokens), list(s.logprobs)) for s in ok(result).sequences]
+    return out
+
+
+@pytest.fixture
+def lean_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the steps the lean loop ran to their end (a step that raised runs again in
+    halves, decoder.py, and those could take the modules)."""
+    calls = [0]
+    original = decode_layers.run
+
+    def counting(*args: Any) -> Any:
+        out = original(*args)
+        calls[0] += 1
+        return out
+
+    monkeypatch.setattr(decode_layers, "run", counting)
+    return calls
+
+
+@pytest.fixture
+def qwen2(tmp_path: Path) -> str:
+    folder = tmp_path / "qwen2"
+    folder.mkdir()
+    return _qwen2(folder)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_decode_steps_give_the_modules_bits(
+    family: str, tmp_path: Path, lean_runs: list[int], request: pytest.FixtureRequest
+) -> None:
+    """24 rows of a trained adapter's snapshot (6 prompts x 4 samples): every decode step but
+    the prompts' runs the loop, and every token and logprob equals the modules' own."""
+    name = LLAMA if family == "llama" else request.getfixturevalue("qwen2")
+    be = _backend(name, tmp_path / "cache")
+    try:
+        runtime = _runtime(be)
+        assert runtime.layers_plan is not None
+        _trained_sampler(be, name)
+        works = _works(6, 4, 12)
+        lean = _outputs(be, works)
+        weights = runtime.layers_plan.weights(runtime.bank.lone_weights("s"))
+        assert all(isinstance(w.qkv.a, native_columns.DownPairs) for w in weights)
+        assert lean_runs[0] >= 8  # (rows that stop early drop the step below the loop's floor)
+        runtime.layers_plan = None
+        runtime.decoder.runner.layers = None
+        before = lean_runs[0]
+        modules = _outputs(be, works)
+        assert lean_runs[0] == before
+        assert lean == modules
+    finally:
+        be.close()
+
+
+def test_steps_it_does_not_take_run_the_modules(tmp_path: Path, lean_runs: list[int]) -> None:
+    """Too few rows for the native SiLU product (the modules' eager product there), two keys in
+    one step, and a model without the fused weights: the modules, the same results."""
+    be = _backend(LLAMA, tmp_path / "cache")
+    try:
+        _trained_sampler(be, LLAMA)
+        _outputs(be, _works(2, 4, 6))  # 8 rows x 384 < gated_mlp.MIN_ELEMENTS
+        assert lean_runs[0] == 0
+        be.create_sampler("t", LLAMA)  # the base model beside the snapshot: two keys a step
+        mixed = [*_works(6, 4, 6), SampleWork("t", seq(9, 3), 2, 6, 1.0, -1, 1.0, 1, (), ())]
+        _outputs(be, mixed)
+        assert lean_runs[0] == 0
+    finally:
+        be.close()
+    unfused = _backend(LLAMA, tmp_path / "cache2", fuse_lone_key=False)
+    try:
+        _trained_sampler(unfused, LLAMA)
+        _outputs(unfused, _works(6, 4, 6))
+        assert lean_runs[0] == 0
+    finally:
+        unfused.close()
+
+
+def test_models_it_does_not_take(tmp_path: Path) -> None:
+    """No plan for fp32 weights, for norms left to their own forward, or for Qwen3's q/k
+    norms."""
+    from tuneloop.server.engine.torch_backend import TorchBackend
+
+    fp32 = TorchBackend([LLAMA], cache_dir=tmp_path / "a", device="cpu", compile_norms=True)
+    assert _runtime(fp32).layers_plan is None
+    fp32.close()
+    eager = _backend(LLAMA, tmp_path / "b", compile_norms=False)
+    assert _runtime(eager).layers_plan is None
+    eager.close()
+    qwen3 = _backend("tuneloop/tiny-qwen3", tmp_path / "c")
+    try:
+        runtime = _runtime(qwen3)
+        assert runtime.decode_kernel is native_decode.attend  # (the attention alone qualifies)
+        assert runtime.layers_plan is None
+        assert decode_layers.plan(runtime.model) is None
+    finally:
+        qwen3.close()
+
+
+def test_a_pool_slot_out_of_range_is_refused(tmp_path: Path) -> None:
+    """The kernels read raw memory: a decode row's slot outside the pool raises before any
+    layer attends (the attention's own check, made once per step)."""
+    be = _backend(LLAMA, tmp_path / "cache")
+    try:
+        _trained_sampler(be, LLAMA)
+        _outputs(be, _works(6, 4, 2))  # the pools exist
+        runtime = _runtime(be)
+        plan = runtime.layers_plan
+        runner = runtime.decoder.runner
+        lone = runtime.bank.lone_weights("s")
+        weights = plan.weights(lone)
+        assert weights is not None
+        from tuneloop.server.engine.kv.paged_attention import PagedStep
+
+        pool = runner.pool
+        rows, width = 24, 4
+        slots = torch.full((rows, width), pool.pad_slot + 5, dtype=torch.long)
+        mask = torch.ones((rows, 1, 1, width), dtype=torch.bool)
+        step = PagedStep(
+            pool, torch.arange(rows), rows, slots, mask, [], None, native_decode.attend
+        )
+        ids = torch.arange(rows)[None] % 200
+        with pytest.raises(ValueError, match="outside the pool"):
+            decode_layers.run(plan, weights, ids, torch.full((1, rows), 3), step)
+    finally:
+        be.close()
