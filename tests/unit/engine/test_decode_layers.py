@@ -113,23 +113,27 @@ def qwen2(tmp_path: Path) -> str:
     return _qwen2(folder)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize(
+    ("family", "prompts", "samples"),
+    [("llama", 6, 4), ("qwen2", 6, 4), ("llama", 2, 2), ("llama", 1, 1)],
+)
 def test_decode_steps_give_the_modules_bits(
-    family: str, tmp_path: Path, lean_runs: list[int], request: pytest.FixtureRequest
+    family: str, prompts: int, samples: int, tmp_path: Path, lean_runs: list[int], request: Any
 ) -> None:
-    """24 rows of a trained adapter's snapshot (6 prompts x 4 samples): every decode step but
-    the prompts' runs the loop, and every token and logprob equals the modules' own."""
+    """A trained adapter's snapshot: every decode step runs the loop, and every token and
+    logprob equals the modules' own; 24 rows take the native SiLU product, 4 rows and 1 row
+    eager's two operations, as the modules do below gated_mlp.MIN_ELEMENTS."""
     name = LLAMA if family == "llama" else request.getfixturevalue("qwen2")
     be = _backend(name, tmp_path / "cache")
     try:
         runtime = _runtime(be)
         assert runtime.layers_plan is not None
         _trained_sampler(be, name)
-        works = _works(6, 4, 12)
+        works = _works(prompts, samples, 12)
         lean = _outputs(be, works)
         weights = runtime.layers_plan.weights(runtime.bank.lone_weights("s"))
         assert all(isinstance(w.qkv.a, native_columns.DownPairs) for w in weights)
-        assert lean_runs[0] >= 8  # (rows that stop early drop the step below the loop's floor)
+        assert lean_runs[0] >= 8  # (12 tokens: 11 decode steps, fewer if rows stop early)
         runtime.layers_plan = None
         runtime.decoder.runner.layers = None
         before = lean_runs[0]
@@ -141,13 +145,11 @@ def test_decode_steps_give_the_modules_bits(
 
 
 def test_steps_it_does_not_take_run_the_modules(tmp_path: Path, lean_runs: list[int]) -> None:
-    """Too few rows for the native SiLU product (the modules' eager product there), two keys in
-    one step, and a model without the fused weights: the modules, the same results."""
+    """Two keys in one step, and a backend without the lone key's fused weights: the
+    modules."""
     be = _backend(LLAMA, tmp_path / "cache")
     try:
         _trained_sampler(be, LLAMA)
-        _outputs(be, _works(2, 4, 6))  # 8 rows x 384 < gated_mlp.MIN_ELEMENTS
-        assert lean_runs[0] == 0
         be.create_sampler("t", LLAMA)  # the base model beside the snapshot: two keys a step
         mixed = [*_works(6, 4, 6), SampleWork("t", seq(9, 3), 2, 6, 1.0, -1, 1.0, 1, (), ())]
         _outputs(be, mixed)

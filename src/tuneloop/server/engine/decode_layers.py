@@ -4,19 +4,19 @@ In a bf16 decode step on a CPU every piece of a Llama-style decoder layer alread
 native kernel: the norms (rms_norm.cpp), the LoRA columns (lora_columns_avx512.cpp), the fused
 sibling matmuls on packed weights (oneDNN), the rotary embedding (rotary.cpp), the KV writes
 (kv_write.cpp), the decode attention (decode_attention_avx512.cpp) and the SiLU product
-(silu_mul.cpp). What is left around them is Python: transformers' module calls, keyword
-plumbing and attention dispatch, the LoRA layers' routing, the wrappers' checks and
-allocations, about 600 us a layer, 13 % of a 128-row step of SmolLM2-135M on an AVX-512-BF16
-EPYC. `run` makes the same calls, in the same order, on the same inputs, with the checks made
-once per step: the same bits as the modules' forward (tests/unit/engine/test_decode_layers.py).
+(silu_mul.cpp; eager's two operations below a few rows, as gated_mlp.py does). What is left
+around them is Python: transformers' module calls, keyword plumbing and attention dispatch,
+the LoRA layers' routing, the wrappers' checks and allocations, about 600 us a layer, 13 % of
+a 128-row step of SmolLM2-135M on an AVX-512-BF16 EPYC. `run` makes the same calls, in the
+same order, on the same inputs, with the checks made once per step: the same bits as the
+modules' forward (tests/unit/engine/test_decode_layers.py).
 
 `plan(model)` says whether a model's layers qualify, once per model: a Llama or Qwen2 decoder
 (pre-norm residual blocks, a gated SiLU MLP, no sliding window, no q/k norms) whose norms, MLPs
 and rotary function were switched to their native forms, every projection a LoRA layer, no
 hooks, every kernel built. A step qualifies where `Plan.takes` its layout (decode rows alone,
-on the native decode attention, enough rows for the native SiLU product) and `Plan.weights`
-finds its one key's fused weights (fused.py) grouped as `run` computes them. Anything else
-runs the modules (model_runner.py).
+on the native decode attention) and `Plan.weights` finds its one key's fused weights (fused.py)
+grouped as `run` computes them. Anything else runs the modules (model_runner.py).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional
 
 from tuneloop.server.engine import compiled, gated_mlp, rotary
 from tuneloop.server.engine.kv import kv_write, native_decode
@@ -93,13 +94,11 @@ class Plan:
 
     def takes(self, step: PagedStep, tokens: int) -> bool:
         """Whether `run` takes a step of `tokens` tokens as far as its layout goes: decode
-        rows alone, the native attention, enough rows for the native SiLU product (below it
-        the modules' MLP takes its eager product)."""
+        rows alone, on the native attention."""
         if step.prefills or step.flash is not None or step.decoding != tokens:
             return False
-        if step.decode_kernel is not native_decode.attend or step.decode_slots.shape[1] < 2:
-            return False  # (a step of one-slot rows keeps the reference's SDPA)
-        return tokens * self.intermediate >= gated_mlp.MIN_ELEMENTS
+        # (a step of one-slot rows keeps the reference's SDPA, paged_attention._reference)
+        return step.decode_kernel is native_decode.attend and step.decode_slots.shape[1] > 1
 
     def weights(self, lone: Mapping[int, tuple[FusedLinear, int]]) -> list[LayerWeights] | None:
         """The layers' groups in a lone table (`AdapterBank.lone_weights`), or None where a
@@ -236,6 +235,7 @@ def run(
     slot_mapping = step.slot_mapping
     linear = torch.ops.mkldnn._linear_pointwise.default
     size = hidden.element_size()
+    native_product = rows * inter >= gated_mlp.MIN_ELEMENTS
 
     def norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         out = torch.empty_like(x)
@@ -255,7 +255,7 @@ def run(
             x = extended
         if group.weight.is_mkldnn:
             return linear(x, group.weight, group.bias, "none", [], "")
-        return torch.nn.functional.linear(x, group.weight, group.bias)
+        return functional.linear(x, group.weight, group.bias)
 
     pools = step.pool
     for layer, w in zip(plan.layers, weights, strict=True):
@@ -291,11 +291,14 @@ def run(
         hidden = residual + project(attended.view(rows, q_width), w.o)
         residual = hidden
         gate_up = project(norm(hidden, layer.norm_post, layer.eps_post), w.gate_up)
-        product = torch.empty((rows, inter), dtype=hidden.dtype)
-        base = _ptr(gate_up)
-        k.silu(
-            base, gate_up.stride(0), base + inter * size, gate_up.stride(0), rows, inter,
-            _ptr(product), threads,
-        )  # fmt: skip
+        if native_product:
+            product = torch.empty((rows, inter), dtype=hidden.dtype)
+            base = _ptr(gate_up)
+            k.silu(
+                base, gate_up.stride(0), base + inter * size, gate_up.stride(0), rows, inter,
+                _ptr(product), threads,
+            )  # fmt: skip
+        else:  # the modules' eager product below the loop's floor (gated_mlp._mlp_forward)
+            product = functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         hidden = residual + project(product, w.down)
     return decoder.norm(hidden[None])[0]
