@@ -25,11 +25,16 @@ pytestmark = pytest.mark.skipif(not BUILT, reason="needs the AVX512-BF16 kernels
 LLAMA = "tuneloop/tiny-llama"
 
 
-def _qwen2(folder: Path) -> str:
-    """A tiny random Qwen2 (biased q/k/v projections) wide enough for the native kernels."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def _saved(family: str, folder: Path) -> str:
+    """A tiny random Qwen2 (biased q/k/v projections) or Mistral, wide enough for the native
+    kernels, saved with the byte-level tokenizer."""
+    import transformers
 
-    config = Qwen2Config(
+    config_type, model_type = {
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[family]
+    config = config_type(
         vocab_size=259,
         hidden_size=128,
         intermediate_size=384,
@@ -43,7 +48,7 @@ def _qwen2(folder: Path) -> str:
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(config).eval()
+        model = model_type(config).eval()
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith(".bias"):
@@ -106,24 +111,25 @@ def lean_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-@pytest.fixture
-def qwen2(tmp_path: Path) -> str:
-    folder = tmp_path / "qwen2"
-    folder.mkdir()
-    return _qwen2(folder)
+def _model(family: str, folder: Path) -> str:
+    if family in ("qwen2", "mistral"):
+        folder.mkdir()
+        return _saved(family, folder)
+    return {"llama": LLAMA, "qwen3": "tuneloop/tiny-qwen3"}[family]
 
 
 @pytest.mark.parametrize(
     ("family", "prompts", "samples"),
-    [("llama", 6, 4), ("qwen2", 6, 4), ("llama", 2, 2), ("llama", 1, 1)],
+    [("llama", 6, 4), ("qwen2", 6, 4), ("qwen3", 6, 4), ("llama", 2, 2), ("qwen3", 1, 1)],
 )
 def test_decode_steps_give_the_modules_bits(
-    family: str, prompts: int, samples: int, tmp_path: Path, lean_runs: list[int], request: Any
+    family: str, prompts: int, samples: int, tmp_path: Path, lean_runs: list[int]
 ) -> None:
     """A trained adapter's snapshot: every decode step runs the loop, and every token and
-    logprob equals the modules' own; 24 rows take the native SiLU product, 4 rows and 1 row
-    eager's two operations, as the modules do below gated_mlp.MIN_ELEMENTS."""
-    name = LLAMA if family == "llama" else request.getfixturevalue("qwen2")
+    logprob equals the modules' own (Qwen3's per-head q/k norms included); 24 rows take the
+    native SiLU product, 4 rows and 1 row eager's two operations, as the modules do below
+    gated_mlp.MIN_ELEMENTS."""
+    name = _model(family, tmp_path / family)
     be = _backend(name, tmp_path / "cache")
     try:
         runtime = _runtime(be)
@@ -166,8 +172,8 @@ def test_steps_it_does_not_take_run_the_modules(tmp_path: Path, lean_runs: list[
 
 
 def test_models_it_does_not_take(tmp_path: Path) -> None:
-    """No plan for fp32 weights, for norms left to their own forward, or for Qwen3's q/k
-    norms."""
+    """No plan for fp32 weights, for norms left to their own forward, or for a family whose
+    layers it does not make (a Mistral, its attention taking the native kernel alone)."""
     from tuneloop.server.engine.torch_backend import TorchBackend
 
     fp32 = TorchBackend([LLAMA], cache_dir=tmp_path / "a", device="cpu", compile_norms=True)
@@ -176,14 +182,14 @@ def test_models_it_does_not_take(tmp_path: Path) -> None:
     eager = _backend(LLAMA, tmp_path / "b", compile_norms=False)
     assert _runtime(eager).layers_plan is None
     eager.close()
-    qwen3 = _backend("tuneloop/tiny-qwen3", tmp_path / "c")
+    mistral = _backend(_model("mistral", tmp_path / "mistral"), tmp_path / "c")
     try:
-        runtime = _runtime(qwen3)
-        assert runtime.decode_kernel is native_decode.attend  # (the attention alone qualifies)
+        runtime = _runtime(mistral)
+        assert runtime.decode_kernel is native_decode.attend
         assert runtime.layers_plan is None
         assert decode_layers.plan(runtime.model) is None
     finally:
-        qwen3.close()
+        mistral.close()
 
 
 def test_a_pool_slot_out_of_range_is_refused(tmp_path: Path) -> None:

@@ -11,9 +11,9 @@ a 128-row step of SmolLM2-135M on an AVX-512-BF16 EPYC. `run` makes the same cal
 same order, on the same inputs, with the checks made once per step: the same bits as the
 modules' forward (tests/unit/engine/test_decode_layers.py).
 
-`plan(model)` says whether a model's layers qualify, once per model: a Llama or Qwen2 decoder
-(pre-norm residual blocks, a gated SiLU MLP, no sliding window, no q/k norms) whose norms, MLPs
-and rotary function were switched to their native forms, every projection a LoRA layer, no
+`plan(model)` says whether a model's layers qualify, once per model: a Llama, Qwen2 or Qwen3
+decoder (pre-norm residual blocks, a gated SiLU MLP, no sliding window; Qwen3's per-head query
+and key norms) whose norms, MLPs and rotary function were switched to their native forms, every projection a LoRA layer, no
 hooks, every kernel built. A step qualifies where `Plan.takes` its layout (decode rows alone,
 on the native decode attention) and `Plan.weights` finds its one key's fused weights (fused.py)
 grouped as `run` computes them. Anything else runs the modules (model_runner.py).
@@ -43,7 +43,11 @@ __all__ = ["LayerWeights", "Plan", "plan", "run"]
 _LAYERS = {
     ("transformers.models.llama.modeling_llama", "LlamaDecoderLayer"),
     ("transformers.models.qwen2.modeling_qwen2", "Qwen2DecoderLayer"),
+    ("transformers.models.qwen3.modeling_qwen3", "Qwen3DecoderLayer"),
 }
+# Of those, the ones whose attention norms each head's queries and keys before the rotary
+# embedding (and must: a Qwen3 attention without them is not the forward `run` makes).
+_HEAD_NORMS = {"Qwen3DecoderLayer"}
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,8 @@ class _Layer:
     eps_in: float
     norm_post: torch.Tensor
     eps_post: float
+    # Qwen3's per-head norms of the queries and keys (weight, eps each), or None
+    head_norms: tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]] | None
     projections: tuple[LoRALinear, ...]  # q, k, v, o, gate, up, down
 
 
@@ -171,7 +177,20 @@ def plan(model: nn.Module) -> Plan | None:
             return None
         if attn is None or mlp is None or "forward" in vars(layer) or "forward" in vars(attn):
             return None
-        if getattr(attn, "sliding_window", None) or hasattr(attn, "q_norm"):
+        if getattr(attn, "sliding_window", None):
+            return None
+        head_norms = None
+        if type(layer).__name__ in _HEAD_NORMS:
+            q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            if q_norm is None or k_norm is None:
+                return None
+            if not (compiled.switched(q_norm) and compiled.switched(k_norm)):
+                return None
+            head_norms = (
+                (q_norm.weight, q_norm._tuneloop_eps),
+                (k_norm.weight, k_norm._tuneloop_eps),
+            )
+        elif hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
             return None
         if type(attn).__module__ not in rotary.installed():
             return None
@@ -194,6 +213,7 @@ def plan(model: nn.Module) -> Plan | None:
                 norms[0]._tuneloop_eps,
                 norms[1].weight,
                 norms[1]._tuneloop_eps,
+                head_norms,
                 projections,
             )
         )
@@ -221,7 +241,7 @@ def run(
     hidden = decoder.embed_tokens(input_ids)
     cos, sin = decoder.rotary_emb(hidden, position_ids=position_ids)
     hidden = hidden[0]
-    rows, width = hidden.shape
+    rows = hidden.shape[0]
     heads, kv_heads, dim, inter = plan.heads, plan.kv_heads, plan.dim, plan.intermediate
     q_width, kv_width = heads * dim, kv_heads * dim
     # the attention's inputs, checked once for the step as native_decode.attend checks them
@@ -238,8 +258,8 @@ def run(
     native_product = rows * inter >= gated_mlp.MIN_ELEMENTS
 
     def norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        out = torch.empty_like(x)
-        k.norm(_ptr(x), _ptr(w), rows, width, eps, _ptr(out), threads)
+        out = torch.empty_like(x)  # (x [rows of the norm's width] contiguous)
+        k.norm(_ptr(x), _ptr(w), x.shape[0], x.shape[1], eps, _ptr(out), threads)
         return out
 
     def project(x: torch.Tensor, group: FusedLinear) -> torch.Tensor:
@@ -263,10 +283,17 @@ def run(
         qkv = project(norm(hidden, layer.norm_in, layer.eps_in), w.qkv)
         q_out = torch.empty((rows, heads, dim), dtype=hidden.dtype)
         k_out = torch.empty((rows, kv_heads, dim), dtype=hidden.dtype)
-        base = _ptr(qkv)
+        if layer.head_norms is None:  # the rotary embedding reads q and k in qkv
+            q_at, k_at = _ptr(qkv), _ptr(qkv) + q_width * size
+            q_stride = k_stride = qkv.stride(0)
+        else:  # each head's queries and keys normed first, as rows of the head size
+            (q_w, q_eps), (k_w, k_eps) = layer.head_norms
+            q_rows = qkv[:, :q_width].reshape(-1, dim).contiguous()
+            k_rows = qkv[:, q_width : q_width + kv_width].reshape(-1, dim).contiguous()
+            q_normed, k_normed = norm(q_rows, q_w, q_eps), norm(k_rows, k_w, k_eps)
+            q_at, k_at, q_stride, k_stride = _ptr(q_normed), _ptr(k_normed), q_width, kv_width
         k.rotate(
-            base, qkv.stride(0), dim, heads,
-            base + q_width * size, qkv.stride(0), dim, kv_heads,
+            q_at, q_stride, dim, heads, k_at, k_stride, dim, kv_heads,
             _ptr(cos), _ptr(sin), cos_stride, rows, dim, _ptr(q_out), _ptr(k_out), threads,
         )  # fmt: skip
         v_new = qkv[:, q_width + kv_width :].view(rows, kv_heads, dim)
