@@ -150,6 +150,45 @@ def test_decode_steps_give_the_modules_bits(
         be.close()
 
 
+def test_steps_with_prompt_chunks_give_the_modules_bits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KV pool that holds about two requests and prompts cut into chunks of 4 tokens:
+    requests join while others decode, so steps mix decode rows and prompt chunks; they run
+    the loop too (the modules' attention function for their attention), with the modules'
+    bits."""
+    kinds: list[tuple[bool, bool]] = []  # per lean step: (prompt chunks in it, decode rows)
+    original = decode_layers.run
+
+    def recording(plan: Any, weights: Any, ids: Any, positions: Any, step: Any) -> Any:
+        out = original(plan, weights, ids, positions, step)
+        kinds.append((bool(step.prefills), step.decoding > 0))
+        return out
+
+    monkeypatch.setattr(decode_layers, "run", recording)
+    be = _backend(LLAMA, tmp_path / "cache", sample_token_budget=320, prefill_chunk=4)
+    try:
+        runtime = _runtime(be)
+        _trained_sampler(be, LLAMA)
+        # requests of different lengths: one's rows stop and free blocks while another decodes
+        works = [
+            SampleWork("s", seq(7 + 3 * i, 40 + i), 4, 4 + 3 * i, 1.0, -1, 1.0, 11, (), ())
+            for i in range(6)
+        ]
+        lean = _outputs(be, works)
+        assert (True, True) in kinds  # decode rows and a joining prompt's chunk in one step
+        assert (True, False) in kinds  # the first step: prompts alone
+        assert (False, True) in kinds
+        runtime.layers_plan = None
+        runtime.decoder.runner.layers = None
+        count = len(kinds)
+        modules = _outputs(be, works)
+        assert len(kinds) == count
+        assert lean == modules
+    finally:
+        be.close()
+
+
 def test_steps_it_does_not_take_run_the_modules(tmp_path: Path, lean_runs: list[int]) -> None:
     """Two keys in one step, and a backend without the lone key's fused weights: the
     modules."""

@@ -13,10 +13,12 @@ modules' forward (tests/unit/engine/test_decode_layers.py).
 
 `plan(model)` says whether a model's layers qualify, once per model: a Llama, Qwen2 or Qwen3
 decoder (pre-norm residual blocks, a gated SiLU MLP, no sliding window; Qwen3's per-head query
-and key norms) whose norms, MLPs and rotary function were switched to their native forms, every projection a LoRA layer, no
-hooks, every kernel built. A step qualifies where `Plan.takes` its layout (decode rows alone,
-on the native decode attention) and `Plan.weights` finds its one key's fused weights (fused.py)
-grouped as `run` computes them. Anything else runs the modules (model_runner.py).
+and key norms) whose norms, MLPs and rotary function were switched to their native forms,
+every projection a LoRA layer, no hooks, every kernel built. A step qualifies where
+`Plan.weights` finds its one key's fused weights (fused.py) grouped as `run` computes them; a
+step of several keys, or without the fused weights, runs the modules (model_runner.py). A step
+of decode rows alone attends by the native kernel directly; a step with prompt chunks (or of
+one-slot rows) calls the modules' attention function, `paged_attention_forward`, as they do.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from torch.nn import functional
 
 from tuneloop.server.engine import compiled, gated_mlp, rotary
 from tuneloop.server.engine.kv import kv_write, native_decode
-from tuneloop.server.engine.kv.paged_attention import PagedStep
+from tuneloop.server.engine.kv.paged_attention import PagedStep, paged_attention_forward
 from tuneloop.server.engine.lora import native_columns
 from tuneloop.server.engine.lora.fused import FusedLinear
 from tuneloop.server.engine.lora.linear import LoRALinear
@@ -60,6 +62,7 @@ class _Layer:
     # Qwen3's per-head norms of the queries and keys (weight, eps each), or None
     head_norms: tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]] | None
     projections: tuple[LoRALinear, ...]  # q, k, v, o, gate, up, down
+    attention: nn.Module  # (a step with prompt chunks calls its attention function with it)
 
 
 @dataclass(frozen=True)
@@ -98,14 +101,6 @@ class Plan:
         self.heads, self.kv_heads, self.dim, self.intermediate = shape
         self.scale = scale
 
-    def takes(self, step: PagedStep, tokens: int) -> bool:
-        """Whether `run` takes a step of `tokens` tokens as far as its layout goes: decode
-        rows alone, on the native attention."""
-        if step.prefills or step.flash is not None or step.decoding != tokens:
-            return False
-        # (a step of one-slot rows keeps the reference's SDPA, paged_attention._reference)
-        return step.decode_kernel is native_decode.attend and step.decode_slots.shape[1] > 1
-
     def weights(self, lone: Mapping[int, tuple[FusedLinear, int]]) -> list[LayerWeights] | None:
         """The layers' groups in a lone table (`AdapterBank.lone_weights`), or None where a
         layer's projections are not grouped as `run` computes them: q/k/v one group and
@@ -132,6 +127,15 @@ class Plan:
                 return None
             found.append(LayerWeights(qkv, o, gate_up, down))
         return found
+
+
+def _direct(step: PagedStep, tokens: int) -> bool:
+    """Whether a step's rows attend by the native kernel called here: decode rows alone, more
+    than one slot wide (a step of one-slot rows keeps SDPA, paged_attention._reference);
+    other steps call the modules' attention function."""
+    if step.prefills or step.decoding != tokens or step.decode_slots.shape[1] < 2:
+        return False
+    return step.decode_kernel is native_decode.attend
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -215,6 +219,7 @@ def plan(model: nn.Module) -> Plan | None:
                 norms[1]._tuneloop_eps,
                 head_norms,
                 projections,
+                attn,
             )
         )
     if len(scales) != 1 or intermediate is None:
@@ -224,6 +229,40 @@ def plan(model: nn.Module) -> Plan | None:
 
 def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
+
+
+def _attend(
+    plan: Plan,
+    layer: int,
+    q: torch.Tensor,  # [rows, heads, dim]
+    k_new: torch.Tensor,  # [rows, kv_heads, dim]
+    v_new: torch.Tensor,  # [rows, kv_heads, dim], rows strided
+    step: PagedStep,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """A decode step's new keys and values written to the layer's pools and its rows'
+    attention, by the native kernels as paged_attention_forward calls them, [rows, heads,
+    dim]."""
+    k, threads, size = plan.kernels, torch.get_num_threads(), q.element_size()
+    rows, heads, dim = q.shape
+    row_bytes = k_new.shape[1] * dim * size
+    k_pool, v_pool = step.pool.layer(layer, k_new, v_new)
+    for pool, new in ((k_pool, k_new), (v_pool, v_new)):
+        code = k.write(
+            _ptr(pool), pool.shape[0], row_bytes, _ptr(new), new.stride(0) * size,
+            _ptr(step.slot_mapping), rows, threads,
+        )  # fmt: skip
+        if code:
+            raise ValueError("a KV write refused its slots")
+    out = torch.empty((rows, heads, dim), dtype=q.dtype)
+    code = k.attend(
+        _ptr(q), _ptr(k_pool), _ptr(v_pool), _ptr(slots), _ptr(mask), rows, slots.shape[1],
+        heads, k_new.shape[1], dim, dim, plan.scale, _ptr(out), threads,
+    )  # fmt: skip
+    if code:
+        raise ValueError("the decode attention refused its shapes")
+    return out
 
 
 def run(
@@ -244,15 +283,16 @@ def run(
     rows = hidden.shape[0]
     heads, kv_heads, dim, inter = plan.heads, plan.kv_heads, plan.dim, plan.intermediate
     q_width, kv_width = heads * dim, kv_heads * dim
-    # the attention's inputs, checked once for the step as native_decode.attend checks them
-    # for every layer
-    slots = step.decode_slots.contiguous()
-    mask = step.decode_mask.reshape(rows, -1).contiguous()
-    low, high = torch.aminmax(slots)
-    if int(low) < 0 or int(high) > step.pool.scratch_slot:  # (every layer's pools: that size)
-        raise ValueError("a decode row's slot lies outside the pool")  # never read past it
+    direct = _direct(step, rows)
+    if direct:
+        # the attention's inputs, checked once for the step as native_decode.attend checks
+        # them for every layer
+        slots = step.decode_slots.contiguous()
+        mask = step.decode_mask.reshape(rows, -1).contiguous()
+        low, high = torch.aminmax(slots)
+        if int(low) < 0 or int(high) > step.pool.scratch_slot:  # (every layer's pools' size)
+            raise ValueError("a decode row's slot lies outside the pool")  # never read past it
     cos_stride = cos.stride(1)
-    slot_mapping = step.slot_mapping
     linear = torch.ops.mkldnn._linear_pointwise.default
     size = hidden.element_size()
     native_product = rows * inter >= gated_mlp.MIN_ELEMENTS
@@ -277,7 +317,6 @@ def run(
             return linear(x, group.weight, group.bias, "none", [], "")
         return functional.linear(x, group.weight, group.bias)
 
-    pools = step.pool
     for layer, w in zip(plan.layers, weights, strict=True):
         residual = hidden
         qkv = project(norm(hidden, layer.norm_in, layer.eps_in), w.qkv)
@@ -297,24 +336,15 @@ def run(
             _ptr(cos), _ptr(sin), cos_stride, rows, dim, _ptr(q_out), _ptr(k_out), threads,
         )  # fmt: skip
         v_new = qkv[:, q_width + kv_width :].view(rows, kv_heads, dim)
-        k_pool, v_pool = pools.layer(layer.index, k_out, v_new)
-        for pool, new, stride in (
-            (k_pool, k_out, kv_width * size),
-            (v_pool, v_new, qkv.stride(0) * size),
-        ):
-            code = k.write(
-                _ptr(pool), pool.shape[0], kv_width * size, _ptr(new), stride,
-                _ptr(slot_mapping), rows, threads,
-            )  # fmt: skip
-            if code:
-                raise ValueError("a KV write refused its slots")
-        attended = torch.empty((rows, heads, dim), dtype=hidden.dtype)
-        code = k.attend(
-            _ptr(q_out), _ptr(k_pool), _ptr(v_pool), _ptr(slots), _ptr(mask), rows,
-            slots.shape[1], heads, kv_heads, dim, dim, plan.scale, _ptr(attended), threads,
-        )  # fmt: skip
-        if code:
-            raise ValueError("the decode attention refused its shapes")
+        if direct:
+            attended = _attend(plan, layer.index, q_out, k_out, v_new, step, slots, mask)
+        else:  # prompt chunks: the modules' attention function, its KV writes included
+            query, key = q_out.transpose(0, 1)[None], k_out.transpose(0, 1)[None]
+            value = v_new.transpose(0, 1)[None]
+            out, _ = paged_attention_forward(
+                layer.attention, query, key, value, None, scaling=plan.scale, paged_step=step
+            )
+            attended = out[0].reshape(rows, q_width).contiguous()
         hidden = residual + project(attended.view(rows, q_width), w.o)
         residual = hidden
         gate_up = project(norm(hidden, layer.norm_post, layer.eps_post), w.gate_up)

@@ -190,7 +190,7 @@ class ModelRunner:
         keys = [i.seq.key for i in work]
         body_routing = self._route(self._body, keys, [i.length for i in work])
         decoder: nn.Module = self.model.get_decoder()  # type: ignore[operator]
-        lean = self._lean_weights(step, len(tokens), body_routing)
+        lean = self._lean_weights(body_routing)
         input_ids = torch.tensor([tokens], device=self.device)
         position_ids = torch.tensor([positions], device=self.device)
         with self.bank.using(body_routing), paged(self.model), native.sampling_step():
@@ -215,13 +215,13 @@ class ModelRunner:
         return self._logits(hidden, head_routing)
 
     def _lean_weights(
-        self, step: PagedStep, tokens: int, routing: Routing
+        self, routing: Routing
     ) -> tuple[decode_layers.Plan, list[decode_layers.LayerWeights]] | None:
-        """The plan and the layers' weights where the lean loop takes the step: its layout
-        (`Plan.takes`), and one key's fused weights in `routing.lone` grouped as it computes
-        them. The weights are held with the routing, while the lone table is the same."""
+        """The plan and the layers' weights where the lean loop takes the step: one key's
+        fused weights in `routing.lone`, grouped as it computes them (`Plan.weights`). They
+        are held with the routing, while the lone table is the same."""
         plan, lone = self.layers, routing.lone
-        if plan is None or lone is None or not plan.takes(step, tokens):
+        if plan is None or lone is None:
             return None
         held = self._body.get("layers")
         if held is None or held[0] is not lone:
