@@ -150,6 +150,33 @@ def test_decode_steps_give_the_modules_bits(
         be.close()
 
 
+@pytest.mark.parametrize("weights", ["merged", "base"])
+def test_weights_without_columns_give_the_modules_bits(
+    weights: str, tmp_path: Path, lean_runs: list[int]
+) -> None:
+    """A snapshot on merged weights (`serve --merged-sampling`) and the base model's sampler:
+    groups without LoRA columns, the same bits as the modules."""
+    merged = weights == "merged"
+    be = _backend(LLAMA, tmp_path / "cache", merge_lone_adapter=merged)
+    try:
+        runtime = _runtime(be)
+        if merged:
+            _trained_sampler(be, LLAMA)
+        else:
+            be.create_sampler("s", LLAMA)
+        works = _works(6, 4, 8)
+        lean = _outputs(be, works)
+        table = runtime.bank.lone_weights("s" if merged else None, merge=merged)
+        groups = runtime.layers_plan.weights(table)
+        assert all(w.qkv.a is None and w.down.a is None for w in groups)
+        assert lean_runs[0] >= 4
+        runtime.layers_plan = None
+        runtime.decoder.runner.layers = None
+        assert _outputs(be, works) == lean
+    finally:
+        be.close()
+
+
 def test_steps_with_prompt_chunks_give_the_modules_bits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
