@@ -35,8 +35,9 @@ class Runtime:
     # Decode rows attend with a CPU kernel once `compile_decode` found one: the native one
     # (kv/native_decode.py) or inductor's (kv/decode_attention.py).
     decode_kernel: Callable[..., torch.Tensor] | None = None
-    # The decoder layers' lean loop for lone decode steps (decode_layers.py), where the model
-    # qualifies once `compile_decode` picked the native attention.
+    # The decoder layers as one lean loop for sampling steps on one key's fused weights
+    # (decode_layers.py), where the model qualifies once `compile_decode` picked the native
+    # attention.
     layers_plan: decode_layers.Plan | None = None
 
     @property
