@@ -96,13 +96,17 @@ MOE = ("qwen3_moe", "gpt_oss", "deepseek_v3", "glm4_moe")
 ARCHS = DENSE + MOE
 
 
-def build(arch: str, seed: int = 0) -> torch.nn.Module:
-    """The tiny model, fp32 on the CPU, same weights for the same seed."""
+def build(arch: str, seed: int = 0, **shapes: Any) -> torch.nn.Module:
+    """The tiny model, fp32 on the CPU, same weights for the same seed; `shapes` override
+    config fields (a test whose kernels need wider heads)."""
     from transformers import AutoModelForCausalLM
 
+    config = _config(arch)
+    for name, value in shapes.items():
+        setattr(config, name, value)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model: torch.nn.Module = AutoModelForCausalLM.from_config(_config(arch))
+        model: torch.nn.Module = AutoModelForCausalLM.from_config(config)
     if arch == "gpt_oss":
         # Random init leaves GPT-OSS's expert biases and sinks at zero-ish; give them values so
         # the bias path is exercised.

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tests.unit.engine.conftest import adam, example, ok, seq, work  # noqa: E402
-from tests.zoo.archs import copy_tokenizer  # noqa: E402
+from tests.zoo import archs  # noqa: E402
 from tuneloop.server.engine import decode_layers  # noqa: E402
 from tuneloop.server.engine.kv import native_decode  # noqa: E402
 from tuneloop.server.engine.lora import native_columns  # noqa: E402
@@ -26,35 +26,17 @@ LLAMA = "tuneloop/tiny-llama"
 
 
 def _saved(family: str, folder: Path) -> str:
-    """A tiny random Qwen2 (biased q/k/v projections) or Mistral, wide enough for the native
-    kernels, saved with the byte-level tokenizer."""
-    import transformers
-
-    config_type, model_type = {
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-    }[family]
-    config = config_type(
-        vocab_size=259,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        eos_token_id=258,
-        pad_token_id=256,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = model_type(config).eval()
-        with torch.no_grad():
+    """The zoo's tiny Qwen2 (its q/k/v projections' biases made non-zero) or Mistral, wide
+    enough for the native kernels (head size 32), saved with the byte-level tokenizer."""
+    model = archs.build(family, hidden_size=128, intermediate_size=384, head_dim=32)
+    if family == "qwen2":
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(1)
             for name, p in model.named_parameters():
                 if name.endswith(".bias"):
                     p.normal_(0.0, 0.5)  # (zeros at init: the bias path would prove nothing)
     model.save_pretrained(folder)
-    copy_tokenizer(folder)
+    archs.copy_tokenizer(folder)
     return str(folder)
 
 
