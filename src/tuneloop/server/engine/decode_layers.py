@@ -1,6 +1,6 @@
-"""A CPU decode step's decoder layers as one lean loop over the kernels the modules would call.
+"""A CPU sampling step's decoder layers as one lean loop over the kernels the modules would call.
 
-In a bf16 decode step on a CPU every piece of a Llama-style decoder layer already runs one
+In a bf16 sampling step on a CPU every piece of a Llama-style decoder layer already runs one
 native kernel: the norms (rms_norm.cpp), the LoRA columns (lora_columns_avx512.cpp), the fused
 sibling matmuls on packed weights (oneDNN), the rotary embedding (rotary.cpp), the KV writes
 (kv_write.cpp), the decode attention (decode_attention_avx512.cpp) and the SiLU product
@@ -272,8 +272,8 @@ def run(
     position_ids: torch.Tensor,  # [1, N]
     step: PagedStep,
 ) -> torch.Tensor:
-    """The decoder's last hidden states [N, hidden] for a step the plan takes (`Plan.takes`,
-    `Plan.weights`), inside the sampling step's blocks (the final norm's native form)."""
+    """The decoder's last hidden states [N, hidden] for a step whose layers' weights
+    `plan.weights` found, inside the sampling step's blocks (the final norm's native form)."""
     k = plan.kernels
     threads = torch.get_num_threads()
     decoder: Any = plan.decoder
