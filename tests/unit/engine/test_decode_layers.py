@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from tests.unit.engine.conftest import adam, example, ok, seq, work  # noqa: E402
 from tests.zoo import archs  # noqa: E402
-from tuneloop.server.engine import decode_layers  # noqa: E402
+from tuneloop.server.engine import compiled, decode_layers, gated_mlp  # noqa: E402
 from tuneloop.server.engine.kv import native_decode  # noqa: E402
 from tuneloop.server.engine.lora import native_columns  # noqa: E402
 from tuneloop.server.engine.types import AdapterSpec, SampleWork  # noqa: E402
@@ -116,6 +116,9 @@ def test_decode_steps_give_the_modules_bits(
     try:
         runtime = _runtime(be)
         assert runtime.layers_plan is not None
+        layer = runtime.model.get_decoder().layers[0]
+        assert compiled.switched(layer.input_layernorm)
+        assert gated_mlp.switched(layer.mlp)
         _trained_sampler(be, name)
         works = _works(prompts, samples, 12)
         lean = _outputs(be, works)
@@ -228,6 +231,9 @@ def test_models_it_does_not_take(tmp_path: Path) -> None:
     assert _runtime(fp32).layers_plan is None
     fp32.close()
     eager = _backend(LLAMA, tmp_path / "b", compile_norms=False)
+    layer = _runtime(eager).model.get_decoder().layers[0]
+    assert not compiled.switched(layer.input_layernorm)
+    assert not gated_mlp.switched(layer.mlp)
     assert _runtime(eager).layers_plan is None
     eager.close()
     mistral = _backend(_model("mistral", tmp_path / "mistral"), tmp_path / "c")
