@@ -1,5 +1,5 @@
-"""A CPU decode step's decoder layers as one lean loop (decode_layers.py): the same bits as the
-modules' forward, taken only where every piece is the native one, the modules everywhere else."""
+"""A CPU sampling step's decoder layers as one lean loop (decode_layers.py): the same bits as
+the modules' forward, taken only where every piece is the native one, the modules elsewhere."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def _trained_sampler(be: Any, name: str) -> None:
     be.create_sampler("s", name, adapter_id="A")
 
 
-def _works(prompts: int, samples: int, tokens: int, **kw: Any) -> list[SampleWork]:
+def _works(prompts: int, samples: int, tokens: int) -> list[SampleWork]:
     return [
         SampleWork("s", seq(7 + 3 * i, 40 + i), samples, tokens, 1.0, -1, 1.0, 11 + i, (), ())
         for i in range(prompts)
