@@ -201,22 +201,60 @@ def test_steps_with_prompt_chunks_give_the_modules_bits(
         be.close()
 
 
-def test_steps_it_does_not_take_run_the_modules(tmp_path: Path, lean_runs: list[int]) -> None:
-    """Two keys in one step, and a backend without the lone key's fused weights: the
-    modules."""
-    be = _backend(LLAMA, tmp_path / "cache")
+def _second_sampler(be: Any, name: str) -> None:
+    """Sampler "t": a snapshot of another adapter (rank 4, not on the MLPs) trained a step."""
+    be.create_adapter(AdapterSpec("B", name, rank=4, seed=5, train_mlp=False, alpha=8.0))
+    ok(be.forward_backward([work("B", [example(seq(20, 7))])])[0])
+    be.optim_step("B", adam(5e-2))
+    be.create_sampler("t", name, adapter_id="B")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_steps_of_several_keys_give_the_modules_bits(
+    family: str, tmp_path: Path, lean_runs: list[int]
+) -> None:
+    """Two trained snapshots of different ranks and targets and the base model's sampler in
+    one batch: every step runs the loop on the shared base weights with each key's delta
+    added to its rows (segments.py), with the modules' bits."""
+    name = _model(family, tmp_path / family)
+    be = _backend(name, tmp_path / "cache")
     try:
-        _trained_sampler(be, LLAMA)
-        be.create_sampler("t", LLAMA)  # the base model beside the snapshot: two keys a step
-        mixed = [*_works(6, 4, 6), SampleWork("t", seq(9, 3), 2, 6, 1.0, -1, 1.0, 1, (), ())]
-        _outputs(be, mixed)
-        assert lean_runs[0] == 0
+        runtime = _runtime(be)
+        _trained_sampler(be, name)
+        _second_sampler(be, name)
+        be.create_sampler("base", name)
+        works = [
+            *_works(3, 4, 10),
+            SampleWork("t", seq(9, 3), 4, 10, 1.0, -1, 1.0, 1, (), ()),
+            SampleWork("base", seq(5, 8), 2, 10, 1.0, -1, 1.0, 2, (), ()),
+            SampleWork("t", seq(12, 60), 2, 10, 1.0, -1, 1.0, 3, (), ()),
+        ]
+        lean = _outputs(be, works)
+        assert lean_runs[0] >= 8
+        deltas = runtime.bank.deltas("t")
+        layers = runtime.model.get_decoder().layers
+        attention = [deltas.get(id(layer.self_attn.q_proj)) for layer in layers]
+        assert all(d is not None and d.vectors is not None for d in attention)  # the kernel's
+        assert all(id(layer.mlp.up_proj) not in deltas for layer in layers)  # (no MLP delta)
+        runtime.layers_plan = None
+        runtime.decoder.runner.layers = None
+        before = lean_runs[0]
+        modules = _outputs(be, works)
+        assert lean_runs[0] == before
+        assert lean == modules
     finally:
         be.close()
+
+
+def test_steps_it_does_not_take_run_the_modules(tmp_path: Path, lean_runs: list[int]) -> None:
+    """A backend without the fused or shared weights: the modules."""
     unfused = _backend(LLAMA, tmp_path / "cache2", fuse_lone_key=False)
     try:
         _trained_sampler(unfused, LLAMA)
+        unfused.create_sampler("t", LLAMA)
+        mixed = [*_works(6, 4, 6), SampleWork("t", seq(9, 3), 2, 6, 1.0, -1, 1.0, 1, (), ())]
         _outputs(unfused, _works(6, 4, 6))
+        _outputs(unfused, mixed)
         assert lean_runs[0] == 0
     finally:
         unfused.close()

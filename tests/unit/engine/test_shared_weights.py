@@ -1,8 +1,8 @@
 """A decode step whose rows use several keys takes the layers' base outputs from the base model's
 stacked weights, packed for the CPU's kernels (`AdapterBank.shared_weights`), and adds each key's
-LoRA products: the same tokens as the layers' own weights give, logprobs to the kernels'
-rounding; kept beside the lone key's copy, made again when a base weight changes, and not made
-where the weights do not pack."""
+LoRA delta to its rows per group (segments.py): the same tokens as the layers' own weights and
+products give, logprobs to the kernels' rounding; kept beside the lone key's copy, made again
+when a base weight changes, and not made where the weights do not pack."""
 
 from __future__ import annotations
 
@@ -34,10 +34,12 @@ fp32_packs = pytest.mark.skipif(
 )
 
 
-def _mixed(be: Any, products: list[int]) -> list[Any]:
+def _mixed(be: Any, products: list[int], *, deltas: bool = True) -> list[Any]:
+    """WORKS sampled: on the shared weights each key's delta is added per group (segments.py)
+    and no layer makes its own products; on the layers' own weights, their products."""
     products[0] = 0
     out = [ok(r) for r in be.sample(WORKS)]
-    assert products[0] > 0  # two adapters share the steps: their products
+    assert (products[0] == 0) == deltas
     return out
 
 
@@ -70,7 +72,7 @@ def test_steps_of_two_adapters_run_the_base_on_the_shared_packed_copy(
     assert bank(be).shared_weights() is shared  # kept for the next steps
 
     monkeypatch.setattr(AdapterBank, "shared_weights", lambda self: None)
-    plain = _mixed(be, products)  # the layers' own weights, as before
+    plain = _mixed(be, products, deltas=False)  # the layers' own weights and products
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for a_result, b_result in zip(got, plain, strict=True):
         for a, b in zip(a_result.sequences, b_result.sequences, strict=True):
@@ -92,7 +94,10 @@ def test_the_shared_copy_is_kept_beside_the_lone_one_and_made_again_when_stale(
     assert lone
     assert bank(be).shared_weights() is shared
     groups = {id(g): g for t in (shared, lone) for g, _ in t.values()}
-    assert bank(be).lone_bytes == sum(g.nbytes for g in groups.values())
+    deltas = {id(d): d for key in ("sA", "sB") for d in bank(be).deltas(key).values()}
+    held = [*groups.values(), *deltas.values()]
+    assert deltas
+    assert bank(be).lone_bytes == sum(g.nbytes for g in held)
     layer = next(m for m in bank(be).modules.values() if id(m) in shared)
     with torch.no_grad():
         layer.base.weight.mul_(1.0)  # an in-place change of a copied base weight
@@ -135,6 +140,6 @@ def test_no_shared_copy_where_the_weights_do_not_pack(
 ) -> None:
     be = _trained(backend)
     monkeypatch.setattr(packed, "packable", lambda weight: False)
-    _mixed(be, products)
+    _mixed(be, products, deltas=False)
     assert bank(be).shared_weights() is None
     assert bank(be)._shared is None

@@ -15,16 +15,18 @@ modules' forward (tests/unit/engine/test_decode_layers.py).
 decoder (pre-norm residual blocks, a gated SiLU MLP, no sliding window; Qwen3's per-head query
 and key norms) whose norms, MLPs and rotary function were switched to their native forms,
 every projection a LoRA layer, no hooks, every kernel built. A step qualifies where
-`Plan.weights` finds its one key's fused weights (fused.py) grouped as `run` computes them; a
-step of several keys, or without the fused weights, runs the modules (model_runner.py). A step
-of decode rows alone attends by the native kernel directly; a step with prompt chunks (or of
+`Plan.weights` finds its one key's fused weights (fused.py) grouped as `run` computes them, or,
+for a step of several keys, the shared base weights with every key's deltas (`Plan.segmented`:
+each group's base output, then each key's delta added to its rows by the same calls as the
+modules make, segments.py); a step without them runs the modules (model_runner.py). A step of
+decode rows alone attends by the native kernel directly; a step with prompt chunks (or of
 one-slot rows) calls the modules' attention function, `paged_attention_forward`, as they do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -38,6 +40,8 @@ from tuneloop.server.engine.lora import native_columns
 from tuneloop.server.engine.lora.fused import FusedLinear
 from tuneloop.server.engine.lora.linear import LoRALinear
 from tuneloop.server.engine.lora.native_columns import DownPairs
+from tuneloop.server.engine.lora.routing import Routing
+from tuneloop.server.engine.lora.segments import Segment, add
 
 __all__ = ["LayerWeights", "Plan", "plan", "run"]
 
@@ -67,12 +71,14 @@ class _Layer:
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """A layer's fused groups for one key: q/k/v, o, gate/up, down."""
+    """A layer's fused groups for one key (q/k/v, o, gate/up, down) or, in a step of several
+    keys, the shared base groups with each group's segments of keys' deltas (segments.py)."""
 
     qkv: FusedLinear
     o: FusedLinear
     gate_up: FusedLinear
     down: FusedLinear
+    segments: tuple[list[Segment], list[Segment], list[Segment], list[Segment]] | None = None
 
 
 @dataclass
@@ -102,10 +108,10 @@ class Plan:
         self.scale = scale
 
     def weights(self, lone: Mapping[int, tuple[FusedLinear, int]]) -> list[LayerWeights] | None:
-        """The layers' groups in a lone table (`AdapterBank.lone_weights`), or None where a
-        layer's projections are not grouped as `run` computes them: q/k/v one group and
-        gate/up another, in that order, o and down alone, LoRA columns (if any) for the
-        native kernel."""
+        """The layers' groups in a lone table (`AdapterBank.lone_weights`; or the shared one,
+        `shared_weights`, for `segmented`), or None where a layer's projections are not
+        grouped as `run` computes them: q/k/v one group and gate/up another, in that order, o
+        and down alone, LoRA columns (if any) for the native kernel."""
         found: list[LayerWeights] = []
         inner = self.heads * self.dim, self.kv_heads * self.dim
         for layer in self.layers:
@@ -126,6 +132,21 @@ class Plan:
             if not all(g.a is None or isinstance(g.a, DownPairs) for g in (qkv, o, gate_up, down)):
                 return None
             found.append(LayerWeights(qkv, o, gate_up, down))
+        return found
+
+    def segmented(self, shared: list[LayerWeights], routing: Routing) -> list[LayerWeights]:
+        """The shared groups of `weights` with the segments of the routing's keys' deltas
+        (`Routing.segments`): a step of several keys."""
+        found = []
+        for layer, w in zip(self.layers, shared, strict=True):
+            p = layer.projections
+            segments = (
+                routing.segments(id(p[0])),
+                routing.segments(id(p[3])),
+                routing.segments(id(p[4])),
+                routing.segments(id(p[6])),
+            )
+            found.append(replace(w, segments=segments))
         return found
 
 
@@ -302,8 +323,10 @@ def run(
         k.norm(_ptr(x), _ptr(w), x.shape[0], x.shape[1], eps, _ptr(out), threads)
         return out
 
-    def project(x: torch.Tensor, group: FusedLinear) -> torch.Tensor:
-        down = group.a
+    def project(
+        x: torch.Tensor, group: FusedLinear, segments: list[Segment] | None
+    ) -> torch.Tensor:
+        plain, down = x, group.a
         if isinstance(down, DownPairs):
             extended = torch.empty((rows, x.shape[1] + down.rank), dtype=x.dtype)
             code = k.columns(
@@ -314,12 +337,15 @@ def run(
                 raise ValueError("the LoRA columns kernel refused its shapes")
             x = extended
         if group.weight.is_mkldnn:
-            return linear(x, group.weight, group.bias, "none", [], "")
-        return functional.linear(x, group.weight, group.bias)
+            y = linear(x, group.weight, group.bias, "none", [], "")
+        else:
+            y = functional.linear(x, group.weight, group.bias)
+        return add(y, plain, segments) if segments else y  # (FusedLinear's sum, in its order)
 
     for layer, w in zip(plan.layers, weights, strict=True):
+        segs = w.segments or (None, None, None, None)
         residual = hidden
-        qkv = project(norm(hidden, layer.norm_in, layer.eps_in), w.qkv)
+        qkv = project(norm(hidden, layer.norm_in, layer.eps_in), w.qkv, segs[0])
         q_out = torch.empty((rows, heads, dim), dtype=hidden.dtype)
         k_out = torch.empty((rows, kv_heads, dim), dtype=hidden.dtype)
         if layer.head_norms is None:  # the rotary embedding reads q and k in qkv
@@ -345,9 +371,9 @@ def run(
                 layer.attention, query, key, value, None, scaling=plan.scale, paged_step=step
             )
             attended = out[0].reshape(rows, q_width).contiguous()
-        hidden = residual + project(attended.view(rows, q_width), w.o)
+        hidden = residual + project(attended.view(rows, q_width), w.o, segs[1])
         residual = hidden
-        gate_up = project(norm(hidden, layer.norm_post, layer.eps_post), w.gate_up)
+        gate_up = project(norm(hidden, layer.norm_post, layer.eps_post), w.gate_up, segs[2])
         if native_product:
             product = torch.empty((rows, inter), dtype=hidden.dtype)
             base = _ptr(gate_up)
@@ -357,5 +383,5 @@ def run(
             )  # fmt: skip
         else:  # the modules' eager product below the loop's floor (gated_mlp._mlp_forward)
             product = functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        hidden = residual + project(product, w.down)
+        hidden = residual + project(product, w.down, segs[3])
     return decoder.norm(hidden[None])[0]

@@ -80,6 +80,13 @@ class ModelRunner:
             routing.lone = self.bank.lone_weights(lone[0], merge=self.lone_weights == "merged")
         elif self.lone_weights is not None:
             routing.shared = self.bank.shared_weights()  # (None: the layers' own weights)
+            # each key's deltas added per group (segments.py) where every key has them; asked
+            # every step too (a key's factors may be set anew)
+            tables = [self.bank.deltas(key) for key, _, _ in routing.runs]
+            if routing.shared is None or any(t is None for t in tables):
+                routing.use_deltas(None)
+            else:
+                routing.use_deltas(tables)
         return routing
 
     def forget_routings(self) -> None:
@@ -218,15 +225,27 @@ class ModelRunner:
         self, routing: Routing
     ) -> tuple[decode_layers.Plan, list[decode_layers.LayerWeights]] | None:
         """The plan and the layers' weights where the lean loop takes the step: one key's
-        fused weights in `routing.lone`, grouped as it computes them (`Plan.weights`). They
-        are held with the routing, while the lone table is the same."""
-        plan, lone = self.layers, routing.lone
-        if plan is None or lone is None:
+        fused weights in `routing.lone`, or the shared base weights with each key's deltas
+        (`routing.deltas`), grouped as it computes them (`Plan.weights`). They are held with
+        the routing, while the table (and the deltas) are the same."""
+        plan = self.layers
+        table = routing.lone
+        if table is None and routing.deltas is not None:
+            table = routing.shared
+        if plan is None or table is None:
             return None
         held = self._body.get("layers")
-        if held is None or held[0] is not lone:
-            held = self._body["layers"] = (lone, plan.weights(lone))
-        return None if held[1] is None else (plan, held[1])
+        if held is None or held[0] is not table:
+            held = self._body["layers"] = (table, plan.weights(table))
+        if held[1] is None:
+            return None
+        if routing.lone is not None:
+            return plan, held[1]
+        segmented = self._body.get("segmented")
+        if segmented is None or segmented[0] is not held[1] or segmented[1] is not routing.deltas:
+            segmented = (held[1], routing.deltas, plan.segmented(held[1], routing))
+            self._body["segmented"] = segmented
+        return plan, segmented[2]
 
     def _logits(self, last: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Logits of the rows' last hidden states [rows, hidden], the head routed by

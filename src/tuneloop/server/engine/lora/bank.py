@@ -22,12 +22,18 @@ from tuneloop.server.engine.lora.experts import EXPERT_PARAMETERS, ExpertFactors
 from tuneloop.server.engine.lora.fused import FusedLinear, fusable, sibling_groups
 from tuneloop.server.engine.lora.linear import LoRALinear
 from tuneloop.server.engine.lora.routing import LoneWeights, Routing
+from tuneloop.server.engine.lora.segments import KeyDelta, KeyDeltas
 from tuneloop.server.engine.lora.slots import Slotted
 from tuneloop.server.engine.lora.targets import Injected, groups_of
 from tuneloop.server.engine.memory import free_bytes
 from tuneloop.server.engine.types import AdapterSpec, EngineError
 
-__all__ = ["AdapterBank", "peft_keys", "peft_targets"]
+__all__ = ["DELTA_KEYS", "AdapterBank", "peft_keys", "peft_targets"]
+
+# At most this many keys' deltas for steps of several keys are kept (`AdapterBank.deltas`),
+# the least recently used dropped first: a key's are about twice its bf16 factors.
+DELTA_KEYS = 64
+_BASE_DELTAS: KeyDeltas = {}  # the base model's rows add nothing (one object: kept segments)
 
 
 def peft_keys(name: str, layer: Slotted) -> tuple[str, str]:
@@ -96,6 +102,8 @@ class AdapterBank:
         self._refused: tuple[str | None, bool] | None = None  # too large for free memory
         self._shared: LoneWeights | None = None  # the base weights of steps of several keys
         self._refused_shared = False
+        # Per frozen key, its version and its groups' deltas for steps of several keys.
+        self._deltas: dict[str, tuple[int, KeyDeltas]] = {}
         # Per live key, the count of changes to the bank when its factors were last set
         # (made, snapshotted, loaded): what a CUDA graph that read them checks (`version`).
         self._versions: dict[str, int] = {}
@@ -294,6 +302,39 @@ class AdapterBank:
         self._refused_shared = self._shared is None
         return self._shared
 
+    def deltas(self, key: str | None) -> KeyDeltas | None:
+        """Layer id -> its sibling group's LoRA delta for `key` (segments.py), over the groups of
+        `shared_weights`: what a step of several keys adds to `key`'s rows. Empty for the base
+        model; None for a trainable adapter (its factors change at every optimizer step) or a
+        key not in the bank. Built once per version of the key's factors."""
+        if key is None:
+            return _BASE_DELTAS
+        version = self.version(key)
+        if version is None or key not in self.specs:
+            return None
+        held = self._deltas.pop(key, None)  # (put back last: the most recently used)
+        if held is None or held[0] != version:
+            held = (version, self._build_deltas(key))
+        self._deltas[key] = held
+        while len(self._deltas) > DELTA_KEYS:
+            del self._deltas[next(iter(self._deltas))]
+        return held[1]
+
+    def _build_deltas(self, key: str) -> KeyDeltas:
+        linears = {
+            n: m for n, m in self.modules.items() if isinstance(m, LoRALinear) and fusable(m.base)
+        }
+        table: KeyDeltas = {}
+        for names in sibling_groups(list(linears), {n: m.base for n, m in linears.items()}):
+            members = [linears[n] for n in names]
+            dtype = members[0].base.weight.dtype
+            sizes = [m.base.weight.shape[0] for m in members]
+            delta = KeyDelta.build(sizes, [m.lookup(key) for m in members], dtype)
+            if delta is not None:
+                for module in members:
+                    table[id(module)] = delta
+        return table
+
     def _build(
         self, key: str | None, merge: bool, *, packed_only: bool = False
     ) -> LoneWeights | None:
@@ -323,6 +364,7 @@ class AdapterBank:
         return table
 
     def _forget_lone(self, key: str) -> None:
+        self._deltas.pop(key, None)
         if self._lone is not None and self._lone[0][0] == key:
             self._lone = None
         self._refused = None
@@ -330,18 +372,21 @@ class AdapterBank:
 
     @property
     def lone_bytes(self) -> int:
-        """Memory of the lone key's weights and the shared base weights kept now (0: none)."""
+        """Memory of the lone key's weights, the shared base weights and the keys' deltas kept
+        now (0: none)."""
         tables = [t for t in (self._lone[1] if self._lone else None, self._shared) if t]
         groups = {id(group): group for table in tables for group, _ in table.values()}
-        return sum(group.nbytes for group in groups.values())
+        deltas = {id(d): d for _, table in self._deltas.values() for d in table.values()}
+        return sum(g.nbytes for g in groups.values()) + sum(d.nbytes for d in deltas.values())
 
     def release_lone(self) -> None:
-        """Drop the weights kept for the last sampled key and the shared base weights (made
-        again when asked)."""
+        """Drop the weights kept for the last sampled key, the shared base weights and the
+        keys' deltas (made again when asked)."""
         self._lone = None
         self._refused = None
         self._shared = None
         self._refused_shared = False
+        self._deltas.clear()
 
     def delete(self, key: str) -> None:
         self._forget_lone(key)

@@ -31,6 +31,7 @@ from torch import nn
 from tuneloop.server.engine import packed
 from tuneloop.server.engine.lora import native_columns
 from tuneloop.server.engine.lora.native_columns import DownPairs
+from tuneloop.server.engine.lora.segments import Segment, add
 
 __all__ = ["SIBLINGS", "FusedLinear", "fusable", "plain_frozen", "sibling_groups", "take"]
 
@@ -188,19 +189,27 @@ class FusedLinear:
         tensors = [self.weight, self.bias, down]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
-    def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        """Member `index`'s output for input x [..., in]."""
+    def output(
+        self, index: int, x: torch.Tensor, segments: Sequence[Segment] | None = None
+    ) -> torch.Tensor:
+        """Member `index`'s output for input x [..., in], with each segment's key's delta
+        added to its rows (a step of several keys on the shared base weights, segments.py)."""
         if len(self.sizes) == 1:
-            return self._compute(x)[0]
-        return take(self._held, 0, index, x, lambda: self._compute(x))
+            return self._compute(x, segments)[0]
+        return take(self._held, 0, index, x, lambda: self._compute(x, segments))
 
-    def _compute(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _compute(
+        self, x: torch.Tensor, segments: Sequence[Segment] | None
+    ) -> tuple[torch.Tensor, ...]:
         flat = x.reshape(-1, x.shape[-1])
+        plain = flat
         if isinstance(self.a, DownPairs):
             flat = native_columns.extend(flat, self.a)
         elif self.a is not None:
             flat = torch.cat([flat, packed.linear(flat, self.a, None)], dim=1)
         y = packed.linear(flat, self.weight, self.bias)
+        if segments:
+            y = add(y, plain, segments)
         lead = x.shape[:-1]
         if len(self.sizes) == 1:
             return (y.view(*lead, y.shape[-1]),)

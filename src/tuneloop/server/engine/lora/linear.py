@@ -55,6 +55,9 @@ class LoRALinear(Slotted):
         if fused is not None:
             return fused
         shared = routing.shared.get(id(self)) if routing is not None and routing.shared else None
+        if shared is not None and routing is not None and routing.deltas is not None:
+            # each key's delta added to its rows of the group's shared output (segments.py)
+            return shared[0].output(shared[1], x, routing.segments(id(self)))
         out = self.base(x) if shared is None else shared[0].output(shared[1], x)
         if routing is None or not routing.runs:
             return out

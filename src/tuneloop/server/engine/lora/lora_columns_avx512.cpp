@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -90,28 +91,153 @@ Block pick(int64_t rows, int vectors) {
 
 }  // namespace
 
-// x [rows, k] (row stride ldx, elements), pairs [ceil(k / 2), rp, 2], out [rows, k + r]
-// contiguous: out[:, :k] = x, out[:, k:] = x @ A.T rounded to bf16. rp: r rounded up to 16.
-extern "C" int lora_columns_bf16(const uint16_t* x, int64_t ldx, const uint16_t* pairs,
-                                 int64_t rows, int64_t k, int64_t r, int64_t rp, uint16_t* out,
-                                 int threads) {
-  if (rows < 0 || k <= 0 || r <= 0 || rp % 16 || rp < r || ldx < k) return 1;
-  const int64_t ldo = k + r;
+namespace {
+
+// x @ A.T rounded to bf16 into low [rows, r] (row stride ldo), with x copied first into
+// copy [rows, k] (row stride ldo too) unless copy is null.
+int columns(const uint16_t* x, int64_t ldx, const uint16_t* pairs, int64_t rows, int64_t k,
+            int64_t r, int64_t rp, uint16_t* copy, uint16_t* low, int64_t ldo, int threads) {
+  if (rows < 0 || k <= 0 || r <= 0 || rp % 16 || rp < r || ldx < k || ldo < r) return 1;
   // Each thread one even share of the rows (a decode step's 128 rows: 64 and 64), in blocks
   // sized to the outputs' vectors: tasks of whole blocks left one thread 72 rows to 56.
   #pragma omp parallel num_threads(threads) if (rows * (k + r) >= 16384)
   {
     const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
     const int64_t begin = rows * part / parts, end = rows * (part + 1) / parts;
-    for (int64_t i = begin; i < end; ++i)
-      std::memcpy(out + i * ldo, x + i * ldx, k * sizeof(uint16_t));
+    if (copy != nullptr)
+      for (int64_t i = begin; i < end; ++i)
+        std::memcpy(copy + i * ldo, x + i * ldx, k * sizeof(uint16_t));
     for (int64_t n0 = 0; n0 < rp; n0 += 16 * kVectors) {
       const int vectors = (rp - n0) / 16 < kVectors ? int((rp - n0) / 16) : kVectors;
       const int64_t step = kAccumulators / vectors;
       for (int64_t i0 = begin; i0 < end; i0 += step) {
         const int64_t m = end - i0 < step ? end - i0 : step;
-        pick(m, vectors)(x + i0 * ldx, ldx, k, pairs, rp, n0, out + i0 * ldo + k, ldo, r - n0);
+        pick(m, vectors)(x + i0 * ldx, ldx, k, pairs, rp, n0, low + i0 * ldo, ldo, r - n0);
       }
+    }
+  }
+  return 0;
+}
+
+// Rows [0, MB) of a block: y[:, 16 J outputs from y] += low[:, col .. col + 2 pairs) @ up,
+// where up holds J vectors' weights, `pairs` pairs each ([J][pairs][16][2], vector-major);
+// the products summed in fp32, then y's own value, rounded to bf16 once.
+template <int MB, int J>
+void expand(const uint16_t* low, int64_t ldl, int64_t pairs, const uint16_t* up, uint16_t* y,
+            int64_t ldy) {
+  __m512 acc[MB][J];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < J; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh b[J];
+    for (int j = 0; j < J; ++j)
+      b[j] = (__m512bh)_mm512_loadu_si512(up + ((j * pairs + p) * 16) * 2);
+#pragma GCC unroll 24
+    for (int i = 0; i < MB; ++i) {
+      int32_t two;
+      std::memcpy(&two, low + i * ldl + 2 * p, sizeof(two));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(two);
+      for (int j = 0; j < J; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xb, b[j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < J; ++j) {
+      uint16_t* at = y + i * ldy + 16 * j;
+      const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)at));
+      const __m512 sum = _mm512_add_ps(acc[i][j], _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+      _mm256_storeu_si256((__m256i*)at, (__m256i)_mm512_cvtneps_pbh(sum));
+    }
+}
+
+using Expand = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, uint16_t*, int64_t);
+
+template <int J, int... M>
+constexpr std::array<Expand, sizeof...(M)> expands_of(std::integer_sequence<int, M...>) {
+  return {expand<M + 1, J>...};
+}
+template <int J>
+constexpr auto kExpands = expands_of<J>(std::make_integer_sequence<int, kAccumulators / J>{});
+
+Expand pick_expand(int64_t rows, int vectors) {
+  switch (vectors) {
+    case 1: return kExpands<1>[rows - 1];
+    case 2: return kExpands<2>[rows - 1];
+    case 3: return kExpands<3>[rows - 1];
+    default: return kExpands<4>[rows - 1];
+  }
+}
+
+}  // namespace
+
+// x [rows, k] (row stride ldx, elements), pairs [ceil(k / 2), rp, 2], out [rows, k + r]
+// contiguous: out[:, :k] = x, out[:, k:] = x @ A.T rounded to bf16. rp: r rounded up to 16.
+extern "C" int lora_columns_bf16(const uint16_t* x, int64_t ldx, const uint16_t* pairs,
+                                 int64_t rows, int64_t k, int64_t r, int64_t rp, uint16_t* out,
+                                 int threads) {
+  return columns(x, ldx, pairs, rows, k, r, rp, out, out + k, k + r, threads);
+}
+
+// The LoRA part alone: low [rows, r] (row stride ldo) = x @ A.T rounded to bf16, the same
+// values as lora_columns_bf16's last r columns (a step of several keys adds each key's
+// product to its rows' part of the shared base output, lora/segments.py).
+extern "C" int lora_low_bf16(const uint16_t* x, int64_t ldx, const uint16_t* pairs,
+                             int64_t rows, int64_t k, int64_t r, int64_t rp, uint16_t* low,
+                             int64_t ldo, int threads) {
+  return columns(x, ldx, pairs, rows, k, r, rp, nullptr, low, ldo, threads);
+}
+
+// One key's LoRA delta of a sibling group added to its rows of the group's base output, in
+// one call (lora/segments.py): low = x @ A.T rounded to bf16, as lora_low_bf16 makes it (A:
+// the group's stacked down-projections, pairs [ceil(k / 2), rp, 2], r outputs), then
+// y[:, 16 v .. 16 v + 16) += low[:, col[v] .. col[v] + rank) @ up[v] for each output vector v
+// with col[v] >= 0: each member's outputs read its own rank columns of low, no zero blocks.
+// up [vectors, ceil(rank / 2), 16, 2]: vector v's weights (scale * B of its member, zeros
+// past rank), pair by pair. Each output summed in fp32, y's value added last, rounded once.
+// y [rows, 16 vectors] (row stride ldy). Rows, then output vectors, run in parallel; a row's
+// values depend on that row alone.
+extern "C" int lora_delta_bf16(const uint16_t* x, int64_t ldx, const uint16_t* pairs,
+                               int64_t rows, int64_t k, int64_t r, int64_t rp,
+                               const uint16_t* up, const int64_t* col, int64_t rank,
+                               int64_t vectors, uint16_t* y, int64_t ldy, int threads) {
+  if (rows < 0 || k <= 0 || r <= 0 || rp % 16 || rp < r || ldx < k) return 1;
+  if (rank <= 0 || vectors <= 0 || ldy < 16 * vectors) return 1;
+  for (int64_t v = 0; v < vectors; ++v)
+    if (col[v] >= 0 && col[v] + rank > r) return 1;
+  const int64_t half = (rank + 1) / 2;
+  // low's rows: rp columns and 16 of zeros, so that an odd rank's last pair reads a zero
+  const int64_t ldl = rp + 16;
+  std::vector<uint16_t> low(static_cast<size_t>(rows * ldl));  // (zeros: past r never written)
+  #pragma omp parallel num_threads(threads) if (rows * (k + 16 * vectors) >= 16384)
+  {
+    const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
+    // low, each thread an even share of the rows
+    const int64_t begin = rows * part / parts, end = rows * (part + 1) / parts;
+    for (int64_t n0 = 0; n0 < rp; n0 += 16 * kVectors) {
+      const int vecs = (rp - n0) / 16 < kVectors ? int((rp - n0) / 16) : kVectors;
+      const int64_t step = kAccumulators / vecs;
+      for (int64_t i0 = begin; i0 < end; i0 += step) {
+        const int64_t m = end - i0 < step ? end - i0 : step;
+        pick(m, vecs)(x + i0 * ldx, ldx, k, pairs, rp, n0, low.data() + i0 * ldl, ldl, r - n0);
+      }
+    }
+    #pragma omp barrier
+    // the sums into y, each thread an even share of the output vectors for every row: each
+    // vector's weights are read once (a head's 49,152 outputs: 3 MB a key), y's parts once
+    const int64_t first = vectors * part / parts, last = vectors * (part + 1) / parts;
+    for (int64_t v0 = first; v0 < last;) {  // runs of up to 4 vectors reading the same columns
+      if (col[v0] < 0) {
+        ++v0;
+        continue;
+      }
+      int vecs = 1;
+      while (vecs < kVectors && v0 + vecs < last && col[v0 + vecs] == col[v0]) ++vecs;
+      const int64_t step = kAccumulators / vecs;
+      for (int64_t i0 = 0; i0 < rows; i0 += step) {
+        const int64_t m = rows - i0 < step ? rows - i0 : step;
+        pick_expand(m, vecs)(low.data() + i0 * ldl + col[v0], ldl, half, up + v0 * half * 32,
+                             y + i0 * ldy + 16 * v0, ldy);
+      }
+      v0 += vecs;
     }
   }
   return 0;

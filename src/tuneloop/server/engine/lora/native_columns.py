@@ -23,18 +23,47 @@ import torch
 
 from tuneloop.server.engine import native
 
-__all__ = ["DownPairs", "available", "extend", "native_kernel", "pack"]
+__all__ = [
+    "DownPairs",
+    "UpVectors",
+    "add_delta",
+    "available",
+    "delta_kernel",
+    "extend",
+    "low",
+    "low_kernel",
+    "native_kernel",
+    "pack",
+    "pack_up",
+]
 
 SOURCE = Path(__file__).with_name("lora_columns_avx512.cpp")
 _NEEDS = ("avx512f", "avx512_bf16")
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 # x, ldx, pairs; rows, k, r, rp; out; threads
 _SIGNATURE = (_POINTER, _SIZE, _POINTER, *[_SIZE] * 4, _POINTER, ctypes.c_int)
+# x, ldx, pairs; rows, k, r, rp; low, ldo; threads
+_LOW_SIGNATURE = (_POINTER, _SIZE, _POINTER, *[_SIZE] * 4, _POINTER, _SIZE, ctypes.c_int)
+# x, ldx, pairs; rows, k, r, rp; up, col, rank, vectors; y, ldy; threads
+_DELTA_SIGNATURE = (
+    _POINTER, _SIZE, _POINTER, *[_SIZE] * 4, _POINTER, _POINTER, _SIZE, _SIZE, _POINTER, _SIZE,
+    ctypes.c_int,
+)  # fmt: skip
 
 
 def native_kernel() -> Any:
     """The library's entry point (`_SIGNATURE`), or None where it cannot be built."""
     return native.function(SOURCE, "lora_columns_bf16", _SIGNATURE, ctypes.c_int, _NEEDS)
+
+
+def low_kernel() -> Any:
+    """The entry point of the LoRA part alone (`_LOW_SIGNATURE`), or None."""
+    return native.function(SOURCE, "lora_low_bf16", _LOW_SIGNATURE, ctypes.c_int, _NEEDS)
+
+
+def delta_kernel() -> Any:
+    """The entry point of a key's delta added to its rows (`_DELTA_SIGNATURE`), or None."""
+    return native.function(SOURCE, "lora_delta_bf16", _DELTA_SIGNATURE, ctypes.c_int, _NEEDS)
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -66,15 +95,46 @@ def pack(a: torch.Tensor) -> DownPairs:
     return DownPairs(pairs, rank, k)
 
 
+@dataclass(frozen=True)
+class UpVectors:
+    """A group's up-projections for `lora_delta_bf16`: `vectors` [V, ceil(rank / 2), 16, 2],
+    output vector v's weights (16 outputs of one member) pair by pair, and `col` [V] int64,
+    the first of that member's `rank` columns in the stacked down-projections' product (-1:
+    the member has no delta)."""
+
+    vectors: torch.Tensor
+    col: torch.Tensor
+    rank: int
+
+
+def pack_up(
+    sizes: list[int], ups: list[torch.Tensor | None], dtype: torch.dtype
+) -> UpVectors | None:
+    """Each member's scale * B [sizes[i], rank] (None: no delta) in the delta kernel's layout,
+    their columns of the product in the order given, or None where the kernel does not take
+    them: one rank for every member with a delta, each member's outputs a multiple of 16."""
+    found = [u for u in ups if u is not None]
+    if not found or len({u.shape[1] for u in found}) != 1 or any(n % 16 for n in sizes):
+        return None
+    rank = found[0].shape[1]
+    half = -(-rank // 2)
+    blocks: list[torch.Tensor] = []
+    cols: list[int] = []
+    seen = 0  # members with a delta before this one: its columns follow theirs
+    for n, u in zip(sizes, ups, strict=True):
+        padded = torch.zeros((n, 2 * half), dtype=dtype)
+        if u is not None:
+            padded[:, :rank] = u.detach()
+        # [n, 2 half] -> [n / 16, 16, half, 2] -> [n / 16, half, 16, 2]
+        blocks.append(padded.view(-1, 16, half, 2).transpose(1, 2).contiguous())
+        cols += [seen * rank if u is not None else -1] * (n // 16)
+        seen += u is not None
+    return UpVectors(torch.cat(blocks), torch.tensor(cols, dtype=torch.int64), rank)
+
+
 def extend(x: torch.Tensor, down: DownPairs) -> torch.Tensor:
     """[x | x @ A.T] for x [rows, K] bf16 (its last dimension contiguous), [rows, K + R]."""
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
-        raise ValueError("the LoRA columns kernel takes 2-D bf16 CPU inputs")
-    if x.shape[1] != down.in_features:
-        shape = f"[{down.rank}, {down.in_features}]"
-        raise ValueError(f"inputs of {x.shape[1]} features for a {shape} down-projection")
-    if x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1]):
-        x = x.contiguous()
+    x = _checked(x, down)
     kernel = native_kernel()
     assert kernel is not None, "extend is used where available() holds"
     rows, k = x.shape
@@ -93,3 +153,74 @@ def extend(x: torch.Tensor, down: DownPairs) -> torch.Tensor:
     if code:
         raise ValueError("the LoRA columns kernel refused its shapes")
     return out
+
+
+def low(x: torch.Tensor, down: DownPairs) -> torch.Tensor:
+    """x @ A.T alone, [rows, R] for x [rows, K] bf16: `extend`'s last R columns, the same
+    values, without the copy of x."""
+    x = _checked(x, down)
+    kernel = low_kernel()
+    assert kernel is not None, "low is used where available() holds"
+    rows, k = x.shape
+    out = torch.empty((rows, down.rank), dtype=x.dtype)
+    code = kernel(
+        x.data_ptr(),
+        x.stride(0) if rows > 1 else k,
+        down.pairs.data_ptr(),
+        rows,
+        k,
+        down.rank,
+        down.pairs.shape[1],
+        out.data_ptr(),
+        down.rank,
+        torch.get_num_threads(),
+    )
+    if code:
+        raise ValueError("the LoRA columns kernel refused its shapes")
+    return out
+
+
+def _checked(x: torch.Tensor, down: DownPairs) -> torch.Tensor:
+    """x as the kernel reads it (rows strided, features contiguous), or ValueError."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        raise ValueError("the LoRA columns kernel takes 2-D bf16 CPU inputs")
+    if x.shape[1] != down.in_features:
+        shape = f"[{down.rank}, {down.in_features}]"
+        raise ValueError(f"inputs of {x.shape[1]} features for a {shape} down-projection")
+    if x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1]):
+        x = x.contiguous()
+    return x
+
+
+def add_delta(
+    y: torch.Tensor, x: torch.Tensor, down: DownPairs, up: UpVectors, start: int, end: int
+) -> None:
+    """y[start:end] += (x[start:end] @ A.T) @ the members' blocks of up, in place, for y [N,
+    outputs] (rows contiguous) and x [N, K] bf16 (`lora_delta_bf16`)."""
+    x = _checked(x, down)
+    kernel = delta_kernel()
+    assert kernel is not None, "add_delta is used where available() holds"
+    rows = end - start
+    if not 0 <= start <= end <= min(x.shape[0], y.shape[0]):
+        raise ValueError(f"rows [{start}, {end}) outside the step's {x.shape[0]}")
+    if y.stride(1) != 1 or y.shape[1] != 16 * up.col.shape[0] or y.dtype != x.dtype:
+        raise ValueError("the LoRA delta kernel takes bf16 outputs of its vectors' width")
+    size = x.element_size()
+    code = kernel(
+        x.data_ptr() + start * x.stride(0) * size,
+        x.stride(0) if rows > 1 else x.shape[1],
+        down.pairs.data_ptr(),
+        rows,
+        x.shape[1],
+        down.rank,
+        down.pairs.shape[1],
+        up.vectors.data_ptr(),
+        up.col.data_ptr(),
+        up.rank,
+        up.col.shape[0],
+        y.data_ptr() + start * y.stride(0) * size,
+        y.stride(0),
+        torch.get_num_threads(),
+    )
+    if code:
+        raise ValueError("the LoRA delta kernel refused its shapes")

@@ -17,6 +17,7 @@ import torch
 
 if TYPE_CHECKING:
     from tuneloop.server.engine.lora.fused import FusedLinear
+    from tuneloop.server.engine.lora.segments import KeyDeltas, Segment
 
 __all__ = ["LoneWeights", "Routing", "RoutingContext"]
 
@@ -43,6 +44,10 @@ class Routing:
     # The same for a decode step of several keys (`AdapterBank.shared_weights`): the layers'
     # base outputs from the base model's stacked, packed weights, each key's products added.
     shared: LoneWeights | None = None
+    # With `shared`, per run (start, end, its key's deltas: `AdapterBank.deltas`) where every
+    # key has them: each sibling group then adds its keys' deltas to its shared output
+    # (segments.py) instead of each layer's products. None: the products.
+    deltas: list[tuple[int, int, KeyDeltas]] | None = None
     # Sibling groups' outputs computed by their first member for one input and not yet taken
     # by the others (siblings.py): group id -> (the input, the outputs left).
     siblings: dict[int, tuple[torch.Tensor, list[torch.Tensor | None]]] = field(
@@ -53,6 +58,8 @@ class Routing:
     steps: bool = False
     # (tokens, device) -> per-token segment index, built once per routed block as well.
     _token_index: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    # Layer id -> its group's segments of `deltas`, built once per routed block.
+    _segments: dict[int, list[Segment]] = field(default_factory=dict)
 
     @classmethod
     def from_rows(cls, row_keys: Sequence[str | None]) -> Routing:
@@ -86,6 +93,34 @@ class Routing:
         """Each segment's size in tokens, for a flattened input of `tokens` tokens."""
         per_row = tokens // self.runs[-1][2]
         return [(end - start) * per_row for _, start, end in self.runs]
+
+    def use_deltas(self, tables: Sequence[KeyDeltas] | None) -> None:
+        """Set `deltas` from each run's key's table (None: the products), keeping the
+        segments built while the tables are the same objects."""
+        if tables is None:
+            self.deltas = None
+        else:
+            same = self.deltas is not None and len(self.deltas) == len(tables)
+            same = same and all(
+                held[2] is table for held, table in zip(self.deltas or [], tables, strict=False)
+            )
+            if same:
+                return
+            self.deltas = [
+                (start, end, table)
+                for (_, start, end), table in zip(self.runs, tables, strict=True)
+            ]
+        self._segments.clear()
+
+    def segments(self, layer: int) -> list[Segment]:
+        """The runs of `deltas` as segments of the layer's group (id `layer`): (start, end,
+        that key's delta of the group, None where it has none)."""
+        found = self._segments.get(layer)
+        if found is None:
+            assert self.deltas is not None, "segments are asked where deltas are set"
+            found = [(start, end, table.get(layer)) for start, end, table in self.deltas]
+            self._segments[layer] = found
+        return found
 
     def token_keys(self, tokens: int, device: torch.device) -> torch.Tensor:
         """Per token, the index of its key in `keys` ([tokens] int64, on `device`)."""
