@@ -12,6 +12,10 @@ noise hits all alike:
 - "mixed, own base weights": grouped, but each layer's base output from the model's own weight
   (`functional.linear`, what ran before `AdapterBank.shared_weights`) instead of the shared,
   sibling-stacked copy packed for the CPU's kernels;
+- "mixed, products per layer": grouped, on the shared copy, but each adapted layer's LoRA
+  products made by the layer (ops.add_lora, in the modules) instead of each key's delta added
+  per sibling group (lora/segments.py, `AdapterBank.deltas`; the lean loop takes those steps).
+"mixed" adds each key's delta per group;
 Per side the median of `--rounds` decode-step times (a call of `--new` tokens minus a call of
 2, per step) and its ratio to "lone". Prints the CPU model and the load.
 
@@ -61,18 +65,23 @@ def main() -> int:
         backend.sample(works)
         return time.perf_counter() - start
 
-    shared_weights = AdapterBank.shared_weights
+    shared_weights, deltas = AdapterBank.shared_weights, AdapterBank.deltas
 
-    def side(samplers: list[str], grouped: bool, shared: bool = True) -> Callable[[], float]:
+    def side(
+        samplers: list[str], grouped: bool, shared: bool = True, per_group: bool = True
+    ) -> Callable[[], float]:
         def measure() -> float:
             decoder._GROUP_BY_KEY = grouped
             if not shared:
                 AdapterBank.shared_weights = lambda self: None  # type: ignore[method-assign]
+            if not per_group:
+                AdapterBank.deltas = lambda self, key: None  # type: ignore[method-assign]
             try:
                 return (call(args.new, samplers) - call(2, samplers)) / (args.new - 2) * 1e3
             finally:
                 decoder._GROUP_BY_KEY = True
                 AdapterBank.shared_weights = shared_weights  # type: ignore[method-assign]
+                AdapterBank.deltas = deltas  # type: ignore[method-assign]
 
         return measure
 
@@ -81,6 +90,7 @@ def main() -> int:
         "mixed": side(names, True),
         "mixed, rows by request": side(names, False),
         "mixed, own base weights": side(names, True, shared=False),
+        "mixed, products per layer": side(names, True, per_group=False),
     }
     for measure in sides.values():  # warm-up: every path built once
         call(4, names[:1])

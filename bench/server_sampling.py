@@ -6,10 +6,13 @@ in flight at once), without the training columns before it, so a change to the s
 can be measured against the tree before it in minutes: each `--tree` (a source folder, e.g.
 a `git worktree`'s src) serves in its own server process, the trees take turns for
 `--pairs` turns, each turn one warm-up call and `--rounds` timed calls. Prints the CPU model,
-every call's tokens per second and each tree's median.
+every call's tokens per second and each tree's median. With `--tenants N`, N training clients
+each freeze a sampler of their own adapter and the prompts are dealt among them, all in flight
+at once: decode steps of N keys (tenants sampling together).
 
     git worktree add /tmp/before <commit>
     python bench/server_sampling.py --tree /tmp/before/src --tree src --pairs 3 --rounds 3
+    python bench/server_sampling.py --tree /tmp/before/src --tree src --tenants 2
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from engine import MODEL, TinkerColumn, corpus_text, cpu_model, drain, make_prompts
+from engine import MODEL, SEED, TinkerColumn, corpus_text, cpu_model, drain, make_prompts
 
 CHILD = "--child"
 
@@ -46,13 +49,30 @@ def _child(args: argparse.Namespace) -> None:
         with live_server(Path(data), *options, backend="torch", models=(MODEL,)) as server:
             tail: list[str] = []
             threading.Thread(target=drain, args=(server.process.stdout, tail), daemon=True).start()
-            client = TinkerColumn(server.url, server.key, server.process.pid, MODEL)
-            client.freeze_sampler()
-            client.sample(prompts, args.samples, 8)
+            pid = server.process.pid
+            clients = [
+                TinkerColumn(server.url, server.key, pid, MODEL) for _ in range(args.tenants)
+            ]
+            for client in clients:
+                client.freeze_sampler()
+            _sample(clients, prompts, args.samples, 8)
             for _ in range(args.rounds):
                 begin = time.perf_counter()
-                tokens = client.sample(prompts, args.samples, args.new_tokens)
+                tokens = _sample(clients, prompts, args.samples, args.new_tokens)
                 print(f"RESULT {tokens / (time.perf_counter() - begin):.1f}", flush=True)
+
+
+def _sample(clients: list[TinkerColumn], prompts: list[list[int]], n: int, new: int) -> int:
+    """Prompt i through sampler i mod len(clients), every request in flight at once."""
+    if len(clients) == 1:
+        return clients[0].sample(prompts, n, new)
+    futures = []
+    for index, prompt in enumerate(prompts):
+        client = clients[index % len(clients)]
+        params = client.types.SamplingParams(max_tokens=new, stop=[], temperature=1.0, seed=SEED)
+        model_input = client.types.ModelInput.from_ints(prompt)
+        futures.append(client.sampler.sample(model_input, n, params))  # type: ignore[attr-defined]
+    return sum(len(s.tokens) for f in futures for s in f.result().sequences)
 
 
 def main() -> int:
@@ -62,6 +82,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="timed calls per turn")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument(
+        "--tenants", type=int, default=1, help="LoRA samplers, the prompts dealt among them"
+    )
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--cache-dir", default="~/.cache/tuneloop")
@@ -75,7 +98,7 @@ def main() -> int:
     rates: dict[str, list[float]] = {tree: [] for tree in trees}
     forwarded = ["--rounds", str(args.rounds), "--dtype", args.dtype]
     forwarded += ["--prompts", str(args.prompts), "--samples", str(args.samples)]
-    forwarded += ["--new-tokens", str(args.new_tokens)]
+    forwarded += ["--new-tokens", str(args.new_tokens), "--tenants", str(args.tenants)]
     forwarded += ["--cache-dir", args.cache_dir]
     for _ in range(args.pairs):
         for tree in trees:

@@ -83,9 +83,19 @@ def peft_targets(keys: Collection[str]) -> tuple[list[str], list[str]]:
 MERGED_SHARE = 0.25
 
 
-def _fresh(table: LoneWeights) -> bool:
-    """Whether no base weight copied into `table`'s groups changed in place since."""
-    return all(group.fresh for group, _ in table.values())
+# The base weights copied into a table's groups, with their versions then (`FusedLinear.versions`).
+_Versions = list[tuple[torch.Tensor, int]]
+
+
+def _versions(table: LoneWeights) -> _Versions:
+    groups = {id(group): group for group, _ in table.values()}
+    return [pair for group in groups.values() for pair in group.versions]
+
+
+def _fresh(versions: _Versions) -> bool:
+    """Whether no base weight copied into a table changed in place since (asked twice a
+    decode step: one flat list, where each layer's group asked in turn cost ~1 ms a step)."""
+    return all(weight._version == version for weight, version in versions)
 
 
 class AdapterBank:
@@ -98,9 +108,10 @@ class AdapterBank:
         self._slot_of = injected.slot_of  # shared with every layer
         self._trainable: set[str] = set()
         # One key's decode weights (`lone_weights`), kept while it is sampled alone.
-        self._lone: tuple[tuple[str | None, bool], LoneWeights] | None = None
+        self._lone: tuple[tuple[str | None, bool], LoneWeights, _Versions] | None = None
         self._refused: tuple[str | None, bool] | None = None  # too large for free memory
         self._shared: LoneWeights | None = None  # the base weights of steps of several keys
+        self._shared_versions: _Versions = []
         self._refused_shared = False
         # Per frozen key, its version and its groups' deltas for steps of several keys.
         self._deltas: dict[str, tuple[int, KeyDeltas]] = {}
@@ -271,14 +282,14 @@ class AdapterBank:
         if self._refused == (key, merge):
             return None
         held = self._lone  # (its freshness is read only when it is the one asked for)
-        if held is not None and held[0] == (key, merge) and _fresh(held[1]):
+        if held is not None and held[0] == (key, merge) and _fresh(held[2]):
             return held[1]
         self._lone = None  # the previous key's go first: never two copies of a key's at once
         table = self._build(key, merge)
         if table is None:
             self._refused = (key, merge)  # asked every step: not measured again until freed
             return None
-        self._lone = ((key, merge), table)
+        self._lone = ((key, merge), table, _versions(table))
         return table
 
     def shared_weights(self) -> LoneWeights | None:
@@ -290,15 +301,16 @@ class AdapterBank:
         server alternates between steps of one tenant and steps of several) until
         `release_lone`; None where it is not made."""
         held = self._lone
-        if held is not None and held[0][0] is None and _fresh(held[1]):
+        if held is not None and held[0][0] is None and _fresh(held[2]):
             return held[1]  # the base model's own lone copy is the same weights
         shared = self._shared
-        if shared is not None and _fresh(shared):
+        if shared is not None and _fresh(self._shared_versions):
             return shared
         self._shared = None
         if self._refused_shared:
             return None
         self._shared = self._build(None, False, packed_only=True)
+        self._shared_versions = _versions(self._shared) if self._shared else []
         self._refused_shared = self._shared is None
         return self._shared
 

@@ -179,6 +179,11 @@ class FusedLinear:
         return cls(packed.pack(weight), bias, a_all, sizes, versions)
 
     @property
+    def versions(self) -> list[tuple[torch.Tensor, int]]:
+        """The base weights copied, each with its version (`_version`) when it was copied."""
+        return list(self._versions)
+
+    @property
     def fresh(self) -> bool:
         """Whether no copied base weight changed in place since the group was built."""
         return all(w._version == v for w, v in self._versions)
