@@ -15,6 +15,14 @@ EOS = 258
 ADAM = (1e-2, 0.9, 0.999, 1e-8, 0.0, 0.0)
 
 
+def packed_for_kernels(weight: Any) -> bool:
+    """Whether a decode copy's weight is laid out for a CPU kernel: packed for oneDNN, or in
+    the native linear kernel's blocks (native_linear.py)."""
+    from tuneloop.server.engine.native_linear import NativeWeight
+
+    return isinstance(weight, NativeWeight) or bool(weight.is_mkldnn)
+
+
 def _torch_ready() -> bool:
     try:
         import torch  # noqa: F401

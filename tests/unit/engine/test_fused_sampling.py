@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 from torch import nn  # noqa: E402
 
-from tests.unit.engine.conftest import TINY, bank, ok  # noqa: E402
+from tests.unit.engine.conftest import TINY, bank, ok, packed_for_kernels  # noqa: E402
 from tests.unit.engine.test_merged_sampling import _trained  # noqa: E402
 from tests.unit.engine.test_sampler import prompt, sequence_logprobs, sw  # noqa: E402
 from tuneloop.server.engine import packed  # noqa: E402
@@ -199,7 +199,7 @@ def test_bf16_weights_sample_on_fused_weights_where_the_cpu_packs_them(
     if native:
         held = bank(be).lone_weights("sA")
         assert held
-        assert all(g.weight.is_mkldnn for g, _ in held.values())
+        assert all(packed_for_kernels(g.weight) for g, _ in held.values())
         assert any(g.a is not None for g, _ in held.values())  # the delta in columns
     be.fuse_lone_key = False
     products[0] = 0

@@ -109,7 +109,9 @@ def _lone_sampler(tmp_path: Path, dtype: torch.dtype) -> TorchBackend:
 def _packed_then_plain(
     be: TorchBackend, monkeypatch: pytest.MonkeyPatch, merge: bool
 ) -> tuple[Any, Any]:
-    """A lone snapshot's samples on its packed copy, then on a plain one (`packable` off)."""
+    """A lone snapshot's samples on its packed copy, then on a plain one (`packable` off);
+    oneDNN's packing, not the native linear kernel's layout (test_native_linear.py)."""
+    monkeypatch.setenv("TUNELOOP_NATIVE_LINEAR", "0")
     works = [sw("sA", prompt(5, 1), num_samples=3, seed=4, max_tokens=10)]
     got = ok(be.sample(works)[0])
     weights = bank(be).lone_weights("sA", merge=merge)

@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.unit.engine.conftest import TINY, bank, ok  # noqa: E402
+from tests.unit.engine.conftest import TINY, bank, ok, packed_for_kernels  # noqa: E402
 from tests.unit.engine.test_merged_sampling import _trained  # noqa: E402
 from tests.unit.engine.test_sampler import prompt, sw  # noqa: E402
 from tuneloop.server.engine import packed  # noqa: E402
@@ -65,7 +65,7 @@ def test_steps_of_two_adapters_run_the_base_on_the_shared_packed_copy(
     shared = bank(be)._shared
     assert shared
     groups = {id(g): g for g, _ in shared.values()}
-    assert all(g.weight.is_mkldnn and g.a is None for g in groups.values())
+    assert all(packed_for_kernels(g.weight) and g.a is None for g in groups.values())
     assert any(len(g.sizes) == 3 for g in groups.values())  # q/k/v as one
     head = be._runtimes[TINY].model.get_output_embeddings()
     assert id(head) in shared  # the head's base part too

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from tuneloop.server.engine import compiled, gated_mlp, rotary
+from tuneloop.server.engine import compiled, gated_mlp, native_linear, rotary
 from tuneloop.server.engine.kv import kv_write, native_decode
 from tuneloop.server.engine.kv.paged_attention import PagedStep, paged_attention_forward
 from tuneloop.server.engine.lora import native_columns
@@ -42,6 +42,7 @@ from tuneloop.server.engine.lora.linear import LoRALinear
 from tuneloop.server.engine.lora.native_columns import DownPairs
 from tuneloop.server.engine.lora.routing import Routing
 from tuneloop.server.engine.lora.segments import Segment, add
+from tuneloop.server.engine.native_linear import NativeWeight
 
 __all__ = ["LayerWeights", "Plan", "plan", "run"]
 
@@ -89,6 +90,7 @@ class _Kernels:
     write: Any
     silu: Any
     attend: Any
+    linear: Any  # (None where the native linear kernel is not built: no NativeWeight then)
 
 
 class Plan:
@@ -188,8 +190,9 @@ def plan(model: nn.Module) -> Plan | None:
         kv_write.native_kernel(),
         gated_mlp.native_kernel(),
         native_decode.native_kernel(),
+        native_linear.native_kernel(),
     )
-    if any(k is None for k in vars(kernels).values()):
+    if any(k is None for name, k in vars(kernels).items() if name != "linear"):
         return None
     if not native_decode.available(heads, kv_heads, dim, dim, weight.dtype, weight.device):
         return None
@@ -336,10 +339,20 @@ def run(
             if code:
                 raise ValueError("the LoRA columns kernel refused its shapes")
             x = extended
-        if group.weight.is_mkldnn:
-            y = linear(x, group.weight, group.bias, "none", [], "")
+        weight = group.weight
+        if isinstance(weight, NativeWeight):  # (native_linear.linear's call, made here)
+            y = torch.empty((rows, weight.out_features), dtype=x.dtype)
+            bias = _ptr(weight.bias) if weight.bias is not None else None
+            code = k.linear(
+                _ptr(x), x.stride(0), rows, x.shape[1], _ptr(weight.blocks), bias,
+                weight.out_features, _ptr(y), weight.out_features, threads,
+            )  # fmt: skip
+            if code:
+                raise ValueError("the native linear kernel refused its shapes")
+        elif weight.is_mkldnn:
+            y = linear(x, weight, group.bias, "none", [], "")
         else:
-            y = functional.linear(x, group.weight, group.bias)
+            y = functional.linear(x, weight, group.bias)
         return add(y, plain, segments) if segments else y  # (FusedLinear's sum, in its order)
 
     for layer, w in zip(plan.layers, weights, strict=True):

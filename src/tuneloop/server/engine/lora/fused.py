@@ -15,7 +15,9 @@ matmul per group of siblings, with the delta kept exact:
   products are made in the same matmul, summed in fp32 with the base's, and rounded once, as
   a training pass's one-adapter node does (ops.py).
 
-The stacked weight is packed for oneDNN once (packed.py). The first sibling called with an
+The stacked weight is packed once: for oneDNN (packed.py), or at bf16 on a CPU with AVX512-BF16
+and no AMX in the native linear kernel's layout, its bias with it (native_linear.py). The first
+sibling called with an
 input computes every sibling's output; the others take theirs while the input is the same
 tensor (any other input computes the group again, so a wrong guess of siblings costs time,
 never values).
@@ -28,10 +30,11 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from tuneloop.server.engine import packed
+from tuneloop.server.engine import native_linear, packed
 from tuneloop.server.engine.lora import native_columns
 from tuneloop.server.engine.lora.native_columns import DownPairs
 from tuneloop.server.engine.lora.segments import Segment, add
+from tuneloop.server.engine.native_linear import NativeWeight
 
 __all__ = ["SIBLINGS", "FusedLinear", "fusable", "plain_frozen", "sibling_groups", "take"]
 
@@ -103,13 +106,14 @@ def take(
 
 
 class FusedLinear:
-    """One group of sibling linears for one key: the stacked (and maybe packed) weight
-    [sum of outputs, in + LoRA columns], the stacked down-projections A [LoRA columns, in]
-    (None: no LoRA columns; `DownPairs`: for the native kernel) and the outputs' sizes."""
+    """One group of sibling linears for one key: the stacked (and maybe packed, or a
+    `NativeWeight` holding the bias too) weight [sum of outputs, in + LoRA columns], the
+    stacked down-projections A [LoRA columns, in] (None: no LoRA columns; `DownPairs`: for
+    the native kernel) and the outputs' sizes."""
 
     def __init__(
         self,
-        weight: torch.Tensor,
+        weight: torch.Tensor | NativeWeight,
         bias: torch.Tensor | None,
         a: torch.Tensor | DownPairs | None,
         sizes: list[int],
@@ -176,6 +180,8 @@ class FusedLinear:
         elif downs:
             a_all = packed.pack(torch.cat(downs))
         versions = [(base.weight, base.weight._version) for base in bases]
+        if native_linear.available(weight):  # (the bias goes into the kernel's sums)
+            return cls(native_linear.pack(weight, bias), None, a_all, sizes, versions)
         return cls(packed.pack(weight), bias, a_all, sizes, versions)
 
     @property
@@ -191,8 +197,10 @@ class FusedLinear:
     @property
     def nbytes(self) -> int:
         down = self.a.pairs if isinstance(self.a, DownPairs) else self.a
-        tensors = [self.weight, self.bias, down]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        weight = self.weight
+        tensors = [self.bias, down] + ([] if isinstance(weight, NativeWeight) else [weight])
+        size = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return size + (weight.nbytes if isinstance(weight, NativeWeight) else 0)
 
     def output(
         self, index: int, x: torch.Tensor, segments: Sequence[Segment] | None = None
@@ -212,7 +220,10 @@ class FusedLinear:
             flat = native_columns.extend(flat, self.a)
         elif self.a is not None:
             flat = torch.cat([flat, packed.linear(flat, self.a, None)], dim=1)
-        y = packed.linear(flat, self.weight, self.bias)
+        if isinstance(self.weight, NativeWeight):
+            y = native_linear.linear(flat, self.weight)
+        else:
+            y = packed.linear(flat, self.weight, self.bias)
         if segments:
             y = add(y, plain, segments)
         lead = x.shape[:-1]

@@ -1,0 +1,150 @@
+"""The native linear kernel against oneDNN's packed weights, in a bf16 decode step (measured).
+
+Two parts, each alternating the two sides round by round so that machine noise hits both
+alike, and printing the CPU model, the load and its measured peaks' context:
+- "linears": the 121 linears of a SmolLM2-135M decode step (q/k/v with rank-32 LoRA columns,
+  o, gate/up, down, the head), each layer's weights distinct so that they stream from memory
+  as in a step, through `native_linear.linear` and through `mkldnn._linear_pointwise` on
+  oneDNN's packed weights, at several row counts: ms a step and GB/s of weights read;
+- "steps": one in-process `TorchBackend` (bench/engine.py's adapter, a snapshot sampler), a
+  decode step's time (a call of `--new` tokens minus a call of 2, per step) with the lone
+  copy's weights in the kernel's layout and with `TUNELOOP_NATIVE_LINEAR=0` (oneDNN's), at
+  1, 4, 32 and 128 rows.
+
+    python bench/native_linear.py [--rounds 3] [--new 34] [--part linears|steps|both]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine import DTYPES, MODEL, SEED, adapted_backend, cpu_model, random_prompts
+
+# SmolLM2-135M's decode groups: (outputs, inputs with the LoRA columns), 30 layers, the head
+SHAPES = [(960, 576 + 96), (576, 576 + 32), (3072, 576 + 64), (576, 1536 + 32)]
+HEAD = (49152, 576 + 32)
+LAYERS = 30
+
+
+def _time(run: Callable[[], object], repeat: int) -> float:
+    run()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        run()
+    return (time.perf_counter() - start) / repeat
+
+
+def linears(rounds: int) -> None:
+    from tuneloop.server.engine import native_linear
+
+    gen = torch.Generator().manual_seed(SEED)
+    plain = [
+        [torch.randn(n, k, generator=gen).bfloat16() for n, k in SHAPES] for _ in range(LAYERS)
+    ]
+    head = torch.randn(*HEAD, generator=gen).bfloat16()
+    ours = [[native_linear.pack(w) for w in ws] for ws in plain]
+    ours_head = native_linear.pack(head)
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    theirs = [[reorder(w) for w in ws] for ws in plain]
+    theirs_head = reorder(head)
+    del plain, head
+    read = (sum(n * k for n, k in SHAPES) * LAYERS + HEAD[0] * HEAD[1]) * 2
+    pointwise = torch.ops.mkldnn._linear_pointwise
+    print(f"linears of a decode step: {read / 1e6:.0f} MB of bf16 weights")
+    print("rows | native ms | GB/s | oneDNN ms | GB/s | oneDNN / native")
+    for rows in (1, 2, 4, 8, 16, 32, 128):
+        xs = [torch.randn(rows, k, generator=gen).bfloat16() for _, k in SHAPES]
+        xh = torch.randn(rows, HEAD[1], generator=gen).bfloat16()
+
+        def native_step(xs: list[torch.Tensor] = xs, xh: torch.Tensor = xh) -> None:
+            for layer in ours:
+                for w, x in zip(layer, xs, strict=True):
+                    native_linear.linear(x, w)
+            native_linear.linear(xh, ours_head)
+
+        def onednn_step(xs: list[torch.Tensor] = xs, xh: torch.Tensor = xh) -> None:
+            for layer in theirs:
+                for w, x in zip(layer, xs, strict=True):
+                    pointwise(x, w, None, "none", [], "")
+            pointwise(xh, theirs_head, None, "none", [], "")
+
+        repeat = 8 if rows <= 32 else 3
+        a, b = [], []
+        for _ in range(rounds):
+            a.append(_time(native_step, repeat))
+            b.append(_time(onednn_step, repeat))
+        na, nb = statistics.median(a), statistics.median(b)
+        print(
+            f"{rows:4d} | {na * 1e3:8.2f} | {read / na / 1e9:5.1f} | {nb * 1e3:8.2f} | "
+            f"{read / nb / 1e9:5.1f} | {nb / na:.2f}x",
+            flush=True,
+        )
+
+
+def steps(rounds: int, new: int) -> None:
+    from tuneloop.server.engine import types as t
+
+    backend = adapted_backend(DTYPES["bfloat16"])
+    backend.create_sampler("s", MODEL, adapter_id="a")
+    [runtime] = backend._runtimes.values()
+    prompts = random_prompts()
+
+    def call(tokens: int, count: int, samples: int) -> float:
+        works = [
+            t.SampleWork("s", p, samples, tokens, 1.0, -1, 1.0, SEED, (), ())
+            for p in prompts[:count]
+        ]
+        start = time.perf_counter()
+        backend.sample(works)
+        return time.perf_counter() - start
+
+    def side(native: bool, count: int, samples: int) -> float:
+        os.environ["TUNELOOP_NATIVE_LINEAR"] = "1" if native else "0"
+        runtime.bank.release_lone()  # the lone copy made again in this side's layout
+        call(2, count, samples)
+        return (call(new, count, samples) - call(2, count, samples)) / (new - 2)
+
+    print("rows | native ms a step | oneDNN ms a step | oneDNN / native")
+    for count, samples in ((1, 1), (1, 4), (8, 4), (32, 4)):
+        a, b = [], []
+        for _ in range(rounds):
+            a.append(side(True, count, samples))
+            b.append(side(False, count, samples))
+        na, nb = statistics.median(a), statistics.median(b)
+        rows = count * samples
+        print(f"{rows:4d} | {na * 1e3:8.2f} | {nb * 1e3:8.2f} | {nb / na:.2f}x", flush=True)
+    os.environ.pop("TUNELOOP_NATIVE_LINEAR", None)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--new", type=int, default=34, help="new tokens per timed call")
+    parser.add_argument("--part", choices=["linears", "steps", "both"], default="both")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from tuneloop.server.engine import native, native_linear
+
+    flags = "amx" if "amx_bf16" in native.cpu_flags() else "no amx"
+    print(f"cpu: {cpu_model()} ({flags})  threads {args.threads}  load {os.getloadavg()}")
+    if native_linear.native_kernel() is None:
+        print("the native linear kernel is not built on this CPU (it needs AVX512-BF16)")
+        return 1
+    if args.part in ("linears", "both"):
+        linears(args.rounds)
+    if args.part in ("steps", "both"):
+        steps(args.rounds, args.new)
+    print("load:", os.getloadavg())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

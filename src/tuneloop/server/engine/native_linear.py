@@ -1,0 +1,127 @@
+"""Decode weights in a layout of our own, multiplied by one C++ kernel, on CPUs with AVX512-BF16 and
+no AMX.
+
+A sampling step's linears run on weights made once for it (lora/fused.py): packed for
+oneDNN's bf16 kernel (packed.py) by default. On an AVX-512-BF16 EPYC that kernel read a
+decode step's weights at 21-24 GB/s at 1-8 rows, where the cores read 37 GB/s, so a step of
+a few rows (one user's chat, a short eval) was slower than the memory allows.
+`linear_avx512.cpp` on its own layout ("blocks": 64 outputs' weights for each input pair in
+one 256-byte run, a block one stream) read them at 27-33 GB/s there, and matched oneDNN at 32
+and 128 rows (93 % of the host's measured bf16 peak at 128; bench/native_linear.py,
+docs/benchmarks.md). The blocks replace the packed copy, so they cost no memory beyond it.
+
+Where the CPU has AMX, oneDNN's kernel runs on the AMX tiles, several times this kernel's
+arithmetic: the packed layout stays there. `TUNELOOP_NATIVE_LINEAR=0` keeps it everywhere.
+Another kernel, so its sums round differently from oneDNN's (a bf16 step in a few outputs);
+the modules and the lean loop (decode_layers.py) make the same calls, so they agree bit for
+bit with each other.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tuneloop.server.engine import native
+
+__all__ = ["NativeWeight", "available", "linear", "native_kernel", "pack"]
+
+SOURCE = Path(__file__).with_name("linear_avx512.cpp")
+_NEEDS = ("avx512f", "avx512_bf16")
+_POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
+# x, ldx, rows, k, w, bias, n, y, ldy, threads
+_SIGNATURE = (
+    _POINTER, _SIZE, _SIZE, _SIZE, _POINTER, _POINTER, _SIZE, _POINTER, _SIZE, ctypes.c_int,
+)  # fmt: skip
+_BLOCK = 64  # outputs a block
+
+
+def native_kernel() -> Any:
+    """The library's entry point (`_SIGNATURE`), or None where it cannot be built."""
+    return native.function(SOURCE, "linear_bf16", _SIGNATURE, ctypes.c_int, _NEEDS)
+
+
+def _takes(weight: torch.Tensor) -> bool:
+    """Whether `pack` takes `weight`: a 2-D bf16 CPU tensor, the kernel built."""
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return False
+    return native_kernel() is not None
+
+
+def available(weight: torch.Tensor) -> bool:
+    """Whether decode weights like `weight` go in the kernel's layout: `pack` takes it, the
+    CPU has no AMX, and TUNELOOP_NATIVE_LINEAR is not 0."""
+    if os.environ.get("TUNELOOP_NATIVE_LINEAR", "1") == "0":
+        return False
+    if "amx_bf16" in native.cpu_flags():
+        return False  # (oneDNN's kernel on the AMX tiles)
+    return _takes(weight)
+
+
+@dataclass(frozen=True)
+class NativeWeight:
+    """A weight [N, K] (and its bias) in the kernel's layout: `blocks` [ceil(N / 64), ceil(K /
+    2), 64, 2] bf16, zeros past N and K; `bias` [ceil(N / 64) * 64] fp32 or None."""
+
+    blocks: torch.Tensor
+    bias: torch.Tensor | None
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [t for t in (self.blocks, self.bias) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> NativeWeight:
+    """`weight` [N, K] bf16 (and `bias` [N]) in the kernel's layout."""
+    if not _takes(weight):
+        raise ValueError("the native linear kernel takes a 2-D bf16 CPU weight (AVX512-BF16)")
+    n, k = weight.shape
+    nb, kp = -(-n // _BLOCK), -(-k // 2)
+    padded = torch.zeros((nb * _BLOCK, 2 * kp), dtype=weight.dtype)
+    padded[:n, :k] = weight.detach()
+    # [nb * 64, 2 kp] -> [nb, 64, kp, 2] -> [nb, kp, 64, 2]
+    blocks = padded.view(nb, _BLOCK, kp, 2).transpose(1, 2).contiguous()
+    wide = None
+    if bias is not None:
+        wide = torch.zeros(nb * _BLOCK, dtype=torch.float32)
+        wide[:n] = bias.detach().float()
+    return NativeWeight(blocks, wide, n, k)
+
+
+def linear(x: torch.Tensor, weight: NativeWeight) -> torch.Tensor:
+    """x [rows, K] bf16 (features contiguous) @ W.T + bias, [rows, N] bf16."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        raise ValueError("the native linear kernel takes 2-D bf16 CPU inputs")
+    if x.shape[1] != weight.in_features:
+        shape = f"[{weight.out_features}, {weight.in_features}]"
+        raise ValueError(f"inputs of {x.shape[1]} features for a {shape} weight")
+    if x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1]):
+        x = x.contiguous()
+    kernel = native_kernel()
+    assert kernel is not None, "linear is used on packed weights: the kernel is built"
+    rows, n = x.shape[0], weight.out_features
+    y = torch.empty((rows, n), dtype=x.dtype)
+    bias = weight.bias.data_ptr() if weight.bias is not None else None
+    code = kernel(
+        x.data_ptr(),
+        x.stride(0) if rows > 1 else x.shape[1],
+        rows,
+        x.shape[1],
+        weight.blocks.data_ptr(),
+        bias,
+        n,
+        y.data_ptr(),
+        n,
+        torch.get_num_threads(),
+    )
+    if code:
+        raise ValueError("the native linear kernel refused its shapes")
+    return y

@@ -1,0 +1,107 @@
+"""The native linear kernel (native_linear.py, linear_avx512.cpp): bf16 x @ W.T + b on its own
+weight layout, each output summed in fp32 and rounded once; chosen for decode copies on CPUs
+with AVX512-BF16 and no AMX, unless TUNELOOP_NATIVE_LINEAR=0."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tuneloop.server.engine import native, native_linear, packed  # noqa: E402
+from tuneloop.server.engine.lora.fused import FusedLinear  # noqa: E402
+from tuneloop.server.engine.native_linear import NativeWeight  # noqa: E402
+
+BUILT = native_linear.native_kernel() is not None
+pytestmark = pytest.mark.skipif(not BUILT, reason="needs the AVX512-BF16 kernels")
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """Units of (block, rows) split between two threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "rows", "bias"),
+    [
+        (960, 672, 128, False),  # q/k/v with LoRA columns, a decode step's rows
+        (576, 608, 1, True),  # one row, a bias
+        (77, 33, 13, True),  # outputs past the last whole block, an odd input width
+        (130, 64, 50, False),  # more rows than a unit
+        (64, 2, 7, False),
+    ],
+)
+def test_the_product_is_each_output_summed_in_fp32_and_rounded_once(
+    n: int, k: int, rows: int, bias: bool, two_threads: None
+) -> None:
+    gen = torch.Generator().manual_seed(n + k + rows)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    got = native_linear.linear(x, native_linear.pack(w, b))
+    exact = x.double() @ w.double().t() + (b.double() if b is not None else 0.0)
+    want = exact.bfloat16()
+    # (fp32 sums in another order than the exact one: a bf16 step in a few outputs at most)
+    step = exact.abs().clamp(min=1e-6) * 2.0**-7
+    assert got.shape == (rows, n)
+    assert ((got.double() - exact).abs() <= step).all()
+    assert (got == want).double().mean() > 0.99
+    rows_alone = native_linear.linear(x[rows // 2 :], native_linear.pack(w, b))
+    assert torch.equal(rows_alone, got[rows // 2 :])  # a row's values depend on itself alone
+
+
+def test_strided_rows_and_bad_shapes() -> None:
+    w = torch.randn(64, 40).bfloat16()
+    packed_w = native_linear.pack(w)
+    wide = torch.randn(5, 48).bfloat16()
+    assert torch.equal(
+        native_linear.linear(wide[:, :40], packed_w),
+        native_linear.linear(wide[:, :40].clone(), packed_w),
+    )
+    with pytest.raises(ValueError, match="40"):
+        native_linear.linear(torch.randn(3, 41).bfloat16(), packed_w)
+    with pytest.raises(ValueError, match="bf16"):
+        native_linear.linear(torch.randn(3, 40), packed_w)
+    with pytest.raises(ValueError, match="bf16"):
+        native_linear.pack(torch.randn(8, 8))
+
+
+def test_decode_copies_take_the_layout_where_the_cpu_has_no_amx(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A group of siblings with a bias: the kernel's layout (the bias in its sums) without
+    AMX, oneDNN's packed weight with TUNELOOP_NATIVE_LINEAR=0 or AMX; the same outputs to a
+    bf16 step."""
+    bases = [torch.nn.Linear(48, n, bias=True).to(torch.bfloat16) for n in (64, 32, 32)]
+    for base in bases:
+        base.requires_grad_(False)
+    x = torch.randn(6, 48).bfloat16()
+    amx = "amx_bf16" in native.cpu_flags()
+    group = FusedLinear.build(bases, [None, None, None])
+    assert isinstance(group.weight, NativeWeight) != amx
+    monkeypatch.setenv("TUNELOOP_NATIVE_LINEAR", "0")
+    onednn = FusedLinear.build(bases, [None, None, None])
+    assert not isinstance(onednn.weight, NativeWeight)
+    assert onednn.weight.is_mkldnn == packed.packable(bases[0].weight)
+    ours = torch.cat([group.output(i, x) for i in range(3)], dim=1)
+    theirs = torch.cat([onednn.output(i, x) for i in range(3)], dim=1)
+    plain = torch.cat([base(x) for base in bases], dim=1)
+    for got in (ours, theirs):
+        assert torch.allclose(got.float(), plain.float(), rtol=2**-7, atol=1e-2)
+    monkeypatch.delenv("TUNELOOP_NATIVE_LINEAR")
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+    assert not native_linear.available(bases[0].weight)
+
+
+def test_the_layout_holds_the_weights_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = torch.randn(100, 30).bfloat16()
+    held: Any = native_linear.pack(w, torch.zeros(100).bfloat16())
+    # 2 blocks of 64 outputs x 15 input pairs x 2 bf16, and a padded fp32 bias
+    assert held.nbytes == 2 * 64 * 30 * 2 + 128 * 4
