@@ -2,8 +2,8 @@
 // and no AMX (native_linear.py builds, loads and picks it). A decode step's weights are read
 // whole every step: at a few rows the step is the weights' read, and oneDNN's bf16 kernel on
 // its packed layout read them at 21-24 GB/s on an AVX-512-BF16 EPYC whose cores read 37 GB/s;
-// this kernel read them at 27-33 GB/s there, and matched oneDNN at 32 and 128 rows, where
-// the step is the arithmetic (docs/benchmarks.md).
+// this kernel read them at 28-31 GB/s there, and kept up with oneDNN at 32 and 128 rows,
+// where the step is the arithmetic (1.21x and 1.04x; docs/benchmarks.md).
 //
 // W comes in "blocks", [ceil(N / 64), ceil(K / 2), 64, 2] (zeros past N and K): a block's 64
 // outputs' weights for input pair p are one 256-byte run, and a block's weights one stream.

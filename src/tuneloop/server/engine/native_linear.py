@@ -6,9 +6,10 @@ oneDNN's bf16 kernel (packed.py) by default. On an AVX-512-BF16 EPYC that kernel
 decode step's weights at 21-24 GB/s at 1-8 rows, where the cores read 37 GB/s, so a step of
 a few rows (one user's chat, a short eval) was slower than the memory allows.
 `linear_avx512.cpp` on its own layout ("blocks": 64 outputs' weights for each input pair in
-one 256-byte run, a block one stream) read them at 27-33 GB/s there, and matched oneDNN at 32
-and 128 rows (93 % of the host's measured bf16 peak at 128; bench/native_linear.py,
-docs/benchmarks.md). The blocks replace the packed copy, so they cost no memory beyond it.
+one 256-byte run, a block one stream) read them at 28-31 GB/s there (decode steps 1.39-1.48x
+faster at 1-4 rows), ran 1.21x oneDNN's speed at 32 rows and 1.04x at 128 (95 % of the host's
+measured bf16 peak; bench/native_linear.py, docs/benchmarks.md). The blocks replace the
+packed copy, so they cost no memory beyond it.
 
 Where the CPU has AMX, oneDNN's kernel runs on the AMX tiles, several times this kernel's
 arithmetic: the packed layout stays there. `TUNELOOP_NATIVE_LINEAR=0` keeps it everywhere.
