@@ -75,16 +75,21 @@ def test_the_kernel_adds_each_rows_delta_once_rounded(
     fp32 to a bf16 step in a few outputs (the sums' order); other rows and an unadapted
     member's outputs untouched; the same values as the two-matmul path."""
     k, start = 80, 5
-    delta = KeyDelta.build(sizes, _factors(sizes, rank, k, skip), torch.bfloat16)
+    factors = _factors(sizes, rank, k, skip)
+    delta = KeyDelta.build(sizes, factors, torch.bfloat16)
+    matmul = KeyDelta.build(sizes, factors, torch.bfloat16, kernel=False)  # two matmuls
     assert delta is not None
     assert delta.vectors is not None
+    assert delta.up is None  # (one form kept)
+    assert matmul is not None
+    assert matmul.up is not None
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(start + rows + 3, k, generator=gen).bfloat16()
     y0 = torch.randn(x.shape[0], sum(sizes), generator=gen).bfloat16()
     y = y0.clone()
     add(y, x, [(start, start + rows, delta)])
     low = native_columns.low(x[start : start + rows], delta.down).float()
-    want = (y0[start : start + rows].float() + low @ delta.up.float()).bfloat16()
+    want = (y0[start : start + rows].float() + low @ matmul.up.float()).bfloat16()
     got = y[start : start + rows]
     step = want.float().abs().clamp(min=1e-30) * 2.0**-7  # one bf16 step, about
     assert ((got.float() - want.float()).abs() <= step).all()
@@ -95,7 +100,7 @@ def test_the_kernel_adds_each_rows_delta_once_rounded(
         cols = slice(sum(sizes[:skip]), sum(sizes[: skip + 1]))
         assert torch.equal(y[:, cols], y0[:, cols])
     matmuls = y0.clone()
-    add(matmuls, x, [(start, start + rows, KeyDelta(delta.down, delta.up, None))])
+    add(matmuls, x, [(start, start + rows, matmul)])
     assert ((matmuls.float() - y.float()).abs() <= step.max()).all()
 
 
@@ -138,6 +143,8 @@ def test_layouts_the_kernel_does_not_take_keep_the_matmuls() -> None:
     delta = KeyDelta.build([24], _factors([24], 4, 16), torch.bfloat16)
     assert delta is not None
     assert delta.vectors is None
+    with pytest.raises(ValueError, match="one form"):
+        KeyDelta(delta.down, None)
     x, y0 = torch.randn(3, 16).bfloat16(), torch.randn(3, 24).bfloat16()
     y = add(y0.clone(), x, [(1, 3, delta)])
     assert torch.equal(y[0], y0[0])

@@ -31,13 +31,20 @@ __all__ = ["KeyDelta", "KeyDeltas", "Segment", "add"]
 
 class KeyDelta:
     """One key's LoRA delta of one sibling group: the stacked down-projections A [R, in]
-    (`DownPairs` for the native kernel, else packed for oneDNN where the weights pack), the
-    up-projections `up` [R, sum of outputs] (scale * B of each member in its block) and, where
-    the native delta kernel takes them, the same up-projections in its layout (`vectors`)."""
+    (`DownPairs` for the native kernels, else packed for oneDNN where the weights pack) and
+    the up-projections, scale * B of each member: in the native delta kernel's layout
+    (`vectors`) where it takes them, else `up` [R, sum of outputs], each member's in its
+    block (the two matmuls' form). One form is kept, not both: a key's deltas are about its
+    factors' size in bf16."""
 
     def __init__(
-        self, down: torch.Tensor | DownPairs, up: torch.Tensor, vectors: UpVectors | None
+        self,
+        down: torch.Tensor | DownPairs,
+        up: torch.Tensor | None,
+        vectors: UpVectors | None = None,
     ) -> None:
+        if (up is None) == (vectors is None):
+            raise ValueError("a key's delta holds its up-projections in one form")
         self.down, self.up, self.vectors = down, up, vectors
 
     @classmethod
@@ -46,37 +53,35 @@ class KeyDelta:
         sizes: Sequence[int],
         factors: Sequence[tuple[torch.Tensor, torch.Tensor, float] | None],
         dtype: torch.dtype,
+        *,
+        kernel: bool = True,
     ) -> KeyDelta | None:
         """The delta of a group whose members have `sizes` outputs and these factors (A [r,
         in], B [out, r], scale; None: the key does not adapt that member); None where no
-        member is adapted."""
+        member is adapted. `kernel=False`: the two matmuls' form even where the native delta
+        kernel would take it."""
         found = [(i, f) for i, f in enumerate(factors) if f is not None]
         if not found:
             return None
-        rank = sum(f[0].shape[0] for _, f in found)
         device = found[0][1][0].device
-        up = torch.zeros((rank, sum(sizes)), dtype=dtype, device=device)
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
         blocks: list[torch.Tensor | None] = [None] * len(sizes)
-        row = 0
         with torch.no_grad():
             for index, (_, b, scale) in found:
-                r = b.shape[1]
                 # (scale * B in fp32, rounded once: the lone key's columns, fused.py)
-                block = blocks[index] = (b.detach().float() * scale).to(dtype)
-                up[row : row + r, starts[index] : starts[index] + sizes[index]] = block.t()
-                row += r
+                blocks[index] = (b.detach().float() * scale).to(dtype)
             a_all = torch.cat([f[0].detach().to(dtype) for _, f in found])
         if native_columns.available(dtype, device):
-            down: torch.Tensor | DownPairs = native_columns.pack(a_all)
-            vectors = native_columns.pack_up(list(sizes), blocks, dtype)
-            return cls(down, up, vectors)
-        return cls(packed.pack(a_all), up, None)
+            pairs = native_columns.pack(a_all)
+            vectors = native_columns.pack_up(list(sizes), blocks, dtype) if kernel else None
+            if vectors is not None:
+                return cls(pairs, None, vectors)
+            return cls(pairs, _stacked_up(sizes, blocks, dtype, device))
+        return cls(packed.pack(a_all), _stacked_up(sizes, blocks, dtype, device))
 
     @property
     def nbytes(self) -> int:
         down = self.down.pairs if isinstance(self.down, DownPairs) else self.down
-        tensors = [down, self.up]
+        tensors = [down] if self.up is None else [down, self.up]
         if self.vectors is not None:
             tensors += [self.vectors.vectors, self.vectors.col]
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -87,12 +92,32 @@ class KeyDelta:
         if self.vectors is not None and isinstance(self.down, DownPairs):
             native_columns.add_delta(y, x, self.down, self.vectors, start, end)
             return
+        assert self.up is not None  # (one form or the other: __init__)
         rows = x[start:end]
         if isinstance(self.down, DownPairs):
             low = native_columns.low(rows, self.down)
         else:
             low = packed.linear(rows, self.down, None)
         y[start:end].addmm_(low, self.up)
+
+
+def _stacked_up(
+    sizes: Sequence[int],
+    blocks: Sequence[torch.Tensor | None],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """[R, sum of outputs]: each adapted member's scale * B [out, r] transposed into its rows
+    (its rank's) and columns (its outputs'), zeros elsewhere."""
+    rank = sum(b.shape[1] for b in blocks if b is not None)
+    up = torch.zeros((rank, sum(sizes)), dtype=dtype, device=device)
+    row = column = 0
+    for size, block in zip(sizes, blocks, strict=True):
+        if block is not None:
+            up[row : row + block.shape[1], column : column + size] = block.t()
+            row += block.shape[1]
+        column += size
+    return up
 
 
 # Layer id -> its group's delta for one key (every member of a group maps to the same one).
