@@ -48,6 +48,17 @@ def _one_torch_thread() -> Iterator[None]:
 
 
 @pytest.fixture
+def two_threads() -> Iterator[None]:
+    """Two torch threads inside one test: the native kernels' work split between them."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def backend(tmp_path: Path) -> Iterator[Any]:
     if not _torch_ready():
         pytest.skip("torch/transformers not installed")

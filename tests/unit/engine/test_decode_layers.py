@@ -77,6 +77,17 @@ def _outputs(be: Any, works: list[SampleWork]) -> list[tuple[list[int], list[flo
     return out
 
 
+def _modules_outputs(be: Any, works: list[SampleWork], lean_runs: list[int]) -> Any:
+    """`works` sampled again with the plan dropped: the modules' forward, no lean step."""
+    runtime = _runtime(be)
+    runtime.layers_plan = None
+    runtime.decoder.runner.layers = None
+    before = lean_runs[0]
+    out = _outputs(be, works)
+    assert lean_runs[0] == before
+    return out
+
+
 @pytest.fixture
 def lean_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the steps the lean loop ran to their end (a step that raised runs again in
@@ -125,12 +136,7 @@ def test_decode_steps_give_the_modules_bits(
         weights = runtime.layers_plan.weights(runtime.bank.lone_weights("s"))
         assert all(isinstance(w.qkv.a, native_columns.DownPairs) for w in weights)
         assert lean_runs[0] >= 8  # (12 tokens: 11 decode steps, fewer if rows stop early)
-        runtime.layers_plan = None
-        runtime.decoder.runner.layers = None
-        before = lean_runs[0]
-        modules = _outputs(be, works)
-        assert lean_runs[0] == before
-        assert lean == modules
+        assert lean == _modules_outputs(be, works, lean_runs)
     finally:
         be.close()
 
@@ -236,12 +242,7 @@ def test_steps_of_several_keys_give_the_modules_bits(
         attention = [deltas.get(id(layer.self_attn.q_proj)) for layer in layers]
         assert all(d is not None and d.vectors is not None for d in attention)  # the kernel's
         assert all(id(layer.mlp.up_proj) not in deltas for layer in layers)  # (no MLP delta)
-        runtime.layers_plan = None
-        runtime.decoder.runner.layers = None
-        before = lean_runs[0]
-        modules = _outputs(be, works)
-        assert lean_runs[0] == before
-        assert lean == modules
+        assert lean == _modules_outputs(be, works, lean_runs)
     finally:
         be.close()
 

@@ -5,7 +5,6 @@ depend on its own key alone."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +31,6 @@ CPU = torch.device("cpu")
 native = pytest.mark.skipif(
     not native_columns.available(torch.bfloat16, CPU), reason="needs the AVX512-BF16 kernels"
 )
-
-
-@pytest.fixture
-def two_threads() -> Iterator[None]:
-    """The kernel's rows, then its output vectors, split between two threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _factors(sizes: list[int], rank: int, k: int, skip: int | None = None) -> list[Any]:

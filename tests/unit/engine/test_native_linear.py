@@ -4,7 +4,6 @@ with AVX512-BF16 and no AMX, unless TUNELOOP_NATIVE_LINEAR=0."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,15 +16,6 @@ from tuneloop.server.engine.native_linear import NativeWeight  # noqa: E402
 
 BUILT = native_linear.native_kernel() is not None
 pytestmark = pytest.mark.skipif(not BUILT, reason="needs the AVX512-BF16 kernels")
-
-
-@pytest.fixture
-def two_threads() -> Iterator[None]:
-    """Units of (block, rows) split between two threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(

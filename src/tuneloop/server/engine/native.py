@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "bf16_rows",
     "bf16_without_autograd",
     "cpu_flags",
     "function",
@@ -70,6 +71,19 @@ def bf16_without_autograd(*tensors: torch.Tensor) -> bool:
     if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors):
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+def bf16_rows(x: torch.Tensor, features: int, kernel: str, operand: str) -> torch.Tensor:
+    """x [rows, features] as a kernel reads it (bf16 on a CPU, features contiguous, rows
+    strided), copied where its layout is another; ValueError naming `kernel` and the `operand`
+    x multiplies where it is not such a tensor."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        raise ValueError(f"the {kernel} takes 2-D bf16 CPU inputs")
+    if x.shape[1] != features:
+        raise ValueError(f"inputs of {x.shape[1]} features for a {operand}")
+    if x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1]):
+        x = x.contiguous()
+    return x
 
 
 @functools.cache

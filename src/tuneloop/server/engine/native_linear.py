@@ -99,13 +99,8 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> NativeWeight
 
 def linear(x: torch.Tensor, weight: NativeWeight) -> torch.Tensor:
     """x [rows, K] bf16 (features contiguous) @ W.T + bias, [rows, N] bf16."""
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
-        raise ValueError("the native linear kernel takes 2-D bf16 CPU inputs")
-    if x.shape[1] != weight.in_features:
-        shape = f"[{weight.out_features}, {weight.in_features}]"
-        raise ValueError(f"inputs of {x.shape[1]} features for a {shape} weight")
-    if x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1]):
-        x = x.contiguous()
+    shape = f"[{weight.out_features}, {weight.in_features}] weight"
+    x = native.bf16_rows(x, weight.in_features, "native linear kernel", shape)
     kernel = native_kernel()
     assert kernel is not None, "linear is used on packed weights: the kernel is built"
     rows, n = x.shape[0], weight.out_features

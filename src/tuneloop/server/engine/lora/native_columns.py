@@ -134,62 +134,33 @@ def pack_up(
 
 def extend(x: torch.Tensor, down: DownPairs) -> torch.Tensor:
     """[x | x @ A.T] for x [rows, K] bf16 (its last dimension contiguous), [rows, K + R]."""
-    x = _checked(x, down)
-    kernel = native_kernel()
-    assert kernel is not None, "extend is used where available() holds"
-    rows, k = x.shape
-    out = torch.empty((rows, k + down.rank), dtype=x.dtype)
-    code = kernel(
-        x.data_ptr(),
-        x.stride(0) if rows > 1 else k,
-        down.pairs.data_ptr(),
-        rows,
-        k,
-        down.rank,
-        down.pairs.shape[1],
-        out.data_ptr(),
-        torch.get_num_threads(),
-    )
-    if code:
-        raise ValueError("the LoRA columns kernel refused its shapes")
-    return out
+    return _columns(x, down, copy=True)
 
 
 def low(x: torch.Tensor, down: DownPairs) -> torch.Tensor:
     """x @ A.T alone, [rows, R] for x [rows, K] bf16: `extend`'s last R columns, the same
     values, without the copy of x."""
+    return _columns(x, down, copy=False)
+
+
+def _columns(x: torch.Tensor, down: DownPairs, *, copy: bool) -> torch.Tensor:
     x = _checked(x, down)
-    kernel = low_kernel()
-    assert kernel is not None, "low is used where available() holds"
+    kernel = native_kernel() if copy else low_kernel()
+    assert kernel is not None, "the columns are made where available() holds"
     rows, k = x.shape
-    out = torch.empty((rows, down.rank), dtype=x.dtype)
-    code = kernel(
-        x.data_ptr(),
-        x.stride(0) if rows > 1 else k,
-        down.pairs.data_ptr(),
-        rows,
-        k,
-        down.rank,
-        down.pairs.shape[1],
-        out.data_ptr(),
-        down.rank,
-        torch.get_num_threads(),
-    )
-    if code:
+    out = torch.empty((rows, k + down.rank if copy else down.rank), dtype=x.dtype)
+    reads = (x.stride(0) if rows > 1 else k, down.pairs.data_ptr(), rows, k, down.rank)
+    operands = (x.data_ptr(), *reads, down.pairs.shape[1], out.data_ptr())
+    stride = () if copy else (down.rank,)  # (the LoRA part's own row stride)
+    if kernel(*operands, *stride, torch.get_num_threads()):
         raise ValueError("the LoRA columns kernel refused its shapes")
     return out
 
 
 def _checked(x: torch.Tensor, down: DownPairs) -> torch.Tensor:
     """x as the kernel reads it (rows strided, features contiguous), or ValueError."""
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
-        raise ValueError("the LoRA columns kernel takes 2-D bf16 CPU inputs")
-    if x.shape[1] != down.in_features:
-        shape = f"[{down.rank}, {down.in_features}]"
-        raise ValueError(f"inputs of {x.shape[1]} features for a {shape} down-projection")
-    if x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1]):
-        x = x.contiguous()
-    return x
+    shape = f"[{down.rank}, {down.in_features}] down-projection"
+    return native.bf16_rows(x, down.in_features, "LoRA columns kernel", shape)
 
 
 def add_delta(
