@@ -42,7 +42,8 @@ class Routing:
     # or the base model; those layers then run one matmul a group and no separate products.
     lone: LoneWeights | None = None
     # The same for a decode step of several keys (`AdapterBank.shared_weights`): the layers'
-    # base outputs from the base model's stacked, packed weights, each key's products added.
+    # base outputs from the base model's stacked, packed weights, each key's deltas (or the
+    # layers' products) added.
     shared: LoneWeights | None = None
     # With `shared`, per run (start, end, its key's deltas: `AdapterBank.deltas`) where every
     # key has them: each sibling group then adds its keys' deltas to its shared output
