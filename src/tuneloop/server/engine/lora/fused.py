@@ -33,7 +33,7 @@ from torch import nn
 from tuneloop.server.engine import native_linear, packed
 from tuneloop.server.engine.lora import native_columns
 from tuneloop.server.engine.lora.native_columns import DownPairs
-from tuneloop.server.engine.lora.segments import Segment, add
+from tuneloop.server.engine.lora.segments import Segment, add, stacked_up
 from tuneloop.server.engine.native_linear import NativeWeight
 
 __all__ = ["SIBLINGS", "FusedLinear", "fusable", "plain_frozen", "sibling_groups", "take"]
@@ -137,7 +137,7 @@ class FusedLinear:
         (`merge`: scale * B @ A added in fp32, rounded once to the weight's dtype)."""
         dtype, device = bases[0].weight.dtype, bases[0].weight.device
         rows: list[torch.Tensor] = []
-        columns: list[tuple[int, torch.Tensor]] = []  # (member, scale * B in fp32)
+        ups: list[torch.Tensor | None] = [None] * len(bases)  # scale * B in fp32, per member
         downs: list[torch.Tensor] = []
         with torch.no_grad():
             for index, (base, found) in enumerate(zip(bases, factors, strict=True)):
@@ -147,19 +147,13 @@ class FusedLinear:
                     if merge:
                         w = (b.float() @ a.float()).mul_(scale).add_(w.float()).to(dtype)
                     else:
-                        columns.append((index, b.float() * scale))
+                        ups[index] = b.float() * scale
                         downs.append(a.to(dtype))
                 rows.append(w)
             sizes = [w.shape[0] for w in rows]
             weight = torch.cat(rows) if len(rows) > 1 else rows[0].clone()
-            if columns:
-                rank = sum(b.shape[1] for _, b in columns)
-                extra = torch.zeros((weight.shape[0], rank), dtype=dtype, device=device)
-                starts = [sum(sizes[:i]) for i in range(len(sizes))]
-                col = 0
-                for index, b in columns:
-                    extra[starts[index] : starts[index] + sizes[index], col : col + b.shape[1]] = b
-                    col += b.shape[1]
+            if downs:  # each member's up-projection in its block of the extra columns
+                extra = stacked_up(sizes, ups, dtype, device).t()
                 weight = torch.cat([weight, extra], dim=1)
             biases = [base.bias for base in bases]
             bias = None
@@ -188,11 +182,6 @@ class FusedLinear:
     def versions(self) -> list[tuple[torch.Tensor, int]]:
         """The base weights copied, each with its version (`_version`) when it was copied."""
         return list(self._versions)
-
-    @property
-    def fresh(self) -> bool:
-        """Whether no copied base weight changed in place since the group was built."""
-        return all(w._version == v for w, v in self._versions)
 
     @property
     def nbytes(self) -> int:

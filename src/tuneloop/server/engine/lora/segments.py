@@ -26,7 +26,7 @@ from tuneloop.server.engine import packed
 from tuneloop.server.engine.lora import native_columns
 from tuneloop.server.engine.lora.native_columns import DownPairs, UpVectors
 
-__all__ = ["KeyDelta", "KeyDeltas", "Segment", "add"]
+__all__ = ["KeyDelta", "KeyDeltas", "Segment", "add", "stacked_up"]
 
 
 class KeyDelta:
@@ -75,8 +75,8 @@ class KeyDelta:
             vectors = native_columns.pack_up(list(sizes), blocks, dtype) if kernel else None
             if vectors is not None:
                 return cls(pairs, None, vectors)
-            return cls(pairs, _stacked_up(sizes, blocks, dtype, device))
-        return cls(packed.pack(a_all), _stacked_up(sizes, blocks, dtype, device))
+            return cls(pairs, stacked_up(sizes, blocks, dtype, device))
+        return cls(packed.pack(a_all), stacked_up(sizes, blocks, dtype, device))
 
     @property
     def nbytes(self) -> int:
@@ -101,14 +101,15 @@ class KeyDelta:
         y[start:end].addmm_(low, self.up)
 
 
-def _stacked_up(
+def stacked_up(
     sizes: Sequence[int],
     blocks: Sequence[torch.Tensor | None],
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
-    """[R, sum of outputs]: each adapted member's scale * B [out, r] transposed into its rows
-    (its rank's) and columns (its outputs'), zeros elsewhere."""
+    """[R, sum of outputs] in `dtype`: each adapted member's scale * B [out, r] (any float
+    dtype, rounded once here) transposed into its rows (its rank's) and columns (its
+    outputs'), zeros elsewhere; transposed, a lone key's extra columns (fused.py)."""
     rank = sum(b.shape[1] for b in blocks if b is not None)
     up = torch.zeros((rank, sum(sizes)), dtype=dtype, device=device)
     row = column = 0
