@@ -82,11 +82,13 @@ class ModelRunner:
             routing.shared = self.bank.shared_weights()  # (None: the layers' own weights)
             # each key's deltas added per group (segments.py) where every key has them; asked
             # every step too (a key's factors may be set anew)
-            tables = [self.bank.deltas(key) for key, _, _ in routing.runs]
-            if routing.shared is None or any(t is None for t in tables):
+            # (once per key, not per run)
+            found = {} if routing.shared is None else {k: self.bank.deltas(k) for k in lone}
+            ready = {key: table for key, table in found.items() if table is not None}
+            if routing.shared is None or len(ready) < len(lone):
                 routing.use_deltas(None)
             else:
-                routing.use_deltas(tables)
+                routing.use_deltas([ready[key] for key, _, _ in routing.runs])
         return routing
 
     def forget_routings(self) -> None:
