@@ -17,6 +17,7 @@ from tests.unit.engine.test_decode_layers import (  # noqa: E402
     LLAMA,
     _backend,
     _outputs,
+    _runtime,
     _second_sampler,
     _trained_sampler,
     _works,
@@ -168,7 +169,8 @@ def test_the_bank_keeps_a_key_s_deltas_per_version(
 @native
 def test_a_tenant_s_rows_do_not_depend_on_the_other_keys(tmp_path: Path) -> None:
     """Sampler "s" beside "t" (another adapter) or beside "u" (the base model) with the same
-    requests: every token and logprob of "s" is the same, bit for bit."""
+    requests: every token and logprob of "s" is the same, bit for bit; beside "n" (NaN
+    up-projections), the same as beside a tenant that leaves when "n"'s requests fail."""
     be = _backend(LLAMA, tmp_path / "cache")
     try:
         _trained_sampler(be, LLAMA)
@@ -186,5 +188,26 @@ def test_a_tenant_s_rows_do_not_depend_on_the_other_keys(tmp_path: Path) -> None
         with_t, with_u = beside("t"), beside("u")
         assert with_t == with_u
         assert ok(be.sample(mine)[0]).sequences  # (and alone, on its lone weights)
+        # A snapshot whose up-projections are NaN beside "s": its requests fail with the
+        # engine's error at their first token, and "s" goes on alone from there. Its values
+        # are those beside a tenant whose requests end after one token: the same steps, the
+        # NaN never in them.
+        be.create_sampler("n", LLAMA, adapter_id="B")
+        with torch.no_grad():
+            for module in _runtime(be).bank.modules.values():
+                found = module.lookup("n")
+                if found is not None:
+                    found[1].fill_(float("nan"))
+
+        def requests(other: str, tokens: int) -> list[SampleWork]:
+            return [
+                SampleWork(other, seq(6 + i, 70 + i), 4, tokens, 1.0, -1, 1.0, 5 + i, (), ())
+                for i in range(2)
+            ]
+
+        results = be.sample([*mine, *requests("n", 8)])
+        assert all(isinstance(r, Exception) and "non-finite" in str(r) for r in results[3:])
+        got = [(list(s.tokens), list(s.logprobs)) for r in results[:3] for s in ok(r).sequences]
+        assert got == _outputs(be, [*mine, *requests("t", 1)])[: 3 * 4]
     finally:
         be.close()
