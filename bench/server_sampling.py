@@ -13,6 +13,8 @@ at once: decode steps of N keys (tenants sampling together).
     git worktree add /tmp/before <commit>
     python bench/server_sampling.py --tree /tmp/before/src --tree src --pairs 3 --rounds 3
     python bench/server_sampling.py --tree /tmp/before/src --tree src --tenants 2
+    python bench/server_sampling.py --tree /tmp/before/src --tree src --prompt-tokens 100,200 \
+        --new-tokens 384          # an RL-sized call: longer prompts, math_rl's max_tokens
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def _child(args: argparse.Namespace) -> None:
     folder = models._smollm2_folder(cache)
     _, text = corpus_text()
     stream = AutoTokenizer.from_pretrained(folder)(text)["input_ids"]
-    prompts = make_prompts(stream, args.prompts, 16, 48)
+    low, high = (int(n) for n in args.prompt_tokens.split(","))
+    prompts = make_prompts(stream, args.prompts, low, high)
     with tempfile.TemporaryDirectory() as data:
         options = ("--cache-dir", str(cache), "--dtype", args.dtype, "--device", "cpu")
         with live_server(Path(data), *options, backend="torch", models=(MODEL,)) as server:
@@ -87,6 +90,7 @@ def main() -> int:
     )
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", default="16,48", help="prompt lengths: min,max")
     parser.add_argument("--cache-dir", default="~/.cache/tuneloop")
     parser.add_argument(CHILD, action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -99,7 +103,7 @@ def main() -> int:
     forwarded = ["--rounds", str(args.rounds), "--dtype", args.dtype]
     forwarded += ["--prompts", str(args.prompts), "--samples", str(args.samples)]
     forwarded += ["--new-tokens", str(args.new_tokens), "--tenants", str(args.tenants)]
-    forwarded += ["--cache-dir", args.cache_dir]
+    forwarded += ["--cache-dir", args.cache_dir, "--prompt-tokens", args.prompt_tokens]
     for _ in range(args.pairs):
         for tree in trees:
             # the server is a child of the child: both import the tree through PYTHONPATH

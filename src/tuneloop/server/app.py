@@ -86,6 +86,7 @@ def build_backend(config: ServerConfig) -> Backend:
                 compile_norms=config.compile_norms,
                 merged_sampling=config.merged_sampling,
                 decode_graphs=config.decode_graphs,
+                kv_cache_tokens=config.kv_cache_tokens,
             )
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, None: None}[config.dtype]
         return TorchBackend(
@@ -96,6 +97,7 @@ def build_backend(config: ServerConfig) -> Backend:
             compile_norms=config.compile_norms,
             merge_lone_adapter=config.merged_sampling,
             decode_graphs=config.decode_graphs,
+            sample_token_budget=config.kv_cache_tokens,
         )
     raise ValueError(f"unknown backend {config.backend!r} (available: torch, fake)")
 

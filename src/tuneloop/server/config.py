@@ -15,6 +15,7 @@ _NUMBERS: tuple[tuple[str, str, type[int] | type[float]], ...] = (
     ("TUNELOOP_MAX_INFLIGHT", "max_inflight", int),
     ("TUNELOOP_SESSION_TTL_S", "session_ttl_s", float),
     ("TUNELOOP_EXPIRY_CHECK_S", "expiry_check_s", float),
+    ("TUNELOOP_KV_CACHE_TOKENS", "kv_cache_tokens", int),
 )
 
 
@@ -44,6 +45,9 @@ class ServerConfig:
     merged_sampling: bool | None = None
     # torch: decode steps replayed as CUDA graphs (engine/decode_graphs.py); None: on a GPU.
     decode_graphs: bool | None = None
+    # torch: tokens of each model's sampling KV cache; None: sized from the memory free when
+    # it is made (engine/memory.py: a share of it, on a CPU within 32,768-262,144 tokens).
+    kv_cache_tokens: int | None = None
     # Converted and downloaded models, shared by every server on the machine.
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "tuneloop")
     # retrieve_future holds a poll this long before answering try_again; the official SDK's
@@ -113,6 +117,8 @@ class ServerConfig:
             raise ValueError(f"tokenizer_id must be 'path' or 'name', got {self.tokenizer_id!r}")
         if self.jwt_ttl_s < 120:
             raise ValueError(f"jwt_ttl_s must be >= 120, got {self.jwt_ttl_s}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
+            raise ValueError(f"kv_cache_tokens must be >= 1, got {self.kv_cache_tokens}")
         if self.expiry_check_s <= 0:
             raise ValueError(f"expiry_check_s must be > 0, got {self.expiry_check_s}")
 

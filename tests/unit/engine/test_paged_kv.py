@@ -507,3 +507,32 @@ def test_the_cpu_path_never_imports_a_kernel_library_and_sizes_the_pool_by_its_b
     config = Qwen3Config(num_hidden_layers=3, num_key_value_heads=2, head_dim=16)
     assert kv_bytes_per_token(config, torch.float32) == 2 * 3 * 2 * 16 * 4
     assert kv_cache_blocks(config, torch.float32, cpu, 16, 1000) == 62
+
+
+def test_a_cpu_pool_without_a_configured_budget_takes_a_share_of_free_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """None: CPU_KV_SHARE of MemAvailable over the bytes a token keeps, clamped to
+    [CPU_MIN_KV_TOKENS, CPU_MAX_KV_TOKENS]; the floor where free memory cannot be read; a
+    configured budget exactly."""
+    from transformers import Qwen3Config
+
+    from tuneloop.server.engine import memory
+
+    cpu = torch.device("cpu")
+    config = Qwen3Config(num_hidden_layers=30, num_key_value_heads=3, head_dim=64)
+    per_token = memory.kv_bytes_per_token(config, torch.bfloat16)
+    assert per_token == 2 * 30 * 3 * 64 * 2  # SmolLM2-135M's shape: 23 KB a token
+    free = {"bytes": 20 * 2**30}
+    monkeypatch.setattr(memory, "free_bytes", lambda device: free["bytes"])
+    tokens = memory.kv_cache_tokens(config, torch.bfloat16, cpu, None)
+    assert tokens == int(free["bytes"] * memory.CPU_KV_SHARE) // per_token
+    assert memory.CPU_MIN_KV_TOKENS < tokens < memory.CPU_MAX_KV_TOKENS
+    assert memory.kv_cache_blocks(config, torch.bfloat16, cpu, 16, None) == tokens // 16
+    free["bytes"] = 2**30  # a small host: the floor every CPU had before
+    assert memory.kv_cache_tokens(config, torch.bfloat16, cpu, None) == memory.CPU_MIN_KV_TOKENS
+    free["bytes"] = 2**40  # a tiny model or a huge host: bounded
+    assert memory.kv_cache_tokens(config, torch.bfloat16, cpu, None) == memory.CPU_MAX_KV_TOKENS
+    assert memory.kv_cache_tokens(config, torch.bfloat16, cpu, 1000) == 1000
+    free["bytes"] = None
+    assert memory.kv_cache_tokens(config, torch.bfloat16, cpu, None) == memory.CPU_MIN_KV_TOKENS

@@ -530,3 +530,38 @@ def test_serve_hands_the_decode_graphs_switch_to_the_engine(
     _switch_reaches_the_engine(
         tmp_path, monkeypatch, "decode-graphs", "decode_graphs", "decode_graphs"
     )
+
+
+def test_serve_hands_the_kv_cache_size_to_the_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--kv-cache-tokens (or TUNELOOP_KV_CACHE_TOKENS) reaches the config and the engine's
+    sample_token_budget; unset, None (sized from free memory); below 1, a usage error."""
+    pytest.importorskip("torch")
+    import tuneloop.server.app as app_module
+    import tuneloop.server.engine.torch_backend as torch_backend
+    from tuneloop.server.config import ServerConfig
+
+    seen: list[int | None] = []
+
+    def capture(config: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(config.kv_cache_tokens)
+        raise ValueError("captured")
+
+    monkeypatch.setattr(app_module, "create_app", capture)
+    for flags in ((), ("--kv-cache-tokens", "200000")):
+        assert run("serve", "--backend", "fake", *flags, *data(tmp_path)).exit_code == 2
+    monkeypatch.setenv("TUNELOOP_KV_CACHE_TOKENS", "65536")
+    assert run("serve", "--backend", "fake", *data(tmp_path)).exit_code == 2
+    assert seen == [None, 200000, 65536]
+    refused = run("serve", "--backend", "fake", "--kv-cache-tokens", "0", *data(tmp_path))
+    assert refused.exit_code == 2
+    assert "kv-cache-tokens" in refused.output
+    with pytest.raises(ValueError, match="kv_cache_tokens"):
+        ServerConfig(tmp_path, kv_cache_tokens=0)
+
+    made: list[dict[str, Any]] = []
+    monkeypatch.setattr(torch_backend, "TorchBackend", lambda *a, **k: made.append(k))
+    for choice in (None, 4096):
+        app_module.build_backend(ServerConfig(tmp_path, backend="torch", kv_cache_tokens=choice))
+    assert [k["sample_token_budget"] for k in made] == [None, 4096]

@@ -127,6 +127,19 @@ def serve(
             show_default=False,
         ),
     ] = None,
+    kv_cache_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--kv-cache-tokens",
+            min=1,
+            help=(
+                "Tokens of each model's sampling KV cache (default: a share of the memory free"
+                " when it is made; on a CPU 20 %, within 32,768-262,144 tokens). Requests whose"
+                " worst case does not fit wait; also TUNELOOP_KV_CACHE_TOKENS."
+            ),
+            show_default=False,
+        ),
+    ] = None,
     merged_sampling: Annotated[
         bool | None,
         typer.Option(
@@ -320,6 +333,7 @@ def serve(
             compile_norms=compile_norms,
             merged_sampling=merged_sampling,
             decode_graphs=decode_graphs,
+            kv_cache_tokens=kv_cache_tokens,
             cache_dir=cache_dir,
             long_poll_s=long_poll_s,
             max_sessions=max_sessions,

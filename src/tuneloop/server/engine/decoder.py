@@ -122,7 +122,8 @@ class Decoder:
     ) -> None:
         self.model, self.bank, self.pad_id, self.decode = model, bank, pad_id, decode
         self.prefill_chunk = max(1, prefill_chunk)
-        self.budget = num_blocks * block_size  # the token budget it was sized for
+        # the token budget it was made for (None: sized from free memory; runtime.py)
+        self.budget: int | None = num_blocks * block_size
         param = next(model.parameters())
         self.device = param.device
         self.blocks = BlockManager(num_blocks, block_size)

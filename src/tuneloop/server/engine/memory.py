@@ -106,18 +106,45 @@ def training_token_budget(config: Any, dtype: torch.dtype, device: torch.device)
 # Share of the memory free when the sampler's KV pool is made (on a GPU) that the pool takes:
 # the rest is for training activations, the LM head's logits and the estimate's error.
 KV_SHARE = 0.3
+# On a CPU the memory is shared with training's activations and other processes, so the pool
+# takes a smaller share; its pages are touched only as requests fill them (torch.empty), so a
+# pool larger than a workload needs costs nothing. At least CPU_MIN_KV_TOKENS (what every
+# host got before); at most CPU_MAX_KV_TOKENS (a tiny model's pool would otherwise count
+# millions of blocks). SmolLM2-135M at bf16 keeps 23 KB a token; 32 prompts of 100-200
+# tokens x 4 samples x 384 new ones (math_rl's max_tokens) reserve ~54k tokens, which a fixed
+# 32,768 ran in two waves of rows.
+CPU_KV_SHARE = 0.2
+CPU_MIN_KV_TOKENS = 32768
+CPU_MAX_KV_TOKENS = 262144
+
+
+def kv_cache_tokens(
+    config: Any, dtype: torch.dtype, device: torch.device, token_budget: int | None
+) -> int:
+    """Tokens of the sampler's KV pool: `token_budget` where one is configured; else a share
+    of the memory free now, KV_SHARE on a GPU, CPU_KV_SHARE on a CPU (within
+    [CPU_MIN_KV_TOKENS, CPU_MAX_KV_TOKENS])."""
+    if token_budget is not None:
+        return token_budget
+    free = free_bytes(device)
+    if free is None:
+        return CPU_MIN_KV_TOKENS
+    per_token = kv_bytes_per_token(config, dtype)
+    if device.type == "cuda":
+        return int(free * KV_SHARE) // per_token
+    tokens = int(free * CPU_KV_SHARE) // per_token
+    return max(CPU_MIN_KV_TOKENS, min(CPU_MAX_KV_TOKENS, tokens))
 
 
 def kv_cache_blocks(
-    config: Any, dtype: torch.dtype, device: torch.device, block_size: int, token_budget: int
+    config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+    token_budget: int | None,
 ) -> int:
-    """Blocks of the sampler's KV pool: on a GPU, KV_SHARE of the memory free now; elsewhere
-    the configured `token_budget` (a CPU's free memory is shared with everything else)."""
-    tokens = token_budget
-    if device.type == "cuda":
-        free = free_bytes(device)
-        if free is not None:
-            tokens = int(free * KV_SHARE) // kv_bytes_per_token(config, dtype)
+    """Blocks of the sampler's KV pool (`kv_cache_tokens`), logged."""
+    tokens = kv_cache_tokens(config, dtype, device, token_budget)
     blocks = max(1, tokens // block_size)
     log.info(
         "sampler KV cache: %d blocks of %d tokens (%.2f GB)",

@@ -64,15 +64,16 @@ class Runtime:
 
     def sampling_decoder(
         self,
-        token_budget: int,
+        token_budget: int | None,
         prefill_chunk: int,
         block_size: int | None = None,
         merge_lone_adapter: bool = False,
         fuse_lone_key: bool = False,
         graphs: bool = False,
     ) -> Decoder:
-        """This model's decoder, made on first use with a pool sized by the memory budget (and
-        made again, while idle, if the budget or block size asked for changed)."""
+        """This model's decoder, made on first use with a pool of `token_budget` tokens (None:
+        sized from the memory free then, memory.kv_cache_tokens), and made again, while idle,
+        if the budget or block size asked for changed."""
         kernel = kernel_available(self.device, next(self.model.parameters()).dtype)
         size = block_size or (FLASH_BLOCK_SIZE if kernel else DEFAULT_BLOCK_SIZE)
         decoder = self.decoder

@@ -29,7 +29,11 @@ from tuneloop.server.engine.backend import KVCacheUse
 from tuneloop.server.engine.decoder import DEFAULT_PREFILL_CHUNK, Decoder
 from tuneloop.server.engine.isolation import bisect_failures
 from tuneloop.server.engine.kv.block_manager import KVUsage
-from tuneloop.server.engine.memory import kv_bytes_per_token, training_token_budget
+from tuneloop.server.engine.memory import (
+    kv_bytes_per_token,
+    kv_cache_tokens,
+    training_token_budget,
+)
 from tuneloop.server.engine.models import default_dtype, load_model, with_adapters
 from tuneloop.server.engine.optim import AdapterOptimizer
 from tuneloop.server.engine.packing import enable_packing
@@ -45,10 +49,6 @@ from tuneloop.server.engine.types import (
     SampleResult,
     SampleWork,
 )
-
-# KV-cache tokens of a model's sampling pool on a CPU (a GPU's is sized from its free memory):
-# SmolLM2-135M keeps ~46 KB per token in fp32, so 32k tokens is ~1.5 GB.
-DEFAULT_SAMPLE_TOKEN_BUDGET = 32768
 
 
 @dataclass
@@ -78,7 +78,7 @@ class TorchBackend:
         device: str | None = None,
         dtype: torch.dtype | None = None,
         token_budget: int | None = None,
-        sample_token_budget: int = DEFAULT_SAMPLE_TOKEN_BUDGET,
+        sample_token_budget: int | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         kv_block_size: int | None = None,
         merge_lone_adapter: bool | None = None,
@@ -93,7 +93,8 @@ class TorchBackend:
         # Tokens per training micro-batch (packed: real tokens; padded: rows x padded width):
         # a large request is split so that activations fit. None: sized from free memory.
         self.token_budget = token_budget or 0
-        # KV-cache tokens per model on a CPU (decoder.py; a GPU's pool is sized from free memory)
+        # KV-cache tokens of each model's sampling pool (decoder.py); None: sized from the
+        # memory free when the pool is made (memory.kv_cache_tokens)
         self.sample_token_budget = sample_token_budget
         # Prompt tokens a joining request prefills per decode step (decoder.py).
         self.prefill_chunk = prefill_chunk
@@ -406,7 +407,13 @@ class TorchBackend:
             tokens += in_use
             held += in_use * kv_bytes_per_token(runtime.model.config, decoder.pool.dtype)
             capacity += blocks.num_blocks * blocks.block_size
-        use = KVCacheUse(tokens, capacity or self.sample_token_budget, held)
+        if not capacity and self._runtimes:  # no pool yet: what the first model's will take
+            first = next(iter(self._runtimes.values())).model
+            param = next(first.parameters())
+            capacity = kv_cache_tokens(
+                first.config, param.dtype, param.device, self.sample_token_budget
+            )
+        use = KVCacheUse(tokens, capacity or self.sample_token_budget or 0, held)
         run = self._run
         pools = [r.decoder for r in list(self._runtimes.values()) if r.decoder is not None]
         decoding = run.decoder if run is not None else (pools[0] if pools else None)

@@ -32,6 +32,7 @@ def worker_group(
     compile_norms: bool | None = None,
     merged_sampling: bool | None = None,
     decode_graphs: bool | None = None,
+    kv_cache_tokens: int | None = None,
 ) -> WorkerGroupBackend:
     """A local group of `workers` processes (one per GPU, else sharing the CPU cores), or
     with `ray_address` one Ray actor per worker. `shard_weights="fsdp"`: the base weights are
@@ -62,6 +63,7 @@ def worker_group(
             compile_norms=compile_norms,
             merged_sampling=merged_sampling,
             decode_graphs=decode_graphs,
+            kv_cache_tokens=kv_cache_tokens,
         )
 
         def make() -> Placement:
@@ -91,6 +93,7 @@ def worker_group(
         compile_norms=compile_norms,
         merged_sampling=merged_sampling,
         decode_graphs=decode_graphs,
+        kv_cache_tokens=kv_cache_tokens,
     )
     return group_class(
         lambda: LocalPlacement(settings, workers, runtime_class), state_dir=state_dir
@@ -130,6 +133,7 @@ def _check_sharded_fit(
     log the per-rank plan of one that can."""
     import torch
 
+    from tuneloop.server.engine.memory import CPU_MIN_KV_TOKENS
     from tuneloop.server.engine.models import MAX_SPEC_CONTEXT
     from tuneloop.server.engine.parallel.plan import (
         check_fits,
@@ -137,12 +141,12 @@ def _check_sharded_fit(
         plan_model,
         rank_capacity,
     )
-    from tuneloop.server.engine.torch_backend import DEFAULT_SAMPLE_TOKEN_BUDGET
 
     target = _target(device)
     cuda = target.type == "cuda"
-    # A GPU's KV pool takes a share of what is free: reserve one full-context sequence.
-    kv_tokens = MAX_SPEC_CONTEXT if cuda else DEFAULT_SAMPLE_TOKEN_BUDGET
+    # A KV pool takes a share of what is free: reserve one full-context sequence on a GPU,
+    # the smallest pool a CPU gets.
+    kv_tokens = MAX_SPEC_CONTEXT if cuda else CPU_MIN_KV_TOKENS
     named = {"bfloat16": torch.bfloat16, "float32": torch.float32}
     plans = [
         plan_model(

@@ -27,7 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tuneloop.server.engine.memory import kv_bytes_per_token, training_token_budget
+from tuneloop.server.engine.memory import (
+    kv_bytes_per_token,
+    kv_cache_tokens,
+    training_token_budget,
+)
 from tuneloop.server.engine.parallel.fsdp import ShardedWeights, shard_model
 from tuneloop.server.engine.types import AdamStep, EngineError
 from tuneloop.server.engine.workers.protocol import Admit
@@ -114,6 +118,7 @@ class ShardedWorkerRuntime(WorkerRuntime):
                     fuse_lone_key=False,
                     compile_norms=False,  # FSDP2 hands the norms DTensor weights
                     decode_graphs=False,  # the forward gathers the shards (collectives)
+                    sample_token_budget=settings.kv_cache_tokens,
                 )
                 for name, model in self.backend.resident_models().items():
                     self.sharded[name] = shard_model(model, mesh)
@@ -143,7 +148,11 @@ class ShardedWorkerRuntime(WorkerRuntime):
             # The pool is made at a model's first sampling request; until then, what it will take
             pool = pools.get(name)
             tokens = (
-                pool.blocks_total * pool.block_size if pool else self.backend.sample_token_budget
+                pool.blocks_total * pool.block_size
+                if pool
+                else kv_cache_tokens(
+                    model.config, param.dtype, param.device, self.backend.sample_token_budget
+                )
             )
             memory["kv_cache"] = tokens * kv_bytes_per_token(model.config, param.dtype)
             memory["weights_total"] = self.sharded[name].total_bytes

@@ -64,6 +64,7 @@ class WorkerSettings:
     compile_norms: bool | None = None  # TorchBackend's; None: where it pays (compiled.py)
     merged_sampling: bool | None = None  # TorchBackend's merge_lone_adapter
     decode_graphs: bool | None = None  # TorchBackend's; None: on a GPU
+    kv_cache_tokens: int | None = None  # TorchBackend's sample_token_budget
 
 
 def worker_device(settings: WorkerSettings, rank: int) -> str:
@@ -125,6 +126,7 @@ class WorkerRuntime:
             compile_norms=settings.compile_norms,
             merge_lone_adapter=settings.merged_sampling,
             decode_graphs=settings.decode_graphs,
+            sample_token_budget=settings.kv_cache_tokens,
         )
         join_group(self.device, init_method, rank, size)
         # Gradients of each adapter as they were before the last forward_backward call, to
