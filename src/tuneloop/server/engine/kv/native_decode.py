@@ -30,11 +30,11 @@ _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURE = (*[_POINTER] * 5, *[_SIZE] * 6, ctypes.c_float, _POINTER, ctypes.c_int)
 
 
-def native_kernel() -> Any:
-    """The library's entry point, or None where it cannot be built."""
-    return native.function(
-        SOURCE, "decode_attention_bf16", _SIGNATURE, ctypes.c_int, ("avx512f", "avx512_bf16")
-    )
+def native_kernel(name: str = "decode_attention_bf16") -> Any:
+    """The library's entry point, or None where it cannot be built. (Its twin
+    "decode_attention_bf16_generic" makes every row by the loop for any head shape, which
+    the common shapes' loop must match bit for bit.)"""
+    return native.function(SOURCE, name, _SIGNATURE, ctypes.c_int, ("avx512f", "avx512_bf16"))
 
 
 def available(
