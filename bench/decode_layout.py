@@ -6,13 +6,14 @@ calls. In a decode step each layer's keys and values come from memory: 30 layers
 far larger than the caches, a row's blocks lie apart in its pool (the block manager hands out
 blocks as rows need them, so a sample's blocks are 128 blocks apart), and the 4 samples of a
 prompt share its prompt's blocks. This bench lays the pools out that way (SmolLM2-135M's
-heads: 9 query heads, 3 key heads, 64 dims; 32 prompts of 16-48 tokens x 4 samples, `--step`
-tokens decoded) and times all 30 layers' attention, alternating the working tree's
+heads: 9 query heads, 3 key heads, 64 dims; 32 prompts of 16-48 tokens, or `--prompt-tokens`,
+x 4 samples, `--step` tokens decoded) and times all 30 layers' attention, alternating the working tree's
 `kv/decode_attention_avx512.cpp` with the same file at `--against` (built by native.py like
 the engine's). It checks that both give the same bits, and prints the CPU model, the load and
 the per-layer medians with their ratio. Needs AVX512-BF16.
 
     python bench/decode_layout.py --against 3e19f66 [--step 32] [--rounds 30]
+    python bench/decode_layout.py --against 3e19f66 --prompt-tokens 100,200 --step 370
 """
 
 from __future__ import annotations
@@ -43,12 +44,14 @@ KERNEL = "src/tuneloop/server/engine/kv/decode_attention_avx512.cpp"
 LAYERS, HEADS, KV_HEADS, DIM, BLOCK, PROMPTS, SAMPLES = 30, 9, 3, 64, 16, 32, 4
 
 
-def layout(blocks: int, step: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def layout(
+    blocks: int, step: int, prompts: tuple[int, int] = (16, 48), seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Slots [rows, width] and mask of the decode rows `step` tokens into their samples, the
     blocks handed out as block_manager.py does (last freed first; at the start all free)."""
     rng = np.random.default_rng(seed)
     free = list(range(blocks))
-    lengths = rng.integers(16, 48, size=PROMPTS)
+    lengths = rng.integers(*prompts, size=PROMPTS)
     tables: list[list[int]] = []
     for n in lengths:
         full, part = divmod(int(n), BLOCK)
@@ -131,13 +134,18 @@ def main() -> int:
     parser.add_argument("--against", required=True, help="the commit whose kernel is compared")
     parser.add_argument("--step", type=int, default=32, help="tokens decoded so far")
     parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--blocks", type=int, default=1024, help="blocks in each layer's pool")
+    parser.add_argument("--blocks", type=int, default=None, help="blocks in each layer's pool")
+    parser.add_argument("--prompt-tokens", default="16,48", help="prompt lengths: min,max")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not native_decode.available(HEADS, KV_HEADS, DIM, DIM, torch.bfloat16, torch.device("cpu")):
         raise SystemExit("the native decode attention needs AVX512-BF16")
-    slots, mask = layout(args.blocks, args.step)
+    low, high = (int(n) for n in args.prompt_tokens.split(","))
+    if args.blocks is None:  # the layout's blocks and a quarter more (at least 1,024)
+        need = PROMPTS * (-(-high // BLOCK) + SAMPLES * (-(-args.step // BLOCK) + 2))
+        args.blocks = max(1024, need * 5 // 4)
+    slots, mask = layout(args.blocks, args.step, (low, high))
     size = args.blocks * BLOCK + 2  # the pad and scratch slots
     keys = [torch.randn(size, KV_HEADS, DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
     values = [torch.randn(size, KV_HEADS, DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
