@@ -1,7 +1,8 @@
 """The native decode attention (kv/native_decode.py): as exact as the gather + SDPA and
 inductor's kernel it stands in for, blind to stale memory and to the rows beside it, and
-picked by the engine for bf16 models where the CPU has AVX512-BF16. Skipped elsewhere (the
-kernel is not built there; inductor's is tested in test_decode_attention.py)."""
+picked by the engine for bf16 models where the CPU has AVX512-BF16 and for fp32 models where
+it has AVX2 and FMA. Skipped where a kernel is not built (inductor's is tested in
+test_decode_attention.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from tuneloop.server.engine.kv import decode_attention, native_decode  # noqa: E
 
 CPU = torch.device("cpu")
 BUILT = native_decode.available(4, 2, 64, 64, torch.bfloat16, CPU)
-pytestmark = pytest.mark.skipif(not BUILT, reason="no AVX512-BF16 or no C++ compiler here")
+BUILT_FP32 = native_decode.available(4, 2, 64, 64, torch.float32, CPU)
+bf16_kernel = pytest.mark.skipif(not BUILT, reason="no AVX512-BF16 or no C++ compiler here")
+fp32_kernel = pytest.mark.skipif(not BUILT_FP32, reason="no AVX2 + FMA or no C++ compiler here")
 
 # (query heads, key heads, key size, value size): SmolLM2's 9/3 x 64, Llama/Qwen3-8B's groups of
 # 4 x 128, plain multi-head, and values narrower than the keys (MLA's shape)
@@ -26,7 +29,10 @@ LENGTHS = [[2], [5, 1, 17, 9], [40, 3, 33], [300, 16, 2]]
 
 
 def _layout(
-    shape: tuple[int, int, int, int], lengths: list[int], seed: int
+    shape: tuple[int, int, int, int],
+    lengths: list[int],
+    seed: int,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[torch.Tensor, ...]:
     """bf16 pools whose slots nobody attends to hold NaNs (a poisoned request's stale keys),
     a zero pad slot last, rows of `lengths` scattered slots padded to the longest."""
@@ -47,7 +53,7 @@ def _layout(
         k_pool[picked] = torch.randn(length, kv_heads, dim, generator=gen)
         v_pool[picked] = torch.randn(length, kv_heads, dim_v, generator=gen)
     q = torch.randn(len(lengths), heads, dim, generator=gen).mul(2)
-    return q.bfloat16(), k_pool.bfloat16(), v_pool.bfloat16(), slots, mask
+    return q.to(dtype), k_pool.to(dtype), v_pool.to(dtype), slots, mask
 
 
 def _fp64(q, k_pool, v_pool, slots, mask, scale: float) -> torch.Tensor:
@@ -81,6 +87,7 @@ def _no_grad() -> Iterator[None]:
         yield
 
 
+@bf16_kernel
 @pytest.mark.parametrize("lengths", LENGTHS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_rows_are_as_exact_as_gather_and_sdpa(shape: tuple[int, ...], lengths: list[int]) -> None:
@@ -123,6 +130,7 @@ FIXED_SHAPES = [
 ]
 
 
+@bf16_kernel
 @pytest.mark.parametrize("shape", FIXED_SHAPES)
 def test_the_common_shapes_loop_gives_the_generic_loops_bits(shape: tuple[int, ...]) -> None:
     """attend_row_fixed (queries in registers, values widened by unpacks, other prefetches)
@@ -138,6 +146,7 @@ def test_the_common_shapes_loop_gives_the_generic_loops_bits(shape: tuple[int, .
     assert torch.equal(fixed, generic)
 
 
+@bf16_kernel
 def test_a_row_never_depends_on_the_rows_beside_it() -> None:
     """A row alone and among longer ones (more padding, other rows' threads): the same bits."""
     q, k_pool, v_pool, slots, mask = _layout((9, 3, 64, 64), [6, 70, 2, 33], seed=5)
@@ -155,6 +164,7 @@ def test_a_row_never_depends_on_the_rows_beside_it() -> None:
         assert torch.equal(alone[0], together[row])
 
 
+@bf16_kernel
 def test_masked_keys_inside_a_row_are_never_read() -> None:
     """A sliding window masks slots at the start of a row's context, here holding NaNs: the
     same result as the row given only the slots it attends to."""
@@ -167,6 +177,7 @@ def test_masked_keys_inside_a_row_are_never_read() -> None:
     assert torch.equal(out, kept)
 
 
+@bf16_kernel
 def test_it_agrees_with_inductors_kernel() -> None:
     inputs = _layout((9, 3, 64, 64), [5, 1, 17, 9, 64], seed=7)
     assert decode_attention.warm_up(9, 3, 64, 64, 0.125, torch.bfloat16, CPU)
@@ -175,8 +186,9 @@ def test_it_agrees_with_inductors_kernel() -> None:
     torch.testing.assert_close(native.float(), compiled.float(), atol=2e-2, rtol=2e-2)
 
 
+@bf16_kernel
 def test_what_it_does_not_take() -> None:
-    assert not native_decode.available(9, 3, 64, 64, torch.float32, CPU)
+    assert not native_decode.available(9, 3, 64, 64, torch.float16, CPU)
     assert not native_decode.available(9, 3, 48, 48, torch.bfloat16, CPU)  # not 32 | head size
     assert not native_decode.available(9, 2, 64, 64, torch.bfloat16, CPU)  # no whole groups
     assert not native_decode.available(9, 3, 64, 64, torch.bfloat16, torch.device("cuda"))
@@ -195,6 +207,7 @@ def test_what_it_does_not_take() -> None:
     assert torch.equal(out, decode_attention.attend(q, k_pool, v_pool, slots, mask, 0.125))
 
 
+@bf16_kernel
 def test_a_bf16_backend_samples_through_it_as_through_inductors_kernel(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -236,3 +249,103 @@ def test_a_bf16_backend_samples_through_it_as_through_inductors_kernel(
     assert [t for t, _ in ours] == [t for t, _ in theirs]
     for (_, a), (_, b) in zip(ours, theirs, strict=True):
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 0.05
+
+
+# fp32 (decode_attention_avx2.cpp): the common shapes' loop (head sizes 64 and 128, 1-4, 6 or
+# 8 query heads per key head) and the generic one (head size 32, values narrower than keys,
+# 7 query heads per key head)
+FP32_SHAPES = [*SHAPES, (16, 2, 64, 64), (14, 2, 64, 64), (12, 2, 128, 128)]
+
+
+@fp32_kernel
+@pytest.mark.parametrize("lengths", LENGTHS)
+@pytest.mark.parametrize("shape", FP32_SHAPES)
+def test_fp32_rows_are_as_exact_as_the_eager_sums(
+    shape: tuple[int, ...], lengths: list[int]
+) -> None:
+    """Scores, softmax and sums in fp32 (exp to about an ulp): no farther from fp64 than the
+    eager fp32 sums inductor's kernel compiles, within a few fp32 roundings; NaNs in slots
+    nobody attends to never reach a result."""
+    inputs = _layout(shape, lengths, seed=len(lengths) + shape[0], dtype=torch.float32)
+    scale = shape[2] ** -0.5
+    expected = _fp64(*inputs, scale)
+    out = native_decode.attend(*inputs, scale)
+    assert out.dtype == torch.float32
+    assert out.shape == (len(lengths), shape[0], shape[3])
+    assert torch.isfinite(out).all()
+    error = (out.double() - expected).abs().max()
+    clean = [inputs[0], inputs[1].nan_to_num(0), inputs[2].nan_to_num(0), *inputs[3:]]
+    eager = (decode_attention.attend(*clean, scale).double() - expected).abs().max()
+    rounding = expected.abs().max() * 2.0**-20
+    assert error <= max(2 * eager, rounding), (error, eager, rounding)
+
+
+@fp32_kernel
+def test_fp32_rows_are_blind_to_the_rows_beside_them_and_to_masked_keys() -> None:
+    """A row alone and among longer ones: the same bits; slots masked at a row's start,
+    holding NaNs: the row given only the slots it attends to, within fp32's rounding."""
+    q, k_pool, v_pool, slots, mask = _layout((9, 3, 64, 64), [6, 70, 2, 33], 5, torch.float32)
+    together = native_decode.attend(q, k_pool, v_pool, slots, mask, 0.125)
+    for row in range(4):
+        width = int(mask[row].sum())
+        alone = native_decode.attend(
+            q[row : row + 1],
+            k_pool,
+            v_pool,
+            slots[row, :width].reshape(1, width),
+            mask[row, :width].reshape(1, width),
+            0.125,
+        )
+        assert torch.equal(alone[0], together[row])
+    kept = native_decode.attend(q[1:2], k_pool, v_pool, slots[1:2, 25:], mask[1:2, 25:], 0.125)
+    windowed = mask.clone()
+    windowed[1, :25] = False
+    k_pool[slots[1, :25]], v_pool[slots[1, :25]] = float("nan"), float("nan")
+    out = native_decode.attend(q, k_pool, v_pool, slots, windowed, 0.125)
+    assert torch.isfinite(out).all()  # the NaNs behind the mask are never read
+    # (the sums pair keys by position, so the window's start moves their rounding)
+    torch.testing.assert_close(out[1], kept[0], rtol=1e-5, atol=1e-6)
+
+
+@fp32_kernel
+def test_an_fp32_backend_samples_through_it_as_through_inductors_kernel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiny Qwen3 (head size 32) in fp32 with its kernels compiled: the engine picks the
+    native kernel, and a sampling call gives the tokens inductor's kernel gives, logprobs
+    within fp32's rounding."""
+    from tuneloop.server.engine.torch_backend import TorchBackend
+    from tuneloop.server.engine.types import AdapterSpec, SampleWork
+
+    def sample(backend: TorchBackend) -> list[tuple[list[int], list[float]]]:
+        backend.create_adapter(AdapterSpec("A", "tuneloop/tiny-qwen3", rank=8, seed=3))
+        backend.create_sampler("s", "tuneloop/tiny-qwen3", adapter_id="A")
+        prompt = torch.arange(3, 12).numpy()
+        [result] = backend.sample([SampleWork("s", prompt, 3, 12, 1.0, -1, 1.0, 5, (), ())])
+        assert not isinstance(result, Exception)
+        return [(list(s.tokens), list(s.logprobs)) for s in result.sequences]
+
+    def backend() -> TorchBackend:
+        return TorchBackend(
+            ["tuneloop/tiny-qwen3"],
+            cache_dir=tmp_path / "cache",
+            device="cpu",
+            dtype=torch.float32,
+            compile_norms=True,
+        )
+
+    native = backend()
+    [runtime] = native._runtimes.values()
+    assert runtime.decode_kernel is native_decode.attend
+    ours = sample(native)
+    native.close()
+    monkeypatch.setattr(native_decode, "available", lambda *args: False)
+    inductor = backend()
+    [runtime] = inductor._runtimes.values()
+    assert runtime.compiled_decode
+    assert runtime.decode_kernel is not native_decode.attend
+    theirs = sample(inductor)
+    inductor.close()
+    assert [t for t, _ in ours] == [t for t, _ in theirs]
+    for (_, a), (_, b) in zip(ours, theirs, strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4

@@ -109,8 +109,8 @@ class Runtime:
 
     def compile_decode(self) -> bool:
         """Pick the decode rows' attention kernel for this model's heads: the native one where
-        it takes them (bf16 on a CPU with AVX512-BF16), else inductor's, warmed up; whether
-        either is used."""
+        it takes them (bf16 on a CPU with AVX512-BF16, fp32 on one with AVX2 and FMA), else
+        inductor's, warmed up; whether either is used."""
         heads, kv_heads, dim = attention_heads(self.model.config)
         dtype = next(self.model.parameters()).dtype
         if native_decode.available(heads, kv_heads, dim, dim, dtype, self.device):

@@ -1,12 +1,16 @@
-"""The decode rows' attention as a C++ kernel, for bf16 pools on x86-64 CPUs with AVX512-BF16.
+"""The decode rows' attention as C++ kernels: bf16 pools on x86-64 CPUs with AVX512-BF16, fp32
+pools on those with AVX2 and FMA.
 
 Inductor's kernel for the same sums (decode_attention.py) sums each score across the vector
 lanes one score at a time and runs the softmax's passes on one thread over 9-lane vectors; on
-an AVX-512-BF16 EPYC it took 760-960 us a layer of 128 rows x 30-70 slots where this kernel
-takes 200-285 us (bench/cpu_kernels.py, docs/benchmarks.md). What it does is described at the
-top of `decode_attention_avx512.cpp`: scores by vdpbf16ps, 16 keys' sums across lanes at
-once, softmax and value sums in fp32, rows in parallel under OpenMP. It is built and loaded
-by native.py; where it cannot be, `available` is False and the engine keeps inductor's kernel.
+an AVX-512-BF16 EPYC it took 760-960 us a layer of 128 rows x 30-70 slots where the bf16
+kernel takes 200-285 us (bench/cpu_kernels.py, docs/benchmarks.md), and at fp32 9.3-11.5 ms
+a layer of 128 rows x 470-570 slots where the fp32 kernel takes 5.6 ms (its reads of the
+pool are what is left). What they do is described at the top of
+`decode_attention_avx512.cpp` and `decode_attention_avx2.cpp`: scores summed across lanes 16
+(8) keys at a time, softmax and value sums in fp32, rows in parallel under OpenMP, the pool's
+lines asked for ahead. They are built and loaded by native.py; where one cannot be,
+`available` is False for its dtype and the engine keeps inductor's kernel.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ import torch
 from tuneloop.server.engine import native
 from tuneloop.server.engine.kv import decode_attention
 
-__all__ = ["attend", "available", "native_kernel"]
+__all__ = ["attend", "available", "fp32_kernel", "native_kernel"]
 
 SOURCE = Path(__file__).with_name("decode_attention_avx512.cpp")
+FP32_SOURCE = Path(__file__).with_name("decode_attention_avx2.cpp")
 
 
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
@@ -37,36 +42,55 @@ def native_kernel(name: str = "decode_attention_bf16") -> Any:
     return native.function(SOURCE, name, _SIGNATURE, ctypes.c_int, ("avx512f", "avx512_bf16"))
 
 
+def fp32_kernel() -> Any:
+    """The fp32 library's entry point ("decode_attention_fp32"), or None where it cannot be
+    built."""
+    return native.function(
+        FP32_SOURCE, "decode_attention_fp32", _SIGNATURE, ctypes.c_int, ("avx2", "fma")
+    )
+
+
+def _kernel(dtype: torch.dtype) -> Any:
+    return native_kernel() if dtype == torch.bfloat16 else fp32_kernel()
+
+
+# Head sizes each kernel takes: multiples of its vectors' reach.
+_DIVISOR = {torch.bfloat16: 32, torch.float32: 16}
+
+
 def available(
     heads: int, kv_heads: int, dim: int, dim_v: int, dtype: torch.dtype, device: torch.device
 ) -> bool:
-    """Whether `attend` takes a model's decode steps: bf16 on a CPU whose kernel could be
-    built, head sizes multiples of 32, whole groups of query heads per key head."""
-    if device.type != "cpu" or dtype != torch.bfloat16:
+    """Whether `attend` takes a model's decode steps: bf16 (head sizes multiples of 32) or
+    fp32 (of 16) on a CPU whose kernel could be built, whole groups of query heads per key
+    head."""
+    if device.type != "cpu" or dtype not in _DIVISOR:
         return False
-    if kv_heads <= 0 or heads % kv_heads or dim % 32 or dim_v % 32:
+    if kv_heads <= 0 or heads % kv_heads or dim % _DIVISOR[dtype] or dim_v % _DIVISOR[dtype]:
         return False
-    return native_kernel() is not None
+    return _kernel(dtype) is not None
 
 
 def attend(
-    q: torch.Tensor,  # [rows, heads, dim] bf16
+    q: torch.Tensor,  # [rows, heads, dim] bf16 or fp32
     k_pool: torch.Tensor,  # [slots, kv_heads, dim]
     v_pool: torch.Tensor,  # [slots, kv_heads, dim_v]
     slots: torch.Tensor,  # [rows, context] long: each row's slots, padded with a zero slot
     mask: torch.Tensor,  # [rows, context] bool: which of them the row attends to
     scale: float,
 ) -> torch.Tensor:
-    """`decode_attention.attend`'s result, by the native kernel (`available` must hold); head
-    sizes it does not take run that eager function instead."""
-    kernel = native_kernel()
-    assert kernel is not None
-    bf16 = (q.dtype, k_pool.dtype, v_pool.dtype) == (torch.bfloat16,) * 3
+    """`decode_attention.attend`'s result, by the native kernel of q's dtype (`available`
+    must hold for it); head sizes it does not take run that eager function instead."""
+    dtype = q.dtype
+    same = dtype in _DIVISOR and k_pool.dtype == dtype and v_pool.dtype == dtype
     indices = slots.dtype == torch.long and mask.dtype == torch.bool
-    if not (bf16 and indices) or q.device.type != "cpu":  # (the kernel reads raw memory)
+    if not (same and indices) or q.device.type != "cpu":  # (the kernel reads raw memory)
         raise ValueError(
-            "the native decode attention takes bf16 CPU tensors, long slots, a bool mask"
+            "the native decode attention takes bf16 or fp32 CPU tensors of one dtype, long "
+            "slots, a bool mask"
         )
+    kernel = _kernel(dtype)
+    assert kernel is not None
     low, high = torch.aminmax(slots) if slots.numel() else (slots.new_zeros(()),) * 2
     if int(low) < 0 or int(high) >= min(k_pool.shape[0], v_pool.shape[0]):
         raise ValueError("a decode row's slot lies outside the pool")  # never read past it
