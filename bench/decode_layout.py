@@ -9,11 +9,16 @@ prompt share its prompt's blocks. This bench lays the pools out that way (SmolLM
 heads: 9 query heads, 3 key heads, 64 dims; 32 prompts of 16-48 tokens, or `--prompt-tokens`,
 x 4 samples, `--step` tokens decoded) and times all 30 layers' attention, alternating the working tree's
 `kv/decode_attention_avx512.cpp` with the same file at `--against` (built by native.py like
-the engine's). It checks that both give the same bits, and prints the CPU model, the load and
-the per-layer medians with their ratio. Needs AVX512-BF16.
+the engine's), or with inductor's kernel (`--against inductor`, kv/decode_attention.py, what
+the engine runs where no native kernel is built). It checks whether both give the same bits
+(against inductor: their largest difference), and prints the CPU model, the load and the
+per-layer medians with their ratio. Needs AVX512-BF16; `--dtype float32` times the fp32
+kernel (`kv/decode_attention_avx2.cpp`, AVX2 and FMA) against inductor's.
 
     python bench/decode_layout.py --against 3e19f66 [--step 32] [--rounds 30]
     python bench/decode_layout.py --against 3e19f66 --prompt-tokens 100,200 --step 370
+    python bench/decode_layout.py --against inductor --dtype float32 --prompt-tokens 100,200 \
+        --step 370
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from tuneloop.server.engine import native  # noqa: E402
-from tuneloop.server.engine.kv import native_decode  # noqa: E402
+from tuneloop.server.engine.kv import decode_attention, native_decode  # noqa: E402
 
 KERNEL = "src/tuneloop/server/engine/kv/decode_attention_avx512.cpp"
 LAYERS, HEADS, KV_HEADS, DIM, BLOCK, PROMPTS, SAMPLES = 30, 9, 3, 64, 16, 32, 4
@@ -131,7 +136,10 @@ def attend_with(kernel: Callable[..., int]) -> Callable[..., torch.Tensor]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--against", required=True, help="the commit whose kernel is compared")
+    parser.add_argument(
+        "--against", required=True, help="the commit whose kernel is compared, or inductor"
+    )
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--step", type=int, default=32, help="tokens decoded so far")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--blocks", type=int, default=None, help="blocks in each layer's pool")
@@ -139,41 +147,51 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if not native_decode.available(HEADS, KV_HEADS, DIM, DIM, torch.bfloat16, torch.device("cpu")):
-        raise SystemExit("the native decode attention needs AVX512-BF16")
+    dtype = getattr(torch, args.dtype)
+    if not native_decode.available(HEADS, KV_HEADS, DIM, DIM, dtype, torch.device("cpu")):
+        raise SystemExit(f"no native decode attention for {args.dtype} on this CPU")
+    if dtype == torch.float32 and args.against != "inductor":
+        raise SystemExit("--dtype float32 compares against inductor's kernel only")
     low, high = (int(n) for n in args.prompt_tokens.split(","))
     if args.blocks is None:  # the layout's blocks and a quarter more (at least 1,024)
         need = PROMPTS * (-(-high // BLOCK) + SAMPLES * (-(-args.step // BLOCK) + 2))
         args.blocks = max(1024, need * 5 // 4)
     slots, mask = layout(args.blocks, args.step, (low, high))
     size = args.blocks * BLOCK + 2  # the pad and scratch slots
-    keys = [torch.randn(size, KV_HEADS, DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
-    values = [torch.randn(size, KV_HEADS, DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
-    queries = [torch.randn(len(slots), HEADS, DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
-    kernels = {
-        "this tree": native_decode.attend,
-        args.against: attend_with(kernel_at(args.against)),
-    }
+    keys = [torch.randn(size, KV_HEADS, DIM, dtype=dtype) for _ in range(LAYERS)]
+    values = [torch.randn(size, KV_HEADS, DIM, dtype=dtype) for _ in range(LAYERS)]
+    queries = [torch.randn(len(slots), HEADS, DIM, dtype=dtype) for _ in range(LAYERS)]
+    if args.against == "inductor":
+        cpu = torch.device("cpu")
+        if not decode_attention.warm_up(HEADS, KV_HEADS, DIM, DIM, DIM**-0.5, dtype, cpu):
+            raise SystemExit("inductor's kernel could not be compiled")
+        other = decode_attention.compiled()
+    else:
+        other = attend_with(kernel_at(args.against))
+    kernels = {"this tree": native_decode.attend, args.against: other}
 
     def step(attend: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
         return [
             attend(queries[i], keys[i], values[i], slots, mask, DIM**-0.5) for i in range(LAYERS)
         ]
 
-    first = [step(k) for k in kernels.values()]
+    with torch.no_grad():
+        first = [step(k) for k in kernels.values()]
     same = all(torch.equal(a, b) for a, b in zip(*first, strict=True))
+    apart = max(float((a.float() - b.float()).abs().max()) for a, b in zip(*first, strict=True))
     times: dict[str, list[float]] = {name: [] for name in kernels}
     for _ in range(args.rounds):
         for name, attend in kernels.items():
             start = time.perf_counter()
-            step(attend)
+            with torch.no_grad():
+                step(attend)
             times[name].append((time.perf_counter() - start) / LAYERS)
     context = mask.sum(1).double()
     print(f"cpu: {cpu_model()}; threads {args.threads}; load {os.getloadavg()[0]:.2f}")
     print(
         f"128 rows, {args.step} tokens decoded: contexts {int(context.min())}-"
         f"{int(context.max())} (mean {context.mean():.1f}), {LAYERS} layers' pools of "
-        f"{args.blocks} blocks; same bits: {same}"
+        f"{args.blocks} blocks; {args.dtype}; same bits: {same} (largest difference {apart:.3g})"
     )
     medians = {name: statistics.median(t) for name, t in times.items()}
     for name, median in medians.items():
