@@ -2,18 +2,18 @@
 commit's, alternated.
 
 bench/cpu_kernels.py times the kernel on one layer's pool, which stays in the caches between
-calls. In a decode step each layer's keys and values come from memory: 30 layers' pools are
-far larger than the caches, a row's blocks lie apart in its pool (the block manager hands out
+calls. In a decode step each layer's keys and values come from memory: 30 layers' pools are far
+larger than the caches, a row's blocks lie apart in its pool (the block manager hands out
 blocks as rows need them, so a sample's blocks are 128 blocks apart), and the 4 samples of a
-prompt share its prompt's blocks. This bench lays the pools out that way (SmolLM2-135M's
-heads: 9 query heads, 3 key heads, 64 dims; 32 prompts of 16-48 tokens, or `--prompt-tokens`,
-x 4 samples, `--step` tokens decoded) and times all 30 layers' attention, alternating the
-working tree's `kv/decode_attention_avx512.cpp` with the same file at `--against` (built by
-native.py like the engine's), or with inductor's kernel (`--against inductor`,
-kv/decode_attention.py, what the engine runs where no native kernel is built). It checks whether both give the same bits
-(against inductor: their largest difference), and prints the CPU model, the load and the
-per-layer medians with their ratio. Needs AVX512-BF16; `--dtype float32` times the fp32
-kernel (`kv/decode_attention_avx2.cpp`, AVX2 and FMA) against inductor's.
+prompt share its prompt's blocks. This bench lays the pools out that way (SmolLM2-135M's heads:
+9 query heads, 3 key heads, 64 dims; 32 prompts of 16-48 tokens, or `--prompt-tokens`, x 4
+samples, `--step` tokens decoded) and times all 30 layers' attention, alternating the working
+tree's `kv/decode_attention_avx512.cpp` with the same file at `--against` (built by native.py
+like the engine's), or with inductor's kernel (`--against inductor`, kv/decode_attention.py,
+what the engine runs where no native kernel is built). It checks whether both give the same
+bits (against inductor: their largest difference), and prints the CPU model, the load and the
+per-layer medians with their ratio. Needs AVX512-BF16; `--dtype float32` times the fp32 kernel
+(`kv/decode_attention_avx2.cpp`, AVX2 and FMA) against inductor's.
 
     python bench/decode_layout.py --against 3e19f66 [--step 32] [--rounds 30]
     python bench/decode_layout.py --against 3e19f66 --prompt-tokens 100,200 --step 370
