@@ -1,15 +1,17 @@
-// The decode rows' attention over a paged KV pool, fp32, for x86-64 CPUs with AVX2 and FMA
-// (every x86-64 server CPU of the last decade; native_decode.py builds and loads it): the
-// fp32 engine's counterpart of decode_attention_avx512.cpp. One query per row and head; each
-// row's keys and values are read from the pool through its slots, all of a slot's heads at
-// once (they are contiguous there). Scores: for 8 keys at a time, each (head, key) pair's
-// products summed by FMAs into a vector of partial sums, the 8 vectors then summed across
-// their lanes together (horizontal adds and one lane swap: no sum per score). Softmax in
-// fp32, exp by a polynomial to about an ulp; values summed in fp32 registers, up to 6 of a key head's query
-// heads at a time. Rows run in parallel under OpenMP. A row's result does not depend on the
-// other rows or on its padding: masked keys are never read and add exact zeros. The pool is
-// far larger than the caches, so each key's and value's lines are asked into L2 24 keys ahead
-// and the keys' into L1 8 keys ahead, as the bf16 kernel does.
+// The decode rows' attention over a paged KV pool, fp32, for x86-64 CPUs with AVX2 and FMA (every
+// x86-64 server CPU of the last decade; native_decode.py builds and loads it): the fp32 engine's
+// counterpart of decode_attention_avx512.cpp. One query per row and head; each row's keys and
+// values are read from the pool through its slots, all of a slot's heads at once (they are
+// contiguous there). Scores: for 8 keys at a time, each (head, key) pair's products summed by
+// FMAs into a vector of partial sums, the 8 vectors then summed across their lanes together
+// (horizontal adds and one lane swap: no sum per score). Softmax in fp32, exp by a polynomial to
+// about an ulp; values summed in fp32 registers, up to 6 of a key head's query heads at a time.
+// Rows run in parallel under OpenMP. A row's result does not depend on the other rows or on its
+// padding: masked keys are never read and add exact zeros. The pool is far larger than the
+// caches, so each key's and value's lines are asked into L2 24 keys ahead and the keys' into L1 8
+// keys ahead, as the bf16 kernel does. For head sizes 64 and 128, attend_row_fixed keeps a query
+// head's dims in registers, scores two keys at a time in two FMA chains each, and sums the values
+// in spans of 64 keys that stay in cache (their lines asked for a span ahead instead).
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "this kernel needs AVX2 and FMA"
 #endif
@@ -59,6 +61,17 @@ template <int Hint>
 inline void prefetch(const float* p, int64_t elements) {
   const char* c = reinterpret_cast<const char*>(p);
   for (int64_t b = 0; b < elements * 4; b += 64) _mm_prefetch(c + b, static_cast<_mm_hint>(Hint));
+}
+
+// A chunk of 8 keys' scores from their partial sums (part [heads, 8 keys, 8 lanes]): scaled,
+// the keys whose `keep` is 0 -inf, into scores [heads, padded] at the chunk's place.
+inline void chunk_scores(const float* part, const float* keep, int64_t heads, float scale,
+                         float* scores, int64_t padded) {
+  const __m256 kept = _mm256_cmp_ps(_mm256_loadu_ps(keep), _mm256_setzero_ps(), _CMP_NEQ_OQ);
+  for (int64_t hq = 0; hq < heads; ++hq) {
+    const __m256 s = _mm256_mul_ps(sum8(part + hq * 64), _mm256_set1_ps(scale));
+    _mm256_storeu_ps(scores + hq * padded, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, kept));
+  }
 }
 
 // Each head's scores (padded to 8, masked ones -inf) -> exp(score - max), their sum in total.
@@ -119,12 +132,7 @@ void attend_row(const float* q, const float* kp, const float* vp, const int64_t*
     alignas(32) float keep[8];
     for (int64_t jj = 0; jj < 8; ++jj)
       keep[jj] = j0 + jj < width && live[j0 + jj] ? 1.0f : 0.0f;
-    const __m256 kept = _mm256_cmp_ps(_mm256_load_ps(keep), _mm256_setzero_ps(), _CMP_NEQ_OQ);
-    for (int64_t hq = 0; hq < heads; ++hq) {
-      const __m256 s = _mm256_mul_ps(sum8(part + hq * 64), _mm256_set1_ps(scale));
-      _mm256_storeu_ps(scores + hq * padded + j0,
-                       _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, kept));
-    }
+    chunk_scores(part, keep, heads, scale, scores + j0, padded);
   }
   softmax(scores, padded, heads, total);
   // values: per key head, 16 of its dims and up to 6 of its query heads at a time in registers
@@ -204,12 +212,7 @@ void attend_row_fixed(const float* q, const float* kp, const float* vp, const in
         }
       }
     }
-    const __m256 kept = _mm256_cmp_ps(_mm256_load_ps(keep), _mm256_setzero_ps(), _CMP_NEQ_OQ);
-    for (int64_t hq = 0; hq < heads; ++hq) {
-      const __m256 s = _mm256_mul_ps(sum8(part + hq * 64), _mm256_set1_ps(scale));
-      _mm256_storeu_ps(scores + hq * padded + j0,
-                       _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, kept));
-    }
+    chunk_scores(part, keep, heads, scale, scores + j0, padded);
   }
   softmax(scores, padded, heads, total);
   // values in spans of 64 keys (48 KB of a head's 64 dims at fp32 at most: they stay in L1
@@ -267,7 +270,8 @@ void attend_row_fixed(const float* q, const float* kp, const float* vp, const in
   for (int64_t hq = 0; hq < heads; ++hq) {
     const __m256 inv = _mm256_set1_ps(1.0f / total[hq]);
     for (int64_t d0 = 0; d0 < dim; d0 += 8)
-      _mm256_storeu_ps(out + hq * dim + d0, _mm256_mul_ps(_mm256_loadu_ps(acc + hq * dim + d0), inv));
+      _mm256_storeu_ps(out + hq * dim + d0,
+                       _mm256_mul_ps(_mm256_loadu_ps(acc + hq * dim + d0), inv));
   }
 }
 

@@ -71,6 +71,35 @@ inline __m512 bf16_to_fp32(__m256i x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
 }
 
+// A chunk of 16 keys' scores from their partial sums (part [heads, 16 keys, 16 lanes]):
+// scaled, masked keys -inf, into scores [heads, padded] at the chunk's place.
+inline void chunk_scores(const float* part, __mmask16 mask, int64_t heads, float scale,
+                         float* scores, int64_t padded) {
+  for (int64_t hq = 0; hq < heads; ++hq) {
+    const __m512 s = _mm512_mul_ps(sum16(part + hq * 256), _mm512_set1_ps(scale));
+    _mm512_storeu_ps(scores + hq * padded, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask, s));
+  }
+}
+
+// Each head's scores (padded to 16, masked ones -inf) -> exp(score - max) in fp32, their sum
+// in total.
+void softmax(float* scores, int64_t padded, int64_t heads, float* total) {
+  for (int64_t hq = 0; hq < heads; ++hq) {
+    float* s = scores + hq * padded;
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    for (int64_t j0 = 0; j0 < padded; j0 += 16)
+      best = _mm512_max_ps(best, _mm512_loadu_ps(s + j0));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < padded; j0 += 16) {
+      const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j0), m));
+      _mm512_storeu_ps(s + j0, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    total[hq] = _mm512_reduce_add_ps(sum);
+  }
+}
+
 void attend_row(const uint16_t* q, const uint16_t* kp, const uint16_t* vp, const int64_t* at,
                 const bool* live, int64_t width, int64_t heads, int64_t kv_heads, int64_t dim,
                 int64_t dim_v, float scale, uint16_t* out, float* scores, float* part,
@@ -108,27 +137,9 @@ void attend_row(const uint16_t* q, const uint16_t* kp, const uint16_t* vp, const
     __mmask16 mask = 0;
     for (int64_t jj = 0; jj < 16; ++jj)
       if (j0 + jj < width && live[j0 + jj]) mask |= static_cast<__mmask16>(1u << jj);
-    for (int64_t hq = 0; hq < heads; ++hq) {
-      const __m512 s = _mm512_mul_ps(sum16(part + hq * 256), _mm512_set1_ps(scale));
-      _mm512_storeu_ps(scores + hq * padded + j0,
-                       _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask, s));
-    }
+    chunk_scores(part, mask, heads, scale, scores + j0, padded);
   }
-  // softmax per head, in fp32
-  for (int64_t hq = 0; hq < heads; ++hq) {
-    float* s = scores + hq * padded;
-    __m512 best = _mm512_set1_ps(-INFINITY);
-    for (int64_t j0 = 0; j0 < padded; j0 += 16)
-      best = _mm512_max_ps(best, _mm512_loadu_ps(s + j0));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(best));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j0 = 0; j0 < padded; j0 += 16) {
-      const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j0), m));
-      _mm512_storeu_ps(s + j0, p);
-      sum = _mm512_add_ps(sum, p);
-    }
-    total[hq] = _mm512_reduce_add_ps(sum);
-  }
+  softmax(scores, padded, heads, total);
   // values: per key head, 32 of its dims and up to 12 of its query heads at a time in registers
   for (int64_t h = 0; h < kv_heads; ++h) {
     for (int64_t g0 = 0; g0 < groups; g0 += 12) {
@@ -216,26 +227,9 @@ void attend_row_fixed(const uint16_t* q, const uint16_t* kp, const uint16_t* vp,
     __mmask16 mask = 0;
     for (int64_t jj = 0; jj < jn; ++jj)
       if (live[j0 + jj]) mask |= static_cast<__mmask16>(1u << jj);
-    for (int64_t hq = 0; hq < heads; ++hq) {
-      const __m512 s = _mm512_mul_ps(sum16(part + hq * 256), _mm512_set1_ps(scale));
-      _mm512_storeu_ps(scores + hq * padded + j0,
-                       _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask, s));
-    }
+    chunk_scores(part, mask, heads, scale, scores + j0, padded);
   }
-  for (int64_t hq = 0; hq < heads; ++hq) {  // softmax per head, in fp32, as attend_row
-    float* s = scores + hq * padded;
-    __m512 best = _mm512_set1_ps(-INFINITY);
-    for (int64_t j0 = 0; j0 < padded; j0 += 16)
-      best = _mm512_max_ps(best, _mm512_loadu_ps(s + j0));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(best));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j0 = 0; j0 < padded; j0 += 16) {
-      const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j0), m));
-      _mm512_storeu_ps(s + j0, p);
-      sum = _mm512_add_ps(sum, p);
-    }
-    total[hq] = _mm512_reduce_add_ps(sum);
-  }
+  softmax(scores, padded, heads, total);
   const __m512i zero = _mm512_setzero_si512();
   alignas(64) float lanes[16];
   for (int64_t h = 0; h < kv_heads; ++h) {
