@@ -13,11 +13,14 @@ like the engine's), or with inductor's kernel (`--against inductor`, kv/decode_a
 what the engine runs where no native kernel is built). It checks whether both give the same
 bits (against inductor: their largest difference), and prints the CPU model, the load and the
 per-layer medians with their ratio. Needs AVX512-BF16; `--dtype float32` times the fp32 kernel
-(`kv/decode_attention_avx2.cpp`, AVX2 and FMA) against inductor's.
+(`kv/decode_attention_avx2.cpp`, AVX2 and FMA) against the same file at `--against` or
+inductor's.
 
     python bench/decode_layout.py --against 3e19f66 [--step 32] [--rounds 30]
     python bench/decode_layout.py --against 3e19f66 --prompt-tokens 100,200 --step 370
     python bench/decode_layout.py --against inductor --dtype float32 --prompt-tokens 100,200 \
+        --step 370
+    python bench/decode_layout.py --against HEAD --dtype float32 --prompt-tokens 100,200 \
         --step 370
 """
 
@@ -45,7 +48,11 @@ sys.path.insert(0, str(ROOT / "src"))
 from tuneloop.server.engine import native  # noqa: E402
 from tuneloop.server.engine.kv import decode_attention, native_decode  # noqa: E402
 
-KERNEL = "src/tuneloop/server/engine/kv/decode_attention_avx512.cpp"
+# Each dtype's kernel: its source in the tree, its entry point and the CPU flags it needs.
+KERNELS = {
+    torch.bfloat16: (native_decode.SOURCE, "decode_attention_bf16", ("avx512f", "avx512_bf16")),
+    torch.float32: (native_decode.FP32_SOURCE, "decode_attention_fp32", ("avx2", "fma")),
+}
 LAYERS, HEADS, KV_HEADS, DIM, BLOCK, PROMPTS, SAMPLES = 30, 9, 3, 64, 16, 32, 4
 
 
@@ -82,21 +89,19 @@ def layout(
     return torch.from_numpy(np.ascontiguousarray(slots)), torch.from_numpy(mask)
 
 
-def kernel_at(commit: str) -> Callable[..., int]:
-    """The kernel's C entry point as it was at `commit`, built like the engine's."""
+def kernel_at(commit: str, dtype: torch.dtype) -> Callable[..., int]:
+    """The dtype's kernel's C entry point as it was at `commit`, built like the engine's."""
+    path, name, needs = KERNELS[dtype]
     text = subprocess.run(
-        ["git", "show", f"{commit}:{KERNEL}"], cwd=ROOT, capture_output=True, check=True
+        ["git", "show", f"{commit}:{path.relative_to(ROOT)}"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
     ).stdout
     folder = Path(tempfile.mkdtemp(prefix="decode-layout-"))
-    source = folder / "decode_attention_avx512.cpp"
+    source = folder / path.name
     source.write_bytes(text)
-    fn = native.function(
-        source,
-        "decode_attention_bf16",
-        native_decode._SIGNATURE,
-        ctypes.c_int,
-        ("avx512f", "avx512_bf16"),
-    )
+    fn = native.function(source, name, native_decode._SIGNATURE, ctypes.c_int, needs)
     if fn is None:
         raise SystemExit(f"the kernel at {commit} could not be built")
     return fn
@@ -150,8 +155,6 @@ def main() -> int:
     dtype = getattr(torch, args.dtype)
     if not native_decode.available(HEADS, KV_HEADS, DIM, DIM, dtype, torch.device("cpu")):
         raise SystemExit(f"no native decode attention for {args.dtype} on this CPU")
-    if dtype == torch.float32 and args.against != "inductor":
-        raise SystemExit("--dtype float32 compares against inductor's kernel only")
     low, high = (int(n) for n in args.prompt_tokens.split(","))
     if args.blocks is None:  # the layout's blocks and a quarter more (at least 1,024)
         need = PROMPTS * (-(-high // BLOCK) + SAMPLES * (-(-args.step // BLOCK) + 2))
@@ -167,7 +170,7 @@ def main() -> int:
             raise SystemExit("inductor's kernel could not be compiled")
         other = decode_attention.compiled()
     else:
-        other = attend_with(kernel_at(args.against))
+        other = attend_with(kernel_at(args.against, dtype))
     kernels = {"this tree": native_decode.attend, args.against: other}
 
     def step(attend: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
