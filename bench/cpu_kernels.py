@@ -185,7 +185,7 @@ def _training_attention(dtype: torch.dtype, repeats: int) -> str:
     g = torch.Generator().manual_seed(2)
     base = [torch.randn(1, h, sum(lengths), DIM, generator=g).to(dtype) for h in (9, 3, 3)]
     grad = torch.randn(1, sum(lengths), HEADS, DIM, generator=g).to(dtype)
-    bound = causal_cpu.MATMUL_MAX_HEAD_DIMS
+    bound = causal_cpu.MATMUL_MAX_TOKENS
 
     def once(kernel: str) -> None:
         q, k, v = (t.clone().requires_grad_() for t in base)
@@ -199,13 +199,13 @@ def _training_attention(dtype: torch.dtype, repeats: int) -> str:
             ]
             torch.cat(pieces, dim=1).backward(grad)
             return
-        causal_cpu.MATMUL_MAX_HEAD_DIMS = bound if kernel == "matmul" else 0
+        causal_cpu.MATMUL_MAX_TOKENS = bound if kernel == "matmul" else 0
         try:
             with packing.packed_segments(lengths):
                 out, _ = packing._packed_sdpa(module, q, k, v, None, dropout=0.0, scaling=0.125)
             out.backward(grad)
         finally:
-            causal_cpu.MATMUL_MAX_HEAD_DIMS = bound
+            causal_cpu.MATMUL_MAX_TOKENS = bound
 
     kernels = ("sdpa", "flash", "matmul")
     ms = _alternate({name: (lambda name=name: once(name)) for name in kernels}, repeats)

@@ -8,6 +8,8 @@ model and the load. `--profile` prints the top ops of one step of the current va
 
     python bench/train_variants.py --variant attention [--steps 6] [--dtype bfloat16]
     python bench/train_variants.py --variant attention-kernel  # short sequences' matmul kernel
+    python bench/train_variants.py --variant attention-bound --lengths 300,580 --warm
+                                                    # the matmul kernel's length bound
     python bench/train_variants.py --variant adamw
     python bench/train_variants.py --variant head       # the LM head fused over vocabulary tiles
     python bench/train_variants.py --variant lora-add   # LoRA deltas added by addmm
@@ -108,10 +110,23 @@ def _swapped(owner: Any, name: str, previous: Any | None) -> Iterator[None]:
 
 def _attention_kernel(previous: bool) -> Any:
     """previous: torch's CPU flash kernel (fp32 backward) for every sequence; current: the
-    matmul kernel for sequences up to MATMUL_MAX_HEAD_DIMS x head_dim tokens (causal_cpu.py)."""
+    matmul kernel for sequences up to MATMUL_MAX_TOKENS tokens (causal_cpu.py)."""
     from tuneloop.server.engine import causal_cpu
 
-    return _swapped(causal_cpu, "MATMUL_MAX_HEAD_DIMS", 0 if previous else None)
+    return _swapped(causal_cpu, "MATMUL_MAX_TOKENS", 0 if previous else None)
+
+
+# The matmul kernel's length bound before RL-length sequences were measured: 4 x SmolLM2's
+# head size.
+_PREVIOUS_BOUND = 256
+
+
+def _attention_bound(previous: bool) -> Any:
+    """previous: the matmul kernel for sequences up to 256 tokens (flash beyond); current: up
+    to causal_cpu.MATMUL_MAX_TOKENS (or `--matmul-bound`)."""
+    from tuneloop.server.engine import causal_cpu
+
+    return _swapped(causal_cpu, "MATMUL_MAX_TOKENS", _PREVIOUS_BOUND if previous else None)
 
 
 def _head_exp(previous: bool) -> Any:
@@ -385,6 +400,7 @@ def main() -> int:
         choices=[
             "attention",
             "attention-kernel",
+            "attention-bound",
             "adamw",
             "head",
             "head-exp",
@@ -404,6 +420,15 @@ def main() -> int:
     parser.add_argument(
         "--warm", action="store_true", help="run every timed batch once, untimed, before timing"
     )
+    parser.add_argument(
+        "--lengths", default="64,256", help="the batches' sequence lengths: min,max tokens"
+    )
+    parser.add_argument(
+        "--matmul-bound",
+        type=int,
+        default=None,
+        help="the matmul kernel's length bound in tokens for this run (causal_cpu.py)",
+    )
     parser.add_argument("--micro", action="store_true")
     parser.add_argument("--micro-repeats", type=int, default=20, help="--micro: layer passes")
     parser.add_argument(
@@ -421,12 +446,16 @@ def main() -> int:
         print("load:", os.getloadavg())
         return 0
 
+    from tuneloop.server.engine import causal_cpu
     from tuneloop.server.engine import types as t
 
+    if args.matmul_bound is not None:
+        causal_cpu.MATMUL_MAX_TOKENS = args.matmul_bound
     backend = adapted_backend(getattr(torch, args.dtype))
     step = t.AdamStep(LR, BETAS[0], BETAS[1], EPS, 0.0, 0.0)
     stream = list(np.random.default_rng(SEED).integers(100, 40000, 200_000))
-    batches = make_batches(stream, args.steps + 2, 8, 64, 256)
+    low, high = (int(n) for n in args.lengths.split(","))
+    batches = make_batches(stream, args.steps + 2, 8, low, high)
 
     def train_step(rows: list[list[int]]) -> None:
         cross_entropy_pass(backend, rows)
@@ -450,6 +479,7 @@ def main() -> int:
     switches: dict[str, Callable[[bool], Any]] = {
         "attention": _attention,
         "attention-kernel": _attention_kernel,
+        "attention-bound": _attention_bound,
         "adamw": lambda p: _adamw(p, backend),
         "head": _head,
         "head-exp": _head_exp,
@@ -474,7 +504,10 @@ def main() -> int:
                 train_step(rows)
                 times[name].append((time.perf_counter() - begin) / sum(len(r) for r in rows))
     prev, cur = (statistics.median(times[k]) * 1e3 for k in ("previous", "current"))
-    print(f"cpu: {cpu_model()}  dtype {args.dtype}  threads {args.threads}  variant {args.variant}")
+    print(
+        f"cpu: {cpu_model()}  dtype {args.dtype}  threads {args.threads}  variant {args.variant}"
+        f"  lengths {low}-{high}  matmul bound {causal_cpu.MATMUL_MAX_TOKENS} tokens"
+    )
     print(f"ms/token: previous {prev:.3f}  current {cur:.3f}  speedup {prev / cur:.3f}x")
     for name, values in times.items():
         print(f"  {name} per step: " + " ".join(f"{v * 1e3:.2f}" for v in values))

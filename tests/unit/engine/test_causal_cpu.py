@@ -53,9 +53,10 @@ def test_inputs_are_left_as_they_were() -> None:
 
 
 def test_kernel_choice_by_length() -> None:
-    assert causal_cpu.uses_matmul(4 * 64, 64)
-    assert not causal_cpu.uses_matmul(4 * 64 + 1, 64)
-    assert causal_cpu.uses_matmul(512, 128)
+    assert causal_cpu.uses_matmul(16)
+    assert causal_cpu.uses_matmul(584)  # an RL sequence: a 200-token prompt and 384 sampled
+    assert causal_cpu.uses_matmul(1024)
+    assert not causal_cpu.uses_matmul(1025)
 
 
 def test_causal_bias_is_a_view_of_the_longest() -> None:

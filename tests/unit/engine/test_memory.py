@@ -34,10 +34,10 @@ def test_per_token_estimate_follows_model_size_and_dtype() -> None:
 
 
 def test_cpu_half_precision_counts_the_saved_attention_probabilities() -> None:
-    """bf16 attention on a CPU keeps 9 heads x up to 256 keys per token and layer."""
+    """bf16 attention on a CPU keeps 9 heads x up to 1,024 keys per token and layer."""
     bf16 = memory.activation_bytes_per_token(SMOLLM2, torch.bfloat16)
     on_cpu = memory.activation_bytes_per_token(SMOLLM2, torch.bfloat16, CPU)
-    assert on_cpu - bf16 == 30 * 9 * 256 * 2
+    assert on_cpu - bf16 == 30 * 9 * 1024 * 2
     gpu = torch.device("cuda")
     assert memory.activation_bytes_per_token(SMOLLM2, torch.bfloat16, gpu) == bf16
 

@@ -14,8 +14,9 @@ torch = pytest.importorskip("torch")
 from tuneloop.server.engine import causal_cpu, packing  # noqa: E402
 
 F = torch.nn.functional
-SHORT = [37, 80, 11]  # the matmul kernel's lengths (at most 4 x 64)
-MIXED = [300, 40]  # 300 tokens run torch's flash kernel
+SHORT = [37, 80, 11]  # the matmul kernel's lengths (at most MATMUL_MAX_TOKENS)
+MIXED = [600, 40]  # an RL-length sequence (a prompt and its sampled tokens) and a short one
+LONG = [1100]  # torch's flash kernel
 MODULE = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
 
 
@@ -59,33 +60,36 @@ def test_fp32_packed_attention_is_sdpa_per_sequence() -> None:
 
 
 def test_bf16_long_sequences_run_sdpas_flash_kernel() -> None:
-    q, k, v = (t.detach() for t in _inputs(torch.bfloat16, [300]))
-    assert not causal_cpu.uses_matmul(300, 64)
-    assert torch.equal(_packed(q, k, v, [300]), _alone(q, k, v, [300]))
+    q, k, v = (t.detach() for t in _inputs(torch.bfloat16, [1100]))
+    assert not causal_cpu.uses_matmul(1100)
+    assert torch.equal(_packed(q, k, v, [1100]), _alone(q, k, v, [1100]))
 
 
 @pytest.mark.parametrize("magnitude", [1.0, 4.0])
-@pytest.mark.parametrize("lengths", [SHORT, MIXED])
+@pytest.mark.parametrize("lengths", [SHORT, MIXED, LONG])
 def test_bf16_forward_error_is_sdpas(lengths: list[int], magnitude: float) -> None:
-    """fp32 scores: within 1.5x SDPA's bf16 error even where logits are large (rounding the
-    scores to bf16 first had 18x at magnitude 4)."""
+    """fp32 scores: within 2x SDPA's bf16 error even where logits are large (rounding the
+    scores to bf16 first had 18x at magnitude 4). The matmul kernel rounds the normalized
+    probabilities to bf16, where flash rounds the exps before dividing by their sum (the
+    largest exp, 1, exact): 1.1-1.7x SDPA's error on these inputs and lengths of 40-600."""
     q, k, v = _inputs(torch.bfloat16, lengths, magnitude=magnitude)
     exact = _alone(*(t.detach().double() for t in (q, k, v)), lengths)
     ours = _max_error(_packed(q, k, v, lengths), exact)
     sdpa = _max_error(_alone(q, k, v, lengths), exact)
-    assert ours <= 1.5 * sdpa, (ours, sdpa)
+    assert ours <= 2.0 * sdpa, (ours, sdpa)
 
 
-def test_forward_bits_do_not_depend_on_autograd() -> None:
-    """A forward and a forward_backward score a sequence alike."""
-    q, k, v = _inputs(torch.bfloat16, MIXED)
+@pytest.mark.parametrize("lengths", [MIXED, [*LONG, 40]])
+def test_forward_bits_do_not_depend_on_autograd(lengths: list[int]) -> None:
+    """A forward and a forward_backward score a sequence alike, by either kernel."""
+    q, k, v = _inputs(torch.bfloat16, lengths)
     with torch.no_grad():
-        plain = _packed(q, k, v, MIXED)
-    assert torch.equal(plain, _packed(q, k, v, MIXED))
+        plain = _packed(q, k, v, lengths)
+    assert torch.equal(plain, _packed(q, k, v, lengths))
 
 
 @pytest.mark.parametrize("magnitude", [1.0, 4.0])
-@pytest.mark.parametrize("lengths", [SHORT, MIXED])
+@pytest.mark.parametrize("lengths", [SHORT, MIXED, LONG])
 def test_bf16_backward_error_against_fp64(lengths: list[int], magnitude: float) -> None:
     """The key and value gradients (sums over many queries) no farther from fp64 than SDPA's
     bf16 backward's, nearer in sum; the query gradient within 1.5x of its error and 1 % of the

@@ -1,7 +1,7 @@
 """Causal attention of one packed sequence in bf16/fp16 on a CPU, with autograd.
 
 Two kernels, chosen by the sequence's length:
-- up to `MATMUL_MAX_HEAD_DIMS` x head_dim tokens, batched matmuls, one per key head with its
+- up to `MATMUL_MAX_TOKENS` tokens, batched matmuls, one per key head with its
   group of query heads stacked (no copy of the keys per query head; the key and value
   gradients sum over the group inside the matmul): fp32 scores (a half-precision score rounds
   a large logit by up to ~2^-9 of itself, which showed as 18x the flash kernel's error at 4x
@@ -11,13 +11,17 @@ Two kernels, chosen by the sequence's length:
   SmolLM2-135M's shapes this took a layer's forward + backward from 18.4 ms to 12.4 ms on an
   AVX-512-BF16 EPYC (1.49x; bench/cpu_kernels.py): torch's CPU flash kernels work in small
   blocks with per-block bookkeeping that a short sequence does not amortise, and their fp32
-  backward (below) upcasts every input.
+  backward (below) upcasts every input. The kernel computes the full square of scores where
+  flash skips the masked half, yet it stays ahead up to about a thousand tokens: a training
+  step of 8 sequences of 300-580 tokens (RL lengths: a prompt and up to 384 sampled tokens)
+  took 1.16x less time with it than with flash, of 600-1000 tokens 1.19x less; at 1000-1600
+  the two were even (bench/train_variants.py --variant attention-bound).
 - longer, torch's CPU flash kernel forward (the kernel SDPA itself runs) with an fp32 backward:
   memory linear in the length. Its half-precision backward took about twice the fp32 one's time
   and rounds the key and value gradients further from fp64's (tests/unit/engine/test_packing.py).
 
 The matmul kernel keeps heads x length half-precision probabilities per token and layer for the
-backward; the length bound holds that to 4 query vectors (`memory.py` counts them).
+backward; `memory.py` counts heads x MATMUL_MAX_TOKENS of them for every trained token.
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["LENGTH_GRANULE", "MATMUL_MAX_HEAD_DIMS", "causal_attention", "uses_matmul"]
+__all__ = ["LENGTH_GRANULE", "MATMUL_MAX_TOKENS", "causal_attention", "uses_matmul"]
 
-MATMUL_MAX_HEAD_DIMS = 4
+MATMUL_MAX_TOKENS = 1024
 # The matmul kernel runs a sequence padded to a multiple of this many tokens: oneDNN builds a
 # kernel for each batched-matmul shape it meets (0.3-3.6 ms each), and each new length brings
 # eight. Bucketed, a step's lengths reuse the kernels of earlier steps' (`packing.bucketed`
@@ -41,9 +45,9 @@ _bias_lock = threading.Lock()
 _bias = torch.empty(0, 0)
 
 
-def uses_matmul(length: int, head_dim: int) -> bool:
+def uses_matmul(length: int) -> bool:
     """Whether a sequence of `length` tokens runs the matmul kernel."""
-    return length <= MATMUL_MAX_HEAD_DIMS * head_dim
+    return length <= MATMUL_MAX_TOKENS
 
 
 def causal_attention(
@@ -52,7 +56,7 @@ def causal_attention(
     """Causal attention of q [1, heads, len, d] over k, v [1, key heads, len, d] (key heads
     may divide heads: grouped-query), [1, heads, len, d] in the inputs' dtype."""
     length = q.shape[2]
-    if not uses_matmul(length, q.shape[3]):
+    if not uses_matmul(length):
         return _FlashFp32Backward.apply(q, k, v, scale)
     padded = -(-length // LENGTH_GRANULE) * LENGTH_GRANULE
     if padded == length:
@@ -66,7 +70,7 @@ def causal_attention(
 
 def _causal_bias(length: int) -> torch.Tensor:
     """[length, length] fp32: 0 on and below the diagonal, -inf above; a view of one cached
-    mask grown to the longest length seen (at most MATMUL_MAX_HEAD_DIMS x head_dim)."""
+    mask grown to the longest length seen (at most MATMUL_MAX_TOKENS rounded up to a granule)."""
     global _bias
     with _bias_lock:
         if _bias.shape[0] < length:

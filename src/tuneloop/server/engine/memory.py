@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tuneloop.server.engine.causal_cpu import MATMUL_MAX_HEAD_DIMS
+from tuneloop.server.engine.causal_cpu import MATMUL_MAX_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def activation_bytes_per_token(
 ) -> int:
     """Estimated bytes a trained token keeps for the backward pass, all layers. On a CPU in
     bf16/fp16, attention also keeps each query's probabilities over its sequence, heads x
-    length, for lengths up to causal_cpu.py's MATMUL_MAX_HEAD_DIMS x head_dim."""
+    length, for lengths up to causal_cpu.py's MATMUL_MAX_TOKENS."""
     text = getattr(config, "text_config", None) or config
     hidden = int(text.hidden_size)
     intermediate = int(getattr(text, "intermediate_size", None) or 4 * hidden)
@@ -73,8 +73,8 @@ def activation_bytes_per_token(
     element = torch.finfo(dtype).bits // 8
     vectors = _HIDDEN_VECTORS * hidden + _INTERMEDIATE_VECTORS * intermediate
     if device is not None and device.type == "cpu" and element == 2:
-        heads, _, head_dim = attention_heads(config)
-        vectors += heads * MATMUL_MAX_HEAD_DIMS * head_dim
+        heads, _, _ = attention_heads(config)
+        vectors += heads * MATMUL_MAX_TOKENS
     return layers * vectors * element
 
 
