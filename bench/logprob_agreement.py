@@ -6,8 +6,9 @@ float rounding; with bf16 weights (bf16 LoRA products and LM head, fp32 log-soft
 step and the training pass run different kernels on differently shaped batches (one token per
 row against the whole sequence, paged against packed attention), so they agree only to bf16
 rounding. This measures the bound on SmolLM2-135M with a trained (non-zero) rank-32 adapter:
-`--prompts` prompts x `--samples` samples x `--new-tokens` tokens at temperature 1, per dtype,
-the max and mean |sampler - forward| over every sampled token.
+`--prompts` prompts (of `--prompt-tokens` min,max tokens) x `--samples` samples x
+`--new-tokens` tokens at temperature 1, per dtype, the max and mean |sampler - forward| over
+every sampled token.
 
 `--merged-sampling on|off` samples the adapter snapshot on its merged weights or not (default:
 the engine's, not; `serve --[no-]merged-sampling`); `--fused-sampling on|off` on its fused
@@ -19,6 +20,7 @@ as `AdapterBank.lone_weights(merge=True)` does), median and max, with |d| / |W|.
 trained `--train-steps` AdamW steps at `--lr` (2 at 1e-3 by default) on random tokens first.
 
     python bench/logprob_agreement.py [--dtypes float32 bfloat16] [--merged-sampling on|off]
+                                      [--prompt-tokens 8,32] [--new-tokens 16]
                                       [--fused-sampling on|off]
                                       [--train-steps 2] [--lr 1e-3] [--json out.json]
 """
@@ -62,7 +64,10 @@ def measure(dtype: torch.dtype, args: argparse.Namespace) -> dict[str, Any]:
         backend.optim_step("a", t.AdamStep(args.lr, 0.9, 0.95, 1e-8, 0.0, 0.0))
     kept = _merge_rounding(backend, "a")
     backend.create_sampler("s", MODEL, adapter_id="a")
-    prompts = [rng.integers(100, 40000, size=int(rng.integers(8, 33))) for _ in range(args.prompts)]
+    low, high = (int(n) for n in args.prompt_tokens.split(","))
+    prompts = [
+        rng.integers(100, 40000, size=int(rng.integers(low, high + 1))) for _ in range(args.prompts)
+    ]
     works = [
         t.SampleWork("s", p, args.samples, args.new_tokens, 1.0, -1, 1.0, i, (), ())
         for i, p in enumerate(prompts)
@@ -121,6 +126,7 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--prompt-tokens", default="8,32", help="prompt lengths: min,max")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/tuneloop").expanduser())
     parser.add_argument("--merged-sampling", choices=["auto", "on", "off"], default="auto")
