@@ -14,8 +14,8 @@ Two kernels, chosen by the sequence's length:
   backward (below) upcasts every input. The kernel computes the full square of scores where
   flash skips the masked half, yet it stays ahead up to about a thousand tokens: a training
   step of 8 sequences of 300-580 tokens (RL lengths: a prompt and up to 384 sampled tokens)
-  took 1.16x less time with it than with flash, of 600-1000 tokens 1.19x less; at 1000-1600
-  the two were even (bench/train_variants.py --variant attention-bound).
+  ran 1.19x faster with it than with flash, of 600-1000 tokens 1.19x; at 1000-1600 the two
+  were even (bench/train_variants.py --variant attention-bound).
 - longer, torch's CPU flash kernel forward (the kernel SDPA itself runs) with an fp32 backward:
   memory linear in the length. Its half-precision backward took about twice the fp32 one's time
   and rounds the key and value gradients further from fp64's (tests/unit/engine/test_packing.py).
