@@ -81,6 +81,21 @@ def _sdpa(q, k_pool, v_pool, slots, mask, scale: float) -> torch.Tensor:
     return out.reshape(rows, heads, v_pool.shape[-1])
 
 
+def _native_error(
+    shape: tuple[int, ...], lengths: list[int], dtype: torch.dtype
+) -> tuple[list[torch.Tensor], float, torch.Tensor, torch.Tensor]:
+    """The native kernel on a layout of `shape` and `lengths` in `dtype`: its result checked
+    for dtype, shape and finiteness; (inputs, scale, the fp64 result, its largest error)."""
+    inputs = _layout(shape, lengths, seed=len(lengths) + shape[0], dtype=dtype)
+    scale = shape[2] ** -0.5
+    expected = _fp64(*inputs, scale)
+    out = native_decode.attend(*inputs, scale)
+    assert out.dtype == dtype
+    assert out.shape == (len(lengths), shape[0], shape[3])
+    assert torch.isfinite(out).all()
+    return list(inputs), scale, expected, (out.double() - expected).abs().max()
+
+
 @pytest.fixture(autouse=True)
 def _no_grad() -> Iterator[None]:
     with torch.no_grad():
@@ -93,14 +108,7 @@ def _no_grad() -> Iterator[None]:
 def test_rows_are_as_exact_as_gather_and_sdpa(shape: tuple[int, ...], lengths: list[int]) -> None:
     """fp32 scores and sums: no farther from fp64 than the bf16 SDPA path, beyond the rounding
     of the result to bf16 itself; NaNs in slots nobody attends to never reach a result."""
-    inputs = _layout(shape, lengths, seed=len(lengths) + shape[0])
-    scale = shape[2] ** -0.5
-    expected = _fp64(*inputs, scale)
-    out = native_decode.attend(*inputs, scale)
-    assert out.dtype == torch.bfloat16
-    assert out.shape == (len(lengths), shape[0], shape[3])
-    assert torch.isfinite(out).all()
-    error = (out.double() - expected).abs().max()
+    inputs, scale, expected, error = _native_error(shape, lengths, torch.bfloat16)
     sdpa = (_sdpa(*inputs, scale).double() - expected).abs().max()
     rounding = expected.abs().max() * 2.0**-8
     assert error <= max(1.25 * sdpa, rounding), (error, sdpa, rounding)
@@ -276,14 +284,7 @@ def test_fp32_rows_are_as_exact_as_the_eager_sums(
     """Scores, softmax and sums in fp32 (exp to about an ulp): no farther from fp64 than the
     eager fp32 sums inductor's kernel compiles, within a few fp32 roundings; NaNs in slots
     nobody attends to never reach a result."""
-    inputs = _layout(shape, lengths, seed=len(lengths) + shape[0], dtype=torch.float32)
-    scale = shape[2] ** -0.5
-    expected = _fp64(*inputs, scale)
-    out = native_decode.attend(*inputs, scale)
-    assert out.dtype == torch.float32
-    assert out.shape == (len(lengths), shape[0], shape[3])
-    assert torch.isfinite(out).all()
-    error = (out.double() - expected).abs().max()
+    inputs, scale, expected, error = _native_error(shape, lengths, torch.float32)
     clean = [inputs[0], inputs[1].nan_to_num(0), inputs[2].nan_to_num(0), *inputs[3:]]
     eager = (decode_attention.attend(*clean, scale).double() - expected).abs().max()
     rounding = expected.abs().max() * 2.0**-20
