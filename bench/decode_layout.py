@@ -90,17 +90,20 @@ def layout(
 
 
 def kernel_at(commit: str, dtype: torch.dtype) -> Callable[..., int]:
-    """The dtype's kernel's C entry point as it was at `commit`, built like the engine's."""
+    """The dtype's kernel's C entry point as it was at `commit`, built like the engine's (its
+    source and the headers beside it at that commit)."""
     path, name, needs = KERNELS[dtype]
-    text = subprocess.run(
-        ["git", "show", f"{commit}:{path.relative_to(ROOT)}"],
-        cwd=ROOT,
-        capture_output=True,
-        check=True,
-    ).stdout
+    here = path.parent.relative_to(ROOT)
+
+    def git(*args: str) -> bytes:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, check=True).stdout
+
     folder = Path(tempfile.mkdtemp(prefix="decode-layout-"))
+    names = git("ls-tree", "--name-only", commit, f"{here}/").decode().split()
+    for header in (Path(n) for n in names if n.endswith(".h")):
+        (folder / header.name).write_bytes(git("show", f"{commit}:{header}"))
     source = folder / path.name
-    source.write_bytes(text)
+    source.write_bytes(git("show", f"{commit}:{here / path.name}"))
     fn = native.function(source, name, native_decode._SIGNATURE, ctypes.c_int, needs)
     if fn is None:
         raise SystemExit(f"the kernel at {commit} could not be built")

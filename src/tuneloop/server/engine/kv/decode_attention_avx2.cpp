@@ -19,7 +19,8 @@
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
-#include <vector>
+
+#include "decode_rows.h"
 
 namespace {
 
@@ -282,8 +283,7 @@ void attend_row_fixed(const float* q, const float* kp, const float* vp, const in
   }
 }
 
-using FixedRow = void (*)(const float*, const float*, const float*, const int64_t*, const bool*,
-                          int64_t, int64_t, float, float*, float*, float*, float*);
+using FixedRow = decode_rows::FixedRow<float>;
 
 template <int DW>
 FixedRow fixed_for_groups(int64_t groups) {
@@ -316,22 +316,10 @@ extern "C" int decode_attention_fp32(const float* q, const float* kp, const floa
                                      int64_t width, int64_t heads, int64_t kv_heads, int64_t dim,
                                      int64_t dim_v, float scale, float* out, int threads) {
   if (kv_heads <= 0 || heads % kv_heads || dim % 16 || dim_v % 16 || width <= 0) return 1;
-  const int64_t padded = (width + 7) / 8 * 8;
-  const FixedRow fixed = fixed_row(heads, kv_heads, dim, dim_v);
-  #pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> scores(heads * padded);
-    std::vector<float> part(heads * (dim_v > 64 ? dim_v : 64)), total(heads);
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-      if (fixed)
-        fixed(q + r * heads * dim, kp, vp, slots + r * width, mask + r * width, width, kv_heads,
-              scale, out + r * heads * dim_v, scores.data(), part.data(), total.data());
-      else
-        attend_row(q + r * heads * dim, kp, vp, slots + r * width, mask + r * width, width,
-                   heads, kv_heads, dim, dim_v, scale, out + r * heads * dim_v, scores.data(),
-                   part.data(), total.data());
-    }
-  }
+  // scores in chunks of 8 keys; part: each head's 8 keys' partial sums of 8 lanes, or the
+  // common shapes' loop's value sums of a head (dim_v floats)
+  decode_rows::attend_rows(q, kp, vp, slots, mask, rows, width, heads, kv_heads, dim, dim_v,
+                           scale, out, threads, 8, heads * (dim_v > 64 ? dim_v : 64),
+                           fixed_row(heads, kv_heads, dim, dim_v), attend_row);
   return 0;
 }

@@ -20,7 +20,8 @@
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
-#include <vector>
+
+#include "decode_rows.h"
 
 namespace {
 
@@ -284,9 +285,7 @@ void attend_row_fixed(const uint16_t* q, const uint16_t* kp, const uint16_t* vp,
   }
 }
 
-using FixedRow = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const int64_t*,
-                          const bool*, int64_t, int64_t, float, uint16_t*, float*, float*,
-                          float*);
+using FixedRow = decode_rows::FixedRow<uint16_t>;
 
 template <int W>
 FixedRow fixed_for_groups(int64_t groups) {
@@ -315,23 +314,11 @@ int attend(const uint16_t* q, const uint16_t* kp, const uint16_t* vp, const int6
            const bool* mask, int64_t rows, int64_t width, int64_t heads, int64_t kv_heads,
            int64_t dim, int64_t dim_v, float scale, uint16_t* out, int threads, bool fixed_rows) {
   if (kv_heads <= 0 || heads % kv_heads || dim % 32 || dim_v % 32 || width <= 0) return 1;
-  const int64_t padded = (width + 15) / 16 * 16;
-  const FixedRow fixed = fixed_rows ? fixed_row(heads, kv_heads, dim, dim_v) : nullptr;
-  #pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> scores(heads * padded);
-    std::vector<float> part(heads * 256), total(heads);
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-      if (fixed)
-        fixed(q + r * heads * dim, kp, vp, slots + r * width, mask + r * width, width, kv_heads,
-              scale, out + r * heads * dim_v, scores.data(), part.data(), total.data());
-      else
-        attend_row(q + r * heads * dim, kp, vp, slots + r * width, mask + r * width, width,
-                   heads, kv_heads, dim, dim_v, scale, out + r * heads * dim_v, scores.data(),
-                   part.data(), total.data());
-    }
-  }
+  // scores in chunks of 16 keys; part: each head's 16 keys' partial sums of 16 lanes
+  decode_rows::attend_rows(q, kp, vp, slots, mask, rows, width, heads, kv_heads, dim, dim_v,
+                           scale, out, threads, 16, heads * 256,
+                           fixed_rows ? fixed_row(heads, kv_heads, dim, dim_v) : nullptr,
+                           attend_row);
   return 0;
 }
 
