@@ -210,6 +210,12 @@ def test_the_native_norm_is_the_functions_arithmetic(rows: int, width: int) -> N
         native = compiled._native_rms_norm(x, weight, 1e-5)
         eager = compiled.rms_norm(x, weight, 1e-5)
     assert native is not None
+    _assert_native_agrees(native, eager)
+
+
+def _assert_native_agrees(native: torch.Tensor, eager: torch.Tensor) -> None:
+    """The C++ norm's stated agreement with `rms_norm` eager: the same bits but where the order of
+    the fp32 sum of squares flips a rounding, and there by one bf16 step at most."""
     differ = native != eager
     assert differ.float().mean().item() < 1e-3
     step = eager.float().abs() * 2.0**-7  # one bf16 step at the value's scale, at most
@@ -236,7 +242,7 @@ def test_the_native_norm_runs_in_sampling_steps_only(monkeypatch: pytest.MonkeyP
         norm = LlamaRMSNorm(576, eps=1e-5).to(dtype)
         assert compiled.install(norm) == 1
         norms[dtype] = norm
-    x = torch.randn(1, 5, 576).bfloat16()
+    x = torch.randn(1, 5, 576, generator=torch.Generator().manual_seed(5)).bfloat16()
     with torch.no_grad():
         outside = norms[torch.bfloat16](x)
         assert not calls
@@ -248,5 +254,8 @@ def test_the_native_norm_runs_in_sampling_steps_only(monkeypatch: pytest.MonkeyP
         trained = norms[torch.bfloat16](x.clone().requires_grad_(True))
     assert trained.requires_grad
     assert len(calls) == 1
-    assert torch.equal(inside, compiled.rms_norm(x, norms[torch.bfloat16].weight, 1e-5))
+    # The sum of squares' order may differ from the compiled kernel's (the host's vector width
+    # decides it), so a rounding may flip: the native norm's stated agreement, not equality.
+    with torch.no_grad():
+        _assert_native_agrees(inside, compiled.rms_norm(x, norms[torch.bfloat16].weight, 1e-5))
     torch.testing.assert_close(inside, outside, atol=0.0, rtol=2.0**-7)
