@@ -21,7 +21,8 @@ At SmolLM2-135M's shapes, bf16 (the engine's dtype where the CPU has bf16 units)
    padded keys; the padded rows' gradients are zero), tried and not adopted;
 6. a bf16 decode step's small loops at 128 rows, per layer, eager torch against the engine's
    C++ loops: a lone adapter's LoRA columns [x | x @ A.T] of the four sibling groups (oneDNN's
-   packed matmul and `torch.cat` against lora/native_columns.py), the gated MLP's SiLU product
+   packed matmul and `torch.cat` against lora/native_columns.py: on the AMX tile unit where
+   the CPU has one, and then its AVX-512 blocks too), the gated MLP's SiLU product
    on the split halves of one matmul (gated_mlp.py) and the rotary embedding of q and k
    (rotary.py), with how many outputs differ from eager's (bf16 on CPUs with AVX512-BF16).
 Prints the CPU model, the load and the medians with their ratios.
@@ -307,6 +308,13 @@ def _sampling_loops(dtype: torch.dtype, repeats: int) -> str:
     def columns() -> list[torch.Tensor]:
         return [native_columns.extend(x, a) for x, a in zip(xs, pairs, strict=True)]
 
+    def blocks() -> list[torch.Tensor]:  # the AVX-512 blocks where the CPU has a tile unit
+        native_columns.tiles(False)
+        try:
+            return columns()
+        finally:
+            native_columns.tiles(True)
+
     halves = torch.randn(1, rows, 2 * INTER, generator=g).bfloat16().split([INTER, INTER], -1)
     act = torch.nn.SiLU()
     q = torch.randn(1, rows, HEADS, DIM, generator=g).bfloat16().transpose(1, 2)
@@ -315,6 +323,11 @@ def _sampling_loops(dtype: torch.dtype, repeats: int) -> str:
     cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
     sides: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
         "LoRA columns, 4 groups": (onednn, columns),
+        **(
+            {"LoRA columns, 4 groups, AVX-512 blocks": (onednn, blocks)}
+            if native_columns.tiles(True)
+            else {}
+        ),
         "SiLU product": (lambda: act(halves[0]) * halves[1], lambda: gated_mlp.silu_mul(*halves)),
         "rotary q and k": (
             lambda: apply_rotary_pos_emb(q, k, cos, sin),

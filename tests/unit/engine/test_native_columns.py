@@ -6,6 +6,8 @@ tested in test_fused_sampling.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -17,6 +19,20 @@ from tuneloop.server.engine.lora import fused, native_columns  # noqa: E402
 CPU = torch.device("cpu")
 BUILT = native_columns.available(torch.bfloat16, CPU)
 pytestmark = pytest.mark.skipif(not BUILT, reason="no AVX512-BF16 or no C++ compiler here")
+TILES = BUILT and native_columns.tiles(True)
+
+
+@pytest.fixture(
+    params=[
+        "blocks",
+        pytest.param("tiles", marks=pytest.mark.skipif(not TILES, reason="no AMX here")),
+    ]
+)
+def form(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The product on the AVX-512 blocks, and on the AMX tile unit where the CPU has one."""
+    native_columns.tiles(request.param == "tiles")
+    yield request.param
+    native_columns.tiles(True)
 
 
 def _inputs(rows: int, k: int, r: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +58,7 @@ SHAPES = [
 
 @pytest.mark.parametrize(("rows", "k", "r"), SHAPES)
 def test_columns_are_the_input_then_its_product_as_exact_as_onednn(
-    rows: int, k: int, r: int
+    rows: int, k: int, r: int, form: str
 ) -> None:
     x, a = _inputs(rows, k, r, seed=rows + k + r)
     got = native_columns.extend(x, native_columns.pack(a))
@@ -61,7 +77,7 @@ def test_columns_are_the_input_then_its_product_as_exact_as_onednn(
     assert differs <= 0.01
 
 
-def test_a_row_does_not_depend_on_the_rows_beside_it_or_on_the_thread_count() -> None:
+def test_a_row_does_not_depend_on_the_rows_beside_it_or_on_the_thread_count(form: str) -> None:
     x, a = _inputs(128, 576, 96, seed=3)
     down = native_columns.pack(a)
     alone = torch.cat([native_columns.extend(x[i : i + 1], down) for i in range(0, 128, 9)])
@@ -76,7 +92,7 @@ def test_a_row_does_not_depend_on_the_rows_beside_it_or_on_the_thread_count() ->
     assert torch.equal(single, native_columns.extend(x, down))
 
 
-def test_strided_and_empty_inputs() -> None:
+def test_strided_and_empty_inputs(form: str) -> None:
     x, a = _inputs(16, 64, 32, seed=5)
     down = native_columns.pack(a)
     wide = torch.cat([x, torch.full((16, 7), float("nan")).bfloat16()], dim=1)
@@ -119,3 +135,26 @@ def test_fused_bf16_weights_carry_their_lora_columns_natively() -> None:
         want = x.double() @ layer.weight.double().t()
         want += scale * (x.double() @ a.double().t()) @ b.bfloat16().double().t()
         torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.skipif(not TILES, reason="no AMX here")
+def test_the_tile_unit_and_the_blocks_sum_alike() -> None:
+    """Both forms sum each output pair by pair in fp32 and round once: on SmolLM2's groups
+    they differ from each other no more than each differs from oneDNN's (a bf16 step, rarely),
+    and the tiles take input sizes of whole tiles alone (the rest stays on the blocks)."""
+    for rows, k, r in [(128, 576, 96), (37, 1536, 32), (29, 1001, 200)]:
+        x, a = _inputs(rows, k, r, seed=k + r)
+        down = native_columns.pack(a)
+        tiles = native_columns.extend(x, down)
+        native_columns.tiles(False)
+        try:
+            blocks = native_columns.extend(x, down)
+        finally:
+            native_columns.tiles(True)
+        assert torch.equal(tiles[:, :k], blocks[:, :k])
+        if k % 32:
+            assert torch.equal(tiles, blocks)
+        differ = (tiles[:, k:] != blocks[:, k:]).float().mean()
+        assert differ <= 0.01
+        step = blocks[:, k:].float().abs() * 2.0**-7
+        assert bool(((tiles[:, k:].float() - blocks[:, k:].float()).abs() <= step).all())

@@ -16,11 +16,18 @@
 #endif
 #include <immintrin.h>
 #include <omp.h>
+#include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <utility>
 #include <vector>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define LORA_COLUMNS_AMX 1
+#endif
 
 namespace {
 
@@ -91,30 +98,171 @@ Block pick(int64_t rows, int vectors) {
 
 }  // namespace
 
+#ifdef LORA_COLUMNS_AMX
+// On CPUs with AMX the product runs on the tile unit: a 16-row block of x times 16 outputs
+// of A is one tile operation per 32 inputs, where the AVX-512 blocks above take 16 vdpbf16ps
+// per 32 inputs per row (at 128 rows of SmolLM2's four groups a layer, the AVX-512 blocks
+// took 264 us on a Sapphire Rapids guest, oneDNN's packed matmul and a concatenation 183). A's
+// pairs layout is the tile unit's own layout of a matmul's right side (two inputs of 16
+// outputs per 64-byte row). Each output is its fp32 sum rounded once, as above; the order of
+// the sum is the same (pair by pair); a row's values depend on that row alone.
 namespace {
+
+constexpr int kTileRows = 16, kTileK = 32, kTileC = 4;  // C tiles 0-3, A tile 4, B tile 5
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Whether this process may use the tile registers: Linux grants them on request, once.
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return permitted;
+}
+
+void configure(int m) {
+  TileConfig config;
+  for (int t = 0; t < kTileC; ++t) config.rows[t] = m, config.colsb[t] = 64;
+  config.rows[4] = m, config.colsb[4] = 64;  // x: m rows of 32 inputs
+  config.rows[5] = 16, config.colsb[5] = 64;  // A: 16 pairs of 16 outputs
+  _tile_loadconfig(&config);
+}
+
+// Rows [0, m) of a block (the tiles configured for m) times outputs [n0, n0 + 16 J) of A,
+// rounded into low from column n0; `valid` of those outputs exist. k: a multiple of 32.
+template <int J>
+void tile_block(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* pairs, int64_t rp,
+                int64_t n0, uint16_t* low, int64_t ldo, int64_t valid, int m) {
+  if constexpr (J >= 1) _tile_zero(0);
+  if constexpr (J >= 2) _tile_zero(1);
+  if constexpr (J >= 3) _tile_zero(2);
+  if constexpr (J >= 4) _tile_zero(3);
+  const int64_t b_stride = rp * 2 * sizeof(uint16_t);
+  for (int64_t k0 = 0; k0 < k; k0 += kTileK) {
+    _tile_loadd(4, x + k0, ldx * sizeof(uint16_t));
+    const uint16_t* b = pairs + ((k0 / 2) * rp + n0) * 2;
+    _tile_loadd(5, b, b_stride);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (J >= 2) {
+      _tile_loadd(5, b + 32, b_stride);
+      _tile_dpbf16ps(1, 4, 5);
+    }
+    if constexpr (J >= 3) {
+      _tile_loadd(5, b + 64, b_stride);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if constexpr (J >= 4) {
+      _tile_loadd(5, b + 96, b_stride);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  alignas(64) float sums[kTileC][kTileRows][16];
+  _tile_stored(0, sums[0], 64);
+  if constexpr (J >= 2) _tile_stored(1, sums[1], 64);
+  if constexpr (J >= 3) _tile_stored(2, sums[2], 64);
+  if constexpr (J >= 4) _tile_stored(3, sums[3], 64);
+  for (int j = 0; j < J; ++j) {
+    const int64_t left = valid - 16 * j;
+    if (left <= 0) break;
+    const __mmask16 keep =
+        left >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+    for (int i = 0; i < m; ++i) {
+      const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sums[j][i]));
+      _mm256_mask_storeu_epi16(low + i * ldo + n0 + 16 * j, keep, rounded);
+    }
+  }
+}
+
+// The rows [begin, end) of `columns` on the tile unit.
+void tile_rows(const uint16_t* x, int64_t ldx, const uint16_t* pairs, int64_t begin,
+               int64_t end, int64_t k, int64_t r, int64_t rp, uint16_t* low, int64_t ldo) {
+  int configured = 0;
+  for (int64_t i0 = begin; i0 < end; i0 += kTileRows) {
+    const int m = end - i0 < kTileRows ? int(end - i0) : kTileRows;
+    if (m != configured) configure(m), configured = m;
+    for (int64_t n0 = 0; n0 < rp; n0 += 16 * kTileC) {
+      const int vectors = (rp - n0) / 16 < kTileC ? int((rp - n0) / 16) : kTileC;
+      const uint16_t* xs = x + i0 * ldx;
+      uint16_t* out = low + i0 * ldo;
+      switch (vectors) {
+        case 1: tile_block<1>(xs, ldx, k, pairs, rp, n0, out, ldo, r - n0, m); break;
+        case 2: tile_block<2>(xs, ldx, k, pairs, rp, n0, out, ldo, r - n0, m); break;
+        case 3: tile_block<3>(xs, ldx, k, pairs, rp, n0, out, ldo, r - n0, m); break;
+        default: tile_block<4>(xs, ldx, k, pairs, rp, n0, out, ldo, r - n0, m); break;
+      }
+    }
+  }
+  if (configured) _tile_release();
+}
+
+}  // namespace
+#endif
+
+namespace {
+
+// Whether `columns` runs its product on the tile unit: AMX built in, granted, allowed (the
+// tests run both forms on one CPU), and an input size of whole tiles (32 inputs).
+std::atomic<bool> g_tiles_allowed{true};
+
+bool on_tiles(int64_t k) {
+#ifdef LORA_COLUMNS_AMX
+  return g_tiles_allowed && k % kTileK == 0 && amx_permitted();
+#else
+  (void)k;
+  return false;
+#endif
+}
+
+// One thread's share of a call's rows: an even share of the rows (a decode step's 128: 64 and
+// 64; tasks of whole AVX-512 blocks left one thread 72 rows to 56), of whole 16-row blocks on
+// the tile unit. Returns [begin, end).
+std::pair<int64_t, int64_t> share(int64_t rows, bool tiles, int64_t part, int64_t parts) {
+  if (!tiles) return {rows * part / parts, rows * (part + 1) / parts};
+#ifdef LORA_COLUMNS_AMX
+  const int64_t blocks = (rows + kTileRows - 1) / kTileRows;
+  return {std::min(rows, blocks * part / parts * kTileRows),
+          std::min(rows, blocks * (part + 1) / parts * kTileRows)};
+#else
+  return {rows, rows};
+#endif
+}
+
+// Rows [begin, end) of x @ A.T rounded to bf16 into low (row stride ldo).
+void product(const uint16_t* x, int64_t ldx, const uint16_t* pairs, int64_t begin, int64_t end,
+             int64_t k, int64_t r, int64_t rp, uint16_t* low, int64_t ldo, bool tiles) {
+#ifdef LORA_COLUMNS_AMX
+  if (tiles) return tile_rows(x, ldx, pairs, begin, end, k, r, rp, low, ldo);
+#else
+  (void)tiles;
+#endif
+  for (int64_t n0 = 0; n0 < rp; n0 += 16 * kVectors) {
+    const int vectors = (rp - n0) / 16 < kVectors ? int((rp - n0) / 16) : kVectors;
+    const int64_t step = kAccumulators / vectors;
+    for (int64_t i0 = begin; i0 < end; i0 += step) {
+      const int64_t m = end - i0 < step ? end - i0 : step;
+      pick(m, vectors)(x + i0 * ldx, ldx, k, pairs, rp, n0, low + i0 * ldo, ldo, r - n0);
+    }
+  }
+}
 
 // x @ A.T rounded to bf16 into low [rows, r] (row stride ldo), with x copied first into
 // copy [rows, k] (row stride ldo too) unless copy is null.
 int columns(const uint16_t* x, int64_t ldx, const uint16_t* pairs, int64_t rows, int64_t k,
             int64_t r, int64_t rp, uint16_t* copy, uint16_t* low, int64_t ldo, int threads) {
   if (rows < 0 || k <= 0 || r <= 0 || rp % 16 || rp < r || ldx < k || ldo < r) return 1;
-  // Each thread one even share of the rows (a decode step's 128 rows: 64 and 64), in blocks
-  // sized to the outputs' vectors: tasks of whole blocks left one thread 72 rows to 56.
+  const bool tiles = on_tiles(k);
   #pragma omp parallel num_threads(threads) if (rows * (k + r) >= 16384)
   {
-    const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
-    const int64_t begin = rows * part / parts, end = rows * (part + 1) / parts;
+    const auto [begin, end] = share(rows, tiles, omp_get_thread_num(), omp_get_num_threads());
     if (copy != nullptr)
       for (int64_t i = begin; i < end; ++i)
         std::memcpy(copy + i * ldo, x + i * ldx, k * sizeof(uint16_t));
-    for (int64_t n0 = 0; n0 < rp; n0 += 16 * kVectors) {
-      const int vectors = (rp - n0) / 16 < kVectors ? int((rp - n0) / 16) : kVectors;
-      const int64_t step = kAccumulators / vectors;
-      for (int64_t i0 = begin; i0 < end; i0 += step) {
-        const int64_t m = end - i0 < step ? end - i0 : step;
-        pick(m, vectors)(x + i0 * ldx, ldx, k, pairs, rp, n0, low + i0 * ldo, ldo, r - n0);
-      }
-    }
+    product(x, ldx, pairs, begin, end, k, r, rp, low, ldo, tiles);
   }
   return 0;
 }
@@ -207,19 +355,13 @@ extern "C" int lora_delta_bf16(const uint16_t* x, int64_t ldx, const uint16_t* p
   // low's rows: rp columns and 16 of zeros, so that an odd rank's last pair reads a zero
   const int64_t ldl = rp + 16;
   std::vector<uint16_t> low(static_cast<size_t>(rows * ldl));  // (zeros: past r never written)
+  const bool tiles = on_tiles(k);
   #pragma omp parallel num_threads(threads) if (rows * (k + 16 * vectors) >= 16384)
   {
     const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
-    // low, each thread an even share of the rows
-    const int64_t begin = rows * part / parts, end = rows * (part + 1) / parts;
-    for (int64_t n0 = 0; n0 < rp; n0 += 16 * kVectors) {
-      const int vecs = (rp - n0) / 16 < kVectors ? int((rp - n0) / 16) : kVectors;
-      const int64_t step = kAccumulators / vecs;
-      for (int64_t i0 = begin; i0 < end; i0 += step) {
-        const int64_t m = end - i0 < step ? end - i0 : step;
-        pick(m, vecs)(x + i0 * ldx, ldx, k, pairs, rp, n0, low.data() + i0 * ldl, ldl, r - n0);
-      }
-    }
+    // low, each thread its share of the rows, as lora_low_bf16 makes it
+    const auto [begin, end] = share(rows, tiles, part, parts);
+    product(x, ldx, pairs, begin, end, k, r, rp, low.data(), ldl, tiles);
     #pragma omp barrier
     // the sums into y, each thread an even share of the output vectors for every row: each
     // vector's weights are read once (a head's 49,152 outputs: 3 MB a key), y's parts once
@@ -241,4 +383,12 @@ extern "C" int lora_delta_bf16(const uint16_t* x, int64_t ldx, const uint16_t* p
     }
   }
   return 0;
+}
+
+// Whether the product runs on the tile unit where it can (1, the default) or on the AVX-512
+// blocks (0): both forms on one CPU for the tests and bench/cpu_kernels.py. Returns whether
+// this library's calls would now take the tile unit for an input size of 32 x n.
+extern "C" int lora_columns_tiles(int allowed) {
+  g_tiles_allowed = allowed != 0;
+  return on_tiles(32) ? 1 : 0;
 }

@@ -35,6 +35,7 @@ __all__ = [
     "native_kernel",
     "pack",
     "pack_up",
+    "tiles",
 ]
 
 SOURCE = Path(__file__).with_name("lora_columns_avx512.cpp")
@@ -64,6 +65,19 @@ def low_kernel() -> Any:
 def delta_kernel() -> Any:
     """The entry point of a key's delta added to its rows (`_DELTA_SIGNATURE`), or None."""
     return native.function(SOURCE, "lora_delta_bf16", _DELTA_SIGNATURE, ctypes.c_int, _NEEDS)
+
+
+def tiles(allowed: bool = True) -> bool:
+    """Let the kernels' product x @ A.T run on the AMX tile unit where the CPU has one (the
+    default), or keep it on the AVX-512 blocks (`allowed=False`: both forms on one CPU, for
+    the tests and bench/cpu_kernels.py). Returns whether calls now take the tile unit (built
+    with AMX, granted by the OS, allowed; input sizes of whole tiles, multiples of 32)."""
+    lib = native.library(SOURCE, _NEEDS)
+    if lib is None:
+        return False
+    lib.lora_columns_tiles.argtypes = (ctypes.c_int,)
+    lib.lora_columns_tiles.restype = ctypes.c_int
+    return bool(lib.lora_columns_tiles(int(allowed)))
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
