@@ -396,8 +396,14 @@ def test_requests_join_a_running_decode_batch_and_leave_when_done(
     for w in (long, *joiners[:2]):
         mine, ref = got[id(w)], alone[id(w)]
         assert [s.tokens for s in mine.sequences] == [s.tokens for s in ref.sequences]
+        # fp32 logprobs: oneDNN blocks a matmul's sums by its rows (on AMX hosts 1.07e-5 apart
+        # at logprobs of a few nats), so the bound is relative to their size
         assert_near(
-            [s.logprobs for s in mine.sequences], [s.logprobs for s in ref.sequences], 1e-5, "lp"
+            [s.logprobs for s in mine.sequences],
+            [s.logprobs for s in ref.sequences],
+            1e-5,
+            "lp",
+            relative=True,
         )
         assert (
             mine.prompt_logprobs == ref.prompt_logprobs
