@@ -19,6 +19,8 @@ model and the load. `--profile` prints the top ops of one step of the current va
     python bench/train_variants.py --variant exact-delta  # bf16 deltas rounded with the base
     python bench/train_variants.py --variant buckets  # packed and attention lengths bucketed
     python bench/train_variants.py --variant siblings  # q/k/v and gate/up as one node a group
+    python bench/train_variants.py --variant silu-product  # the MLP's SiLU product by C++ loops
+    python bench/train_variants.py --variant mlp-product  # that and the siblings' outputs as views
     python bench/train_variants.py --profile
     python bench/train_variants.py --micro          # each piece alone, 422 AdamW tensors,
                                                     # one layer's packed attention fwd+bwd and
@@ -168,6 +170,28 @@ def _siblings(previous: bool) -> Any:
     from tuneloop.server.engine.lora import siblings
 
     return _swapped(siblings, "_GROUPED", False if previous else None)
+
+
+def _silu_product(previous: bool) -> Any:
+    """previous: the MLP's silu(gate) * up by eager torch in training; current: the loops'
+    forward and backward (gated_mlp.py)."""
+    from tuneloop.server.engine import gated_mlp
+
+    def eager(gate: torch.Tensor, up: torch.Tensor) -> None:
+        return None
+
+    return _swapped(gated_mlp, "_trained_product", eager if previous else None)
+
+
+@contextmanager
+def _mlp_product(previous: bool) -> Iterator[None]:
+    """previous: each sibling's output copied out of the group's (lora/siblings.py), then the
+    MLP's silu(gate) * up by eager torch; current: the outputs as views, the product and its
+    backward by the loops reading their strides (gated_mlp.py)."""
+    from tuneloop.server.engine.lora import siblings
+
+    with _swapped(siblings, "_COPIED_OUTPUTS", True if previous else None), _silu_product(previous):
+        yield
 
 
 def _score_products(previous: bool) -> Any:
@@ -410,6 +434,8 @@ def main() -> int:
             "exact-delta",
             "buckets",
             "siblings",
+            "silu-product",
+            "mlp-product",
         ],
         default="attention",
     )
@@ -489,6 +515,8 @@ def main() -> int:
         "exact-delta": _exact_delta,
         "buckets": _buckets,
         "siblings": _siblings,
+        "silu-product": _silu_product,
+        "mlp-product": _mlp_product,
     }
     switch = switches[args.variant]
     times: dict[str, list[float]] = {"previous": [], "current": []}

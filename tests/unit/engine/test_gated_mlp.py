@@ -1,6 +1,6 @@
 """The gated MLP's native SiLU product (engine/gated_mlp.py, silu_mul.cpp): eager torch's bits
-for every input, switched only in MLPs that compute it, taken inside sampling steps without
-autograd alone, and a model's logits and samples unchanged by it."""
+for every input, forward and backward, switched only in MLPs that compute it, and a model's
+logits, samples, loss and gradients unchanged by it."""
 
 from __future__ import annotations
 
@@ -181,13 +181,24 @@ def test_a_llama_samples_the_same_logits_with_the_loop(monkeypatch: pytest.Monke
 
 
 @needs_native
-def test_training_keeps_the_modules_own_forward(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With autograd (outside a sampling step, or inside one with grad on) the loop never
-    runs: the loss and every weight's gradient are the uninstalled model's."""
+def test_training_takes_the_loops_with_eagers_loss_and_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With autograd (outside a sampling step, or inside one with grad on) the product and its
+    backward run the loops (`_SiluMul`): the loss and every weight's gradient are the
+    uninstalled model's bit for bit. Without the backward loop the module's product runs."""
     eager = _llama()
     switched = copy.deepcopy(eager)
     assert gated_mlp.install(switched) == 2
     calls = _counting(monkeypatch)
+    backward = gated_mlp.backward_kernel()
+    backward_calls: list[int] = []
+
+    def counting_backward(*args: object) -> None:
+        backward_calls.append(1)
+        backward(*args)
+
+    monkeypatch.setattr(gated_mlp, "backward_kernel", lambda: counting_backward)
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(3))
 
     def loss_and_grads(model: Any) -> tuple[Any, list[Any]]:
@@ -203,7 +214,48 @@ def test_training_keeps_the_modules_own_forward(monkeypatch: pytest.MonkeyPatch)
         assert torch.equal(loss, want)
         for a, b in zip(got_grads, want_grads, strict=True):
             assert torch.equal(a, b)
-    assert not calls
+    assert len(calls) == len(backward_calls) == 4  # two MLPs, two passes
+    monkeypatch.setattr(gated_mlp, "backward_kernel", lambda: None)
+    loss, got_grads = loss_and_grads(switched)
+    assert torch.equal(loss, want)
+    assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads, strict=True))
+    assert len(calls) == 4
+
+
+@needs_native
+@pytest.mark.parametrize(("rows", "width", "halves"), [(300, 1536, True), (37, 64, False)])
+def test_the_backward_loop_is_eagers_for_every_bf16_gate(
+    rows: int, width: int, halves: bool
+) -> None:
+    """The product's gradients by the loop against eager autograd's (silu saved, two products,
+    silu_backward): every bf16 bit pattern among the gates (±0, subnormals, ±inf, NaN), gate
+    and up as the halves of one matmul's output or separate tensors."""
+    gen = torch.Generator().manual_seed(rows)
+    both = (torch.randn(rows, 2 * width, generator=gen) * 4).bfloat16()
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    flat = both[:, :width].reshape(-1)
+    flat[: min(flat.numel(), every.numel())] = every[: flat.numel()]
+    both[:, :width] = flat.view(rows, width)
+    grad = (torch.randn(rows, width, generator=gen) * 0.1).bfloat16()
+
+    def leaves() -> tuple[Any, Any, list[Any]]:
+        if halves:
+            whole = both.clone().requires_grad_(True)
+            return whole[:, :width], whole[:, width:], [whole]
+        gate, up = (
+            both[:, i * width : (i + 1) * width].clone().requires_grad_(True) for i in (0, 1)
+        )
+        return gate, up, [gate, up]
+
+    gate, up, inputs = leaves()
+    got = gated_mlp._trained_product(gate, up)
+    assert got is not None
+    got_grads = torch.autograd.grad(got, inputs, grad)
+    gate, up, inputs = leaves()
+    want = _eager(gate, up)
+    want_grads = torch.autograd.grad(want, inputs, grad)
+    for a, b in zip((got, *got_grads), (want, *want_grads), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)  # (NaN's payload aside)
 
 
 def test_an_mlp_that_computes_something_else_keeps_its_forward() -> None:

@@ -70,6 +70,29 @@ const std::array<uint32_t, 65536>& silu_table() {
   return table;
 }
 
+// silu's derivative of every bf16 x in the two fp32 factors eager's silu_backward makes
+// of it, sigmoid = 1 / (1 + exp(-x)) and 1 + x * (1 - sigmoid), each with its own roundings
+// (no fused multiply-add, which would round once where eager rounds twice). 512 KB.
+struct SiluSlope {
+  float sigmoid, rest;
+};
+
+__attribute__((optimize("fp-contract=off"))) SiluSlope slope_of(float x) {
+  const float sigmoid = 1.0f / (1.0f + exp_f32(-x));
+  const float complement = 1.0f - sigmoid;
+  const float product = x * complement;
+  return {sigmoid, 1.0f + product};
+}
+
+const std::array<SiluSlope, 65536>& slope_table() {
+  static const std::array<SiluSlope, 65536> table = [] {
+    std::array<SiluSlope, 65536> filled{};
+    for (uint32_t v = 0; v < filled.size(); ++v) filled[v] = slope_of(bf16::to_float(uint16_t(v)));
+    return filled;
+  }();
+  return table;
+}
+
 }  // namespace
 
 // gate and up [rows, width] bf16, row r at gate + r * gate_stride (in elements), each row
@@ -86,5 +109,37 @@ extern "C" void silu_mul_bf16(const uint16_t* gate, int64_t gate_stride, const u
     #pragma omp simd
     for (int64_t i = 0; i < width; ++i)
       o[i] = bf16::from_float(std::bit_cast<float>(silu[g[i]]) * bf16::to_float(u[i]));
+  }
+}
+
+// The backward of silu_mul_bf16 as eager autograd makes it from the saved silu(gate) (a
+// bf16 tensor) and up: grad_up = grad * silu(gate) and grad_silu = grad * up, each in fp32
+// rounded to bf16, then silu_backward's grad_silu * sigmoid * (1 + gate * (1 - sigmoid)) in
+// fp32 rounded to bf16 as grad_gate. Eager makes these in four passes over [rows, width] and
+// keeps silu(gate) from the forward pass; here one pass reads grad, gate and up once, looks
+// silu and its slope up by gate's bits, and writes both gradients. grad, gate, up: rows
+// through their strides, each row contiguous; grad_gate and grad_up [rows, width] contiguous.
+extern "C" void silu_mul_backward_bf16(const uint16_t* grad, int64_t grad_stride,
+                                       const uint16_t* gate, int64_t gate_stride,
+                                       const uint16_t* up, int64_t up_stride, int64_t rows,
+                                       int64_t width, uint16_t* grad_gate, uint16_t* grad_up,
+                                       int threads) {
+  const uint32_t* silu = silu_table().data();
+  const SiluSlope* slope = slope_table().data();
+  #pragma omp parallel for num_threads(threads) schedule(static) if (rows * width >= 32768)
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* d = grad + r * grad_stride;
+    const uint16_t* g = gate + r * gate_stride;
+    const uint16_t* u = up + r * up_stride;
+    uint16_t* dg = grad_gate + r * width;
+    uint16_t* du = grad_up + r * width;
+    #pragma omp simd
+    for (int64_t i = 0; i < width; ++i) {
+      const float dy = bf16::to_float(d[i]);
+      du[i] = bf16::from_float(dy * std::bit_cast<float>(silu[g[i]]));
+      const float d_silu = bf16::rounded(dy * bf16::to_float(u[i]));
+      const SiluSlope s = slope[g[i]];
+      dg[i] = bf16::from_float((d_silu * s.sigmoid) * s.rest);
+    }
   }
 }

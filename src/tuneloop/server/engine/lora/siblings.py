@@ -10,7 +10,7 @@ the group at once (`SiblingLinears`):
   precision, one matmul of [x | low] by the siblings' weights stacked with their B blocks in
   the extra columns, the delta summed with the base in fp32 and rounded once, as the
   one-adapter node does (in fp32, the stacked base matmul and each delta added into its
-  columns); each sibling's output is its columns' part, made contiguous;
+  columns); each sibling's output is a view of its columns' part (its rows strided);
 - backward: the input gradient by one chain of accumulating matmuls, the down-projections'
   gradients by one matmul [G r, rows] @ [rows, in].
 
@@ -35,6 +35,11 @@ from tuneloop.server.engine.lora.ops import HALF, Factors
 __all__ = ["SiblingLinears", "sibling_linears"]
 
 _GROUPED = True  # (bench/train_variants.py switches it off to compare: --variant siblings)
+# Each sibling's output is a view of its columns of the group's output: copying them out cost
+# ~1.6 ms a layer of 1,408 tokens for gate/up alone, and their readers (the attention's view
+# into heads, the MLP's SiLU product) read rows through their strides. (train_variants.py
+# copies them to compare: --variant mlp-product.)
+_COPIED_OUTPUTS = False
 
 
 class SiblingLinears(torch.autograd.Function):
@@ -72,9 +77,10 @@ class SiblingLinears(torch.autograd.Function):
         ctx.count = len(weights)  # type: ignore[attr-defined]
         ctx.shape = x.shape  # type: ignore[attr-defined]
         lead = x.shape[:-1]
-        return tuple(
-            part.contiguous().view(*lead, part.shape[1]) for part in out.split(sizes, dim=1)
-        )
+        parts = out.split(sizes, dim=1)
+        if _COPIED_OUTPUTS:
+            parts = tuple(part.contiguous() for part in parts)
+        return tuple(part.view(*lead, part.shape[1]) for part in parts)
 
     @staticmethod
     def backward(
