@@ -21,6 +21,7 @@ model and the load. `--profile` prints the top ops of one step of the current va
     python bench/train_variants.py --variant siblings  # q/k/v and gate/up as one node a group
     python bench/train_variants.py --variant silu-product  # the MLP's SiLU product by C++ loops
     python bench/train_variants.py --variant mlp-product  # that and the siblings' outputs as views
+    python bench/train_variants.py --variant head-tiles  # the head tiles' element-wise work in C++
     python bench/train_variants.py --profile
     python bench/train_variants.py --micro          # each piece alone, 422 AdamW tensors,
                                                     # one layer's packed attention fwd+bwd and
@@ -192,6 +193,17 @@ def _mlp_product(previous: bool) -> Iterator[None]:
 
     with _swapped(siblings, "_COPIED_OUTPUTS", True if previous else None), _silu_product(previous):
         yield
+
+
+def _head_tiles(previous: bool) -> Any:
+    """previous: the head tiles' statistics and gradients by torch's fp32 passes; current: by
+    the C++ loops on the bf16 tiles (native_head.py)."""
+    from tuneloop.server.engine import native_head
+
+    def never(raw: torch.Tensor, softcap: float | None) -> bool:
+        return False
+
+    return _swapped(native_head, "takes", never if previous else None)
 
 
 def _score_products(previous: bool) -> Any:
@@ -436,6 +448,7 @@ def main() -> int:
             "siblings",
             "silu-product",
             "mlp-product",
+            "head-tiles",
         ],
         default="attention",
     )
@@ -517,6 +530,7 @@ def main() -> int:
         "siblings": _siblings,
         "silu-product": _silu_product,
         "mlp-product": _mlp_product,
+        "head-tiles": _head_tiles,
     }
     switch = switches[args.variant]
     times: dict[str, list[float]] = {"previous": [], "current": []}

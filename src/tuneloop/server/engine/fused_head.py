@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tuneloop.server.engine import native_head
 from tuneloop.server.engine.lora.linear import LoRALinear
 from tuneloop.server.engine.lora.ops import HALF, shrink, summed_linear
 from tuneloop.server.engine.memory import SAVED_LOGITS_BYTES
@@ -236,11 +237,15 @@ class _FusedHead(torch.autograd.Function):
         total = torch.zeros((rows,), dtype=torch.float32, device=device)
         picked = torch.zeros(targets.shape, dtype=torch.float32, device=device)
         kept: list[torch.Tensor] = []
+        targets = targets.contiguous()
         with parts.gathered() as head:
             for tile in _tiles(rows, vocab, device):
                 raw = _tile(hidden, head, parts, lows, tile)
                 if keep:
                     kept.append(raw)
+                if native_head.takes(raw, softcap):  # (the same statistics in one pass)
+                    native_head.forward_tile(raw, tile, targets, high, total, picked)
+                    continue
                 z = _capped(raw, softcap)
                 _forward_tile(z, tile, targets, high, total, picked)
         lse = high + torch.log(total)
@@ -260,7 +265,7 @@ class _FusedHead(torch.autograd.Function):
         lows, bs = factors[0::2], factors[1::2]
         wants_b = ctx.needs_input_grad[_LEADING + 1 :: 2]  # type: ignore[attr-defined]
         rows, vocab = hidden.shape[0], parts.vocab
-        g = grad.float()
+        g = grad.float().contiguous()  # (a gradient may arrive expanded)
         g_sum = g.sum(-1, keepdim=True)
         # gradients accumulate over chunks in fp32 (in place by addmm where that is the dtype)
         exact = hidden.dtype == torch.float32
@@ -274,13 +279,17 @@ class _FusedHead(torch.autograd.Function):
         with parts.gathered() as head:
             for i, tile in enumerate(_tiles(rows, vocab, hidden.device)):
                 r0, r1, v0, v1 = tile
-                z = _capped(kept[i] if kept else _tile(hidden, head, parts, lows, tile), softcap)
-                d = _exp_minus(z, lse[r0:r1]).mul_(-g_sum[r0:r1])
-                inside, column = _targets_in(targets, tile)
-                d.scatter_add_(-1, column, torch.where(inside, g[r0:r1], 0))
-                if softcap:
-                    d.mul_(1 - (z / softcap).square())  # d/dx of tanh(x / c) * c
-                d = d.to(hidden.dtype)
+                raw = kept[i] if kept else _tile(hidden, head, parts, lows, tile)
+                if native_head.takes(raw, softcap):  # (the same gradient in one pass)
+                    d = native_head.backward_tile(raw, tile, targets, lse, g_sum.view(-1), g)
+                else:
+                    z = _capped(raw, softcap)
+                    d = _exp_minus(z, lse[r0:r1]).mul_(-g_sum[r0:r1])
+                    inside, column = _targets_in(targets, tile)
+                    d.scatter_add_(-1, column, torch.where(inside, g[r0:r1], 0))
+                    if softcap:
+                        d.mul_(1 - (z / softcap).square())  # d/dx of tanh(x / c) * c
+                    d = d.to(hidden.dtype)
                 _accumulate(d_hidden[r0:r1], d, head[0][v0:v1], exact)
                 for seg, low, b, d_low, d_b in zip(
                     parts.segments, lows, bs, d_lows, d_bs, strict=True

@@ -1,0 +1,104 @@
+"""A training pass's LM head tiles' element-wise work as C++ loops at bf16 on a CPU.
+
+fused_head.py computes the head tile by tile: per tile of bf16 logits, its rows' running
+maximum, sum of exponentials and targets' logits (forward), and the logits' gradient
+(backward). Eager torch makes those in six and seven fp32 passes over each tile;
+head_tile.cpp makes each in one pass over the bf16 tile, a row at a time: on SmolLM2-135M
+(a 49,152-word head), ~200 ms of a 1,250-token training step on an AMX Xeon outside the
+head's matmuls (bench/train_variants.py --variant head-tiles, docs/benchmarks.md).
+
+The loops' exp is SLEEF's expf_u10 as torch's vectorized kernels call it; their sums run in
+another order than torch's, so a row's logsumexp differs from eager's by a few fp32 ulps and a
+gradient by a bf16 step where that moves its rounding (tests/unit/engine/test_native_head.py).
+They take bf16 CPU tiles of a head without a logit softcap where the CPU has AVX512-BF16 and
+the library could be built; elsewhere fused_head.py's torch code runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tuneloop.server.engine import native
+
+__all__ = ["backward_kernel", "backward_tile", "forward_kernel", "forward_tile", "takes"]
+
+SOURCE = Path(__file__).with_name("head_tile.cpp")
+_NEEDS = ("avx512f", "avx512_bf16")
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+# raw, ld, rows, n, v0, targets, k; high, total, picked; threads
+_FORWARD = (_P, _I, _I, _I, _I, _P, _I, _P, _P, _P, ctypes.c_int)
+# raw, ld, rows, n, v0, targets, k; lse, g_sum, g; d; threads
+_BACKWARD = (_P, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, ctypes.c_int)
+
+
+def forward_kernel() -> Any:
+    """head_tile_forward_bf16 (`_FORWARD`), or None where it cannot be built."""
+    return native.function(SOURCE, "head_tile_forward_bf16", _FORWARD, ctypes.c_int, _NEEDS)
+
+
+def backward_kernel() -> Any:
+    """head_tile_backward_bf16 (`_BACKWARD`), or None where it cannot be built."""
+    return native.function(SOURCE, "head_tile_backward_bf16", _BACKWARD, ctypes.c_int, _NEEDS)
+
+
+def takes(raw: torch.Tensor, softcap: float | None) -> bool:
+    """Whether the loops take this tile of logits: bf16 on a CPU, rows each contiguous, no
+    softcap, both kernels built."""
+    if softcap or raw.dtype != torch.bfloat16 or raw.device.type != "cpu" or raw.dim() != 2:
+        return False
+    if raw.stride(1) != 1:
+        return False
+    return forward_kernel() is not None and backward_kernel() is not None
+
+
+def _rows(t: torch.Tensor, r0: int) -> int:
+    """The address of row r0 of a contiguous tensor."""
+    return t.data_ptr() + r0 * t.stride(0) * t.element_size()
+
+
+def forward_tile(
+    raw: torch.Tensor,
+    tile: tuple[int, int, int, int],
+    targets: torch.Tensor,
+    high: torch.Tensor,
+    total: torch.Tensor,
+    picked: torch.Tensor,
+) -> None:
+    """fused_head._forward_tile for a bf16 tile `raw` [r1 - r0, v1 - v0] (`takes`): its rows'
+    running maximum `high`, sum of exponentials `total` and targets' logits `picked` ([N, K],
+    as targets), updated in place. targets int64, each tensor contiguous."""
+    r0, r1, v0, v1 = tile
+    code = forward_kernel()(
+        raw.data_ptr(), raw.stride(0), r1 - r0, v1 - v0, v0, _rows(targets, r0),
+        targets.shape[1], _rows(high, r0), _rows(total, r0), _rows(picked, r0),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if code:
+        raise ValueError("the head tile's forward loop refused its shapes")
+
+
+def backward_tile(
+    raw: torch.Tensor,
+    tile: tuple[int, int, int, int],
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    g_sum: torch.Tensor,
+    g: torch.Tensor,
+) -> torch.Tensor:
+    """The tile's gradient of its logits in bf16, [r1 - r0, v1 - v0]: exp(z - lse) * -g_sum
+    plus the targets' gradients g ([N, K], as targets) in their columns. lse, g_sum [N] fp32,
+    each tensor contiguous."""
+    r0, r1, v0, v1 = tile
+    d = torch.empty((r1 - r0, v1 - v0), dtype=torch.bfloat16)
+    code = backward_kernel()(
+        raw.data_ptr(), raw.stride(0), r1 - r0, v1 - v0, v0, _rows(targets, r0),
+        targets.shape[1], _rows(lse, r0), _rows(g_sum, r0), _rows(g, r0), d.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if code:
+        raise ValueError("the head tile's backward loop refused its shapes")
+    return d

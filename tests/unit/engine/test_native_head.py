@@ -1,0 +1,117 @@
+"""The LM head tiles' element-wise work by C++ loops (engine/native_head.py, head_tile.cpp):
+the fused head's logprobs and gradients as its torch code makes them, to a few fp32 ulps and
+a bf16 step; every tile shape, repeated targets, the thread count blind. Skipped where the
+CPU has no AVX512-BF16 (the torch code runs there, tested in test_fused_head.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tuneloop.server.engine import fused_head, native_head  # noqa: E402
+
+BUILT = native_head.forward_kernel() is not None and native_head.backward_kernel() is not None
+pytestmark = pytest.mark.skipif(not BUILT, reason="no AVX512-BF16 or no C++ compiler here")
+
+
+def _run(rows: int, vocab: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Logprobs of k targets a row through a bf16 head with one LoRA segment, and the
+    gradients of hidden, low and B for a random upstream gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    d, r = 64, 8
+    weight = (torch.randn(vocab, d, generator=gen) * 0.6).bfloat16()
+    hidden = torch.randn(rows, d, generator=gen).bfloat16().requires_grad_(True)
+    low = (torch.randn(rows, r, generator=gen) * 0.1).bfloat16().requires_grad_(True)
+    b = (torch.randn(vocab, r, generator=gen) * 0.1).bfloat16().requires_grad_(True)
+    targets = torch.randint(0, vocab, (rows, k), generator=gen)
+    if k > 1:
+        targets[::3, 1] = targets[::3, 0]  # a target twice in a row: both gradients land
+    targets[rows // 2, 0] = vocab - 1  # the last column of the last tile
+    parts = fused_head.HeadParts(weight, None, [fused_head.Segment(0, rows, low, b)])
+    out = fused_head.fused_target_logprobs(parts, hidden, targets, None)
+    grad = torch.randn(out.shape, generator=gen)
+    return (out, *torch.autograd.grad(out, (hidden, low, b), grad))
+
+
+# (rows, vocabulary, targets a row): tiles of 512 x 1024 and their tails (rows past 512,
+# vocabulary past 1024 and off 16), one row, several targets
+SHAPES = [(700, 3000, 2), (1, 1024, 1), (513, 1040, 1), (37, 517, 3)]
+
+
+@pytest.mark.parametrize(("rows", "vocab", "k"), SHAPES)
+def test_the_loops_give_the_torch_codes_logprobs_and_gradients(
+    rows: int, vocab: int, k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    got = _run(rows, vocab, k, seed=rows + vocab)
+    monkeypatch.setattr(native_head, "takes", lambda raw, softcap: False)
+    want = _run(rows, vocab, k, seed=rows + vocab)
+    # logprobs: the same logsumexp but for the order of the sums (a few fp32 ulps)
+    torch.testing.assert_close(got[0], want[0], rtol=4e-7, atol=1e-6)
+    for a, b in zip(got[1:], want[1:], strict=True):
+        assert a.dtype == b.dtype == torch.bfloat16
+        # each tile's gradient rounds to bf16, where an ulp of its exp may move the rounding by
+        # a step; the gradients sum those rounded tiles: a few steps of the largest value
+        step = b.float().abs().max() * 2.0**-8
+        assert bool(((a.float() - b.float()).abs() <= step).all())
+        assert (a != b).float().mean() <= 0.01
+
+
+def test_the_loops_take_bf16_cpu_tiles_without_softcap_alone() -> None:
+    tile = torch.randn(4, 32).bfloat16()
+    assert native_head.takes(tile, None)
+    assert not native_head.takes(tile, 30.0)
+    assert not native_head.takes(tile.float(), None)
+    assert not native_head.takes(tile.t(), None)
+
+
+def test_a_row_does_not_depend_on_the_rows_beside_it_or_on_the_thread_count() -> None:
+    gen = torch.Generator().manual_seed(9)
+    raw = (torch.randn(300, 1024, generator=gen) * 8).bfloat16()
+    targets = torch.randint(0, 1024, (300, 1), generator=gen)
+    lse = torch.randn(300, generator=gen) + 12
+    g_sum, g = torch.randn(300, generator=gen), torch.randn(300, 1, generator=gen)
+    tile = (0, 300, 0, 1024)
+
+    def both(rows: slice) -> tuple[torch.Tensor, ...]:
+        n = rows.stop - rows.start
+        high = torch.full((n,), float("-inf"))
+        total, picked = torch.zeros(n), torch.zeros(n, 1)
+        part = (0, n, 0, 1024)
+        native_head.forward_tile(raw[rows], part, targets[rows], high, total, picked)
+        d = native_head.backward_tile(
+            raw[rows], part, targets[rows], lse[rows], g_sum[rows], g[rows]
+        )
+        return high, total, picked, d
+
+    whole = both(slice(0, 300))
+    alone = both(slice(150, 151))
+    for a, b in zip(alone, whole, strict=True):
+        assert torch.equal(a, b[150:151])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = both(slice(0, 300))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(single, whole, strict=True):
+        assert torch.equal(a, b)
+    assert tile[1] == whole[3].shape[0]
+
+
+def test_the_statistics_merge_over_tiles_as_one_logsumexp() -> None:
+    """Tiles of one row taken one after another: the running maximum and sum give the row's
+    logsumexp (fp64 reference), including logits far below the row's maximum."""
+    gen = torch.Generator().manual_seed(2)
+    row = (torch.randn(1, 4096, generator=gen) * 20).bfloat16()
+    row[0, 7] = -3.0e38  # exp underflows to zero
+    high, total = torch.full((1,), float("-inf")), torch.zeros(1)
+    picked, targets = torch.zeros(1, 1), torch.tensor([[4000]])
+    for v0 in range(0, 4096, 1024):
+        native_head.forward_tile(
+            row[:, v0 : v0 + 1024].contiguous(), (0, 1, v0, v0 + 1024), targets, high, total, picked
+        )
+    want = torch.logsumexp(row.double(), -1)
+    got = high.double() + total.double().log()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0.0)
+    assert picked.item() == row[0, 4000].float().item()
