@@ -22,6 +22,7 @@ model and the load. `--profile` prints the top ops of one step of the current va
     python bench/train_variants.py --variant silu-product  # the MLP's SiLU product by C++ loops
     python bench/train_variants.py --variant mlp-product  # that and the siblings' outputs as views
     python bench/train_variants.py --variant head-tiles  # the head tiles' element-wise work in C++
+    python bench/train_variants.py --variant rotary  # the rotary embedding's backward in C++
     python bench/train_variants.py --profile
     python bench/train_variants.py --micro          # each piece alone, 422 AdamW tensors,
                                                     # one layer's packed attention fwd+bwd and
@@ -204,6 +205,17 @@ def _head_tiles(previous: bool) -> Any:
         return False
 
     return _swapped(native_head, "takes", never if previous else None)
+
+
+def _rotary(previous: bool) -> Any:
+    """previous: the family's own rotary embedding in training (eager's eight operations and
+    their backward); current: one node of the C++ loops (rotary.py)."""
+    from tuneloop.server.engine import rotary
+
+    def own(q: Any, k: Any, cos: Any, sin: Any) -> None:
+        return None
+
+    return _swapped(rotary, "_trained", own if previous else None)
 
 
 def _score_products(previous: bool) -> Any:
@@ -449,6 +461,7 @@ def main() -> int:
             "silu-product",
             "mlp-product",
             "head-tiles",
+            "rotary",
         ],
         default="attention",
     )
@@ -531,6 +544,7 @@ def main() -> int:
         "silu-product": _silu_product,
         "mlp-product": _mlp_product,
         "head-tiles": _head_tiles,
+        "rotary": _rotary,
     }
     switch = switches[args.variant]
     times: dict[str, list[float]] = {"previous": [], "current": []}

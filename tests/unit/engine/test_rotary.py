@@ -1,6 +1,7 @@
-"""A sampling step's rotary embedding by the C++ loop (rotary.py): the bits of the model
-families' own `apply_rotary_pos_emb`, switched in for families whose function agrees, inside
-sampling steps only, and back on `uninstall`. Skipped where the loop cannot be built."""
+"""The rotary embedding by the C++ loops (rotary.py): the bits of the model families' own
+`apply_rotary_pos_emb`, forward and, where autograd records it, backward, switched in for
+families whose function agrees, and back on `uninstall`. Skipped where the loops cannot be
+built."""
 
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def _tiny_llama(act: str = "silu") -> Any:
     return LlamaForCausalLM(config).bfloat16().eval()
 
 
-def test_a_switched_family_samples_the_same_logits_and_trains_on_its_own_function() -> None:
+def test_a_switched_family_samples_the_same_logits() -> None:
     model = _tiny_llama()
     ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -107,14 +108,77 @@ def test_a_switched_family_samples_the_same_logits_and_trains_on_its_own_functio
             inside = model(ids).logits
         assert len(calls) == 2  # one call a layer
         assert torch.equal(inside, before)
-        calls.clear()
-        loss = model(ids).logits.float().logsumexp(-1).sum()  # training: the family's own
-        loss.backward()
-        assert not calls
     finally:
         rotary.rotate = rotate  # type: ignore[assignment]
     assert rotary.uninstall() == 1
     assert modeling_llama.apply_rotary_pos_emb is own
+
+
+def _loss_and_grads(model: Any, ids: Any) -> tuple[Any, list[Any]]:
+    model.zero_grad()
+    loss = model(ids).logits.float().logsumexp(-1).sum()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_switched_family_trains_through_the_loops_with_eagers_gradients() -> None:
+    """Where autograd records q and k the rotation is one node of the loops (`_Rotary`): the
+    loss and every weight's gradient are the unswitched model's bit for bit."""
+    model = _tiny_llama()
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(3))
+    want, want_grads = _loss_and_grads(model, ids)
+    assert rotary.install(model) == 1
+    calls: list[int] = []
+    kernel = rotary.backward_kernel()
+
+    def counted() -> Any:
+        def call(*args: Any) -> Any:
+            calls.append(1)
+            return kernel(*args)
+
+        return call
+
+    backward_kernel = rotary.backward_kernel
+    try:
+        rotary.backward_kernel = counted  # type: ignore[assignment]
+        got, got_grads = _loss_and_grads(model, ids)
+    finally:
+        rotary.backward_kernel = backward_kernel  # type: ignore[assignment]
+    assert len(calls) == 2  # one backward call a layer
+    assert torch.equal(got, want)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "tokens", "dim"), [(9, 3, 300, 64), (2, 1, 7, 6)])
+def test_the_backward_loop_gives_eager_autograds_bits(
+    heads: int, kv_heads: int, tokens: int, dim: int
+) -> None:
+    """The gradients of q and k, as the projections' transposed views of one tensor, against
+    eager autograd's through the family's function: the same bits, signed zeros included."""
+    gen = torch.Generator().manual_seed(tokens)
+    width = (heads + 2 * kv_heads) * dim
+    both = (torch.randn(1, tokens, width, generator=gen) * 4).bfloat16()
+    both[0, :2] = 0.0
+    both[0, 2:4] = -0.0
+    angles = torch.randn((1, tokens, dim), generator=gen).mul(5)
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    upstream = [
+        torch.randn((1, n, tokens, dim), generator=gen).bfloat16() for n in (heads, kv_heads)
+    ]
+    upstream[0][..., :3, :] = -0.0
+
+    def grads(rotate: Any) -> list[Any]:
+        x = both.clone().requires_grad_(True)
+        q = x[..., : heads * dim].view(1, tokens, heads, dim).transpose(1, 2)
+        k = x[..., heads * dim : (heads + kv_heads) * dim]
+        k = k.reshape(1, tokens, kv_heads, dim).transpose(1, 2)
+        out = rotate(q, k, cos, sin)
+        return [*out, *torch.autograd.grad(out, (x,), upstream)]
+
+    got, want = grads(rotary._trained), grads(modeling_llama.apply_rotary_pos_emb)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.view(torch.int16), w.view(torch.int16))
 
 
 def test_a_model_that_is_not_bf16_switches_nothing() -> None:

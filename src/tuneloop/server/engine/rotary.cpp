@@ -50,3 +50,49 @@ extern "C" void rotary_bf16(const uint16_t* q, int64_t q_token, int64_t q_head, 
       rotate(k + t * k_token + h * k_head, c, s, dim, k_out + (t * k_heads + h) * dim);
   }
 }
+
+namespace {
+
+// The gradient of one head of one token's rotation: g [dim] (contiguous), out [dim]. Eager
+// autograd's arithmetic for q * cos + rotate_half(q) * sin: the products g * cos and g * sin
+// each rounded to bf16, the rotated half's moved back (and negated where rotate_half negated
+// it), the input's gradient their sum rounded to bf16, plus the zero each slice's backward
+// adds (which turns a -0 sum into +0, as eager's accumulation does).
+inline void unrotate(const uint16_t* g, const uint16_t* c, const uint16_t* s, int64_t dim,
+                     uint16_t* out) {
+  const int64_t half = dim / 2;
+  #pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = bf16::rounded(bf16::to_float(g[i]) * bf16::to_float(c[i]));
+    const float b = bf16::rounded(bf16::to_float(g[i + half]) * bf16::to_float(s[i + half]));
+    out[i] = bf16::from_float(bf16::rounded(a + b) + 0.0f);
+  }
+  #pragma omp simd
+  for (int64_t i = half; i < dim; ++i) {
+    const float a = bf16::rounded(bf16::to_float(g[i]) * bf16::to_float(c[i]));
+    const float b = bf16::rounded(bf16::to_float(g[i - half]) * bf16::to_float(s[i - half]));
+    out[i] = bf16::from_float(bf16::rounded(a - b) + 0.0f);
+  }
+}
+
+}  // namespace
+
+// The backward of rotary_bf16: the gradients of q and k from those of q_out and k_out (read
+// with the given token and head strides, the head size contiguous), written [tokens, heads,
+// dim] contiguous, as eager autograd makes them bit for bit.
+extern "C" void rotary_backward_bf16(const uint16_t* gq, int64_t q_token, int64_t q_head,
+                                     int64_t q_heads, const uint16_t* gk, int64_t k_token,
+                                     int64_t k_head, int64_t k_heads, const uint16_t* cos,
+                                     const uint16_t* sin, int64_t cs_token, int64_t tokens,
+                                     int64_t dim, uint16_t* q_out, uint16_t* k_out, int threads) {
+  #pragma omp parallel for num_threads(threads) schedule(static) \
+      if (tokens * (q_heads + k_heads) * dim >= 32768)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const uint16_t* c = cos + t * cs_token;
+    const uint16_t* s = sin + t * cs_token;
+    for (int64_t h = 0; h < q_heads; ++h)
+      unrotate(gq + t * q_token + h * q_head, c, s, dim, q_out + (t * q_heads + h) * dim);
+    for (int64_t h = 0; h < k_heads; ++h)
+      unrotate(gk + t * k_token + h * k_head, c, s, dim, k_out + (t * k_heads + h) * dim);
+  }
+}
