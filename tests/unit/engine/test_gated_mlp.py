@@ -50,18 +50,18 @@ def _llama(**config: Any) -> Any:
     return LlamaForCausalLM(LlamaConfig(**settings)).to(torch.bfloat16)
 
 
-def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the loop's calls (taken for products of any size: the tiny models' are below
-    `MIN_ELEMENTS`)."""
+def _counting(monkeypatch: pytest.MonkeyPatch, kernel: str = "native_kernel") -> list[int]:
+    """Counts the calls of the loop `kernel` names (taken for products of any size: the tiny
+    models' are below `MIN_ELEMENTS`)."""
     monkeypatch.setattr(gated_mlp, "MIN_ELEMENTS", 0)
-    real = gated_mlp.native_kernel()
+    real = getattr(gated_mlp, kernel)()
     calls: list[int] = []
 
     def counting(*args: object) -> None:
         calls.append(1)
         real(*args)
 
-    monkeypatch.setattr(gated_mlp, "native_kernel", lambda: counting)
+    monkeypatch.setattr(gated_mlp, kernel, lambda: counting)
     return calls
 
 
@@ -191,14 +191,7 @@ def test_training_takes_the_loops_with_eagers_loss_and_gradients(
     switched = copy.deepcopy(eager)
     assert gated_mlp.install(switched) == 2
     calls = _counting(monkeypatch)
-    backward = gated_mlp.backward_kernel()
-    backward_calls: list[int] = []
-
-    def counting_backward(*args: object) -> None:
-        backward_calls.append(1)
-        backward(*args)
-
-    monkeypatch.setattr(gated_mlp, "backward_kernel", lambda: counting_backward)
+    backward_calls = _counting(monkeypatch, "backward_kernel")
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(3))
 
     def loss_and_grads(model: Any) -> tuple[Any, list[Any]]:

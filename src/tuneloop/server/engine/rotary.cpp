@@ -29,30 +29,6 @@ inline void rotate(const uint16_t* x, const uint16_t* c, const uint16_t* s, int6
   }
 }
 
-}  // namespace
-
-// q [tokens, q_heads, dim] and k [tokens, k_heads, dim] read with the given token and head
-// strides (elements; the head size contiguous), cos and sin [tokens, dim] with a token stride;
-// q_out and k_out [tokens, heads, dim] contiguous.
-extern "C" void rotary_bf16(const uint16_t* q, int64_t q_token, int64_t q_head, int64_t q_heads,
-                            const uint16_t* k, int64_t k_token, int64_t k_head, int64_t k_heads,
-                            const uint16_t* cos, const uint16_t* sin, int64_t cs_token,
-                            int64_t tokens, int64_t dim, uint16_t* q_out, uint16_t* k_out,
-                            int threads) {
-  #pragma omp parallel for num_threads(threads) schedule(static) \
-      if (tokens * (q_heads + k_heads) * dim >= 32768)
-  for (int64_t t = 0; t < tokens; ++t) {
-    const uint16_t* c = cos + t * cs_token;
-    const uint16_t* s = sin + t * cs_token;
-    for (int64_t h = 0; h < q_heads; ++h)
-      rotate(q + t * q_token + h * q_head, c, s, dim, q_out + (t * q_heads + h) * dim);
-    for (int64_t h = 0; h < k_heads; ++h)
-      rotate(k + t * k_token + h * k_head, c, s, dim, k_out + (t * k_heads + h) * dim);
-  }
-}
-
-namespace {
-
 // The gradient of one head of one token's rotation: g [dim] (contiguous), out [dim]. Eager
 // autograd's arithmetic for q * cos + rotate_half(q) * sin: the products g * cos and g * sin
 // each rounded to bf16, the rotated half's moved back (and negated where rotate_half negated
@@ -75,7 +51,40 @@ inline void unrotate(const uint16_t* g, const uint16_t* c, const uint16_t* s, in
   }
 }
 
+using Head = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, int64_t, uint16_t*);
+
+// `head` on every head of every token of q and k, tokens in parallel: the loops' walk over
+// their [tokens, heads, dim] inputs and outputs (the entry points' arguments).
+template <Head head>
+void each_head(const uint16_t* q, int64_t q_token, int64_t q_head, int64_t q_heads,
+               const uint16_t* k, int64_t k_token, int64_t k_head, int64_t k_heads,
+               const uint16_t* cos, const uint16_t* sin, int64_t cs_token, int64_t tokens,
+               int64_t dim, uint16_t* q_out, uint16_t* k_out, int threads) {
+  #pragma omp parallel for num_threads(threads) schedule(static) \
+      if (tokens * (q_heads + k_heads) * dim >= 32768)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const uint16_t* c = cos + t * cs_token;
+    const uint16_t* s = sin + t * cs_token;
+    for (int64_t h = 0; h < q_heads; ++h)
+      head(q + t * q_token + h * q_head, c, s, dim, q_out + (t * q_heads + h) * dim);
+    for (int64_t h = 0; h < k_heads; ++h)
+      head(k + t * k_token + h * k_head, c, s, dim, k_out + (t * k_heads + h) * dim);
+  }
+}
+
 }  // namespace
+
+// q [tokens, q_heads, dim] and k [tokens, k_heads, dim] read with the given token and head
+// strides (elements; the head size contiguous), cos and sin [tokens, dim] with a token stride;
+// q_out and k_out [tokens, heads, dim] contiguous.
+extern "C" void rotary_bf16(const uint16_t* q, int64_t q_token, int64_t q_head, int64_t q_heads,
+                            const uint16_t* k, int64_t k_token, int64_t k_head, int64_t k_heads,
+                            const uint16_t* cos, const uint16_t* sin, int64_t cs_token,
+                            int64_t tokens, int64_t dim, uint16_t* q_out, uint16_t* k_out,
+                            int threads) {
+  each_head<rotate>(q, q_token, q_head, q_heads, k, k_token, k_head, k_heads, cos, sin,
+                    cs_token, tokens, dim, q_out, k_out, threads);
+}
 
 // The backward of rotary_bf16: the gradients of q and k from those of q_out and k_out (read
 // with the given token and head strides, the head size contiguous), written [tokens, heads,
@@ -85,14 +94,6 @@ extern "C" void rotary_backward_bf16(const uint16_t* gq, int64_t q_token, int64_
                                      int64_t k_head, int64_t k_heads, const uint16_t* cos,
                                      const uint16_t* sin, int64_t cs_token, int64_t tokens,
                                      int64_t dim, uint16_t* q_out, uint16_t* k_out, int threads) {
-  #pragma omp parallel for num_threads(threads) schedule(static) \
-      if (tokens * (q_heads + k_heads) * dim >= 32768)
-  for (int64_t t = 0; t < tokens; ++t) {
-    const uint16_t* c = cos + t * cs_token;
-    const uint16_t* s = sin + t * cs_token;
-    for (int64_t h = 0; h < q_heads; ++h)
-      unrotate(gq + t * q_token + h * q_head, c, s, dim, q_out + (t * q_heads + h) * dim);
-    for (int64_t h = 0; h < k_heads; ++h)
-      unrotate(gk + t * k_token + h * k_head, c, s, dim, k_out + (t * k_heads + h) * dim);
-  }
+  each_head<unrotate>(gq, q_token, q_head, q_heads, gk, k_token, k_head, k_heads, cos, sin,
+                      cs_token, tokens, dim, q_out, k_out, threads);
 }
