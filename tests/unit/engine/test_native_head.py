@@ -63,6 +63,12 @@ def test_the_loops_take_bf16_cpu_tiles_without_softcap_alone() -> None:
     assert not native_head.takes(tile, 30.0)
     assert not native_head.takes(tile.float(), None)
     assert not native_head.takes(tile.t(), None)
+    stats = torch.zeros(4), torch.zeros(4), torch.zeros(4, 1)
+    targets = torch.zeros(4, 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="int64"):
+        native_head.forward_tile(tile, (0, 4, 0, 32), targets.int(), *stats)
+    with pytest.raises(ValueError, match="fp32"):
+        native_head.forward_tile(tile, (0, 4, 0, 32), targets, stats[0].double(), *stats[1:])
 
 
 def test_a_row_does_not_depend_on_the_rows_beside_it_or_on_the_thread_count() -> None:

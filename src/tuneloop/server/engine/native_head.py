@@ -61,6 +61,14 @@ def _rows(t: torch.Tensor, r0: int) -> int:
     return t.data_ptr() + r0 * t.stride(0) * t.element_size()
 
 
+def _check(targets: torch.Tensor, *fp32: torch.Tensor) -> None:
+    """The loops read raw memory: int64 targets [N, K] and fp32 statistics, each contiguous."""
+    if targets.dtype != torch.int64 or targets.dim() != 2 or not targets.is_contiguous():
+        raise ValueError("the head tile's loops take contiguous int64 targets [N, K]")
+    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in fp32):
+        raise ValueError("the head tile's loops take contiguous fp32 statistics")
+
+
 def forward_tile(
     raw: torch.Tensor,
     tile: tuple[int, int, int, int],
@@ -73,6 +81,7 @@ def forward_tile(
     running maximum `high`, sum of exponentials `total` and targets' logits `picked` ([N, K],
     as targets), updated in place. targets int64, each tensor contiguous."""
     r0, r1, v0, v1 = tile
+    _check(targets, high, total, picked)
     code = forward_kernel()(
         raw.data_ptr(), raw.stride(0), r1 - r0, v1 - v0, v0, _rows(targets, r0),
         targets.shape[1], _rows(high, r0), _rows(total, r0), _rows(picked, r0),
@@ -94,6 +103,7 @@ def backward_tile(
     plus the targets' gradients g ([N, K], as targets) in their columns. lse, g_sum [N] fp32,
     each tensor contiguous."""
     r0, r1, v0, v1 = tile
+    _check(targets, lse, g_sum, g)
     d = torch.empty((r1 - r0, v1 - v0), dtype=torch.bfloat16)
     code = backward_kernel()(
         raw.data_ptr(), raw.stride(0), r1 - r0, v1 - v0, v0, _rows(targets, r0),
