@@ -21,6 +21,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "bf16.h"
+
 namespace {
 
 inline __m512 widen(const uint16_t* p, __mmask16 keep) {
@@ -71,13 +73,6 @@ float row_exp_sum(const uint16_t* z, int64_t n, float shift) {
   return _mm512_reduce_add_ps(sum);
 }
 
-inline float scalar(uint16_t v) {
-  const uint32_t bits = uint32_t(v) << 16;
-  float f;
-  __builtin_memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
 }  // namespace
 
 // One tile's logits into its rows' running statistics, in place: raw [rows, n] bf16 (row
@@ -99,7 +94,7 @@ extern "C" int head_tile_forward_bf16(const uint16_t* raw, int64_t ld, int64_t r
     high[i] = top;
     for (int64_t t = 0; t < k; ++t) {
       const int64_t column = targets[i * k + t] - v0;
-      if (column >= 0 && column < n) picked[i * k + t] = scalar(z[column]);
+      if (column >= 0 && column < n) picked[i * k + t] = bf16::to_float(z[column]);
     }
   }
   return 0;
@@ -141,12 +136,11 @@ extern "C" int head_tile_backward_bf16(const uint16_t* raw, int64_t ld, int64_t 
       bool first = true;
       for (int64_t s = 0; s < t; ++s) first &= targets[i * k + s] != targets[i * k + t];
       if (!first) continue;  // (done with the first of equal targets)
-      const __m512 one = _mm512_maskz_mov_ps(1, _mm512_set1_ps(scalar(z[column]) - lse[i]));
+      const __m512 one = _mm512_set1_ps(bf16::to_float(z[column]) - lse[i]);
       float value = _mm512_cvtss_f32(_mm512_mul_ps(exp_le0(one), scale));
       for (int64_t s = t; s < k; ++s)
         if (targets[i * k + s] == targets[i * k + t]) value += g[i * k + s];
-      const __m512 rounded = _mm512_set1_ps(value);
-      out[column] = uint16_t(_mm256_extract_epi16((__m256i)_mm512_cvtneps_pbh(rounded), 0));
+      out[column] = bf16::from_float(value);  // (nearest even, as the vector stores round)
     }
   }
   return 0;

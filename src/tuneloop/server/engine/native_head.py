@@ -69,6 +69,27 @@ def _check(targets: torch.Tensor, *fp32: torch.Tensor) -> None:
         raise ValueError("the head tile's loops take contiguous fp32 statistics")
 
 
+def _call(
+    kernel: Any,
+    part: str,
+    raw: torch.Tensor,
+    tile: tuple[int, int, int, int],
+    targets: torch.Tensor,
+    stats: tuple[torch.Tensor, ...],
+    *after: int,
+) -> None:
+    """One loop's call on tile `tile` of `raw`: the tile, its rows' targets and fp32 `stats`
+    (each from the tile's first row), then `after` (addresses), then the thread count."""
+    r0, r1, v0, v1 = tile
+    _check(targets, *stats)
+    code = kernel(
+        raw.data_ptr(), raw.stride(0), r1 - r0, v1 - v0, v0, _rows(targets, r0),
+        targets.shape[1], *(_rows(t, r0) for t in stats), *after, torch.get_num_threads(),
+    )  # fmt: skip
+    if code:
+        raise ValueError(f"the head tile's {part} loop refused its shapes")
+
+
 def forward_tile(
     raw: torch.Tensor,
     tile: tuple[int, int, int, int],
@@ -80,15 +101,7 @@ def forward_tile(
     """fused_head._forward_tile for a bf16 tile `raw` [r1 - r0, v1 - v0] (`takes`): its rows'
     running maximum `high`, sum of exponentials `total` and targets' logits `picked` ([N, K],
     as targets), updated in place. targets int64, each tensor contiguous."""
-    r0, r1, v0, v1 = tile
-    _check(targets, high, total, picked)
-    code = forward_kernel()(
-        raw.data_ptr(), raw.stride(0), r1 - r0, v1 - v0, v0, _rows(targets, r0),
-        targets.shape[1], _rows(high, r0), _rows(total, r0), _rows(picked, r0),
-        torch.get_num_threads(),
-    )  # fmt: skip
-    if code:
-        raise ValueError("the head tile's forward loop refused its shapes")
+    _call(forward_kernel(), "forward", raw, tile, targets, (high, total, picked))
 
 
 def backward_tile(
@@ -103,13 +116,6 @@ def backward_tile(
     plus the targets' gradients g ([N, K], as targets) in their columns. lse, g_sum [N] fp32,
     each tensor contiguous."""
     r0, r1, v0, v1 = tile
-    _check(targets, lse, g_sum, g)
     d = torch.empty((r1 - r0, v1 - v0), dtype=torch.bfloat16)
-    code = backward_kernel()(
-        raw.data_ptr(), raw.stride(0), r1 - r0, v1 - v0, v0, _rows(targets, r0),
-        targets.shape[1], _rows(lse, r0), _rows(g_sum, r0), _rows(g, r0), d.data_ptr(),
-        torch.get_num_threads(),
-    )  # fmt: skip
-    if code:
-        raise ValueError("the head tile's backward loop refused its shapes")
+    _call(backward_kernel(), "backward", raw, tile, targets, (lse, g_sum, g), d.data_ptr())
     return d
