@@ -23,8 +23,9 @@ model and the load. `--profile` prints the top ops of one step of the current va
     python bench/train_variants.py --variant mlp-product  # that and the siblings' outputs as views
     python bench/train_variants.py --variant head-tiles  # the head tiles' element-wise work in C++
     python bench/train_variants.py --variant rotary  # the rotary embedding's backward in C++
+    python bench/train_variants.py --variant head-join  # the head's joined inputs once a chunk
     python bench/train_variants.py --profile
-    python bench/train_variants.py --micro          # each piece alone, 422 AdamW tensors,
+    python bench/train_variants.py --micro          # each piece alone, 422 AdamW tensors, the head,
                                                     # one layer's packed attention fwd+bwd and
                                                     # one layer's seven adapted linears fwd+bwd
 
@@ -218,6 +219,26 @@ def _rotary(previous: bool) -> Any:
     return _swapped(rotary, "_trained", own if previous else None)
 
 
+@contextmanager
+def _head_join(previous: bool) -> Iterator[None]:
+    """previous: the head's tiles row piece by row piece, each tile copying [x | low] and
+    [W | B] for its one matmul; current: vocabulary chunk by chunk, [x | low] joined once a
+    pass and [W | B] once a chunk (fused_head._Joined), the same bits."""
+    from tuneloop.server.engine import fused_head
+
+    def by_rows(rows: int, vocab: int, device: torch.device) -> Iterator[tuple[int, ...]]:
+        for r0 in range(0, rows, fused_head.ROWS):
+            for v0 in range(0, vocab, fused_head.COLUMNS):
+                r1 = min(rows, r0 + fused_head.ROWS)
+                yield r0, r1, v0, min(vocab, v0 + fused_head.COLUMNS)
+
+    with (
+        _swapped(fused_head, "_tiles", by_rows if previous else None),
+        _swapped(fused_head, "_Joined", (lambda *a: None) if previous else None),
+    ):
+        yield
+
+
 def _score_products(previous: bool) -> Any:
     """previous: the matmul kernel's fp32 scores by fp32 matmuls; current: the same fp32
     matmuls on oneDNN's bf16 units, exact for bf16 inputs (causal_cpu.py)."""
@@ -403,6 +424,46 @@ def _micro_lora_node(repeats: int) -> str:
     )
 
 
+def _micro_head(repeats: int) -> str:
+    """The fused LM head's forward and backward at a training step's shapes (1,233 tokens,
+    SmolLM2's 49,152 x 576 bf16 head, one rank-32 adapter), its tiles by row pieces with
+    per-tile copies (previous) against by vocabulary chunks with joined inputs (current)."""
+    from tuneloop.server.engine import fused_head
+    from tuneloop.server.engine.fused_head import HeadParts, Segment
+
+    gen = torch.Generator().manual_seed(SEED)
+    rows, width, vocab = 1233, 576, 49152
+    weight = (torch.randn(vocab, width, generator=gen) * 0.05).bfloat16()
+    hidden = torch.randn(rows, width, generator=gen).bfloat16().requires_grad_()
+    low = torch.randn(rows, RANK, generator=gen).bfloat16().requires_grad_()
+    b = (torch.randn(vocab, RANK, generator=gen) * 0.01).bfloat16().requires_grad_()
+    targets = torch.randint(0, vocab, (rows, 1), generator=gen)
+
+    def once() -> tuple[float, float]:
+        parts = HeadParts(weight, None, [Segment(0, rows, low, b)])
+        begin = time.perf_counter()
+        out = fused_head.fused_target_logprobs(parts, hidden, targets, None)
+        middle = time.perf_counter()
+        out.sum().backward()
+        return middle - begin, time.perf_counter() - middle
+
+    times: dict[str, list[tuple[float, float]]] = {"previous": [], "current": []}
+    for i in range(repeats + 1):
+        for name in ("previous", "current") if i % 2 == 0 else ("current", "previous"):
+            with _head_join(name == "previous"):
+                took = once()
+            if i:  # the first pair builds oneDNN's kernels
+                times[name].append(took)
+    (pf, pb), (cf, cb) = (
+        tuple(statistics.median(t[j] for t in times[k]) * 1e3 for j in (0, 1))
+        for k in ("previous", "current")
+    )
+    return (
+        f"head over {rows} tokens: forward {pf:.1f} -> {cf:.1f} ms, backward {pb:.1f} -> "
+        f"{cb:.1f} ms, forward + backward {(pf + pb) / (cf + cb):.3f}x"
+    )
+
+
 def _micro_adamw(repeats: int) -> str:
     """AdapterOptimizer.step over SmolLM2's 422 rank-32 LoRA tensors, single vs foreach."""
     from tuneloop.server.engine.optim import AdapterOptimizer
@@ -462,6 +523,7 @@ def main() -> int:
             "mlp-product",
             "head-tiles",
             "rotary",
+            "head-join",
         ],
         default="attention",
     )
@@ -494,6 +556,7 @@ def main() -> int:
         print(f"cpu: {cpu_model()}  threads {args.threads}  load {os.getloadavg()}")
         print(_micro_attention(30))
         print(_micro_adamw(12))
+        print(_micro_head(12))
         print(_micro_lora_node(args.micro_repeats))
         print("load:", os.getloadavg())
         return 0
@@ -545,6 +608,7 @@ def main() -> int:
         "mlp-product": _mlp_product,
         "head-tiles": _head_tiles,
         "rotary": _rotary,
+        "head-join": _head_join,
     }
     switch = switches[args.variant]
     times: dict[str, list[float]] = {"previous": [], "current": []}

@@ -131,3 +131,35 @@ def test_target_logprobs_and_gradients_equal_autograd_through_log_softmax(
     assert (got - want).abs().max().item() < 1e-5
     for g, w in zip(got_grads, want_grads, strict=True):
         assert (g - w).abs().max().item() < 1e-5 * max(1.0, w.abs().max().item())
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_joined_inputs_give_the_bits_of_per_tile_copies(
+    monkeypatch: pytest.MonkeyPatch, kept: bool
+) -> None:
+    """bf16, one adapter over rows 20-150 and base rows around it, tiles of 64 rows by 300
+    columns: [x | low] joined once a pass and [W | B] once a vocabulary chunk give the logprobs
+    and gradients that copying both for each tile gives, bit for bit."""
+    monkeypatch.setattr(fused_head, "ROWS", 64)
+    monkeypatch.setattr(fused_head, "COLUMNS", 300)
+    if not kept:
+        monkeypatch.setattr(fused_head, "SAVED_LOGITS_BYTES", 0)
+    gen = torch.Generator().manual_seed(2)
+    rows, vocab, width, rank = 170, 1000, 64, 8
+    weight = (torch.randn(vocab, width, generator=gen) * 0.3).bfloat16()
+    hidden = torch.randn(rows, width, generator=gen).bfloat16().requires_grad_()
+    low = torch.randn(130, rank, generator=gen).bfloat16().requires_grad_()
+    b = (torch.randn(vocab, rank, generator=gen) * 0.1).bfloat16().requires_grad_()
+    targets = torch.randint(0, vocab, (rows, 1), generator=gen)
+    grad = torch.randn(rows, 1, generator=gen)
+
+    def run() -> list[torch.Tensor]:
+        parts = HeadParts(weight, None, [Segment(20, 150, low, b)])
+        got = fused_head.fused_target_logprobs(parts, hidden, targets, None)
+        return [got, *torch.autograd.grad((got * grad).sum(), (hidden, low, b))]
+
+    joined = run()
+    monkeypatch.setattr(fused_head, "_Joined", lambda *args: None)
+    copied = run()
+    for j, c in zip(joined, copied, strict=True):
+        assert torch.equal(j, c)

@@ -198,7 +198,7 @@ def test_fused_lm_head_matches_the_head_module(
     for name, into in (("_tile", made), ("_forward_tile", summed)):
         real_fn = getattr(fused_head, name)
         monkeypatch.setattr(
-            fused_head, name, lambda *a, f=real_fn, into=into: into.append(1) or f(*a)
+            fused_head, name, lambda *a, f=real_fn, into=into, **kw: into.append(1) or f(*a, **kw)
         )
     fused_lp, fused_g = run()
     assert calls  # the fused path ran
