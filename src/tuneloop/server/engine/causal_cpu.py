@@ -32,6 +32,8 @@ from collections.abc import Iterator
 
 import torch
 
+from tuneloop.server.engine import native_attention
+
 __all__ = ["LENGTH_GRANULE", "MATMUL_MAX_TOKENS", "causal_attention", "uses_matmul"]
 
 MATMUL_MAX_TOKENS = 1024
@@ -59,12 +61,15 @@ def causal_attention(
     if not uses_matmul(length):
         return _FlashFp32Backward.apply(q, k, v, scale)
     padded = -(-length // LENGTH_GRANULE) * LENGTH_GRANULE
+    kernel: type[torch.autograd.Function] = _MatmulCausal
+    if native_attention.takes(q, k, v, scale, padded):
+        kernel = native_attention.TileCausal  # the same attention on the tile unit
     if padded == length:
-        return _MatmulCausal.apply(q, k, v, scale)
+        return kernel.apply(q, k, v, scale)  # type: ignore[no-any-return]
     # Zero rows past the end: the causal mask hides the padded keys from every real query,
     # and the padded queries' outputs are dropped (their gradients are zero).
     grow = (0, 0, 0, padded - length)
-    out = _MatmulCausal.apply(*(torch.nn.functional.pad(t, grow) for t in (q, k, v)), scale)
+    out = kernel.apply(*(torch.nn.functional.pad(t, grow) for t in (q, k, v)), scale)
     return out[:, :, :length]
 
 

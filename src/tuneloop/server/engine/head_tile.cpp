@@ -22,36 +22,13 @@
 #include <cstdint>
 
 #include "bf16.h"
+#include "vec512.h"
 
 namespace {
 
-inline __m512 widen(const uint16_t* p, __mmask16 keep) {
-  const __m256i bits = _mm256_maskz_loadu_epi16(keep, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-inline __mmask16 lanes(int64_t left) {
-  return left >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
-}
-
-// exp(d) for d <= 0 (a logit less its row's maximum or logsumexp), 16 lanes: SLEEF's expf_u10
-// reduction and polynomial, 2^q applied by scalef (which underflows to zero as exp does).
-// d is clamped to -104 first (exp is zero in fp32 below about -103.3), so -inf gives zero too.
-inline __m512 exp_le0(__m512 d) {
-  d = _mm512_max_ps(d, _mm512_set1_ps(-104.0f));
-  const __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(d, _mm512_set1_ps(1.442695040888963407f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 s = _mm512_fmadd_ps(q, _mm512_set1_ps(-0.693145751953125f), d);
-  s = _mm512_fmadd_ps(q, _mm512_set1_ps(-1.428606765330187045e-06f), s);
-  __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
-  u = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
-  return _mm512_scalef_ps(u, q);
-}
+using vec512::exp_le0;
+using vec512::lanes;
+using vec512::widen;
 
 float row_max(const uint16_t* z, int64_t n) {
   __m512 high = _mm512_set1_ps(-INFINITY);

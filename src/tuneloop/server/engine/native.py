@@ -6,8 +6,8 @@ lora/native_columns.py, rms_norm.cpp's wrapper in compiled.py, gated_mlp.py, rot
 Their sources ship beside their wrappers; `library` builds one with the system's C++
 compiler (the one torch.compile needs on a CPU anyway; `CXX` picks another) for this CPU
 (`-march=native`) into a folder of the user's own under the temporary directory, named by a
-hash of the source and the headers of its folder, the flags, the compiler's version and the
-CPU's flags, so a later process loads it without compiling. A library links the OpenMP
+hash of the source, the headers of its folder and of the engine's folder, the flags, the
+compiler's version and the CPU's flags, so a later process loads it without compiling. A library links the OpenMP
 runtime torch has already loaded (libgomp.so.1), so its threads are torch's. Calls go through
 ctypes, which releases the GIL for them. Where a library cannot be built (no compiler, a CPU
 without the instructions it needs, not x86-64 Linux) `library` gives None, with a warning
@@ -46,6 +46,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-std=c++20", "-fopenmp", "-fPIC", "-shared")
+_ENGINE = Path(__file__).parent  # its headers are shared by the sources of its subfolders
 _state = threading.local()  # `sampling`: inside `sampling_step()` on this thread
 
 
@@ -120,8 +121,10 @@ def _build(source: Path) -> ctypes.CDLL:
         [compiler, "--version"], capture_output=True, text=True, check=True, timeout=60
     ).stdout
     parts = [" ".join(FLAGS), version, " ".join(sorted(cpu_flags()))]
-    # the headers beside the source (bf16.h) are part of what is built
-    texts = [source.read_bytes(), *(h.read_bytes() for h in sorted(source.parent.glob("*.h")))]
+    # the headers beside the source and the engine's own (bf16.h, amx.h, included as "../x.h"
+    # from a subfolder) are part of what is built
+    headers = sorted({*source.parent.glob("*.h"), *_ENGINE.glob("*.h")})
+    texts = [source.read_bytes(), *(h.read_bytes() for h in headers)]
     key = hashlib.sha256(b"\0".join([*texts, *(p.encode() for p in parts)]))
     folder = _cache_dir()
     built = folder / f"{source.stem}_{key.hexdigest()[:24]}.so"

@@ -24,8 +24,7 @@
 #include <utility>
 #include <vector>
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "../amx.h"
 #define LORA_COLUMNS_AMX 1
 #endif
 
@@ -110,23 +109,8 @@ namespace {
 
 constexpr int kTileRows = 16, kTileK = 32, kTileC = 4;  // C tiles 0-3, A tile 4, B tile 5
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Whether this process may use the tile registers: Linux grants them on request, once.
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  }();
-  return permitted;
-}
-
 void configure(int m) {
-  TileConfig config;
+  amx::TileConfig config;
   for (int t = 0; t < kTileC; ++t) config.rows[t] = m, config.colsb[t] = 64;
   config.rows[4] = m, config.colsb[4] = 64;  // x: m rows of 32 inputs
   config.rows[5] = 16, config.colsb[5] = 64;  // A: 16 pairs of 16 outputs
@@ -211,7 +195,7 @@ std::atomic<bool> g_tiles_allowed{true};
 
 bool on_tiles(int64_t k) {
 #ifdef LORA_COLUMNS_AMX
-  return g_tiles_allowed && k % kTileK == 0 && amx_permitted();
+  return g_tiles_allowed && k % kTileK == 0 && amx::permitted();
 #else
   (void)k;
   return false;

@@ -1,0 +1,42 @@
+// 16-lane AVX-512 helpers of the engine's C++ loops over bf16 (head_tile.cpp,
+// attention_tiles.cpp): a masked widening load and exp for arguments <= 0. native.py builds
+// each source with the engine folder's headers, and a header's change rebuilds them.
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace vec512 {
+
+// 16 bf16 values at p (the lanes in `keep`; zero elsewhere) as fp32.
+inline __m512 widen(const uint16_t* p, __mmask16 keep) {
+  const __m256i bits = _mm256_maskz_loadu_epi16(keep, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// The first min(left, 16) lanes.
+inline __mmask16 lanes(int64_t left) {
+  return left >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+}
+
+// exp(d) for d <= 0 (a logit less its row's maximum or logsumexp), 16 lanes: SLEEF's expf_u10
+// reduction and polynomial (which torch's vectorized kernels call), 2^q applied by scalef
+// (which underflows to zero as exp does). d is clamped to -104 first (exp is zero in fp32
+// below about -103.3), so -inf gives zero too.
+inline __m512 exp_le0(__m512 d) {
+  d = _mm512_max_ps(d, _mm512_set1_ps(-104.0f));
+  const __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(d, _mm512_set1_ps(1.442695040888963407f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 s = _mm512_fmadd_ps(q, _mm512_set1_ps(-0.693145751953125f), d);
+  s = _mm512_fmadd_ps(q, _mm512_set1_ps(-1.428606765330187045e-06f), s);
+  __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
+  u = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
+  return _mm512_scalef_ps(u, q);
+}
+
+}  // namespace vec512
