@@ -24,6 +24,7 @@ model and the load. `--profile` prints the top ops of one step of the current va
     python bench/train_variants.py --variant head-tiles  # the head tiles' element-wise work in C++
     python bench/train_variants.py --variant rotary  # the rotary embedding's backward in C++
     python bench/train_variants.py --variant head-join  # the head's joined inputs once a chunk
+    python bench/train_variants.py --variant attention-tiles  # attention on the AMX tile unit
     python bench/train_variants.py --profile
     python bench/train_variants.py --micro          # each piece alone, 422 AdamW tensors, the head,
                                                     # one layer's packed attention fwd+bwd and
@@ -217,6 +218,17 @@ def _rotary(previous: bool) -> Any:
         return None
 
     return _swapped(rotary, "_trained", own if previous else None)
+
+
+def _attention_tiles(previous: bool) -> Any:
+    """previous: short sequences' attention by causal_cpu.py's torch matmul kernel; current:
+    on the AMX tile unit (native_attention.py), where the CPU has one."""
+    from tuneloop.server.engine import native_attention
+
+    def never(*args: Any) -> bool:
+        return False
+
+    return _swapped(native_attention, "takes", never if previous else None)
 
 
 @contextmanager
@@ -524,6 +536,7 @@ def main() -> int:
             "head-tiles",
             "rotary",
             "head-join",
+            "attention-tiles",
         ],
         default="attention",
     )
@@ -609,6 +622,7 @@ def main() -> int:
         "head-tiles": _head_tiles,
         "rotary": _rotary,
         "head-join": _head_join,
+        "attention-tiles": _attention_tiles,
     }
     switch = switches[args.variant]
     times: dict[str, list[float]] = {"previous": [], "current": []}
