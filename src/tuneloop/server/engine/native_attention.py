@@ -112,7 +112,8 @@ class TileCausal(torch.autograd.Function):
         kv_heads, length, dim = k.shape[1:]
         groups = q.shape[1] // kv_heads
         out = torch.empty(q.shape, dtype=q.dtype)
-        probs = torch.zeros(kv_heads, _up(groups * length) // 2, _up(length), 2, dtype=q.dtype)
+        # (written whole by the kernel: pairs of rows, zeros past each row block's keys)
+        probs = torch.empty(kv_heads, _up(groups * length) // 2, _up(length), 2, dtype=q.dtype)
         shape = (kv_heads, groups, length, dim, scale)
         inputs = [*_rows(q), *_rows(k), *_rows(v)]
         _run(forward_kernel(), "forward", *inputs, out.data_ptr(), probs.data_ptr(), *shape)
