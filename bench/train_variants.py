@@ -330,7 +330,8 @@ def _adamw(previous: bool, backend: Any) -> Iterator[None]:
 
 
 def _micro_attention(repeats: int) -> str:
-    """One layer's packed attention (SmolLM2: 9 query heads, 3 KV heads, dim 64) fwd+bwd."""
+    """One layer's packed attention (SmolLM2: 9 query heads, 3 KV heads, dim 64) fwd+bwd:
+    per-slice SDPA, causal_cpu.py's torch kernel and the tile unit's."""
     from types import SimpleNamespace
 
     from tuneloop.server.engine import packing
@@ -350,14 +351,19 @@ def _micro_attention(repeats: int) -> str:
             out.float().sum().backward()
         return time.perf_counter() - begin
 
-    times: dict[str, list[float]] = {"slices": [], "split": []}
+    # slices: SDPA per slice; split: causal_cpu's torch kernel per sequence; tiles: the tile
+    # unit's kernel per sequence (where the CPU has one; else the torch kernel again)
+    names = ("slices", "split", "tiles")
+    times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(repeats):
-        for name in ("slices", "split") if i % 2 == 0 else ("split", "slices"):
+        for name in names if i % 2 == 0 else names[::-1]:
             fn = _split_free_sdpa if name == "slices" else packing._packed_sdpa
-            times[name].append(once(fn))
-    a, b = (statistics.median(times[k]) * 1e3 for k in ("slices", "split"))
+            with _attention_tiles(name != "tiles"):
+                times[name].append(once(fn))
+    a, b, c = (statistics.median(times[k]) * 1e3 for k in names)
     return (
-        f"attention fwd+bwd over {total} tokens: slices {a:.1f} ms, split {b:.1f} ms, {a / b:.2f}x"
+        f"attention fwd+bwd over {total} tokens: slices {a:.1f} ms, split {b:.1f} ms, {a / b:.2f}x;"
+        f" tiles {c:.1f} ms, {b / c:.2f}x the split"
     )
 
 

@@ -9,15 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tuneloop.server.engine import causal_cpu, native_attention  # noqa: E402
+from tuneloop.server.engine import causal_cpu  # noqa: E402
 
 F = torch.nn.functional
-
-
-@pytest.fixture
-def torch_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 sequences on the torch matmul kernel, not the tile unit's (test_native_attention.py)."""
-    monkeypatch.setattr(native_attention, "takes", lambda *args: False)
 
 
 def _case(heads: int, kv_heads: int, length: int, dtype: Any) -> tuple[list[Any], Any]:
@@ -29,16 +23,10 @@ def _case(heads: int, kv_heads: int, length: int, dtype: Any) -> tuple[list[Any]
     return qkv, torch.randn(1, heads, length, 32, generator=g).to(dtype)
 
 
-@pytest.mark.parametrize("kernel", ["any", "torch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (6, 1)])
 @pytest.mark.parametrize("length", [1, 50, 128, 129])  # 4 x 32 = 128: the last is flash
-def test_matches_fp64_attention(
-    dtype: Any, heads: int, kv_heads: int, length: int, kernel: str, request: Any
-) -> None:
-    """`any`: the tile unit's kernel where the CPU has one (bf16), else torch's."""
-    if kernel == "torch":
-        request.getfixturevalue("torch_kernel")
+def test_matches_fp64_attention(dtype: Any, heads: int, kv_heads: int, length: int) -> None:
     (q, k, v), grad = _case(heads, kv_heads, length, dtype)
     out = causal_cpu.causal_attention(q, k, v, 0.2)
     out.backward(grad)
@@ -80,7 +68,7 @@ def test_causal_bias_is_a_view_of_the_longest() -> None:
 
 @pytest.mark.parametrize(("dtype", "during"), [(torch.bfloat16, "bf16"), (torch.float16, None)])
 def test_scores_use_bf16_units_only_for_bf16_and_only_inside(
-    dtype: Any, during: str | None, monkeypatch: Any, torch_kernel: None
+    dtype: Any, during: str | None, monkeypatch: Any
 ) -> None:
     """bf16 values are exact in bf16, so their fp32 scores may run on bf16 units; fp16 values
     are not. The process-wide switch is back to what it was once the kernel returns."""
@@ -103,9 +91,7 @@ def test_scores_use_bf16_units_only_for_bf16_and_only_inside(
 
 
 @pytest.mark.parametrize("length", [1, 50, 64])
-def test_matmul_kernel_runs_lengths_padded_to_the_granule(
-    length: int, monkeypatch: Any, torch_kernel: None
-) -> None:
+def test_matmul_kernel_runs_lengths_padded_to_the_granule(length: int, monkeypatch: Any) -> None:
     """The kernel sees a multiple of LENGTH_GRANULE tokens; the caller gets its own length, with
     the unpadded kernel's outputs and gradients (the padded keys are masked, the padded
     queries' rows dropped)."""

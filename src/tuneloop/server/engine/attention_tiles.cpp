@@ -122,11 +122,11 @@ void products(const uint16_t* a, int64_t lda, Right r, const int64_t* ranges, in
 
 inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 
-// A C block [16, d] fp32 rounded into 16 bf16 rows of stride d.
-void store_rows(const float* c, int64_t d, uint16_t* out) {
-  for (int t = 0; t < kBlock; ++t)
+// The first `count` rows of a C block [16, d] fp32 rounded into bf16 rows `token` apart.
+void store_rows(const float* c, int64_t d, uint16_t* out, int64_t token, int64_t count) {
+  for (int64_t t = 0; t < count; ++t)
     for (int64_t j = 0; j < d; j += 16)
-      _mm256_storeu_si256((__m256i*)(out + t * d + j), to_bf16(_mm512_loadu_ps(c + t * d + j)));
+      _mm256_storeu_si256((__m256i*)(out + t * token + j), to_bf16(_mm512_loadu_ps(c + t * d + j)));
 }
 
 // A 16 x 16 block of 32-bit values transposed in registers: r[i] holds column i after.
@@ -208,18 +208,76 @@ void transposed(const uint16_t* rows, int64_t token, int64_t dim, int64_t ld, in
   });
 }
 
+// One sequence of a packed call: its tokens [offset, offset + length) of the packed rows,
+// padded to whole 16-token blocks inside the kernels (zero keys and queries past the end,
+// whose outputs are not stored), and where its buffers start.
 struct Shape {
   int64_t heads, groups, length, dim;  // key heads, query heads per key head, tokens, head size
-  int64_t rows() const { return groups * length; }           // a key head's stacked query rows
+  int64_t offset;                      // its first token in the packed rows
+  int64_t padded() const { return (length + kBlock - 1) / kBlock * kBlock; }
+  int64_t rows() const { return groups * padded(); }  // a key head's stacked query rows
   int64_t rows32() const { return up32(rows()); }
-  int64_t keys32() const { return up32(length); }
-  int64_t units() const { return heads * rows() / kBlock; }  // 16-row blocks
-  int64_t wide() const { return keys32() + kPad; }           // a scratch row's bf16 values
+  int64_t keys32() const { return up32(padded()); }
+  int64_t blocks() const { return padded() / kBlock; }
+  int64_t wide() const { return keys32() + kPad; }  // a scratch row's values
   // A key head's probabilities (or dS) as pairs of rows: [rows32 / 2][keys32][2], written a
   // pair row at a time.
   int64_t pairs() const { return keys32() * rows32(); }
   Right pairs_of(const uint16_t* head) const { return {head, 2 * keys32(), 32}; }
 };
+
+// A packed call's sequences, with the start of each one's buffers (in values) of a size per
+// key head: probabilities or dS, layouts of the keys, transposed rows.
+struct Packed {
+  std::vector<Shape> shapes;
+  std::vector<int64_t> pairs, keys, rows;  // one more than the sequences: the totals last
+  int64_t longest = 0;                     // keys32 of the longest
+  Packed(const int64_t* lengths, int64_t count, int64_t heads, int64_t groups, int64_t dim) {
+    int64_t offset = 0;
+    pairs = keys = rows = {0};
+    for (int64_t i = 0; i < count; ++i) {
+      const Shape s{heads, groups, lengths[i], dim, offset};
+      offset += lengths[i];
+      shapes.push_back(s);
+      pairs.push_back(pairs.back() + heads * s.pairs());
+      keys.push_back(keys.back() + heads * dim * s.keys32());
+      rows.push_back(rows.back() + heads * dim * (s.rows32() + kPad));
+      longest = std::max(longest, s.keys32());
+    }
+  }
+};
+
+// Per thread: a block's scores [16, wide] fp32 (or a key unit's C block [16, 64]), its
+// probabilities (or dS) [16, wide] bf16, its output [16, dim] fp32 and a copy of 16 input
+// rows [16, dim] (zeros past a sequence's end), for the longest sequence.
+struct Scratch {
+  std::vector<float> scores;
+  std::vector<uint16_t> block;
+  std::vector<float> out;
+  std::vector<uint16_t> rows;
+  Scratch(const Packed& p, int64_t dim)
+      : scores(kBlock * std::max<int64_t>(p.longest + kPad, kWide * kBlock)),
+        block(kBlock * (p.longest + kPad)),
+        out(kBlock * dim),
+        rows(kBlock * dim) {}
+};
+
+// Rows [i0, i0 + 16) of head h of a sequence's rows: where they lie (their token stride in
+// *token), or copied into `copy` (stride dim) with zeros past the sequence's end.
+const uint16_t* block_rows(const Shape& s, const Rows& r, int64_t h, int64_t i0, uint16_t* copy,
+                           int64_t* token) {
+  const uint16_t* first = r.at(h, s.offset + i0);
+  if (i0 + kBlock <= s.length) {
+    *token = r.token;
+    return first;
+  }
+  const int64_t valid = s.length - i0;
+  std::memset(copy, 0, sizeof(uint16_t) * kBlock * s.dim);
+  for (int64_t t = 0; t < valid; ++t)
+    std::memcpy(copy + t * s.dim, first + t * r.token, sizeof(uint16_t) * s.dim);
+  *token = s.dim;
+  return copy;
+}
 
 // The 16 rows' block of bf16 values [16, ld] (keys [0, width) set) written into a key head's
 // pairs layout (Shape::pairs) at rows [r0, r0 + 16), zeros past width: every value of the
@@ -246,34 +304,45 @@ void zero_padding(const Shape& s, uint16_t* out) {
               sizeof(uint16_t) * (s.rows32() - s.rows()) * s.keys32());
 }
 
-// Per thread: the block's scores [16, wide] fp32 (or a key unit's C block [16, 64]), its
-// probabilities (or dS) [16, wide] bf16 and its output [16, dim] fp32.
-struct Scratch {
-  std::vector<float> scores;
-  std::vector<uint16_t> block;
-  std::vector<float> out;
-  explicit Scratch(const Shape& s)
-      : scores(kBlock * std::max<int64_t>(s.wide(), kWide * kBlock)),
-        block(kBlock * s.wide()),
-        out(kBlock * s.dim) {}
-};
-
 // One 16-row block's scores against keys [0, keys) (a multiple of 16): S = Q_rows K^T with
 // the rows `token` values apart and `keys_of` the key head's keys as pairs of features.
 void scores(const Shape& s, const uint16_t* rows, int64_t token, Right keys_of, int64_t keys,
-            float* out) {
+            float* out, int64_t ld) {
   const int64_t depth[2] = {0, s.dim};
-  products(rows, token, keys_of, depth, 1, out, s.wide(), keys / kBlock);
+  products(rows, token, keys_of, depth, 1, out, ld, keys / kBlock);
 }
 
-void forward_unit(const Shape& s, int64_t unit, const Rows& q, const uint16_t* kp,
-                  const uint16_t* vr, uint16_t* out, uint16_t* probs, float scale,
-                  Scratch& w) {
-  const int64_t head = unit / (s.rows() / kBlock), r0 = unit % (s.rows() / kBlock) * kBlock;
-  const int64_t i0 = r0 % s.length, keys = i0 + kBlock, width = up32(keys);
-  const int64_t k32 = s.keys32(), ld = s.wide();
-  const uint16_t* rows = q.at(head * s.groups + r0 / s.length, i0);
-  scores(s, rows, q.token, features_of(kp + head * s.dim * k32, s.dim), keys, w.scores.data());
+// The (head, 16-row block) units of a call's sequences: sequence, key head, first row.
+struct Unit {
+  int64_t sequence, head, first;
+};
+
+std::vector<Unit> row_units(const Packed& p) {
+  std::vector<Unit> units;
+  for (int64_t i = 0; i < int64_t(p.shapes.size()); ++i)
+    for (int64_t h = 0; h < p.shapes[i].heads; ++h)
+      for (int64_t r0 = 0; r0 < p.shapes[i].rows(); r0 += kBlock) units.push_back({i, h, r0});
+  return units;
+}
+
+// (head, 16-key block) units: the keys' layouts; (head, 64-key group) units: dK and dV.
+std::vector<Unit> key_units(const Packed& p, int64_t keys) {
+  std::vector<Unit> units;
+  for (int64_t i = 0; i < int64_t(p.shapes.size()); ++i)
+    for (int64_t h = 0; h < p.shapes[i].heads; ++h)
+      for (int64_t j0 = 0; j0 < p.shapes[i].padded(); j0 += keys) units.push_back({i, h, j0});
+  return units;
+}
+
+void forward_unit(const Shape& s, const Unit& u, const Rows& q, const uint16_t* kp,
+                  const uint16_t* vr, uint16_t* out, int64_t o_head, int64_t o_token,
+                  uint16_t* probs, float scale, Scratch& w) {
+  const int64_t head = u.head, r0 = u.first;
+  const int64_t i0 = r0 % s.padded(), keys = i0 + kBlock, width = up32(keys);
+  const int64_t k32 = s.keys32(), ld = s.wide(), query = head * s.groups + r0 / s.padded();
+  int64_t token = 0;
+  const uint16_t* rows = block_rows(s, q, query, i0, w.rows.data(), &token);
+  scores(s, rows, token, features_of(kp + head * s.dim * k32, s.dim), keys, w.scores.data(), ld);
   const __m512 factor = _mm512_set1_ps(scale);
   for (int t = 0; t < kBlock; ++t) {
     float* row = w.scores.data() + t * ld;
@@ -305,20 +374,23 @@ void forward_unit(const Shape& s, int64_t unit, const Rows& q, const uint16_t* k
   const int64_t keys_range[2] = {0, width};
   products(w.block.data(), ld, Right{vr + head * k32 * s.dim, 2 * s.dim, 32}, keys_range, 1,
            w.out.data(), s.dim, s.dim / kBlock);
-  store_rows(w.out.data(), s.dim, out + (head * s.rows() + r0) * s.dim);
+  const int64_t count = std::min<int64_t>(kBlock, s.length - i0);
+  if (count > 0)
+    store_rows(w.out.data(), s.dim, out + query * o_head + (s.offset + i0) * o_token, o_token,
+               count);
 }
 
 // One 16-row block of the backward pass: dP = dO V^T, dS = P (dP - rowsum(P dP)) scale,
 // written into the pairs layout ds, and dQ = dS K.
-void backward_unit(const Shape& s, int64_t unit, const Rows& dout, const uint16_t* vp,
+void backward_unit(const Shape& s, const Unit& u, const Rows& dout, const uint16_t* vp,
                    const uint16_t* kr, const uint16_t* probs, uint16_t* ds, uint16_t* dq,
-                   float scale, Scratch& w) {
-  const int64_t head = unit / (s.rows() / kBlock), r0 = unit % (s.rows() / kBlock) * kBlock;
-  const int64_t i0 = r0 % s.length, keys = i0 + kBlock, width = up32(keys);
-  const int64_t k32 = s.keys32(), ld = s.wide();
-  const uint16_t* rows = dout.at(head * s.groups + r0 / s.length, i0);
-  scores(s, rows, dout.token, features_of(vp + head * s.dim * k32, s.dim), keys,
-         w.scores.data());
+                   int64_t g_head, int64_t g_token, float scale, Scratch& w) {
+  const int64_t head = u.head, r0 = u.first;
+  const int64_t i0 = r0 % s.padded(), keys = i0 + kBlock, width = up32(keys);
+  const int64_t k32 = s.keys32(), ld = s.wide(), query = head * s.groups + r0 / s.padded();
+  int64_t token = 0;
+  const uint16_t* rows = block_rows(s, dout, query, i0, w.rows.data(), &token);
+  scores(s, rows, token, features_of(vp + head * s.dim * k32, s.dim), keys, w.scores.data(), ld);
   // pairs of rows (t, t + 1) as 32-bit values, a pair row of keys32
   const uint32_t* pairs = (const uint32_t*)(probs + head * s.pairs()) + r0 / 2 * k32;
   const __m512 factor = _mm512_set1_ps(scale);
@@ -358,20 +430,24 @@ void backward_unit(const Shape& s, int64_t unit, const Rows& dout, const uint16_
   const int64_t keys_range[2] = {0, width};
   products(w.block.data(), ld, Right{kr + head * k32 * s.dim, 2 * s.dim, 32}, keys_range, 1,
            w.out.data(), s.dim, s.dim / kBlock);
-  store_rows(w.out.data(), s.dim, dq + (head * s.rows() + r0) * s.dim);
+  const int64_t count = std::min<int64_t>(kBlock, s.length - i0);
+  if (count > 0)
+    store_rows(w.out.data(), s.dim, dq + query * g_head + (s.offset + i0) * g_token, g_token,
+               count);
 }
 
 // dK and dV of keys [j0, j0 + 16 n) of a key head: dK^T = Q^T dS and dV^T = dO^T P, summed
 // over the stacked rows that can see those keys (in 32-row steps; rows that cannot hold
-// zeros), written transposed. qt, dot: [heads][dim][ldt].
+// zeros), written transposed for the sequence's keys. qt, dot: [heads][dim][rows32 + kPad].
 void key_unit(const Shape& s, int64_t head, int64_t j0, int64_t n, const uint16_t* qt,
-              const uint16_t* dot, int64_t ldt, const uint16_t* probs, const uint16_t* ds,
-              uint16_t* dk, uint16_t* dv, float* c) {
+              const uint16_t* dot, const uint16_t* probs, const uint16_t* ds, uint16_t* dk,
+              uint16_t* dv, int64_t k_head, int64_t k_token, float* c) {
+  const int64_t ldt = s.rows32() + kPad;
   std::vector<int64_t> ranges;
   for (int64_t r = 0; r < s.rows32(); r += kDepth) {
     bool sees = false;  // a row of the step at or after j0 in its query head
     for (int64_t g = 0; g < s.groups && !sees; ++g)
-      sees = std::max(r, g * s.length + j0) < std::min(r + kDepth, (g + 1) * s.length);
+      sees = std::max(r, g * s.padded() + j0) < std::min(r + kDepth, (g + 1) * s.padded());
     if (!sees) continue;
     if (!ranges.empty() && ranges.back() == r)
       ranges.back() = r + kDepth;
@@ -382,19 +458,20 @@ void key_unit(const Shape& s, int64_t head, int64_t j0, int64_t n, const uint16_
   const uint16_t* lefts[2] = {qt, dot};
   const uint16_t* rights[2] = {ds, probs};
   uint16_t* outs[2] = {dk, dv};
+  const int64_t keys = std::min<int64_t>(n * kBlock, s.length - j0);  // stored
   for (int which = 0; which < 2; ++which) {
     const uint16_t* left = lefts[which] + head * s.dim * ldt;
     Right right = s.pairs_of(rights[which] + head * s.pairs());
     right.b += j0 / kBlock * right.block;  // (16 keys' pairs: 32 values on)
-    uint16_t* out = outs[which] + (head * s.length + j0) * s.dim;
+    uint16_t* out = outs[which] + head * k_head + (s.offset + j0) * k_token;
     for (int64_t c0 = 0; c0 < s.dim; c0 += kBlock) {
       if (count) {
         products(left + c0 * ldt, ldt, right, ranges.data(), count, c, kWide * kBlock, n);
       } else {
         std::memset(c, 0, sizeof(float) * kBlock * kWide * kBlock);
       }
-      for (int64_t j = 0; j < n * kBlock; ++j) {  // C [16 features, 16 n keys] transposed
-        uint16_t* key = out + j * s.dim + c0;
+      for (int64_t j = 0; j < keys; ++j) {  // C [16 features, 16 n keys] transposed
+        uint16_t* key = out + j * k_token + c0;
         for (int f = 0; f < kBlock; ++f) key[f] = bf16::from_float(c[f * kWide * kBlock + j]);
       }
     }
@@ -402,13 +479,23 @@ void key_unit(const Shape& s, int64_t head, int64_t j0, int64_t n, const uint16_
 }
 
 // The keys' (or values') layouts of a key head's 16-key block j0: pairs of features
-// (Shape: features_of; or null) and pairs of rows ([keys32 / 2][dim][2], or null).
+// (features_of; or null) and pairs of rows ([keys32 / 2][dim][2], or null).
 void key_layouts(const Shape& s, const Rows& keys, int64_t head, int64_t j0, uint16_t* features,
-                 uint16_t* pairs) {
+                 uint16_t* pairs, Scratch& w) {
   const int64_t k32 = s.keys32();
-  const uint16_t* rows = keys.at(head, j0);
-  if (features) feature_pairs(rows, keys.token, s.dim, j0, features + head * s.dim * k32);
-  if (pairs) row_pairs(rows, keys.token, s.dim, j0, pairs + head * k32 * s.dim);
+  int64_t token = 0;
+  const uint16_t* rows = block_rows(s, keys, head, j0, w.rows.data(), &token);
+  if (features) feature_pairs(rows, token, s.dim, j0, features + head * s.dim * k32);
+  if (pairs) row_pairs(rows, token, s.dim, j0, pairs + head * k32 * s.dim);
+}
+
+// Rows [i0, i0 + 16) of a query head transposed into a key head's [dim][rows32 + kPad] at
+// stacked row r0 (zeros past the sequence's end).
+void transposed_block(const Shape& s, const Rows& r, int64_t query, int64_t i0, int64_t r0,
+                      uint16_t* out, Scratch& w) {
+  int64_t token = 0;
+  const uint16_t* rows = block_rows(s, r, query, i0, w.rows.data(), &token);
+  transposed(rows, token, s.dim, s.rows32() + kPad, r0, out);
 }
 
 }  // namespace
@@ -416,88 +503,115 @@ void key_layouts(const Shape& s, const Rows& keys, int64_t head, int64_t j0, uin
 // Whether this process may run the kernels: Linux grants the tile registers.
 extern "C" int attention_tiles_ready() { return amx::permitted() ? 1 : 0; }
 
-// q: [query heads, length, dim] rows of features at (head stride, token stride) q_head,
-// q_token (a key head's query heads adjacent); k, v: [heads, length, dim] likewise; out
-// [heads x groups, length, dim] contiguous; probs [heads, rows32 / 2, keys32, 2] (written
-// whole; kept for the backward pass), rows = groups x length. length a multiple of
-// 16, dim of 32. Returns 0, or -1 without the tile unit.
+// The size in values of a packed call's probabilities ([heads, rows32 / 2, keys32, 2] a
+// sequence, one after the other).
+extern "C" int64_t attention_probs_size(const int64_t* lengths, int64_t count, int64_t heads,
+                                        int64_t groups) {
+  return Packed(lengths, count, heads, groups, kDepth).pairs.back();
+}
+
+// Packed sequences of `lengths` tokens end to end. q: [query heads, tokens, dim] rows of
+// features at (head stride, token stride) q_head, q_token (a key head's query heads
+// adjacent); k, v: [heads, tokens, dim] likewise; out like q at o_head, o_token; probs
+// (attention_probs_size, written whole; kept for the backward pass). dim a multiple of 32.
+// Returns 0, or -1 without the tile unit.
 extern "C" int attention_forward_bf16(const uint16_t* q, int64_t q_head, int64_t q_token,
                                       const uint16_t* k, int64_t k_head, int64_t k_token,
                                       const uint16_t* v, int64_t v_head, int64_t v_token,
-                                      uint16_t* out, uint16_t* probs, int64_t heads,
-                                      int64_t groups, int64_t length, int64_t dim, float scale,
+                                      uint16_t* out, int64_t o_head, int64_t o_token,
+                                      uint16_t* probs, const int64_t* lengths, int64_t count,
+                                      int64_t heads, int64_t groups, int64_t dim, float scale,
                                       int threads) {
   if (!amx::permitted()) return -1;
-  const Shape s{heads, groups, length, dim};
+  const Packed p(lengths, count, heads, groups, dim);
   const Rows queries{q, q_head, q_token}, keys{k, k_head, k_token}, values{v, v_head, v_token};
-  std::vector<uint16_t> kp(heads * dim * s.keys32()), vr(heads * s.keys32() * dim);  // zeroed
-  const int64_t blocks = length / kBlock;
+  std::vector<uint16_t> kp(p.keys.back()), vr(p.keys.back());  // zeroed: keys past the end
+  const std::vector<Unit> blocks = key_units(p, kBlock), units = row_units(p);
 #pragma omp parallel num_threads(threads)
   {
+    Scratch w(p, dim);
 #pragma omp for schedule(static)
-    for (int64_t unit = 0; unit < heads * blocks; ++unit) {
-      const int64_t head = unit / blocks, j0 = unit % blocks * kBlock;
-      key_layouts(s, keys, head, j0, kp.data(), nullptr);
-      key_layouts(s, values, head, j0, nullptr, vr.data());
-      if (j0 == 0) zero_padding(s, probs + head * s.pairs());
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      const Unit& u = blocks[i];
+      const Shape& s = p.shapes[u.sequence];
+      key_layouts(s, keys, u.head, u.first, kp.data() + p.keys[u.sequence], nullptr, w);
+      key_layouts(s, values, u.head, u.first, nullptr, vr.data() + p.keys[u.sequence], w);
+      if (u.first == 0) zero_padding(s, probs + p.pairs[u.sequence] + u.head * s.pairs());
     }
     configure();
-    Scratch w(s);
 #pragma omp for schedule(dynamic)
-    for (int64_t unit = 0; unit < s.units(); ++unit)
-      forward_unit(s, unit, queries, kp.data(), vr.data(), out, probs, scale, w);
+    for (size_t i = 0; i < units.size(); ++i) {
+      const Unit& u = units[i];
+      forward_unit(p.shapes[u.sequence], u, queries, kp.data() + p.keys[u.sequence],
+                   vr.data() + p.keys[u.sequence], out, o_head, o_token,
+                   probs + p.pairs[u.sequence], scale, w);
+    }
     _tile_release();
   }
   return 0;
 }
 
-// dout, q, k, v: rows at (head stride, token stride) as the forward's inputs; probs from the
-// forward pass; dq [heads x groups, length, dim], dk and dv [heads, length, dim], contiguous.
+// dout, q, k, v: rows at (head stride, token stride) as the forward's inputs (dout as its
+// output); probs from the forward pass; dq like q at g_head, g_token; dk and dv like k at
+// k_head, k_token.
 extern "C" int attention_backward_bf16(const uint16_t* dout, int64_t d_head, int64_t d_token,
                                        const uint16_t* q, int64_t q_head, int64_t q_token,
                                        const uint16_t* k, int64_t k_head, int64_t k_token,
                                        const uint16_t* v, int64_t v_head, int64_t v_token,
-                                       const uint16_t* probs, uint16_t* dq, uint16_t* dk,
-                                       uint16_t* dv, int64_t heads, int64_t groups,
-                                       int64_t length, int64_t dim, float scale, int threads) {
+                                       const uint16_t* probs, uint16_t* dq, int64_t g_head,
+                                       int64_t g_token, uint16_t* dk, uint16_t* dv,
+                                       int64_t dk_head, int64_t dk_token,
+                                       const int64_t* lengths, int64_t count, int64_t heads,
+                                       int64_t groups, int64_t dim, float scale, int threads) {
   if (!amx::permitted()) return -1;
-  const Shape s{heads, groups, length, dim};
+  const Packed p(lengths, count, heads, groups, dim);
   const Rows grads{dout, d_head, d_token}, queries{q, q_head, q_token};
   const Rows keys{k, k_head, k_token}, values{v, v_head, v_token};
-  const int64_t k32 = s.keys32(), ldt = s.rows32() + kPad, blocks = length / kBlock;
-  // zeroed: the padding past the keys and rows
-  std::vector<uint16_t> vp(heads * dim * k32), kr(heads * k32 * dim);
-  std::vector<uint16_t> qt(heads * dim * ldt), dot(heads * dim * ldt);
-  std::unique_ptr<uint16_t[]> ds(new uint16_t[heads * s.pairs()]);  // written whole
-  const int64_t per_head = (length + kWide * kBlock - 1) / (kWide * kBlock);
+  // zeroed: keys and rows past the ends
+  std::vector<uint16_t> vp(p.keys.back()), kr(p.keys.back());
+  std::vector<uint16_t> qt(p.rows.back()), dot(p.rows.back());
+  std::unique_ptr<uint16_t[]> ds(new uint16_t[p.pairs.back()]);  // written whole
+  const std::vector<Unit> blocks = key_units(p, kBlock), units = row_units(p);
+  const std::vector<Unit> groups_of_keys = key_units(p, kWide * kBlock);
 #pragma omp parallel num_threads(threads)
   {
+    Scratch w(p, dim);
 #pragma omp for schedule(static)
-    for (int64_t unit = 0; unit < heads * blocks; ++unit) {
-      const int64_t head = unit / blocks, j0 = unit % blocks * kBlock;
-      key_layouts(s, values, head, j0, vp.data(), nullptr);
-      key_layouts(s, keys, head, j0, nullptr, kr.data());
-      if (j0 == 0) zero_padding(s, ds.get() + head * s.pairs());
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      const Unit& u = blocks[i];
+      const Shape& s = p.shapes[u.sequence];
+      key_layouts(s, values, u.head, u.first, vp.data() + p.keys[u.sequence], nullptr, w);
+      key_layouts(s, keys, u.head, u.first, nullptr, kr.data() + p.keys[u.sequence], w);
+      if (u.first == 0) zero_padding(s, ds.get() + p.pairs[u.sequence] + u.head * s.pairs());
     }
 #pragma omp for schedule(static)
-    for (int64_t unit = 0; unit < s.units(); ++unit) {
-      const int64_t head = unit / (s.rows() / kBlock), r0 = unit % (s.rows() / kBlock) * kBlock;
-      const int64_t query = head * groups + r0 / length, i0 = r0 % length;
-      transposed(queries.at(query, i0), q_token, dim, ldt, r0, qt.data() + head * dim * ldt);
-      transposed(grads.at(query, i0), d_token, dim, ldt, r0, dot.data() + head * dim * ldt);
+    for (size_t i = 0; i < units.size(); ++i) {
+      const Unit& u = units[i];
+      const Shape& s = p.shapes[u.sequence];
+      const int64_t query = u.head * groups + u.first / s.padded(), i0 = u.first % s.padded();
+      const int64_t at = p.rows[u.sequence] + u.head * dim * (s.rows32() + kPad);
+      transposed_block(s, queries, query, i0, u.first, qt.data() + at, w);
+      transposed_block(s, grads, query, i0, u.first, dot.data() + at, w);
     }
     configure();
-    Scratch w(s);
 #pragma omp for schedule(dynamic)
-    for (int64_t unit = 0; unit < s.units(); ++unit)
-      backward_unit(s, unit, grads, vp.data(), kr.data(), probs, ds.get(), dq, scale, w);
+    for (size_t i = 0; i < units.size(); ++i) {
+      const Unit& u = units[i];
+      const int64_t at = p.keys[u.sequence];
+      backward_unit(p.shapes[u.sequence], u, grads, vp.data() + at, kr.data() + at,
+                    probs + p.pairs[u.sequence], ds.get() + p.pairs[u.sequence], dq, g_head,
+                    g_token, scale, w);
+    }
     // (the loop's implicit barrier: every block's dS is written before the keys' sums)
 #pragma omp for schedule(dynamic)
-    for (int64_t unit = 0; unit < heads * per_head; ++unit) {
-      const int64_t head = unit / per_head, j0 = unit % per_head * kWide * kBlock;
-      const int64_t n = std::min<int64_t>(kWide, (length - j0) / kBlock);
-      key_unit(s, head, j0, n, qt.data(), dot.data(), ldt, probs, ds.get(), dk, dv,
-               w.scores.data());
+    for (size_t i = 0; i < groups_of_keys.size(); ++i) {
+      const Unit& u = groups_of_keys[i];
+      const Shape& s = p.shapes[u.sequence];
+      const int64_t n = std::min<int64_t>(kWide, (s.padded() - u.first) / kBlock);
+      const int64_t at = p.rows[u.sequence];
+      key_unit(s, u.head, u.first, n, qt.data() + at, dot.data() + at,
+               probs + p.pairs[u.sequence], ds.get() + p.pairs[u.sequence], dk, dv, dk_head,
+               dk_token, w.scores.data());
     }
     _tile_release();
   }

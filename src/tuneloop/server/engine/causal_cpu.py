@@ -32,8 +32,6 @@ from collections.abc import Iterator
 
 import torch
 
-from tuneloop.server.engine import native_attention
-
 __all__ = ["LENGTH_GRANULE", "MATMUL_MAX_TOKENS", "causal_attention", "uses_matmul"]
 
 MATMUL_MAX_TOKENS = 1024
@@ -61,15 +59,12 @@ def causal_attention(
     if not uses_matmul(length):
         return _FlashFp32Backward.apply(q, k, v, scale)
     padded = -(-length // LENGTH_GRANULE) * LENGTH_GRANULE
-    kernel: type[torch.autograd.Function] = _MatmulCausal
-    if native_attention.takes(q, k, v, scale, padded):
-        kernel = native_attention.TileCausal  # the same attention on the tile unit
     if padded == length:
-        return kernel.apply(q, k, v, scale)  # type: ignore[no-any-return]
+        return _MatmulCausal.apply(q, k, v, scale)
     # Zero rows past the end: the causal mask hides the padded keys from every real query,
     # and the padded queries' outputs are dropped (their gradients are zero).
     grow = (0, 0, 0, padded - length)
-    out = kernel.apply(*(torch.nn.functional.pad(t, grow) for t in (q, k, v)), scale)
+    out = _MatmulCausal.apply(*(torch.nn.functional.pad(t, grow) for t in (q, k, v)), scale)
     return out[:, :, :length]
 
 

@@ -7,11 +7,12 @@ Their sources ship beside their wrappers; `library` builds one with the system's
 compiler (the one torch.compile needs on a CPU anyway; `CXX` picks another) for this CPU
 (`-march=native`) into a folder of the user's own under the temporary directory, named by a
 hash of the source, the headers of its folder and of the engine's folder, the flags, the
-compiler's version and the CPU's flags, so a later process loads it without compiling. A library links the OpenMP
-runtime torch has already loaded (libgomp.so.1), so its threads are torch's. Calls go through
-ctypes, which releases the GIL for them. Where a library cannot be built (no compiler, a CPU
-without the instructions it needs, not x86-64 Linux) `library` gives None, with a warning
-where the build itself failed, and the callers keep their torch path.
+compiler's version and the CPU's flags, so a later process loads it without compiling. A
+library links the OpenMP runtime torch has already loaded (libgomp.so.1), so its threads are
+torch's. Calls go through ctypes, which releases the GIL for them. Where a library cannot be
+built (no compiler, a CPU without the instructions it needs, not x86-64 Linux) `library`
+gives None, with a warning where the build itself failed, and the callers keep their torch
+path.
 """
 
 from __future__ import annotations

@@ -6,10 +6,15 @@ copies, batched matmuls, the bias, the softmax and its gradient): on SmolLM2-135
 than its arithmetic, and the attention took ~16 % of a bf16 training step on an AMX Xeon for
 ~3 % of its FLOPs. `attention_tiles.cpp` makes the same attention in 16-row blocks on the
 tile unit and the vector unit, the blocks past the diagonal skipped, in two C++ calls (see
-its header for the layouts and numerics). `TileCausal` is the autograd node; causal_cpu.py
-takes it for bf16 CPU sequences where `takes` says so (a CPU with AMX whose tiles Linux
-grants, lengths of whole 16-row blocks, head sizes of whole 32-feature tile rows) and its
-torch kernel elsewhere.
+its header for the layouts and numerics). `PackedTileCausal` is the autograd node of a packed
+row's sequences (packing.py), all of them in one call each way: the kernels pad each
+sequence to whole 16-token blocks inside, run the blocks of all sequences as one list of
+work, and write the output and the gradients where their callers read them
+([tokens, heads, dim] rows), so no per-sequence slices, padding copies or concatenation
+remain. A sequence's values are those it gets alone. packing.py takes it for bf16 CPU rows
+where `takes` says so (a CPU with AMX whose tiles Linux grants, head sizes of whole
+32-feature tile rows, sequences within causal_cpu.py's matmul bound) and causal_cpu.py's
+torch kernels elsewhere.
 
 The kernels read q, k, v and the output's gradient where they lie (rows of contiguous
 features at any head and token strides: the attention's transposed projections need no copy).
@@ -18,30 +23,24 @@ features at any head and token strides: the attention's transposed projections n
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tuneloop.server.engine import native
+from tuneloop.server.engine import causal_cpu, native
 
-__all__ = ["TileCausal", "backward_kernel", "forward_kernel", "takes"]
+__all__ = ["PackedTileCausal", "backward_kernel", "forward_kernel", "takes"]
 
 SOURCE = Path(__file__).with_name("attention_tiles.cpp")
 _NEEDS = ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ROWS = (_P, _I, _I)  # address, head stride, token stride
-_SHAPE = (
-    _I,
-    _I,
-    _I,
-    _I,
-    ctypes.c_float,
-    ctypes.c_int,
-)  # key heads, groups, length, dim, scale, threads
-_FORWARD = (*_ROWS * 3, _P, _P, *_SHAPE)  # q, k, v; out, probs
-_BACKWARD = (*_ROWS * 4, _P, _P, _P, _P, *_SHAPE)  # dout, q, k, v, probs; dq, dk, dv
-BLOCK = 16  # query rows and keys of a tile
+# lengths, count, key heads, groups, dim, scale, threads
+_SHAPE = (_P, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int)
+_FORWARD = (*_ROWS * 4, _P, *_SHAPE)  # q, k, v, out; probs
+_BACKWARD = (*_ROWS * 4, _P, *_ROWS, _P, _P, _I, _I, *_SHAPE)  # dout, q, k, v, probs; dq; dk, dv
 DEPTH = 32  # features of a tile row
 
 
@@ -55,40 +54,50 @@ def backward_kernel() -> Any:
     return native.function(SOURCE, "attention_backward_bf16", _BACKWARD, ctypes.c_int, _NEEDS)
 
 
+def _probs_size() -> Any:
+    args = (_P, _I, _I, _I)  # lengths, count, key heads, groups
+    return native.function(SOURCE, "attention_probs_size", args, ctypes.c_int64, _NEEDS)
+
+
 def _ready() -> bool:
     """The kernels built and Linux granting this process the tile registers."""
     ready = native.function(SOURCE, "attention_tiles_ready", (), ctypes.c_int, _NEEDS)
     return ready is not None and forward_kernel() is not None and bool(ready())
 
 
-def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, length: int) -> bool:
-    """Whether `TileCausal` takes q [1, heads, L, d] over k, v [1, key heads, L, d] once
-    padded to `length` tokens: bf16 CPU tensors, whole 16-token blocks and 32-feature rows,
-    a positive scale, the kernels ready."""
+def takes(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, lengths: Sequence[int]
+) -> bool:
+    """Whether `PackedTileCausal` takes q [1, heads, T, d] over k, v [1, key heads, T, d], the
+    sequences of `lengths` end to end: bf16 CPU tensors with contiguous features, head sizes
+    of whole 32-feature rows, a positive scale, each sequence within the matmul kernel's
+    bound, the kernels ready."""
     tensors = (q, k, v)
     if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.dim() != 4 for t in tensors):
+        return False
+    if any(t.stride(3) != 1 for t in tensors):
         return False
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[3]
     if q.shape[0] != 1 or k.shape != v.shape or k.shape[0] != 1 or k.shape[3] != dim:
         return False
-    if kv_heads == 0 or heads % kv_heads or length % BLOCK or dim % DEPTH or not scale > 0:
+    if kv_heads == 0 or heads % kv_heads or dim % DEPTH or not scale > 0:
+        return False
+    if sum(lengths) != q.shape[2] or k.shape[2] != q.shape[2] or min(lengths, default=0) < 1:
+        return False
+    if not all(causal_cpu.uses_matmul(n) for n in lengths):
         return False
     return _ready()
 
 
-def _up(n: int) -> int:
-    return -(-n // DEPTH) * DEPTH
-
-
-def _rows(t: torch.Tensor) -> list[int]:
-    """A [1, heads, L, d] tensor as the kernels read it: its address, head and token strides
-    (features contiguous: checked by the caller)."""
+def _heads_first(t: torch.Tensor) -> list[int]:
+    """A [1, heads, T, d] tensor's rows as the kernels read them: address, head stride, token
+    stride."""
     return [t.data_ptr(), t.stride(1), t.stride(2)]
 
 
-def _features(t: torch.Tensor) -> torch.Tensor:
-    """t with its features contiguous, as the kernels read rows."""
-    return t if t.stride(3) == 1 else t.contiguous()
+def _tokens_first(t: torch.Tensor) -> list[int]:
+    """The same of a [1, T, heads, d] tensor."""
+    return [t.data_ptr(), t.stride(2), t.stride(1)]
 
 
 def _run(kernel: Any, part: str, *arguments: Any) -> None:
@@ -96,9 +105,10 @@ def _run(kernel: Any, part: str, *arguments: Any) -> None:
         raise RuntimeError(f"the attention tile kernel's {part} pass could not run")
 
 
-class TileCausal(torch.autograd.Function):
-    """Causal attention of q [1, heads, L, d] over k, v [1, key heads, L, d] (L a multiple of
-    16; key heads may divide heads), [1, heads, L, d] bf16, by attention_tiles.cpp."""
+class PackedTileCausal(torch.autograd.Function):
+    """Causal attention of each sequence of a packed row: q [1, heads, T, d] over k, v [1, key
+    heads, T, d] (key heads may divide heads), the sequences of `lengths` end to end; the
+    output [1, T, heads, d] bf16, contiguous (the layout the attention's caller reads)."""
 
     @staticmethod
     def forward(
@@ -106,30 +116,36 @@ class TileCausal(torch.autograd.Function):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        lengths: tuple[int, ...],
         scale: float,
     ) -> torch.Tensor:
-        q, k, v = _features(q), _features(k), _features(v)
-        kv_heads, length, dim = k.shape[1:]
-        groups = q.shape[1] // kv_heads
-        out = torch.empty(q.shape, dtype=q.dtype)
+        heads, tokens, dim = q.shape[1:]
+        kv_heads = k.shape[1]
+        sizes = torch.tensor(lengths, dtype=torch.int64)
+        shape = (sizes.data_ptr(), len(lengths), kv_heads, heads // kv_heads, dim, scale)
+        out = torch.empty(1, tokens, heads, dim, dtype=q.dtype)
         # (written whole by the kernel: pairs of rows, zeros past each row block's keys)
-        probs = torch.empty(kv_heads, _up(groups * length) // 2, _up(length), 2, dtype=q.dtype)
-        shape = (kv_heads, groups, length, dim, scale)
-        inputs = [*_rows(q), *_rows(k), *_rows(v)]
-        _run(forward_kernel(), "forward", *inputs, out.data_ptr(), probs.data_ptr(), *shape)
-        ctx.save_for_backward(q, k, v, probs)
-        ctx.shape = shape  # type: ignore[attr-defined]
+        probs = torch.empty(_probs_size()(*shape[:4]), dtype=q.dtype)
+        rows = [*_heads_first(q), *_heads_first(k), *_heads_first(v), *_tokens_first(out)]
+        _run(forward_kernel(), "forward", *rows, probs.data_ptr(), *shape)
+        ctx.save_for_backward(q, k, v, probs, sizes)
+        ctx.shape = shape[1:]  # type: ignore[attr-defined]
         return out
 
     @staticmethod
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
-        q, k, v, probs = ctx.saved_tensors  # type: ignore[attr-defined]
-        grad = _features(grad.to(q.dtype))
-        dq = torch.empty(q.shape, dtype=q.dtype)
-        dk, dv = torch.empty(k.shape, dtype=k.dtype), torch.empty(v.shape, dtype=v.dtype)
-        inputs = [*_rows(grad), *_rows(q), *_rows(k), *_rows(v), probs.data_ptr()]
-        outputs = [dq.data_ptr(), dk.data_ptr(), dv.data_ptr()]
-        _run(backward_kernel(), "backward", *inputs, *outputs, *ctx.shape)  # type: ignore[attr-defined]
-        return dq, dk, dv, None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+        q, k, v, probs, sizes = ctx.saved_tensors  # type: ignore[attr-defined]
+        grad = grad.to(q.dtype)
+        if grad.stride(3) != 1:
+            grad = grad.contiguous()
+        (_, tokens, heads, dim), kv_heads = grad.shape, k.shape[1]
+        dq = torch.empty(1, tokens, heads, dim, dtype=q.dtype)
+        dk = torch.empty(1, tokens, kv_heads, dim, dtype=k.dtype)
+        dv = torch.empty(1, tokens, kv_heads, dim, dtype=v.dtype)
+        rows = [*_tokens_first(grad), *_heads_first(q), *_heads_first(k), *_heads_first(v)]
+        grads = [*_tokens_first(dq), dk.data_ptr(), dv.data_ptr(), dk.stride(2), dk.stride(1)]
+        shape = (sizes.data_ptr(), *ctx.shape)  # type: ignore[attr-defined]
+        _run(backward_kernel(), "backward", *rows, probs.data_ptr(), *grads, *shape)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None

@@ -11,8 +11,9 @@ Attention is a transformers attention function registered under `PACKED_ATTENTIO
 q/k/v (SDPA; in bf16/fp16 on a CPU, causal_cpu.py's kernels); outside it, it is plain SDPA
 with the usual mask, so sampling (padded prompts, KV cache) is unchanged. Per-sequence
 attention costs sum(len^2) instead of the (sum len)^2 a block-diagonal mask over the packed
-row would. The packed row is padded at its end to a bucket length (`bucketed`), by a segment
-of its own that no loss reads.
+row would; in bf16 on a CPU with AMX every sequence runs in one call each way
+(native_attention.py). The packed row is padded at its end to a bucket length (`bucketed`),
+by a segment of its own that no loss reads.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from tuneloop.server.engine import native_attention
 from tuneloop.server.engine.causal_cpu import causal_attention
 
 PACKED_ATTENTION = "tuneloop_packed_sdpa"
@@ -60,6 +62,10 @@ def _packed_sdpa(
     if _cpu_half(query, kwargs):
         scale = kwargs.get("scaling")
         scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
+        if native_attention.takes(query, key, value, scale, lengths):
+            # every sequence in one call each way on the tile unit, no splits
+            out = native_attention.PackedTileCausal.apply(query, key, value, tuple(lengths), scale)
+            return out, None
         pieces = [causal_attention(q, k, v, scale).transpose(1, 2) for q, k, v in splits]
     else:
         pieces = [
