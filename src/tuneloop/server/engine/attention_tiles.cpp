@@ -41,7 +41,6 @@
 #include <vector>
 
 #include "amx.h"
-#include "bf16.h"
 #include "vec512.h"
 
 namespace {
@@ -470,9 +469,16 @@ void key_unit(const Shape& s, int64_t head, int64_t j0, int64_t n, const uint16_
       } else {
         std::memset(c, 0, sizeof(float) * kBlock * kWide * kBlock);
       }
-      for (int64_t j = 0; j < keys; ++j) {  // C [16 features, 16 n keys] transposed
-        uint16_t* key = out + j * k_token + c0;
-        for (int f = 0; f < kBlock; ++f) key[f] = bf16::from_float(c[f * kWide * kBlock + j]);
+      // C [16 features, 16 n keys] transposed a 16 x 16 block at a time: a key's 16
+      // features rounded and stored as one row
+      for (int64_t j0 = 0; j0 < keys; j0 += kBlock) {
+        __m512i r[16];
+        for (int f = 0; f < kBlock; ++f)
+          r[f] = _mm512_loadu_si512((const void*)(c + f * kWide * kBlock + j0));
+        transpose16(r);
+        for (int64_t j = j0; j < std::min<int64_t>(keys, j0 + kBlock); ++j)
+          _mm256_storeu_si256((__m256i*)(out + j * k_token + c0),
+                              to_bf16(_mm512_castsi512_ps(r[j - j0])));
       }
     }
   }

@@ -10,12 +10,19 @@
 // filled once per process. Computed in the loop, exp and the division cost as much as eager's
 // silu alone (~2.3 cycles an element on an AVX-512 EPYC, 77 us for the [128, 1536] on two
 // threads); looked up, 36 us. A layer's activations take a few thousand of the entries, which
-// stay in the L1/L2 caches.
+// stay in the L1/L2 caches. The compiler looks the tables up one element at a time; where the
+// CPU has AVX-512 the loops read them by gathers, 16 lanes at a time: a training step's
+// [1408, 1536] on an AMX Xeon (two threads) took 793 -> 543 us forward and 2,099 -> 1,253 us
+// backward, with the same bits.
 #include <array>
 #include <bit>
 #include <cstdint>
 
 #include "bf16.h"
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define SILU_MUL_AVX512 1
+#endif
 
 namespace {
 
@@ -93,6 +100,67 @@ const std::array<SiluSlope, 65536>& slope_table() {
   return table;
 }
 
+#ifdef SILU_MUL_AVX512
+// 16 lanes at a time where the CPU has AVX-512: the tables read by gathers (the compiler
+// looks them up one element at a time), the arithmetic and the rounding as the scalar loop's.
+// A row's last lanes are masked.
+inline __m512i lanes_of(const uint16_t* p, __mmask16 keep) {
+  return _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, p));
+}
+
+inline __m512 floats(__m512i bf16_bits) {  // bf16 values' bits in 32-bit lanes, as fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits, 16));
+}
+
+// bf16::from_float of each lane (round to nearest even, NaN kept quiet), in 32-bit lanes.
+inline __m512i rounded(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i nearest = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd), 16);
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+      _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_mov_epi32(nearest, nan, quiet);
+}
+
+inline void store(uint16_t* p, __mmask16 keep, __m512i bf16_bits) {
+  _mm256_mask_storeu_epi16(p, keep, _mm512_cvtepi32_epi16(bf16_bits));
+}
+
+inline __mmask16 keep_of(int64_t left) {
+  return left >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+}
+
+void silu_mul_row(const uint16_t* g, const uint16_t* u, int64_t width, uint16_t* o,
+                  const uint32_t* silu) {
+  for (int64_t i = 0; i < width; i += 16) {
+    const __mmask16 keep = keep_of(width - i);
+    const __m512i index = lanes_of(g + i, keep);
+    const __m512 s = _mm512_castsi512_ps(_mm512_i32gather_epi32(index, silu, 4));
+    store(o + i, keep, rounded(_mm512_mul_ps(s, floats(lanes_of(u + i, keep)))));
+  }
+}
+
+void silu_mul_backward_row(const uint16_t* d, const uint16_t* g, const uint16_t* u,
+                           int64_t width, uint16_t* dg, uint16_t* du, const uint32_t* silu,
+                           const SiluSlope* slope) {
+  const float* pairs = reinterpret_cast<const float*>(slope);  // sigmoid, rest per entry
+  for (int64_t i = 0; i < width; i += 16) {
+    const __mmask16 keep = keep_of(width - i);
+    const __m512i index = lanes_of(g + i, keep);
+    const __m512 dy = floats(lanes_of(d + i, keep));
+    const __m512 s = _mm512_castsi512_ps(_mm512_i32gather_epi32(index, silu, 4));
+    store(du + i, keep, rounded(_mm512_mul_ps(dy, s)));
+    const __m512 d_silu = floats(rounded(_mm512_mul_ps(dy, floats(lanes_of(u + i, keep)))));
+    const __m512i twice = _mm512_slli_epi32(index, 1);
+    const __m512 sigmoid = _mm512_i32gather_ps(twice, pairs, 4);
+    const __m512 rest = _mm512_i32gather_ps(_mm512_add_epi32(twice, _mm512_set1_epi32(1)), pairs, 4);
+    store(dg + i, keep, rounded(_mm512_mul_ps(_mm512_mul_ps(d_silu, sigmoid), rest)));
+  }
+}
+#endif
+
 }  // namespace
 
 // gate and up [rows, width] bf16, row r at gate + r * gate_stride (in elements), each row
@@ -106,9 +174,13 @@ extern "C" void silu_mul_bf16(const uint16_t* gate, int64_t gate_stride, const u
     const uint16_t* g = gate + r * gate_stride;
     const uint16_t* u = up + r * up_stride;
     uint16_t* o = out + r * width;
+#ifdef SILU_MUL_AVX512
+    silu_mul_row(g, u, width, o, silu);
+#else
     #pragma omp simd
     for (int64_t i = 0; i < width; ++i)
       o[i] = bf16::from_float(std::bit_cast<float>(silu[g[i]]) * bf16::to_float(u[i]));
+#endif
   }
 }
 
@@ -133,6 +205,9 @@ extern "C" void silu_mul_backward_bf16(const uint16_t* grad, int64_t grad_stride
     const uint16_t* u = up + r * up_stride;
     uint16_t* dg = grad_gate + r * width;
     uint16_t* du = grad_up + r * width;
+#ifdef SILU_MUL_AVX512
+    silu_mul_backward_row(d, g, u, width, dg, du, silu, slope);
+#else
     #pragma omp simd
     for (int64_t i = 0; i < width; ++i) {
       const float dy = bf16::to_float(d[i]);
@@ -141,5 +216,6 @@ extern "C" void silu_mul_backward_bf16(const uint16_t* grad, int64_t grad_stride
       const SiluSlope s = slope[g[i]];
       dg[i] = bf16::from_float((d_silu * s.sigmoid) * s.rest);
     }
+#endif
   }
 }
