@@ -24,7 +24,9 @@ At SmolLM2-135M's shapes, bf16 (the engine's dtype where the CPU has bf16 units)
    packed matmul and `torch.cat` against lora/native_columns.py: on the AMX tile unit where
    the CPU has one, and then its AVX-512 blocks too), the gated MLP's SiLU product
    on the split halves of one matmul (gated_mlp.py) and the rotary embedding of q and k
-   (rotary.py), with how many outputs differ from eager's (bf16 on CPUs with AVX512-BF16).
+   (rotary.py), with how many outputs differ from eager's (bf16 on CPUs with AVX512-BF16);
+7. the SiLU product's loops at a training step's [1,408, 1,536], forward and backward, their
+   tables read one element at a time against by AVX-512 gathers.
 Prints the CPU model, the load and the medians with their ratios.
 
     python bench/cpu_kernels.py [--repeats 20] [--threads 2] [--dtype bfloat16]
@@ -32,6 +34,7 @@ Prints the CPU model, the load and the medians with their ratios.
                                                                  # (x86-64), against MKL's sgemm
     python bench/cpu_kernels.py --dtype float32 --only linears --rows 1,4,16,64,128,256,512,1024
     python bench/cpu_kernels.py --only sampling-loops --repeats 200
+    python bench/cpu_kernels.py --only silu-loops --repeats 40
 """
 
 from __future__ import annotations
@@ -351,6 +354,58 @@ def _sampling_loops(dtype: torch.dtype, repeats: int) -> str:
     return "\n".join(lines)
 
 
+def _silu_loops(dtype: torch.dtype, repeats: int) -> str:
+    """The SiLU product's loops at a training step's shape ([1,408, 1,536], the halves of one
+    matmul's output), forward and backward, their tables read one element at a time against
+    by AVX-512 gathers (gated_mlp.gathers), with how many outputs differ."""
+    from tuneloop.server.engine import gated_mlp
+
+    if dtype != torch.bfloat16 or gated_mlp.native_kernel() is None:
+        return "SiLU loops: bf16 where the loops build only"
+    if not gated_mlp.gathers(True):
+        return "SiLU loops: no AVX-512 gathers on this CPU"
+    g = torch.Generator().manual_seed(0)
+    rows = 1408
+    both = torch.randn(rows, 2 * INTER, generator=g).bfloat16()
+    gate, up = both[:, :INTER], both[:, INTER:]
+    grad = torch.randn(rows, INTER, generator=g).mul(0.1).bfloat16()
+    forward, backward = gated_mlp.native_kernel(), gated_mlp.backward_kernel()
+    outs = [torch.empty(rows, INTER, dtype=torch.bfloat16) for _ in range(3)]
+    threads = torch.get_num_threads()
+
+    def run_forward() -> list[torch.Tensor]:
+        forward(gate.data_ptr(), 2 * INTER, up.data_ptr(), 2 * INTER, rows, INTER,
+                outs[0].data_ptr(), threads)  # fmt: skip
+        return [outs[0].clone()]
+
+    def run_backward() -> list[torch.Tensor]:
+        backward(grad.data_ptr(), INTER, gate.data_ptr(), 2 * INTER, up.data_ptr(), 2 * INTER,
+                 rows, INTER, outs[1].data_ptr(), outs[2].data_ptr(), threads)  # fmt: skip
+        return [outs[1].clone(), outs[2].clone()]
+
+    def formed(run: Callable[[], Any], gathers: bool) -> Callable[[], Any]:
+        def call() -> Any:
+            gated_mlp.gathers(gathers)
+            try:
+                return run()
+            finally:
+                gated_mlp.gathers(True)
+
+        return call
+
+    lines = []
+    for name, run in (("forward", run_forward), ("backward", run_backward)):
+        single, gathered = formed(run, False), formed(run, True)
+        differ = sum(int((a != b).sum()) for a, b in zip(single(), gathered(), strict=True))
+        ms = _alternate({"one at a time": single, "gathers": gathered}, repeats)
+        lines.append(
+            f"SiLU product {name}, [{rows}, {INTER}]: tables one element at a time "
+            f"{ms['one at a time'] * 1e3:.0f} us, by gathers {ms['gathers'] * 1e3:.0f} us, "
+            f"{ms['one at a time'] / ms['gathers']:.2f}x ({differ} outputs differ)"
+        )
+    return "\n".join(lines)
+
+
 SECTIONS: dict[str, Callable[[torch.dtype, int], str]] = {
     "linears": _linears,
     "decode-attention": _decode_attention,
@@ -358,6 +413,7 @@ SECTIONS: dict[str, Callable[[torch.dtype, int], str]] = {
     "score-products": _score_products,
     "padded-backward": _padded_backward,
     "sampling-loops": _sampling_loops,
+    "silu-loops": _silu_loops,
 }
 
 
@@ -367,7 +423,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument(
-        "--only", choices=sorted(SECTIONS), default=None, help="one of the six comparisons"
+        "--only", choices=sorted(SECTIONS), default=None, help="one of the seven comparisons"
     )
     parser.add_argument(
         "--rows", default="128", help="packed linears: comma-separated row counts (1,16,128)"

@@ -24,6 +24,17 @@ NATIVE = gated_mlp.native_kernel() is not None
 needs_native = pytest.mark.skipif(not NATIVE, reason="no C++ compiler here")
 
 
+@pytest.fixture(params=["gathers", "one at a time"])
+def form(request: pytest.FixtureRequest) -> Any:
+    """The loops with their tables read by AVX-512 gathers (where the CPU has them) and one
+    element at a time: both run on one CPU."""
+    if request.param == "gathers" and not gated_mlp.gathers(True):
+        pytest.skip("no AVX-512 gathers on this CPU")
+    gated_mlp.gathers(request.param == "gathers")
+    yield request.param
+    gated_mlp.gathers(True)
+
+
 def _eager(gate: Any, up: Any) -> Any:
     return torch.nn.functional.silu(gate) * up
 
@@ -66,7 +77,7 @@ def _counting(monkeypatch: pytest.MonkeyPatch, kernel: str = "native_kernel") ->
 
 
 @needs_native
-def test_the_loop_is_eagers_silu_product_for_every_bf16_gate() -> None:
+def test_the_loop_is_eagers_silu_product_for_every_bf16_gate(form: str) -> None:
     """Every bf16 bit pattern as the gate (±0, subnormals, ±inf, NaN, the largest values): the
     same bits as eager silu then product, by ups of each sign and magnitude."""
     every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
@@ -85,7 +96,7 @@ def test_the_loop_is_eagers_silu_product_for_every_bf16_gate() -> None:
 
 @needs_native
 @pytest.mark.parametrize(("rows", "width"), [(1, 7), (128, 7), (1, 1000), (128, 1000), (128, 1536)])
-def test_the_loop_reads_the_halves_of_one_matmuls_output(rows: int, width: int) -> None:
+def test_the_loop_reads_the_halves_of_one_matmuls_output(rows: int, width: int, form: str) -> None:
     """gate and up as split views of one [1, rows, 2 width] tensor (rows strided, not
     contiguous) with large magnitudes and zeros among them: eager's bits, no copy needed."""
     gen = torch.Generator().manual_seed(rows * width)
@@ -218,7 +229,7 @@ def test_training_takes_the_loops_with_eagers_loss_and_gradients(
 @needs_native
 @pytest.mark.parametrize(("rows", "width", "halves"), [(300, 1536, True), (37, 64, False)])
 def test_the_backward_loop_is_eagers_for_every_bf16_gate(
-    rows: int, width: int, halves: bool
+    rows: int, width: int, halves: bool, form: str
 ) -> None:
     """The product's gradients by the loop against eager autograd's (silu saved, two products,
     silu_backward): every bf16 bit pattern among the gates (±0, subnormals, ±inf, NaN), gate

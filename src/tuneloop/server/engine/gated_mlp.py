@@ -42,7 +42,15 @@ from torch import nn
 
 from tuneloop.server.engine import native
 
-__all__ = ["backward_kernel", "install", "native_kernel", "silu_mul", "switched", "uninstall"]
+__all__ = [
+    "backward_kernel",
+    "gathers",
+    "install",
+    "native_kernel",
+    "silu_mul",
+    "switched",
+    "uninstall",
+]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +67,13 @@ def native_kernel() -> Any:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     signature = (pointer, size, pointer, size, size, size, pointer, ctypes.c_int)
     return native.function(NATIVE_SOURCE, "silu_mul_bf16", signature)
+
+
+def gathers(allowed: bool) -> bool:
+    """Allows or forbids the loops' AVX-512 gathers of their tables (the tests run both forms
+    on one CPU); whether they now use them (False where the CPU or the library has none)."""
+    switch = native.function(NATIVE_SOURCE, "silu_mul_gathers", (ctypes.c_int,), ctypes.c_int)
+    return switch is not None and bool(switch(int(allowed)))
 
 
 def _row_stride(t: torch.Tensor) -> int | None:

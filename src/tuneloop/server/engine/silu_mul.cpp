@@ -15,6 +15,7 @@
 // [1408, 1536] on an AMX Xeon (two threads) took 793 -> 543 us forward and 2,099 -> 1,253 us
 // backward, with the same bits.
 #include <array>
+#include <atomic>
 #include <bit>
 #include <cstdint>
 
@@ -100,6 +101,10 @@ const std::array<SiluSlope, 65536>& slope_table() {
   return table;
 }
 
+// Whether the loops read the tables by gathers where the CPU has AVX-512 (the tests run both
+// forms on one CPU; bench/cpu_kernels.py compares them).
+std::atomic<bool> g_gathers{true};
+
 #ifdef SILU_MUL_AVX512
 // 16 lanes at a time where the CPU has AVX-512: the tables read by gathers (the compiler
 // looks them up one element at a time), the arithmetic and the rounding as the scalar loop's.
@@ -169,18 +174,21 @@ extern "C" void silu_mul_bf16(const uint16_t* gate, int64_t gate_stride, const u
                               int64_t up_stride, int64_t rows, int64_t width, uint16_t* out,
                               int threads) {
   const uint32_t* silu = silu_table().data();
+  [[maybe_unused]] const bool gathers = g_gathers;
   #pragma omp parallel for num_threads(threads) schedule(static) if (rows * width >= 32768)
   for (int64_t r = 0; r < rows; ++r) {
     const uint16_t* g = gate + r * gate_stride;
     const uint16_t* u = up + r * up_stride;
     uint16_t* o = out + r * width;
 #ifdef SILU_MUL_AVX512
-    silu_mul_row(g, u, width, o, silu);
-#else
+    if (gathers) {
+      silu_mul_row(g, u, width, o, silu);
+      continue;
+    }
+#endif
     #pragma omp simd
     for (int64_t i = 0; i < width; ++i)
       o[i] = bf16::from_float(std::bit_cast<float>(silu[g[i]]) * bf16::to_float(u[i]));
-#endif
   }
 }
 
@@ -198,6 +206,7 @@ extern "C" void silu_mul_backward_bf16(const uint16_t* grad, int64_t grad_stride
                                        int threads) {
   const uint32_t* silu = silu_table().data();
   const SiluSlope* slope = slope_table().data();
+  [[maybe_unused]] const bool gathers = g_gathers;
   #pragma omp parallel for num_threads(threads) schedule(static) if (rows * width >= 32768)
   for (int64_t r = 0; r < rows; ++r) {
     const uint16_t* d = grad + r * grad_stride;
@@ -206,8 +215,11 @@ extern "C" void silu_mul_backward_bf16(const uint16_t* grad, int64_t grad_stride
     uint16_t* dg = grad_gate + r * width;
     uint16_t* du = grad_up + r * width;
 #ifdef SILU_MUL_AVX512
-    silu_mul_backward_row(d, g, u, width, dg, du, silu, slope);
-#else
+    if (gathers) {
+      silu_mul_backward_row(d, g, u, width, dg, du, silu, slope);
+      continue;
+    }
+#endif
     #pragma omp simd
     for (int64_t i = 0; i < width; ++i) {
       const float dy = bf16::to_float(d[i]);
@@ -216,6 +228,15 @@ extern "C" void silu_mul_backward_bf16(const uint16_t* grad, int64_t grad_stride
       const SiluSlope s = slope[g[i]];
       dg[i] = bf16::from_float((d_silu * s.sigmoid) * s.rest);
     }
-#endif
   }
+}
+
+// Allows or forbids the gathers; returns whether the loops now use them.
+extern "C" int silu_mul_gathers(int allowed) {
+  g_gathers = allowed != 0;
+#ifdef SILU_MUL_AVX512
+  return allowed != 0;
+#else
+  return 0;
+#endif
 }
