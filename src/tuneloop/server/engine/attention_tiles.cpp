@@ -1,5 +1,6 @@
-// Causal attention of one packed sequence, forward and backward, on the AMX tile unit at bf16:
-// causal_cpu.py's matmul kernel for short sequences (native_attention.py builds and loads it).
+// Causal attention of a packed row's sequences, forward and backward, on the AMX tile unit at
+// bf16: in place of causal_cpu.py's matmul kernel for sequences up to its bound (packing.py
+// calls it through native_attention.py, every sequence of the row in one call each way).
 //
 // torch makes the matmul kernel of a sequence of ~150 tokens (SmolLM2's 9 query heads over 3
 // key heads) as a dozen operations of which each costs more than its arithmetic: the fp32
@@ -8,7 +9,9 @@
 // gradient; about 1 ms a sequence and layer, 16 % of a training step for 3 % of its FLOPs.
 // Here a key head's stacked query rows go 16 at a time through the tile unit and the vector
 // unit while they are in cache, and only the key blocks at or before the diagonal are
-// computed.
+// computed. Each sequence is padded to whole 16-token blocks inside (zero keys and queries
+// past its end, whose outputs are not stored) and its blocks depend on its own tokens only:
+// a sequence gets the values it gets alone. The blocks of all sequences are one list of work.
 //
 // Layouts: the tile unit multiplies A [16 rows, 32 k] (row-major bf16) by B stored as pairs
 // [k / 2][n][2]. q, k, v and the output's gradient are read where they lie (any head and
