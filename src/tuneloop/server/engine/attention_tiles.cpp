@@ -306,14 +306,6 @@ void zero_padding(const Shape& s, uint16_t* out) {
               sizeof(uint16_t) * (s.rows32() - s.rows()) * s.keys32());
 }
 
-// One 16-row block's scores against keys [0, keys) (a multiple of 16): S = Q_rows K^T with
-// the rows `token` values apart and `keys_of` the key head's keys as pairs of features.
-void scores(const Shape& s, const uint16_t* rows, int64_t token, Right keys_of, int64_t keys,
-            float* out, int64_t ld) {
-  const int64_t depth[2] = {0, s.dim};
-  products(rows, token, keys_of, depth, 1, out, ld, keys / kBlock);
-}
-
 // The (head, 16-row block) units of a call's sequences: sequence, key head, first row.
 struct Unit {
   int64_t sequence, head, first;
@@ -336,19 +328,57 @@ std::vector<Unit> key_units(const Packed& p, int64_t keys) {
   return units;
 }
 
+// A 16-row block of a unit: its key head, first stacked row, first position in its query
+// head, the keys it sees (a multiple of 16) and their tile width, its query head.
+struct Block {
+  int64_t head, r0, i0, keys, width, query;
+  Block(const Shape& s, const Unit& u)
+      : head(u.head),
+        r0(u.first),
+        i0(u.first % s.padded()),
+        keys(i0 + kBlock),
+        width(up32(keys)),
+        query(u.head * s.groups + u.first / s.padded()) {}
+};
+
+// The block's rows of `rows` (q, or dO) times the keys it sees of the key head's `features`
+// (keys, or values, as pairs of features): S = Q K^T, or dP = dO V^T, into the scratch.
+void block_scores(const Shape& s, const Block& b, const Rows& rows, const uint16_t* features,
+                  Scratch& w) {
+  int64_t token = 0;
+  const uint16_t* first = block_rows(s, rows, b.query, b.i0, w.rows.data(), &token);
+  const Right keys_of = features_of(features + b.head * s.dim * s.keys32(), s.dim);
+  const int64_t depth[2] = {0, s.dim};
+  products(first, token, keys_of, depth, 1, w.scores.data(), s.wide(), b.keys / kBlock);
+}
+
+// The block's bf16 values in the scratch (P, or dS) written into the key head's pairs layout
+// `pairs`, then their product with the key head's `rows` as pairs of rows (values, or keys)
+// rounded into the sequence's rows of `out` (O, or dQ) at head and token strides.
+void block_product(const Shape& s, const Block& b, uint16_t* pairs, const uint16_t* rows,
+                   uint16_t* out, int64_t head_stride, int64_t token_stride, Scratch& w) {
+  store_pairs(s, w.block.data(), s.wide(), b.width, pairs + b.head * s.pairs(), b.r0);
+  const int64_t keys_range[2] = {0, b.width};
+  const Right right{rows + b.head * s.keys32() * s.dim, 2 * s.dim, 32};
+  products(w.block.data(), s.wide(), right, keys_range, 1, w.out.data(), s.dim,
+           s.dim / kBlock);
+  const int64_t count = std::min<int64_t>(kBlock, s.length - b.i0);
+  if (count > 0)
+    store_rows(w.out.data(), s.dim,
+               out + b.query * head_stride + (s.offset + b.i0) * token_stride, token_stride,
+               count);
+}
+
 void forward_unit(const Shape& s, const Unit& u, const Rows& q, const uint16_t* kp,
                   const uint16_t* vr, uint16_t* out, int64_t o_head, int64_t o_token,
                   uint16_t* probs, float scale, Scratch& w) {
-  const int64_t head = u.head, r0 = u.first;
-  const int64_t i0 = r0 % s.padded(), keys = i0 + kBlock, width = up32(keys);
-  const int64_t k32 = s.keys32(), ld = s.wide(), query = head * s.groups + r0 / s.padded();
-  int64_t token = 0;
-  const uint16_t* rows = block_rows(s, q, query, i0, w.rows.data(), &token);
-  scores(s, rows, token, features_of(kp + head * s.dim * k32, s.dim), keys, w.scores.data(), ld);
+  const Block b(s, u);
+  const int64_t ld = s.wide();
+  block_scores(s, b, q, kp, w);
   const __m512 factor = _mm512_set1_ps(scale);
   for (int t = 0; t < kBlock; ++t) {
     float* row = w.scores.data() + t * ld;
-    const int64_t valid = i0 + t + 1;  // keys at or before the query's position
+    const int64_t valid = b.i0 + t + 1;  // keys at or before the query's position
     __m512 high = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < valid; j += 16) {
       const __mmask16 keep = vec512::lanes(valid - j);
@@ -366,20 +396,13 @@ void forward_unit(const Shape& s, const Unit& u, const Rows& q, const uint16_t* 
     }
     const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
     uint16_t* p = w.block.data() + t * ld;
-    for (int64_t j = 0; j < width; j += 16) {
+    for (int64_t j = 0; j < b.width; j += 16) {
       const __mmask16 keep = j < valid ? vec512::lanes(valid - j) : 0;  // zero past the diagonal
       const __m512 e = _mm512_maskz_loadu_ps(keep, row + j);
       _mm256_storeu_si256((__m256i*)(p + j), to_bf16(_mm512_mul_ps(e, inverse)));
     }
   }
-  store_pairs(s, w.block.data(), ld, width, probs + head * s.pairs(), r0);
-  const int64_t keys_range[2] = {0, width};
-  products(w.block.data(), ld, Right{vr + head * k32 * s.dim, 2 * s.dim, 32}, keys_range, 1,
-           w.out.data(), s.dim, s.dim / kBlock);
-  const int64_t count = std::min<int64_t>(kBlock, s.length - i0);
-  if (count > 0)
-    store_rows(w.out.data(), s.dim, out + query * o_head + (s.offset + i0) * o_token, o_token,
-               count);
+  block_product(s, b, probs, vr, out, o_head, o_token, w);
 }
 
 // One 16-row block of the backward pass: dP = dO V^T, dS = P (dP - rowsum(P dP)) scale,
@@ -387,14 +410,11 @@ void forward_unit(const Shape& s, const Unit& u, const Rows& q, const uint16_t* 
 void backward_unit(const Shape& s, const Unit& u, const Rows& dout, const uint16_t* vp,
                    const uint16_t* kr, const uint16_t* probs, uint16_t* ds, uint16_t* dq,
                    int64_t g_head, int64_t g_token, float scale, Scratch& w) {
-  const int64_t head = u.head, r0 = u.first;
-  const int64_t i0 = r0 % s.padded(), keys = i0 + kBlock, width = up32(keys);
-  const int64_t k32 = s.keys32(), ld = s.wide(), query = head * s.groups + r0 / s.padded();
-  int64_t token = 0;
-  const uint16_t* rows = block_rows(s, dout, query, i0, w.rows.data(), &token);
-  scores(s, rows, token, features_of(vp + head * s.dim * k32, s.dim), keys, w.scores.data(), ld);
+  const Block b(s, u);
+  const int64_t k32 = s.keys32(), ld = s.wide();
+  block_scores(s, b, dout, vp, w);
   // pairs of rows (t, t + 1) as 32-bit values, a pair row of keys32
-  const uint32_t* pairs = (const uint32_t*)(probs + head * s.pairs()) + r0 / 2 * k32;
+  const uint32_t* pairs = (const uint32_t*)(probs + b.head * s.pairs()) + b.r0 / 2 * k32;
   const __m512 factor = _mm512_set1_ps(scale);
   const __m512i high_half = _mm512_set1_epi32(int(0xFFFF0000u));
   for (int t = 0; t < kBlock; t += 2) {
@@ -402,7 +422,7 @@ void backward_unit(const Shape& s, const Unit& u, const Rows& dout, const uint16
     const float* even = w.scores.data() + t * ld;
     const float* odd = even + ld;
     __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
-    for (int64_t j = 0; j < keys; j += 16) {
+    for (int64_t j = 0; j < b.keys; j += 16) {
       const __m512i both = _mm512_loadu_si512((const void*)(pt + j));
       const __m512 p0 = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
       const __m512 p1 = _mm512_castsi512_ps(_mm512_and_si512(both, high_half));
@@ -413,8 +433,8 @@ void backward_unit(const Shape& s, const Unit& u, const Rows& dout, const uint16
     const __m512 d1 = _mm512_set1_ps(_mm512_reduce_add_ps(sum1));
     uint16_t* g0 = w.block.data() + t * ld;
     uint16_t* g1 = g0 + ld;
-    for (int64_t j = 0; j < width; j += 16) {
-      if (j >= keys) {  // zero past the block's keys, up to whole tile rows
+    for (int64_t j = 0; j < b.width; j += 16) {
+      if (j >= b.keys) {  // zero past the block's keys, up to whole tile rows
         _mm256_storeu_si256((__m256i*)(g0 + j), _mm256_setzero_si256());
         _mm256_storeu_si256((__m256i*)(g1 + j), _mm256_setzero_si256());
         continue;
@@ -428,14 +448,7 @@ void backward_unit(const Shape& s, const Unit& u, const Rows& dout, const uint16
       _mm256_storeu_si256((__m256i*)(g1 + j), to_bf16(_mm512_mul_ps(s1, factor)));
     }
   }
-  store_pairs(s, w.block.data(), ld, width, ds + head * s.pairs(), r0);
-  const int64_t keys_range[2] = {0, width};
-  products(w.block.data(), ld, Right{kr + head * k32 * s.dim, 2 * s.dim, 32}, keys_range, 1,
-           w.out.data(), s.dim, s.dim / kBlock);
-  const int64_t count = std::min<int64_t>(kBlock, s.length - i0);
-  if (count > 0)
-    store_rows(w.out.data(), s.dim, dq + query * g_head + (s.offset + i0) * g_token, g_token,
-               count);
+  block_product(s, b, ds, kr, dq, g_head, g_token, w);
 }
 
 // dK and dV of keys [j0, j0 + 16 n) of a key head: dK^T = Q^T dS and dV^T = dO^T P, summed
@@ -498,6 +511,23 @@ void key_layouts(const Shape& s, const Rows& keys, int64_t head, int64_t j0, uin
   if (pairs) row_pairs(rows, token, s.dim, j0, pairs + head * k32 * s.dim);
 }
 
+// Within a parallel region, each 16-key block of every sequence: `as_features`' keys (keys,
+// or values) as pairs of features into `features` and `as_rows`' (values, or keys) as pairs
+// of rows into `rows`; and zeros in the padding rows of each key head's pairs layout `pairs`
+// (the probabilities, or dS).
+void lay_out_keys(const Packed& p, const std::vector<Unit>& blocks, const Rows& as_features,
+                  uint16_t* features, const Rows& as_rows, uint16_t* rows, uint16_t* pairs,
+                  Scratch& w) {
+#pragma omp for schedule(static)
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const Unit& u = blocks[i];
+    const Shape& s = p.shapes[u.sequence];
+    key_layouts(s, as_features, u.head, u.first, features + p.keys[u.sequence], nullptr, w);
+    key_layouts(s, as_rows, u.head, u.first, nullptr, rows + p.keys[u.sequence], w);
+    if (u.first == 0) zero_padding(s, pairs + p.pairs[u.sequence] + u.head * s.pairs());
+  }
+}
+
 // Rows [i0, i0 + 16) of a query head transposed into a key head's [dim][rows32 + kPad] at
 // stacked row r0 (zeros past the sequence's end).
 void transposed_block(const Shape& s, const Rows& r, int64_t query, int64_t i0, int64_t r0,
@@ -539,14 +569,7 @@ extern "C" int attention_forward_bf16(const uint16_t* q, int64_t q_head, int64_t
 #pragma omp parallel num_threads(threads)
   {
     Scratch w(p, dim);
-#pragma omp for schedule(static)
-    for (size_t i = 0; i < blocks.size(); ++i) {
-      const Unit& u = blocks[i];
-      const Shape& s = p.shapes[u.sequence];
-      key_layouts(s, keys, u.head, u.first, kp.data() + p.keys[u.sequence], nullptr, w);
-      key_layouts(s, values, u.head, u.first, nullptr, vr.data() + p.keys[u.sequence], w);
-      if (u.first == 0) zero_padding(s, probs + p.pairs[u.sequence] + u.head * s.pairs());
-    }
+    lay_out_keys(p, blocks, keys, kp.data(), values, vr.data(), probs, w);
     configure();
 #pragma omp for schedule(dynamic)
     for (size_t i = 0; i < units.size(); ++i) {
@@ -585,14 +608,7 @@ extern "C" int attention_backward_bf16(const uint16_t* dout, int64_t d_head, int
 #pragma omp parallel num_threads(threads)
   {
     Scratch w(p, dim);
-#pragma omp for schedule(static)
-    for (size_t i = 0; i < blocks.size(); ++i) {
-      const Unit& u = blocks[i];
-      const Shape& s = p.shapes[u.sequence];
-      key_layouts(s, values, u.head, u.first, vp.data() + p.keys[u.sequence], nullptr, w);
-      key_layouts(s, keys, u.head, u.first, nullptr, kr.data() + p.keys[u.sequence], w);
-      if (u.first == 0) zero_padding(s, ds.get() + p.pairs[u.sequence] + u.head * s.pairs());
-    }
+    lay_out_keys(p, blocks, values, vp.data(), keys, kr.data(), ds.get(), w);
 #pragma omp for schedule(static)
     for (size_t i = 0; i < units.size(); ++i) {
       const Unit& u = units[i];
