@@ -1,4 +1,4 @@
-"""Causal attention of a short packed sequence on the AMX tile unit, with its backward.
+"""Causal attention of a packed row's sequences on the AMX tile unit, with its backward.
 
 causal_cpu.py's matmul kernel makes a sequence's attention from torch operations (fp32
 copies, batched matmuls, the bias, the softmax and its gradient): on SmolLM2-135M's shapes
@@ -14,7 +14,9 @@ work, and write the output and the gradients where their callers read them
 remain. A sequence's values are those it gets alone. packing.py takes it for bf16 CPU rows
 where `takes` says so (a CPU with AMX whose tiles Linux grants, head sizes of whole
 32-feature tile rows, sequences within causal_cpu.py's matmul bound) and causal_cpu.py's
-torch kernels elsewhere.
+torch kernels elsewhere. One layer of SmolLM2-135M over 8 sequences of 64-256 tokens,
+forward + backward: 8.5 ms by the torch kernel, 3.5 ms here; a bf16 training step 1.17x
+faster on an AMX Xeon (bench/train_variants.py --micro, --variant attention-tiles).
 
 The kernels read q, k, v and the output's gradient where they lie (rows of contiguous
 features at any head and token strides: the attention's transposed projections need no copy).
