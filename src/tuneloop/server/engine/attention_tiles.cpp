@@ -477,7 +477,7 @@ void key_unit(const Shape& s, int64_t head, int64_t j0, int64_t n, const uint16_
   for (int which = 0; which < 2; ++which) {
     const uint16_t* left = lefts[which] + head * s.dim * ldt;
     Right right = s.pairs_of(rights[which] + head * s.pairs());
-    right.b += j0 / kBlock * right.block;  // (16 keys' pairs: 32 values on)
+    right.b += j0 / kBlock * right.block;  // past the pairs of the keys before j0
     uint16_t* out = outs[which] + head * k_head + (s.offset + j0) * k_token;
     for (int64_t c0 = 0; c0 < s.dim; c0 += kBlock) {
       if (count) {
@@ -487,14 +487,14 @@ void key_unit(const Shape& s, int64_t head, int64_t j0, int64_t n, const uint16_
       }
       // C [16 features, 16 n keys] transposed a 16 x 16 block at a time: a key's 16
       // features rounded and stored as one row
-      for (int64_t j0 = 0; j0 < keys; j0 += kBlock) {
+      for (int64_t k0 = 0; k0 < keys; k0 += kBlock) {
         __m512i r[16];
         for (int f = 0; f < kBlock; ++f)
-          r[f] = _mm512_loadu_si512((const void*)(c + f * kWide * kBlock + j0));
+          r[f] = _mm512_loadu_si512((const void*)(c + f * kWide * kBlock + k0));
         transpose16(r);
-        for (int64_t j = j0; j < std::min<int64_t>(keys, j0 + kBlock); ++j)
+        for (int64_t j = k0; j < std::min<int64_t>(keys, k0 + kBlock); ++j)
           _mm256_storeu_si256((__m256i*)(out + j * k_token + c0),
-                              to_bf16(_mm512_castsi512_ps(r[j - j0])));
+                              to_bf16(_mm512_castsi512_ps(r[j - k0])));
       }
     }
   }
