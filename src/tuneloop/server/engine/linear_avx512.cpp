@@ -21,6 +21,8 @@
 #include <cstring>
 #include <utility>
 
+#include "vec512.h"
+
 namespace {
 
 constexpr int kRows = 6;  // rows a tile: 6 x 4 vectors = 24 fp32 accumulators of 32 registers
@@ -59,8 +61,7 @@ void tile(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w, const fl
   for (int j = 0; j < 4; ++j) {
     const int64_t left = valid - 16 * j;
     if (left <= 0) break;
-    const __mmask16 keep =
-        left >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+    const __mmask16 keep = vec512::lanes(left);
     for (int i = 0; i < MB; ++i)
       _mm256_mask_storeu_epi16(y + i * ldy + 16 * j, keep, (__m256i)_mm512_cvtneps_pbh(acc[i][j]));
   }

@@ -20,8 +20,10 @@
 #include <cstdint>
 
 #include "bf16.h"
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
+
+#include "vec512.h"
 #define SILU_MUL_AVX512 1
 #endif
 
@@ -109,7 +111,9 @@ std::atomic<bool> g_gathers{true};
 // 16 lanes at a time where the CPU has AVX-512: the tables read by gathers (the compiler
 // looks them up one element at a time), the arithmetic and the rounding as the scalar loop's.
 // A row's last lanes are masked.
-inline __m512i lanes_of(const uint16_t* p, __mmask16 keep) {
+
+// 16 bf16 values' bits (the lanes in `keep`; zero elsewhere) as 32-bit table indices.
+inline __m512i indices(const uint16_t* p, __mmask16 keep) {
   return _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, p));
 }
 
@@ -133,17 +137,13 @@ inline void store(uint16_t* p, __mmask16 keep, __m512i bf16_bits) {
   _mm256_mask_storeu_epi16(p, keep, _mm512_cvtepi32_epi16(bf16_bits));
 }
 
-inline __mmask16 keep_of(int64_t left) {
-  return left >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
-}
-
 void silu_mul_row(const uint16_t* g, const uint16_t* u, int64_t width, uint16_t* o,
                   const uint32_t* silu) {
   for (int64_t i = 0; i < width; i += 16) {
-    const __mmask16 keep = keep_of(width - i);
-    const __m512i index = lanes_of(g + i, keep);
+    const __mmask16 keep = vec512::lanes(width - i);
+    const __m512i index = indices(g + i, keep);
     const __m512 s = _mm512_castsi512_ps(_mm512_i32gather_epi32(index, silu, 4));
-    store(o + i, keep, rounded(_mm512_mul_ps(s, floats(lanes_of(u + i, keep)))));
+    store(o + i, keep, rounded(_mm512_mul_ps(s, vec512::widen(u + i, keep))));
   }
 }
 
@@ -152,12 +152,12 @@ void silu_mul_backward_row(const uint16_t* d, const uint16_t* g, const uint16_t*
                            const SiluSlope* slope) {
   const float* pairs = reinterpret_cast<const float*>(slope);  // sigmoid, rest per entry
   for (int64_t i = 0; i < width; i += 16) {
-    const __mmask16 keep = keep_of(width - i);
-    const __m512i index = lanes_of(g + i, keep);
-    const __m512 dy = floats(lanes_of(d + i, keep));
+    const __mmask16 keep = vec512::lanes(width - i);
+    const __m512i index = indices(g + i, keep);
+    const __m512 dy = vec512::widen(d + i, keep);
     const __m512 s = _mm512_castsi512_ps(_mm512_i32gather_epi32(index, silu, 4));
     store(du + i, keep, rounded(_mm512_mul_ps(dy, s)));
-    const __m512 d_silu = floats(rounded(_mm512_mul_ps(dy, floats(lanes_of(u + i, keep)))));
+    const __m512 d_silu = floats(rounded(_mm512_mul_ps(dy, vec512::widen(u + i, keep))));
     const __m512i twice = _mm512_slli_epi32(index, 1);
     const __m512 sigmoid = _mm512_i32gather_ps(twice, pairs, 4);
     const __m512 rest = _mm512_i32gather_ps(_mm512_add_epi32(twice, _mm512_set1_epi32(1)), pairs, 4);

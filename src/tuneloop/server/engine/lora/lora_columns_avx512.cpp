@@ -23,6 +23,8 @@
 #include <cstring>
 #include <utility>
 #include <vector>
+
+#include "../vec512.h"
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include "../amx.h"
 #define LORA_COLUMNS_AMX 1
@@ -66,8 +68,7 @@ void block(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* pairs, int
   }
   for (int j = 0; j < J; ++j) {
     const int64_t left = valid - 16 * j;
-    const __mmask16 keep =
-        left >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+    const __mmask16 keep = vec512::lanes(left);
     for (int i = 0; i < MB; ++i) {
       const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(acc[i][j]);
       _mm256_mask_storeu_epi16(low + i * ldo + n0 + 16 * j, keep, rounded);
@@ -153,8 +154,7 @@ void tile_block(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* pairs
   for (int j = 0; j < J; ++j) {
     const int64_t left = valid - 16 * j;
     if (left <= 0) break;
-    const __mmask16 keep =
-        left >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+    const __mmask16 keep = vec512::lanes(left);
     for (int i = 0; i < m; ++i) {
       const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sums[j][i]));
       _mm256_mask_storeu_epi16(low + i * ldo + n0 + 16 * j, keep, rounded);
