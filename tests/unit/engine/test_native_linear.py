@@ -1,21 +1,33 @@
 """The native linear kernel (native_linear.py, linear_avx512.cpp): bf16 x @ W.T + b on its own
-weight layout, each output summed in fp32 and rounded once; chosen for decode copies on CPUs
-with AVX512-BF16 and no AMX, unless TUNELOOP_NATIVE_LINEAR=0."""
+weight layout, each output summed in fp32 and rounded once, on the AVX-512 loops or the AMX
+tile unit; chosen for decode copies on CPUs with AVX512-BF16, unless TUNELOOP_NATIVE_LINEAR=0."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from tuneloop.server.engine import native, native_linear, packed  # noqa: E402
+from tuneloop.server.engine import native_linear, packed  # noqa: E402
 from tuneloop.server.engine.lora.fused import FusedLinear  # noqa: E402
 from tuneloop.server.engine.native_linear import NativeWeight  # noqa: E402
 
 BUILT = native_linear.native_kernel() is not None
 pytestmark = pytest.mark.skipif(not BUILT, reason="needs the AVX512-BF16 kernels")
+
+
+@pytest.fixture(params=["tiles", "loops"])
+def form(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The kernel on the AMX tile unit (where the CPU has one) and on the AVX-512 loops: both
+    run on one CPU."""
+    if request.param == "tiles" and not native_linear.tiles(True):
+        pytest.skip("no AMX tile unit granted on this CPU")
+    native_linear.tiles(request.param == "tiles")
+    yield request.param
+    native_linear.tiles(True)
 
 
 @pytest.mark.parametrize(
@@ -26,10 +38,12 @@ pytestmark = pytest.mark.skipif(not BUILT, reason="needs the AVX512-BF16 kernels
         (77, 33, 13, True),  # outputs past the last whole block, an odd input width
         (130, 64, 50, False),  # more rows than a unit
         (64, 2, 7, False),
+        (100, 96, 300, True),  # several row chunks on the tiles, a short last pass
+        (40, 64, 17, True),  # fewer outputs than a tile pass's 32 + 16
     ],
 )
 def test_the_product_is_each_output_summed_in_fp32_and_rounded_once(
-    n: int, k: int, rows: int, bias: bool, two_threads: None
+    n: int, k: int, rows: int, bias: bool, two_threads: None, form: str
 ) -> None:
     gen = torch.Generator().manual_seed(n + k + rows)
     w = torch.randn(n, k, generator=gen).bfloat16()
@@ -47,15 +61,15 @@ def test_the_product_is_each_output_summed_in_fp32_and_rounded_once(
     assert torch.equal(rows_alone, got[rows // 2 :])  # a row's values depend on itself alone
 
 
-def test_strided_rows_and_bad_shapes() -> None:
-    w = torch.randn(64, 40).bfloat16()
+def test_strided_rows_and_bad_shapes(form: str) -> None:
+    w = torch.randn(64, 64).bfloat16()
     packed_w = native_linear.pack(w)
-    wide = torch.randn(5, 48).bfloat16()
+    wide = torch.randn(37, 80).bfloat16()
     assert torch.equal(
-        native_linear.linear(wide[:, :40], packed_w),
-        native_linear.linear(wide[:, :40].clone(), packed_w),
+        native_linear.linear(wide[:, :64], packed_w),
+        native_linear.linear(wide[:, :64].clone(), packed_w),
     )
-    with pytest.raises(ValueError, match="40"):
+    with pytest.raises(ValueError, match="64"):
         native_linear.linear(torch.randn(3, 41).bfloat16(), packed_w)
     with pytest.raises(ValueError, match="bf16"):
         native_linear.linear(torch.randn(3, 40), packed_w)
@@ -63,19 +77,15 @@ def test_strided_rows_and_bad_shapes() -> None:
         native_linear.pack(torch.randn(8, 8))
 
 
-def test_decode_copies_take_the_layout_where_the_cpu_has_no_amx(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A group of siblings with a bias: the kernel's layout (the bias in its sums) without
-    AMX, oneDNN's packed weight with TUNELOOP_NATIVE_LINEAR=0 or AMX; the same outputs to a
-    bf16 step."""
+def test_decode_copies_take_the_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group of siblings with a bias: the kernel's layout (the bias in its sums), oneDNN's
+    packed weight with TUNELOOP_NATIVE_LINEAR=0; the same outputs to a bf16 step."""
     bases = [torch.nn.Linear(48, n, bias=True).to(torch.bfloat16) for n in (64, 32, 32)]
     for base in bases:
         base.requires_grad_(False)
     x = torch.randn(6, 48).bfloat16()
-    amx = "amx_bf16" in native.cpu_flags()
     group = FusedLinear.build(bases, [None, None, None])
-    assert isinstance(group.weight, NativeWeight) != amx
+    assert isinstance(group.weight, NativeWeight)
     monkeypatch.setenv("TUNELOOP_NATIVE_LINEAR", "0")
     onednn = FusedLinear.build(bases, [None, None, None])
     assert not isinstance(onednn.weight, NativeWeight)
@@ -85,9 +95,6 @@ def test_decode_copies_take_the_layout_where_the_cpu_has_no_amx(
     plain = torch.cat([base(x) for base in bases], dim=1)
     for got in (ours, theirs):
         assert torch.allclose(got.float(), plain.float(), rtol=2**-7, atol=1e-2)
-    monkeypatch.delenv("TUNELOOP_NATIVE_LINEAR")
-    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"amx_bf16"}))
-    assert not native_linear.available(bases[0].weight)
 
 
 def test_the_layout_holds_the_weights_once(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,16 +1,20 @@
 // A frozen linear layer's matmul, y = x @ W.T + b in bf16, for x86-64 CPUs with AVX512-BF16
-// and no AMX (native_linear.py builds, loads and picks it). A decode step's weights are read
-// whole every step: at a few rows the step is the weights' read, and oneDNN's bf16 kernel on
-// its packed layout read them at 21-24 GB/s on an AVX-512-BF16 EPYC whose cores read 37 GB/s;
-// this kernel read them at 28-31 GB/s there, and kept up with oneDNN at 32 and 128 rows,
-// where the step is the arithmetic (1.21x and 1.04x; docs/benchmarks.md).
+// (native_linear.py builds, loads and picks it). A decode step's weights are read whole every
+// step: at a few rows the step is the weights' read, and oneDNN's bf16 kernel on its packed
+// layout read them at 21-24 GB/s on an AVX-512-BF16 EPYC whose cores read 37 GB/s; this
+// kernel read them at 28-31 GB/s there, and kept up with oneDNN at 32 and 128 rows, where the
+// step is the arithmetic (1.21x and 1.04x; docs/benchmarks.md).
 //
 // W comes in "blocks", [ceil(N / 64), ceil(K / 2), 64, 2] (zeros past N and K): a block's 64
 // outputs' weights for input pair p are one 256-byte run, and a block's weights one stream.
 // vdpbf16ps multiplies 16 outputs' weights for two inputs by the two inputs broadcast to every
 // lane and sums in fp32; rows x 4 vectors of accumulators stay in registers for the whole K.
-// The sums start from the bias in fp32 and each output is rounded to bf16 once (nearest even). Work is split
-// between the threads in (block, rows) units; a row's values depend on that row alone.
+// The sums start from the bias in fp32 and each output is rounded to bf16 once (nearest
+// even). Work is split between the threads in (block, rows) units; a row's values depend on
+// that row alone.
+//
+// On CPUs with AMX the same layout feeds the tile unit (below): 16 input pairs of a block's
+// weights are four 16-output tiles at a 256-byte stride.
 #if !defined(__AVX512F__) || !defined(__AVX512BF16__)
 #error "this kernel needs AVX512F and AVX512-BF16"
 #endif
@@ -22,6 +26,14 @@
 #include <utility>
 
 #include "vec512.h"
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
+#include "amx.h"
+#define LINEAR_AMX 1
+#endif
 
 namespace {
 
@@ -78,6 +90,151 @@ constexpr auto kTiles = tiles_of(std::make_integer_sequence<int, kRows>{});
 
 }  // namespace
 
+#ifdef LINEAR_AMX
+// The tile unit's form. oneDNN's packed matmul ran on the tiles already, but at a decode
+// step's shapes (128 rows, SmolLM2's layers) it read cold weights at ~8 GB/s, a third of the
+// host's read bandwidth: the weights' read and the arithmetic took turns (each linear took
+// about its time on weights held in cache plus the time of the read alone). Here each
+// thread streams its blocks in order and, while one block's products run, asks for the next
+// block's weights ahead (prefetcht1, spread evenly over the block's tile steps), so the read
+// overlaps the arithmetic.
+//
+// A pass multiplies 32 rows of x (two A tiles) by 32 outputs of a block (two B tiles) into
+// four fp32 C tiles that start from the bias (a tile load of stride 0 repeats its 16 values
+// down the rows), 32 inputs a step; each output is its fp32 sum rounded to bf16 once. Every
+// row's sums take the same steps in the same order, so a row's values depend on that row
+// alone. Rows come in chunks of kChunkRows (x's chunk stays in L2 while the chunk's blocks
+// stream past it); a chunk's last rows, short of a whole 32, are copied into zero rows first
+// (a tile always loads 16 rows).
+namespace {
+
+constexpr int64_t kTileK = 32;  // inputs a tile step
+constexpr int64_t kPassRows = 32;  // rows a pass: two A tiles
+constexpr int64_t kChunkRows = 256;  // rows a unit of work
+constexpr int64_t kLine = 64;  // bytes a cache line
+
+std::atomic<bool> g_tiles_allowed{true};
+
+bool on_tiles(int64_t k) {
+  return g_tiles_allowed && k % kTileK == 0 && amx::permitted();
+}
+
+void configure() {
+  amx::TileConfig config;  // C tiles 0-3, A tiles 4-5, B tiles 6-7: 16 rows of 64 bytes
+  for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+}
+
+// One pass: rows [0, 32) of x (row stride ldx) times outputs [32 h, 32 h + 32) of the block
+// at wb, into sums [32][32] fp32; `ahead` is advanced by `lines` cache lines a step, up to
+// `end` (the next block's weights, asked for into L2).
+void pass(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* wb, const float* bias,
+          int h, float* sums, const char*& ahead, const char* end, int64_t lines) {
+  if (bias != nullptr) {
+    _tile_loadd(0, bias + 32 * h, 0);
+    _tile_loadd(1, bias + 32 * h + 16, 0);
+    _tile_loadd(2, bias + 32 * h, 0);
+    _tile_loadd(3, bias + 32 * h + 16, 0);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int64_t ld = ldx * int64_t(sizeof(uint16_t));
+  for (int64_t k0 = 0; k0 < k; k0 += kTileK) {
+    const uint16_t* b = wb + (k0 / 2) * 128 + 64 * h;  // 16 pairs of 32 outputs
+    _tile_loadd(4, x + k0, ld);
+    _tile_loadd(5, x + 16 * ldx + k0, ld);
+    _tile_loadd(6, b, 256);
+    _tile_loadd(7, b + 32, 256);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    for (int64_t l = 0; l < lines && ahead < end; ++l, ahead += kLine)
+      _mm_prefetch(ahead, _MM_HINT_T1);
+  }
+  _tile_stored(0, sums, 128);
+  _tile_stored(1, sums + 16, 128);
+  _tile_stored(2, sums + 16 * 32, 128);
+  _tile_stored(3, sums + 16 * 32 + 16, 128);
+}
+
+// sums [m][32] rounded into y's rows, outputs [0, valid) of them.
+void round_out(const float* sums, int64_t m, int64_t valid, uint16_t* y, int64_t ldy) {
+  const __mmask16 low = vec512::lanes(valid);
+  const __mmask16 high = valid > 16 ? vec512::lanes(valid - 16) : __mmask16(0);
+  for (int64_t i = 0; i < m; ++i) {
+    const __m512 a = _mm512_load_ps(sums + 32 * i), b = _mm512_load_ps(sums + 32 * i + 16);
+    _mm256_mask_storeu_epi16(y + i * ldy, low, (__m256i)_mm512_cvtneps_pbh(a));
+    _mm256_mask_storeu_epi16(y + i * ldy + 16, high, (__m256i)_mm512_cvtneps_pbh(b));
+  }
+}
+
+int tile_linear(const uint16_t* x, int64_t ldx, int64_t rows, int64_t k, const uint16_t* w,
+                const float* bias, int64_t n, uint16_t* y, int64_t ldy, int threads) {
+  const int64_t blocks = (n + 63) / 64, pairs = k / 2;
+  const int64_t chunks = (rows + kChunkRows - 1) / kChunkRows;
+  const int64_t units = blocks * chunks;
+  // the rows past the last whole pass, with zero rows after them
+  const int64_t whole = rows / kPassRows * kPassRows, tail = rows - whole;
+  std::vector<uint16_t> padded(tail ? kPassRows * k : 0, 0);
+  for (int64_t i = 0; i < tail; ++i)
+    std::memcpy(padded.data() + i * k, x + (whole + i) * ldx, k * sizeof(uint16_t));
+  const int64_t block_bytes = pairs * 256;
+  #pragma omp parallel num_threads(threads) if (units > 1)
+  {
+    const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
+    const int64_t begin = units * part / parts, end = units * (part + 1) / parts;
+    alignas(64) float sums[kPassRows * 32];
+    if (begin < end) configure();
+    for (int64_t unit = begin; unit < end; ++unit) {
+      // chunk-major: a chunk's rows meet every block in turn (consecutive units share rows)
+      const int64_t chunk = unit / blocks, block = unit % blocks;
+      const int64_t first = chunk * kChunkRows, last = std::min(rows, first + kChunkRows);
+      const uint16_t* wb = w + block * pairs * 128;
+      const float* bb = bias != nullptr ? bias + block * 64 : nullptr;
+      const int64_t valid = std::min<int64_t>(64, n - block * 64);
+      // the next unit's weights, asked for over this unit's tile steps
+      const char* ahead = nullptr;
+      const char* stop = nullptr;
+      if (unit + 1 < end) {
+        ahead = reinterpret_cast<const char*>(w + ((unit + 1) % blocks) * pairs * 128);
+        stop = ahead + block_bytes;
+      }
+      const int64_t steps = (last - first + kPassRows - 1) / kPassRows * 2 * (k / kTileK);
+      const int64_t lines = (block_bytes / kLine + steps - 1) / steps;
+      for (int64_t i0 = first; i0 < last; i0 += kPassRows) {
+        const bool short_pass = i0 >= whole;
+        const uint16_t* xs = short_pass ? padded.data() : x + i0 * ldx;
+        const int64_t ld = short_pass ? k : ldx, m = std::min(kPassRows, last - i0);
+        for (int h = 0; h < 2 && 32 * h < valid; ++h) {
+          pass(xs, ld, k, wb, bb, h, sums, ahead, stop, lines);
+          round_out(sums, m, valid - 32 * h, y + i0 * ldy + block * 64 + 32 * h, ldy);
+        }
+      }
+    }
+    if (begin < end) _tile_release();
+  }
+  return 0;
+}
+
+}  // namespace
+#endif
+
+// Whether the tile unit's form may run (the tests run both forms on one CPU): a switch the
+// process keeps; 0 on a CPU without AMX.
+extern "C" int linear_bf16_tiles(int allowed) {
+#ifdef LINEAR_AMX
+  if (allowed >= 0) g_tiles_allowed = allowed != 0;
+  return g_tiles_allowed && amx::permitted();
+#else
+  (void)allowed;
+  return 0;
+#endif
+}
+
 // x [rows, k] (row stride ldx), w [ceil(n / 64), ceil(k / 2), 64, 2], bias: ceil(n / 64) * 64
 // fp32 values or null; y [rows, n] (row stride ldy) = x @ W.T + bias, rounded to bf16.
 extern "C" int linear_bf16(const uint16_t* x, int64_t ldx, int64_t rows, int64_t k,
@@ -85,6 +242,9 @@ extern "C" int linear_bf16(const uint16_t* x, int64_t ldx, int64_t rows, int64_t
                            int64_t ldy, int threads) {
   if (rows < 0 || k <= 0 || n <= 0 || ldx < k || ldy < n) return 1;
   if (rows == 0) return 0;
+#ifdef LINEAR_AMX
+  if (on_tiles(k)) return tile_linear(x, ldx, rows, k, w, bias, n, y, ldy, threads);
+#endif
   const int64_t blocks = (n + 63) / 64, pairs = (k + 1) / 2;
   const int64_t chunks = (rows + kChunk - 1) / kChunk;
   const int64_t units = blocks * chunks;

@@ -30,7 +30,7 @@ import torch
 
 from tuneloop.server.engine import native
 
-__all__ = ["NativeWeight", "available", "linear", "native_kernel", "pack"]
+__all__ = ["NativeWeight", "available", "linear", "native_kernel", "pack", "tiles"]
 
 SOURCE = Path(__file__).with_name("linear_avx512.cpp")
 _NEEDS = ("avx512f", "avx512_bf16")
@@ -47,6 +47,19 @@ def native_kernel() -> Any:
     return native.function(SOURCE, "linear_bf16", _SIGNATURE, ctypes.c_int, _NEEDS)
 
 
+def tiles(allowed: bool = True) -> bool:
+    """Let the kernel run on the AMX tile unit where the CPU has one (the default), or keep it
+    on the AVX-512 loops (`allowed=False`: both forms on one CPU, for the tests and
+    bench/native_linear.py). Returns whether calls now take the tile unit (built with AMX,
+    granted by the OS, allowed; input sizes of whole tiles, multiples of 32)."""
+    lib = native.library(SOURCE, _NEEDS)
+    if lib is None:
+        return False
+    lib.linear_bf16_tiles.argtypes = (ctypes.c_int,)
+    lib.linear_bf16_tiles.restype = ctypes.c_int
+    return bool(lib.linear_bf16_tiles(int(allowed)))
+
+
 def _takes(weight: torch.Tensor) -> bool:
     """Whether `pack` takes `weight`: a 2-D bf16 CPU tensor, the kernel built."""
     if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
@@ -59,8 +72,6 @@ def available(weight: torch.Tensor) -> bool:
     CPU has no AMX, and TUNELOOP_NATIVE_LINEAR is not 0."""
     if os.environ.get("TUNELOOP_NATIVE_LINEAR", "1") == "0":
         return False
-    if "amx_bf16" in native.cpu_flags():
-        return False  # (oneDNN's kernel on the AMX tiles)
     return _takes(weight)
 
 
