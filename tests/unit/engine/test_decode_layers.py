@@ -1,5 +1,6 @@
-"""A CPU sampling step's decoder layers as one lean loop (decode_layers.py): the same bits as
-the modules' forward, taken only where every piece is the native one, the modules elsewhere."""
+"""A CPU sampling step's decoder layers as one lean loop (decode_layers.py), and as one C++ call
+(native_layers.py) for steps of decode rows alone: the same bits as the modules' forward, taken
+only where every piece is the native one, the modules elsewhere."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from tests.unit.engine.conftest import adam, example, ok, seq, work  # noqa: E402
 from tests.zoo import archs  # noqa: E402
-from tuneloop.server.engine import compiled, decode_layers, gated_mlp  # noqa: E402
+from tuneloop.server.engine import compiled, decode_layers, gated_mlp, native_layers  # noqa: E402
 from tuneloop.server.engine.kv import native_decode  # noqa: E402
 from tuneloop.server.engine.lora import native_columns  # noqa: E402
 from tuneloop.server.engine.types import AdapterSpec, SampleWork  # noqa: E402
@@ -137,6 +138,38 @@ def test_decode_steps_give_the_modules_bits(
         assert all(isinstance(w.qkv.a, native_columns.DownPairs) for w in weights)
         assert lean_runs[0] >= 8  # (12 tokens: 11 decode steps, fewer if rows stop early)
         assert lean == _modules_outputs(be, works, lean_runs)
+    finally:
+        be.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_the_native_loop_gives_the_python_loops_bits(
+    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lean_runs: list[int]
+) -> None:
+    """Decode steps on one key's weights in the native linear's layout run the layers as one
+    C++ call; with TUNELOOP_NATIVE_LAYERS=0 the Python loop makes the same kernel calls: the
+    same tokens and logprobs, bit for bit (Qwen2's biases, Qwen3's per-head norms)."""
+    calls = [0]
+    original = native_layers.Loop.run
+
+    def counting(self: Any, *args: Any) -> Any:
+        calls[0] += 1
+        return original(self, *args)
+
+    monkeypatch.setattr(native_layers.Loop, "run", counting)
+    name = _model(family, tmp_path / family)
+    be = _backend(name, tmp_path / "cache")
+    try:
+        _trained_sampler(be, name)
+        works = _works(6, 4, 12)
+        native = _outputs(be, works)
+        assert calls[0] >= 8  # (11 decode steps, fewer if rows stop early)
+        monkeypatch.setenv("TUNELOOP_NATIVE_LAYERS", "0")
+        before, lean_before = calls[0], lean_runs[0]
+        python = _outputs(be, works)
+        assert calls[0] == before
+        assert lean_runs[0] >= lean_before + 8
+        assert native == python
     finally:
         be.close()
 
@@ -309,6 +342,13 @@ def test_a_pool_slot_out_of_range_is_refused(tmp_path: Path) -> None:
         )
         ids = torch.arange(rows)[None] % 200
         with pytest.raises(ValueError, match="outside the pool"):
+            decode_layers.run(plan, weights, ids, torch.full((1, rows), 3), step)
+        # a new key's slot past the pool: the KV write refuses it inside the native loop
+        past = torch.full((rows,), pool.scratch_slot + 7)
+        slots = torch.full((rows, width), pool.pad_slot, dtype=torch.long)
+        step = PagedStep(pool, past, rows, slots, mask, [], None, native_decode.attend)
+        assert native_layers.loop(plan, weights) is not None
+        with pytest.raises(ValueError, match="KV write refused"):
             decode_layers.run(plan, weights, ids, torch.full((1, rows), 3), step)
     finally:
         be.close()

@@ -2,9 +2,10 @@
 
 In a bf16 sampling step on a CPU every piece of a Llama-style decoder layer already runs one
 native kernel: the norms (rms_norm.cpp), the LoRA columns (lora_columns_avx512.cpp), the fused
-sibling matmuls on packed weights (oneDNN), the rotary embedding (rotary.cpp), the KV writes
-(kv_write.cpp), the decode attention (decode_attention_avx512.cpp) and the SiLU product
-(silu_mul.cpp; eager's two operations below a few rows, as gated_mlp.py does). What is left
+sibling matmuls (linear_avx512.cpp, or oneDNN on its packed weights), the rotary embedding
+(rotary.cpp), the KV writes (kv_write.cpp), the decode attention (decode_attention_avx512.cpp)
+and the SiLU product (silu_mul.cpp; eager's two operations below a few rows, as gated_mlp.py
+does; the loop gives eager's bits, so the C++ loop calls it at any size). What is left
 around them is Python: transformers' module calls, keyword plumbing and attention dispatch,
 the LoRA layers' routing, the wrappers' checks and allocations, about 600 us a layer, 13 % of
 a 128-row step of SmolLM2-135M on an AVX-512-BF16 EPYC. `run` makes the same calls, in the
@@ -21,6 +22,10 @@ each group's base output, then each key's delta added to its rows by the same ca
 modules make, segments.py); a step without them runs the modules (model_runner.py). A step of
 decode rows alone attends by the native kernel directly; a step with prompt chunks (or of
 one-slot rows) calls the modules' attention function, `paged_attention_forward`, as they do.
+
+A step of decode rows alone whose groups are all in the native linear kernel's layout skips
+even this loop's Python: `native_layers.loop` gives its calls as one C++ call
+(decode_layers.cpp), the same kernels in the same order.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from tuneloop.server.engine import compiled, gated_mlp, native_linear, rotary
+from tuneloop.server.engine import compiled, gated_mlp, native_layers, native_linear, rotary
 from tuneloop.server.engine.kv import kv_write, native_decode
 from tuneloop.server.engine.kv.paged_attention import PagedStep, paged_attention_forward
 from tuneloop.server.engine.lora import native_columns
@@ -108,6 +113,7 @@ class Plan:
         self.decoder, self.layers, self.kernels = decoder, layers, kernels
         self.heads, self.kv_heads, self.dim, self.intermediate = shape
         self.scale = scale
+        self.native_loop: Any = None  # native_layers.Loop of the last weights it took
 
     def weights(self, lone: Mapping[int, tuple[FusedLinear, int]]) -> list[LayerWeights] | None:
         """The layers' groups in a lone table (`AdapterBank.lone_weights`; or the shared one,
@@ -316,6 +322,10 @@ def run(
         low, high = torch.aminmax(slots)
         if int(low) < 0 or int(high) > step.pool.scratch_slot:  # (every layer's pools' size)
             raise ValueError("a decode row's slot lies outside the pool")  # never read past it
+    if direct and (native := native_layers.loop(plan, weights)) is not None:
+        hidden = hidden.contiguous()  # (the embedding's own rows: updated in place)
+        native.run(hidden, cos, sin, step, slots, mask)
+        return decoder.norm(hidden[None])[0]
     cos_stride = cos.stride(1)
     linear = torch.ops.mkldnn._linear_pointwise.default
     size = hidden.element_size()

@@ -1,21 +1,23 @@
-"""Decode weights in a layout of our own, multiplied by one C++ kernel, on CPUs with AVX512-BF16 and
-no AMX.
+"""Decode weights in a layout of our own, multiplied by one C++ kernel, on CPUs with AVX512-BF16.
 
 A sampling step's linears run on weights made once for it (lora/fused.py): packed for
-oneDNN's bf16 kernel (packed.py) by default. On an AVX-512-BF16 EPYC that kernel read a
-decode step's weights at 21-24 GB/s at 1-8 rows, where the cores read 37 GB/s, so a step of
-a few rows (one user's chat, a short eval) was slower than the memory allows.
+oneDNN's bf16 kernel (packed.py) where this kernel is not built. On an AVX-512-BF16 EPYC that
+kernel read a decode step's weights at 21-24 GB/s at 1-8 rows, where the cores read 37 GB/s,
+so a step of a few rows (one user's chat, a short eval) was slower than the memory allows.
 `linear_avx512.cpp` on its own layout ("blocks": 64 outputs' weights for each input pair in
 one 256-byte run, a block one stream) read them at 28-31 GB/s there (decode steps 1.39-1.48x
 faster at 1-4 rows), ran 1.21x oneDNN's speed at 32 rows and 1.04x at 128 (95 % of the host's
 measured bf16 peak; bench/native_linear.py, docs/benchmarks.md). The blocks replace the
 packed copy, so they cost no memory beyond it.
 
-Where the CPU has AMX, oneDNN's kernel runs on the AMX tiles, several times this kernel's
-arithmetic: the packed layout stays there. `TUNELOOP_NATIVE_LINEAR=0` keeps it everywhere.
-Another kernel, so its sums round differently from oneDNN's (a bf16 step in a few outputs);
-the modules and the lean loop (decode_layers.py) make the same calls, so they agree bit for
-bit with each other.
+Where the CPU has AMX the kernel runs on the tile unit (input sizes of whole tiles, multiples
+of 32; `tiles`), on the same layout. oneDNN's kernel ran on the tiles too, but at a 128-row
+decode step it read cold weights at ~8 GB/s, the read and the arithmetic taking turns; the
+tile form asks for the next block's weights while a block's products run, and its whole
+layer loop can run in one C++ call (native_layers.py). `TUNELOOP_NATIVE_LINEAR=0` keeps
+oneDNN's packed layout everywhere. Another kernel, so its sums round differently from
+oneDNN's (a bf16 step in a few outputs); the modules and the lean loops (decode_layers.py,
+native_layers.py) make the same calls, so they agree bit for bit with each other.
 """
 
 from __future__ import annotations
@@ -68,8 +70,8 @@ def _takes(weight: torch.Tensor) -> bool:
 
 
 def available(weight: torch.Tensor) -> bool:
-    """Whether decode weights like `weight` go in the kernel's layout: `pack` takes it, the
-    CPU has no AMX, and TUNELOOP_NATIVE_LINEAR is not 0."""
+    """Whether decode weights like `weight` go in the kernel's layout: `pack` takes it and
+    TUNELOOP_NATIVE_LINEAR is not 0."""
     if os.environ.get("TUNELOOP_NATIVE_LINEAR", "1") == "0":
         return False
     return _takes(weight)

@@ -1,0 +1,237 @@
+"""A CPU sampling step's decoder layers as one C++ call: decode_layers.py's lean loop without the
+Python between its kernels.
+
+The lean loop (decode_layers.run) makes each layer's ~15 kernel calls from Python: ctypes
+converts every call's arguments, torch allocates each output and makes the views, and the
+residual sums dispatch through torch, ~300 us a layer in which the kernels' second thread
+spins idle (about a sixth of a 128-row step of SmolLM2-135M on an AMX Xeon). Where a step is
+decode rows alone on one key's fused weights, every group in the native linear kernel's
+layout (native_linear.py), `decode_layers.cpp` makes the same calls in the same order on the
+same inputs, the kernels passed to it by their addresses: the same bits (tests/unit/engine/
+test_decode_layers.py). Other steps (prompt chunks, several keys, oneDNN's packed weights)
+keep the Python loop; `TUNELOOP_NATIVE_LAYERS=0` keeps it for every step.
+
+`loop(plan, weights)` builds the call's tables of pointers once for a set of weights (the
+fused groups live as long as the adapter's snapshot) and keeps them on the plan; `Loop.run`
+makes one step's call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tuneloop.server.engine import native
+from tuneloop.server.engine.lora.native_columns import DownPairs
+from tuneloop.server.engine.native_linear import NativeWeight
+
+if TYPE_CHECKING:
+    from tuneloop.server.engine.decode_layers import LayerWeights, Plan
+    from tuneloop.server.engine.kv.paged_attention import PagedStep
+    from tuneloop.server.engine.lora.fused import FusedLinear
+
+__all__ = ["Loop", "loop"]
+
+SOURCE = Path(__file__).with_name("decode_layers.cpp")
+_NEEDS = ("avx512f", "avx512_bf16")
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_KERNELS = ("norm", "columns", "linear", "rotate", "write", "attend", "silu")
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [(name, _P) for name in _KERNELS]
+
+
+class _Group(ctypes.Structure):
+    _fields_ = [("blocks", _P), ("bias", _P), ("pairs", _P), ("out", _I), ("rank", _I), ("rp", _I)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("norm_in", _P),
+        ("norm_post", _P),
+        ("q_norm", _P),
+        ("k_norm", _P),
+        ("qkv", _Group),
+        ("o", _Group),
+        ("gate_up", _Group),
+        ("down", _Group),
+        ("eps_in", ctypes.c_float),
+        ("eps_post", ctypes.c_float),
+        ("q_eps", ctypes.c_float),
+        ("k_eps", ctypes.c_float),
+    ]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [
+        *((name, _I) for name in ("rows", "hidden", "heads", "kv_heads", "dim", "inter")),
+        ("width", _I),
+        ("pool_rows", _I),
+        ("scale", ctypes.c_float),
+        ("threads", ctypes.c_int),
+    ]
+
+
+_REFUSED = {
+    1: "the LoRA columns kernel refused its shapes",
+    2: "the native linear kernel refused its shapes",
+    3: "a KV write refused its slots",
+    4: "the decode attention refused its shapes",
+    5: "the native layer loop refused its shapes",
+}
+
+
+def _entry_points() -> tuple[Any, Any] | None:
+    """(decode_layers, decode_layers_scratch) with their signatures, or None where the
+    library cannot be built."""
+    lib = native.library(SOURCE, _NEEDS)
+    if lib is None:
+        return None
+    run, size = lib.decode_layers, lib.decode_layers_scratch
+    pointer = ctypes.POINTER
+    run.argtypes = (
+        pointer(_Kernels), pointer(_Layer), _I, pointer(_Shape), _P, _P, _P, _I, _P, _P, _P,
+        pointer(_P), pointer(_P), _P, _I,
+    )  # fmt: skip
+    run.restype = ctypes.c_int
+    size.argtypes = (pointer(_Layer), _I, pointer(_Shape))
+    size.restype = _I
+    return run, size
+
+
+def _address(function: Any) -> int:
+    return int(ctypes.cast(function, _P).value or 0)
+
+
+def _group(group: FusedLinear, width: int) -> _Group | None:
+    """A group's pointers where the loop takes it: the native linear's layout (its bias
+    inside), LoRA columns for the native kernel or none, `width` inputs before them."""
+    weight, down = group.weight, group.a
+    if not isinstance(weight, NativeWeight) or group.bias is not None:
+        return None
+    if down is None:
+        rank, pairs, rp = 0, None, 0
+    elif isinstance(down, DownPairs) and down.in_features == width:
+        rank, pairs, rp = down.rank, down.pairs.data_ptr(), down.pairs.shape[1]
+    else:
+        return None
+    if weight.in_features != width + rank:
+        return None
+    bias = weight.bias.data_ptr() if weight.bias is not None else None
+    return _Group(weight.blocks.data_ptr(), bias, pairs, weight.out_features, rank, rp)
+
+
+class Loop:
+    """One set of weights' tables for `decode_layers.cpp`: the kernels' addresses and each
+    layer's pointers (holding the groups, so the pointers stay valid)."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        groups: list[tuple[FusedLinear, ...]],
+        layers: Any,
+        kernels: _Kernels,
+        hidden: int,
+    ) -> None:
+        self.plan, self.groups, self.layers, self.kernels = plan, groups, layers, kernels
+        self.hidden = hidden
+        self._like = torch.empty((0, plan.kv_heads, plan.dim), dtype=torch.bfloat16)
+
+    def matches(self, weights: Sequence[LayerWeights]) -> bool:
+        """Whether `weights` are the groups this loop's tables point into."""
+        if len(weights) != len(self.groups):
+            return False
+        for w, held in zip(weights, self.groups, strict=True):
+            if w.segments is not None:
+                return False
+            if w.qkv is not held[0] or w.o is not held[1]:
+                return False
+            if w.gate_up is not held[2] or w.down is not held[3]:
+                return False
+        return True
+
+    def run(
+        self,
+        hidden: torch.Tensor,  # [rows, hidden] bf16, contiguous: updated in place
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        step: PagedStep,
+        slots: torch.Tensor,  # [rows, width] (checked against the pools by the caller)
+        mask: torch.Tensor,  # [rows, width]
+    ) -> None:
+        """One step of decode rows alone through every layer."""
+        entry = _entry_points()
+        assert entry is not None, "a Loop exists only where the library was built"
+        call, size = entry
+        plan, rows = self.plan, hidden.shape[0]
+        pools = [step.pool.layer(layer.index, self._like, self._like) for layer in plan.layers]
+        pool_rows = pools[0][0].shape[0]
+        if any(k.shape[0] != pool_rows or v.shape[0] != pool_rows for k, v in pools):
+            raise ValueError("the layers' KV pools differ in size")
+        shape = _Shape(
+            rows, self.hidden, plan.heads, plan.kv_heads, plan.dim, plan.intermediate,
+            slots.shape[1], pool_rows, plan.scale, torch.get_num_threads(),
+        )  # fmt: skip
+        n = len(pools)
+        k_pools = (_P * n)(*(k.data_ptr() for k, _ in pools))
+        v_pools = (_P * n)(*(v.data_ptr() for _, v in pools))
+        elements = size(self.layers, n, ctypes.byref(shape))
+        scratch = torch.empty(elements, dtype=torch.bfloat16)
+        code = call(
+            ctypes.byref(self.kernels), self.layers, n, ctypes.byref(shape), hidden.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), cos.stride(1), step.slot_mapping.data_ptr(),
+            slots.data_ptr(), mask.data_ptr(), k_pools, v_pools, scratch.data_ptr(), elements,
+        )  # fmt: skip
+        if code:
+            raise ValueError(_REFUSED.get(code, f"the native layer loop failed ({code})"))
+
+
+def enabled() -> bool:
+    """Whether steps may take the loop: TUNELOOP_NATIVE_LAYERS is not 0 and it is built."""
+    if os.environ.get("TUNELOOP_NATIVE_LAYERS", "1") == "0":
+        return False
+    return _entry_points() is not None
+
+
+def loop(plan: Plan, weights: Sequence[LayerWeights]) -> Loop | None:
+    """The loop over `weights` (the plan's last one where they are the same groups), or None
+    where a step on them keeps the Python loop: a group not in the native linear's layout,
+    several keys' segments, the library or the linear kernel not built, or turned off."""
+    if not enabled() or plan.kernels.linear is None:
+        return None
+    held = plan.native_loop
+    if isinstance(held, Loop) and held.matches(weights):
+        return held
+    if any(w.segments is not None for w in weights):
+        return None
+    hidden = plan.layers[0].norm_in.shape[0]
+    q_width = plan.heads * plan.dim
+    table = (_Layer * len(weights))()
+    for slot, (layer, w) in zip(table, zip(plan.layers, weights, strict=True), strict=True):
+        made = (
+            _group(w.qkv, hidden),
+            _group(w.o, q_width),
+            _group(w.gate_up, hidden),
+            _group(w.down, plan.intermediate),
+        )
+        if any(g is None for g in made):
+            return None
+        slot.qkv, slot.o, slot.gate_up, slot.down = made
+        slot.norm_in, slot.norm_post = layer.norm_in.data_ptr(), layer.norm_post.data_ptr()
+        slot.eps_in, slot.eps_post = layer.eps_in, layer.eps_post
+        if layer.head_norms is not None:
+            (q_w, q_eps), (k_w, k_eps) = layer.head_norms
+            slot.q_norm, slot.k_norm = q_w.data_ptr(), k_w.data_ptr()
+            slot.q_eps, slot.k_eps = q_eps, k_eps
+    k = plan.kernels
+    kernels = _Kernels(*(_address(getattr(k, name)) for name in _KERNELS))
+    groups: list[tuple[FusedLinear, ...]] = [(w.qkv, w.o, w.gate_up, w.down) for w in weights]
+    found = Loop(plan, groups, table, kernels, hidden)
+    plan.native_loop = found
+    return found
