@@ -4,6 +4,8 @@ only where every piece is the native one, the modules elsewhere."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +172,29 @@ def test_the_native_loop_gives_the_python_loops_bits(
         assert calls[0] == before
         assert lean_runs[0] >= lean_before + 8
         assert native == python
+    finally:
+        be.close()
+
+
+def test_the_plans_loop_keeps_no_deleted_samplers_copy(tmp_path: Path) -> None:
+    """The plan keeps its last native loop, which points into a sampler's fused copy: it
+    must not keep the copy alive once the sampler is deleted (the bank holds one copy of a
+    key's weights at a time, and frees the last before making the next)."""
+    be = _backend(LLAMA, tmp_path / "cache")
+    try:
+        runtime = _runtime(be)
+        _trained_sampler(be, LLAMA)
+        _outputs(be, _works(6, 4, 4))
+        plan = runtime.layers_plan
+        weights = plan.weights(runtime.bank.lone_weights("s"))
+        assert plan.native_loop is not None
+        assert plan.native_loop.matches(weights)
+        group = weakref.ref(weights[0].qkv)
+        del weights
+        be.delete_sampler("s")
+        gc.collect()
+        assert group() is None
+        assert plan.native_loop is not None  # (the loop itself stays, matching nothing)
     finally:
         be.close()
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -129,7 +130,9 @@ def _group(group: FusedLinear, width: int) -> _Group | None:
 
 class Loop:
     """One set of weights' tables for `decode_layers.cpp`: the kernels' addresses and each
-    layer's pointers (holding the groups, so the pointers stay valid)."""
+    layer's pointers. It refers to the groups weakly (the plan keeps the last Loop, and a
+    deleted sampler's copy must not stay alive through it); `run` is called only with
+    weights that `matches` found to be the same live groups, so the pointers are valid."""
 
     def __init__(
         self,
@@ -139,20 +142,20 @@ class Loop:
         kernels: _Kernels,
         hidden: int,
     ) -> None:
-        self.plan, self.groups, self.layers, self.kernels = plan, groups, layers, kernels
-        self.hidden = hidden
+        self.plan, self.layers, self.kernels, self.hidden = plan, layers, kernels, hidden
+        self._groups = [tuple(weakref.ref(g) for g in four) for four in groups]
         self._like = torch.empty((0, plan.kv_heads, plan.dim), dtype=torch.bfloat16)
 
     def matches(self, weights: Sequence[LayerWeights]) -> bool:
         """Whether `weights` are the groups this loop's tables point into."""
-        if len(weights) != len(self.groups):
+        if len(weights) != len(self._groups):
             return False
-        for w, held in zip(weights, self.groups, strict=True):
+        for w, held in zip(weights, self._groups, strict=True):
             if w.segments is not None:
                 return False
-            if w.qkv is not held[0] or w.o is not held[1]:
+            if w.qkv is not held[0]() or w.o is not held[1]():
                 return False
-            if w.gate_up is not held[2] or w.down is not held[3]:
+            if w.gate_up is not held[2]() or w.down is not held[3]():
                 return False
         return True
 
