@@ -177,9 +177,10 @@ def test_the_native_loop_gives_the_python_loops_bits(
 
 
 def test_the_plans_loop_keeps_no_deleted_samplers_copy(tmp_path: Path) -> None:
-    """The plan keeps its last native loop, which points into a sampler's fused copy: it
-    must not keep the copy alive once the sampler is deleted (the bank holds one copy of a
-    key's weights at a time, and frees the last before making the next)."""
+    """The plan keeps its last native loop, which points into a sampler's fused copy, and the
+    runner its last routing, which holds the copy: neither keeps it alive once the sampler
+    is deleted (the bank holds one copy of a key's weights at a time, and frees the last
+    before making the next)."""
     be = _backend(LLAMA, tmp_path / "cache")
     try:
         runtime = _runtime(be)

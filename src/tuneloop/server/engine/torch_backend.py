@@ -331,6 +331,8 @@ class TorchBackend:
         runtime = self._samplers.pop(sampler_id, None)
         if runtime is not None:
             runtime.bank.delete(sampler_id)
+            if runtime.decoder is not None:  # its held routings point at the key's copy
+                runtime.decoder.runner.forget_routings()
 
     def sample(self, batch: Sequence[SampleWork]) -> list[SampleResult | EngineError]:
         """Every request of `batch`, in decode batches under the KV-token budget."""

@@ -17,9 +17,9 @@ matmul per group of siblings, with the delta kept exact:
 
 The stacked weight is packed once: for oneDNN (packed.py), or at bf16 on a CPU with AVX512-BF16
 in the native linear kernel's layout, its bias with it (native_linear.py). The first sibling
-called with an input computes every sibling's output; the others take theirs while the input is the same
-tensor (any other input computes the group again, so a wrong guess of siblings costs time,
-never values).
+called with an input computes every sibling's output; the others take theirs while the input
+is the same tensor (any other input computes the group again, so a wrong guess of siblings
+costs time, never values).
 """
 
 from __future__ import annotations
