@@ -14,6 +14,7 @@
 #error "this loop needs AVX512F and AVX512-BF16"
 #endif
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -133,12 +134,20 @@ int64_t carve(const Shape& s, int64_t rank, uint16_t* base, Buffers* b) {
   return used;
 }
 
-// hidden += y, both [n] bf16: the sum in fp32 rounded to bf16 (nearest even).
-void add(uint16_t* hidden, const uint16_t* y, int64_t n) {
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 keep = vec512::lanes(n - j);
-    const __m512 sum = _mm512_add_ps(vec512::widen(hidden + j, keep), vec512::widen(y + j, keep));
-    _mm256_mask_storeu_epi16(hidden + j, keep, (__m256i)_mm512_cvtneps_pbh(sum));
+// hidden += y, both [n] bf16: the sum in fp32 rounded to bf16 (nearest even), in spans of
+// 16 x 1024 elements across the threads.
+void add(uint16_t* hidden, const uint16_t* y, int64_t n, int threads) {
+  constexpr int64_t kSpan = 16 * 1024;
+  const int64_t spans = (n + kSpan - 1) / kSpan;
+  #pragma omp parallel for num_threads(threads) schedule(static) if (spans > 1)
+  for (int64_t s = 0; s < spans; ++s) {
+    const int64_t end = std::min(n, (s + 1) * kSpan);
+    for (int64_t j = s * kSpan; j < end; j += 16) {
+      const __mmask16 keep = vec512::lanes(end - j);
+      const __m512 sum =
+          _mm512_add_ps(vec512::widen(hidden + j, keep), vec512::widen(y + j, keep));
+      _mm256_mask_storeu_epi16(hidden + j, keep, (__m256i)_mm512_cvtneps_pbh(sum));
+    }
   }
 }
 
@@ -220,13 +229,13 @@ int decode_layers(const Kernels* kernels, const Layer* layers, int64_t n_layers,
                  s.heads, s.kv_heads, dim, dim, s.scale, b.attended, s.threads))
       return kAttend;
     if ((code = project(k, s, b.attended, q_width, q_width, l.o, b.extended, b.y))) return code;
-    add(hidden, b.y, rows * h);
+    add(hidden, b.y, rows * h, s.threads);
     k.norm(hidden, l.norm_post, rows, h, l.eps_post, b.normed, s.threads);
     if ((code = project(k, s, b.normed, h, h, l.gate_up, b.extended, b.gate_up))) return code;
     k.silu(b.gate_up, 2 * inter, b.gate_up + inter, 2 * inter, rows, inter, b.product,
            s.threads);
     if ((code = project(k, s, b.product, inter, inter, l.down, b.extended, b.y))) return code;
-    add(hidden, b.y, rows * h);
+    add(hidden, b.y, rows * h, s.threads);
   }
   return kNone;
 }
