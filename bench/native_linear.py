@@ -9,7 +9,11 @@ alike, and printing the CPU model, the load and its measured peaks' context:
 - "steps": one in-process `TorchBackend` (bench/engine.py's adapter, a snapshot sampler), a
   decode step's time (a call of `--new` tokens minus a call of 2, per step) with the lone
   copy's weights in the kernel's layout and with `TUNELOOP_NATIVE_LINEAR=0` (oneDNN's), at
-  1, 4, 32 and 128 rows.
+  1, 4, 32 and 128 rows. In the kernel's layout a step of decode rows alone runs its layers
+  as one C++ call (native_layers.py); on oneDNN's weights, the Python lean loop
+  (decode_layers.py): the side's whole difference.
+
+On a CPU with AMX the kernel runs on the tile unit (native_linear.tiles).
 
     python bench/native_linear.py [--rounds 3] [--new 34] [--part linears|steps|both]
 """
@@ -134,7 +138,9 @@ def main() -> int:
     from tuneloop.server.engine import native, native_linear
 
     flags = "amx" if "amx_bf16" in native.cpu_flags() else "no amx"
+    form = "the AMX tile unit" if native_linear.tiles(True) else "AVX-512 loops"
     print(f"cpu: {cpu_model()} ({flags})  threads {args.threads}  load {os.getloadavg()}")
+    print(f"native kernel on {form}")
     if native_linear.native_kernel() is None:
         print("the native linear kernel is not built on this CPU (it needs AVX512-BF16)")
         return 1
