@@ -2,7 +2,10 @@
 // decode_attention_avx2.cpp over fp32 ones) share: the loop over a step's rows. Each kernel
 // makes one row by its loop for the common head shapes (`FixedRow`, an instance chosen once per
 // call) or by its generic loop (`GenericRow`); the rows run in parallel under OpenMP, each
-// thread with its own scratch.
+// thread with its own scratch, four rows at a time as threads free up: the rows' contexts
+// differ in length, and an even split of them left one thread waiting (sampling 32 prompts x
+// 4 samples on an AMX Xeon: 1.046x); four adjacent rows are often one prompt's samples,
+// which read its blocks once from memory.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -34,7 +37,7 @@ void attend_rows(const T* q, const T* kp, const T* vp, const int64_t* slots, con
   #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scores(heads * padded), scratch(part), total(heads);
-    #pragma omp for schedule(static)
+    #pragma omp for schedule(dynamic, 4)
     for (int64_t r = 0; r < rows; ++r) {
       if (fixed)
         fixed(q + r * heads * dim, kp, vp, slots + r * width, mask + r * width, width, kv_heads,
