@@ -166,7 +166,9 @@ def test_the_native_loop_gives_the_python_loops_bits(
         works = _works(6, 4, 12)
         native = _outputs(be, works)
         assert calls[0] >= 8  # (11 decode steps, fewer if rows stop early)
+        assert native_layers.enabled()
         monkeypatch.setenv("TUNELOOP_NATIVE_LAYERS", "0")
+        assert not native_layers.enabled()
         before, lean_before = calls[0], lean_runs[0]
         python = _outputs(be, works)
         assert calls[0] == before

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from tuneloop.server.engine.kv.paged_attention import PagedStep
     from tuneloop.server.engine.lora.fused import FusedLinear
 
-__all__ = ["Loop", "loop"]
+__all__ = ["Loop", "enabled", "loop"]
 
 SOURCE = Path(__file__).with_name("decode_layers.cpp")
 _NEEDS = ("avx512f", "avx512_bf16")

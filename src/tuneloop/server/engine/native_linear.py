@@ -54,12 +54,8 @@ def tiles(allowed: bool = True) -> bool:
     on the AVX-512 loops (`allowed=False`: both forms on one CPU, for the tests and
     bench/native_linear.py). Returns whether calls now take the tile unit (built with AMX,
     granted by the OS, allowed; input sizes of whole tiles, multiples of 32)."""
-    lib = native.library(SOURCE, _NEEDS)
-    if lib is None:
-        return False
-    lib.linear_bf16_tiles.argtypes = (ctypes.c_int,)
-    lib.linear_bf16_tiles.restype = ctypes.c_int
-    return bool(lib.linear_bf16_tiles(int(allowed)))
+    switch = native.function(SOURCE, "linear_bf16_tiles", (ctypes.c_int,), ctypes.c_int, _NEEDS)
+    return switch is not None and bool(switch(int(allowed)))
 
 
 def _takes(weight: torch.Tensor) -> bool:
