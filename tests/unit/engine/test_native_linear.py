@@ -61,6 +61,23 @@ def test_the_product_is_each_output_summed_in_fp32_and_rounded_once(
     assert torch.equal(rows_alone, got[rows // 2 :])  # a row's values depend on itself alone
 
 
+def test_a_rows_values_do_not_depend_on_how_many_rows_came_with_it(
+    two_threads: None, form: str
+) -> None:
+    """Calls of 16 rows or fewer take the tile unit's narrow passes, longer ones its 32-row
+    passes (a short last one padded): every row gets the bits it gets in any other call, so a
+    sampled sequence does not depend on the batch it ran in."""
+    gen = torch.Generator().manual_seed(5)
+    w = native_linear.pack(
+        torch.randn(130, 96, generator=gen).bfloat16(), torch.randn(130, generator=gen).bfloat16()
+    )
+    x = torch.randn(300, 96, generator=gen).bfloat16()
+    every = native_linear.linear(x, w)
+    for rows in (1, 3, 15, 16, 17, 31, 32, 33, 64, 257):
+        assert torch.equal(native_linear.linear(x[:rows], w), every[:rows]), rows
+        assert torch.equal(native_linear.linear(x[-rows:], w), every[-rows:]), rows
+
+
 def test_strided_rows_and_bad_shapes(form: str) -> None:
     w = torch.randn(64, 64).bfloat16()
     packed_w = native_linear.pack(w)
