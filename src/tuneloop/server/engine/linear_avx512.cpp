@@ -126,22 +126,28 @@ void configure() {
   _tile_loadconfig(&config);
 }
 
+// C tiles 0-3 started from the bias (each from the 16 values at its offset, repeated down
+// the rows by a tile load of stride 0), or from zero where bias is null.
+void start_sums(const float* bias, int64_t o0, int64_t o1, int64_t o2, int64_t o3) {
+  if (bias == nullptr) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    return;
+  }
+  _tile_loadd(0, bias + o0, 0);
+  _tile_loadd(1, bias + o1, 0);
+  _tile_loadd(2, bias + o2, 0);
+  _tile_loadd(3, bias + o3, 0);
+}
+
 // One pass: rows [0, 32) of x (row stride ldx) times outputs [32 h, 32 h + 32) of the block
 // at wb, into sums [32][32] fp32; `ahead` is advanced by `lines` cache lines a step, up to
 // `end` (the next block's weights, asked for into L2).
 void pass(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* wb, const float* bias,
           int h, float* sums, const char*& ahead, const char* end, int64_t lines) {
-  if (bias != nullptr) {
-    _tile_loadd(0, bias + 32 * h, 0);
-    _tile_loadd(1, bias + 32 * h + 16, 0);
-    _tile_loadd(2, bias + 32 * h, 0);
-    _tile_loadd(3, bias + 32 * h + 16, 0);
-  } else {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-  }
+  start_sums(bias != nullptr ? bias + 32 * h : nullptr, 0, 16, 0, 16);
   const int64_t ld = ldx * int64_t(sizeof(uint16_t));
   for (int64_t k0 = 0; k0 < k; k0 += kTileK) {
     const uint16_t* b = wb + (k0 / 2) * 128 + 64 * h;  // 16 pairs of 32 outputs
@@ -183,17 +189,7 @@ void round_out(const float* sums, int64_t m, int64_t valid, uint16_t* y, int64_t
 // row's values do not depend on which pass made them.
 void narrow_pass(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* wb,
                  const float* bias, float* sums) {
-  if (bias != nullptr) {
-    _tile_loadd(0, bias, 0);
-    _tile_loadd(1, bias + 16, 0);
-    _tile_loadd(2, bias + 32, 0);
-    _tile_loadd(3, bias + 48, 0);
-  } else {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-  }
+  start_sums(bias, 0, 16, 32, 48);
   const int64_t ld = ldx * int64_t(sizeof(uint16_t));
   for (int64_t k0 = 0; k0 < k; k0 += kTileK) {
     const uint16_t* b = wb + (k0 / 2) * 128;  // 16 pairs of 64 outputs
