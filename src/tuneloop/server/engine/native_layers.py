@@ -88,22 +88,23 @@ _REFUSED = {
 }
 
 
-def _entry_points() -> tuple[Any, Any] | None:
-    """(decode_layers, decode_layers_scratch) with their signatures, or None where the
-    library cannot be built."""
-    lib = native.library(SOURCE, _NEEDS)
-    if lib is None:
-        return None
-    run, size = lib.decode_layers, lib.decode_layers_scratch
-    pointer = ctypes.POINTER
-    run.argtypes = (
-        pointer(_Kernels), pointer(_Layer), _I, pointer(_Shape), _P, _P, _P, _I, _P, _P, _P,
-        pointer(_P), pointer(_P), _P, _I,
-    )  # fmt: skip
-    run.restype = ctypes.c_int
-    size.argtypes = (pointer(_Layer), _I, pointer(_Shape))
-    size.restype = _I
-    return run, size
+# decode_layers: kernels, layers, layer count, shape, hidden, cos, sin, cos stride, the new
+# keys' slots, the rows' slots, mask, key pools, value pools, scratch, its size
+_RUN = (
+    ctypes.POINTER(_Kernels), ctypes.POINTER(_Layer), _I, ctypes.POINTER(_Shape), _P, _P, _P, _I,
+    _P, _P, _P, ctypes.POINTER(_P), ctypes.POINTER(_P), _P, _I,
+)  # fmt: skip
+_SCRATCH = (ctypes.POINTER(_Layer), _I, ctypes.POINTER(_Shape))  # layers, count, shape
+
+
+def _run_kernel() -> Any:
+    """decode_layers.cpp's `decode_layers` (`_RUN`), or None where it cannot be built."""
+    return native.function(SOURCE, "decode_layers", _RUN, ctypes.c_int, _NEEDS)
+
+
+def _scratch_kernel() -> Any:
+    """Its `decode_layers_scratch` (`_SCRATCH`): a step's scratch size in elements."""
+    return native.function(SOURCE, "decode_layers_scratch", _SCRATCH, _I, _NEEDS)
 
 
 def _address(function: Any) -> int:
@@ -169,9 +170,8 @@ class Loop:
         mask: torch.Tensor,  # [rows, width]
     ) -> None:
         """One step of decode rows alone through every layer."""
-        entry = _entry_points()
-        assert entry is not None, "a Loop exists only where the library was built"
-        call, size = entry
+        call, size = _run_kernel(), _scratch_kernel()
+        assert call is not None, "a Loop exists only where the library was built"
         plan, rows = self.plan, hidden.shape[0]
         pools = [step.pool.layer(layer.index, self._like, self._like) for layer in plan.layers]
         pool_rows = pools[0][0].shape[0]
@@ -199,7 +199,7 @@ def enabled() -> bool:
     """Whether steps may take the loop: TUNELOOP_NATIVE_LAYERS is not 0 and it is built."""
     if os.environ.get("TUNELOOP_NATIVE_LAYERS", "1") == "0":
         return False
-    return _entry_points() is not None
+    return _run_kernel() is not None
 
 
 def loop(plan: Plan, weights: Sequence[LayerWeights]) -> Loop | None:
