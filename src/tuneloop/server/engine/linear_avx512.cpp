@@ -10,7 +10,7 @@
 // vdpbf16ps multiplies 16 outputs' weights for two inputs by the two inputs broadcast to every
 // lane and sums in fp32; rows x 4 vectors of accumulators stay in registers for the whole K.
 // The sums start from the bias in fp32 and each output is rounded to bf16 once (nearest
-// even). Work is split between the threads in (block, rows) units; a row's values depend on
+// even). The threads split the (block, row) pairs evenly; a row's values depend on
 // that row alone.
 //
 // On CPUs with AMX the same layout feeds the tile unit (below): 16 input pairs of a block's
@@ -20,6 +20,7 @@
 #endif
 #include <immintrin.h>
 #include <omp.h>
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstring>
@@ -27,7 +28,6 @@
 
 #include "vec512.h"
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <algorithm>
 #include <atomic>
 #include <vector>
 
@@ -38,12 +38,26 @@
 namespace {
 
 constexpr int kRows = 6;  // rows a tile: 6 x 4 vectors = 24 fp32 accumulators of 32 registers
-constexpr int64_t kChunk = 8 * kRows;  // rows a unit of work: units enough for two threads
+constexpr int64_t kAheadRows = 16;  // calls of more rows than this ask for weights ahead
+
+// The next block's weights, asked for into L2 a cache line at a time while a block's tiles
+// run (one line every fourth input pair of a tile), up to `stop`: a block's first tile
+// otherwise waits on the block's read from memory.
+struct Ahead {
+  const char* at = nullptr;
+  const char* stop = nullptr;
+  void next() {
+    if (at < stop) {
+      _mm_prefetch(at, _MM_HINT_T1);
+      at += 64;
+    }
+  }
+};
 
 // Rows [0, MB) of x times a block's 64 outputs, `valid` of them written (the last block's).
 template <int MB>
 void tile(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w, const float* bias,
-          uint16_t* y, int64_t ldy, int64_t valid) {
+          uint16_t* y, int64_t ldy, int64_t valid, Ahead& ahead) {
   __m512 acc[MB][4];
   for (int j = 0; j < 4; ++j) {  // (the sums start from the bias)
     const __m512 start = bias != nullptr ? _mm512_loadu_ps(bias + 16 * j) : _mm512_setzero_ps();
@@ -51,6 +65,7 @@ void tile(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w, const fl
   }
   const int64_t full = k / 2;
   for (int64_t p = 0; p < full; ++p) {
+    if ((p & 3) == 0) ahead.next();
     __m512bh b[4];
     for (int j = 0; j < 4; ++j) b[j] = (__m512bh)_mm512_loadu_si512(w + p * 128 + 32 * j);
 #pragma GCC unroll 6
@@ -80,7 +95,7 @@ void tile(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w, const fl
 }
 
 using Tile = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, const float*,
-                      uint16_t*, int64_t, int64_t);
+                      uint16_t*, int64_t, int64_t, Ahead&);
 
 template <int... M>
 constexpr std::array<Tile, sizeof...(M)> tiles_of(std::integer_sequence<int, M...>) {
@@ -301,20 +316,41 @@ extern "C" int linear_bf16(const uint16_t* x, int64_t ldx, int64_t rows, int64_t
   if (on_tiles(k)) return tile_linear(x, ldx, rows, k, w, bias, n, y, ldy, threads);
 #endif
   const int64_t blocks = (n + 63) / 64, pairs = (k + 1) / 2;
-  const int64_t chunks = (rows + kChunk - 1) / kChunk;
-  const int64_t units = blocks * chunks;
-  // (a unit's rows and a block's weights: consecutive units share a block, so a thread's
-  // share of the units reads each block it touches once from memory)
-  #pragma omp parallel for num_threads(threads) schedule(static) if (units > 1)
-  for (int64_t unit = 0; unit < units; ++unit) {
-    const int64_t block = unit / chunks, first = (unit % chunks) * kChunk;
-    const int64_t last = first + kChunk < rows ? first + kChunk : rows;
-    const uint16_t* wb = w + block * pairs * 128;
-    const float* bb = bias != nullptr ? bias + block * 64 : nullptr;
-    const int64_t valid = n - block * 64 < 64 ? n - block * 64 : 64;
-    for (int64_t i0 = first; i0 < last; i0 += kRows) {
-      const int64_t m = last - i0 < kRows ? last - i0 : kRows;
-      kTiles[m - 1](x + i0 * ldx, ldx, k, wb, bb, y + i0 * ldy + block * 64, ldy, valid);
+  const int64_t work = blocks * rows, block_bytes = pairs * 256;
+  // The work is (block, row) pairs in block-major order, split evenly between the threads:
+  // a thread takes each of its blocks' rows in one go (the block read from memory once, its
+  // later tiles reading it from L2), and the threads' shares differ by a row at most (a split
+  // in units of blocks or of a block's row chunks left one thread waiting at the end). Where
+  // a block is one tile (6 rows or fewer) the threads take whole blocks.
+  #pragma omp parallel num_threads(threads) if (blocks > 1 || rows > 8 * kRows)
+  {
+    const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
+    int64_t begin = work * part / parts, end = work * (part + 1) / parts;
+    if (rows <= kRows) {  // a block is one tile: whole blocks
+      begin = blocks * part / parts * rows;
+      end = blocks * (part + 1) / parts * rows;
+    }
+    for (int64_t block = begin / rows; block * rows < end; ++block) {
+      const int64_t lo = std::max(begin, block * rows) - block * rows;
+      const int64_t hi = std::min(end, (block + 1) * rows) - block * rows;
+      const uint16_t* wb = w + block * pairs * 128;
+      const float* bb = bias != nullptr ? bias + block * 64 : nullptr;
+      const int64_t valid = std::min<int64_t>(64, n - block * 64);
+      Ahead ahead;  // (not at a few rows: there the call is the weights' read, which the
+                    // CPU's own prefetcher follows, and asking too made it slower)
+      if (rows > kAheadRows && (block + 1) * rows < end) {
+        ahead.at = reinterpret_cast<const char*>(wb + pairs * 128);
+        ahead.stop = ahead.at + block_bytes;
+      }
+      // the rows in tiles of as even a size as 6 rows at most allow (a tile of few rows
+      // waits on its sums' latency: 128 rows as 18 x 6 + 4 x 5, not 21 x 6 + 2)
+      const int64_t count = hi - lo, tiles = (count + kRows - 1) / kRows;
+      for (int64_t t = 0, i0 = lo; t < tiles; ++t) {
+        const int64_t m = count / tiles + (t < count % tiles ? 1 : 0);
+        kTiles[m - 1](x + i0 * ldx, ldx, k, wb, bb, y + i0 * ldy + block * 64, ldy, valid,
+                      ahead);
+        i0 += m;
+      }
     }
   }
   return 0;
