@@ -69,11 +69,14 @@ def native_kernel() -> Any:
     return native.function(NATIVE_SOURCE, "silu_mul_bf16", signature)
 
 
-def gathers(allowed: bool) -> bool:
-    """Allows or forbids the loops' AVX-512 gathers of their tables (the tests run both forms
-    on one CPU); whether they now use them (False where the CPU or the library has none)."""
+def gathers(allowed: bool | None) -> bool:
+    """Sets whether the loops read their tables by AVX-512 gathers (True) or one element at a
+    time (False): the tests run both forms on one CPU. None, the default, has each loop
+    measure both forms at its first call and keep the faster on this CPU (silu_mul.cpp).
+    Returns whether the forward loop now takes the gathers (False where the CPU or the
+    library has none)."""
     switch = native.function(NATIVE_SOURCE, "silu_mul_gathers", (ctypes.c_int,), ctypes.c_int)
-    return switch is not None and bool(switch(int(allowed)))
+    return switch is not None and bool(switch(-1 if allowed is None else int(allowed)))
 
 
 def _row_stride(t: torch.Tensor) -> int | None:

@@ -11,13 +11,15 @@
 // silu alone (~2.3 cycles an element on an AVX-512 EPYC, 77 us for the [128, 1536] on two
 // threads); looked up, 36 us. A layer's activations take a few thousand of the entries, which
 // stay in the L1/L2 caches. The compiler looks the tables up one element at a time; where the
-// CPU has AVX-512 the loops read them by gathers, 16 lanes at a time: a training step's
-// [1408, 1536] on an AMX Xeon (two threads) took 793 -> 543 us forward and 2,099 -> 1,253 us
-// backward, with the same bits.
+// CPU has AVX-512 the loops can read them by gathers, 16 lanes at a time, with the same bits:
+// faster on some CPUs, slower on others, so each loop measures both forms once (below).
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <bit>
+#include <chrono>
 #include <cstdint>
+#include <vector>
 
 #include "bf16.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -103,9 +105,36 @@ const std::array<SiluSlope, 65536>& slope_table() {
   return table;
 }
 
-// Whether the loops read the tables by gathers where the CPU has AVX-512 (the tests run both
-// forms on one CPU; bench/cpu_kernels.py compares them).
-std::atomic<bool> g_gathers{true};
+// A row of the forward and of the backward, the tables read one element at a time.
+void scalar_row(const uint16_t* g, const uint16_t* u, int64_t width, uint16_t* o,
+                const uint32_t* silu) {
+  #pragma omp simd
+  for (int64_t i = 0; i < width; ++i)
+    o[i] = bf16::from_float(std::bit_cast<float>(silu[g[i]]) * bf16::to_float(u[i]));
+}
+
+void scalar_backward_row(const uint16_t* d, const uint16_t* g, const uint16_t* u,
+                         int64_t width, uint16_t* dg, uint16_t* du, const uint32_t* silu,
+                         const SiluSlope* slope) {
+  #pragma omp simd
+  for (int64_t i = 0; i < width; ++i) {
+    const float dy = bf16::to_float(d[i]);
+    du[i] = bf16::from_float(dy * std::bit_cast<float>(silu[g[i]]));
+    const float d_silu = bf16::rounded(dy * bf16::to_float(u[i]));
+    const SiluSlope s = slope[g[i]];
+    dg[i] = bf16::from_float((d_silu * s.sigmoid) * s.rest);
+  }
+}
+
+// Whether each loop reads the tables by AVX-512 gathers or one element at a time. Neither is
+// faster everywhere: at a training step's [1408, 1536], gathers took an AMX Xeon's forward
+// from 793 to 543 us and its backward from 2,099 to 1,253, but a Zen 5 EPYC's from 288 to
+// 505 and from 927 to 1,405 (bench/cpu_kernels.py --only silu-loops). So each loop's form is
+// measured once per process, at its first call (kMeasure): both forms on the same few rows
+// of made-up values, alternated, the faster kept. Both give the same bits (tested), so the
+// choice moves only the time. The tests and the benchmark set a form (silu_mul_gathers).
+constexpr int kMeasure = -1, kOneAtATime = 0, kGathers = 1;
+std::atomic<int> g_forward{kMeasure}, g_backward{kMeasure};
 
 #ifdef SILU_MUL_AVX512
 // 16 lanes at a time where the CPU has AVX-512: the tables read by gathers (the compiler
@@ -166,6 +195,79 @@ void silu_mul_backward_row(const uint16_t* d, const uint16_t* g, const uint16_t*
 }
 #endif
 
+// The best of five alternated timings of each form of a loop, on kRows rows of kWidth made-up
+// bf16 values spread over silu's range: whether the gathers were faster.
+constexpr int64_t kRows = 8, kWidth = 1536;
+
+template <class Run>
+bool gathers_faster(Run run) {
+  double best[2] = {1e30, 1e30};
+  for (int round = 0; round < 5; ++round)
+    for (int gathers = 0; gathers < 2; ++gathers) {
+      const auto start = std::chrono::steady_clock::now();
+      run(gathers == 1);
+      const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+      best[gathers] = std::min(best[gathers], took.count());
+    }
+  return best[1] < best[0];
+}
+
+std::vector<uint16_t> made_up(uint32_t seed) {
+  std::vector<uint16_t> values(kRows * kWidth);
+  for (auto& v : values) {  // (a linear congruential generator: uniform in [-8, 8))
+    seed = seed * 1664525u + 1013904223u;
+    v = bf16::from_float(float(seed >> 8) * (16.0f / 16777216.0f) - 8.0f);
+  }
+  return values;
+}
+
+bool measure_forward() {
+#ifdef SILU_MUL_AVX512
+  const uint32_t* silu = silu_table().data();
+  const auto g = made_up(1), u = made_up(2);
+  std::vector<uint16_t> o(kRows * kWidth);
+  return gathers_faster([&](bool gathers) {
+    for (int64_t r = 0; r < kRows; ++r) {
+      const int64_t at = r * kWidth;
+      if (gathers) silu_mul_row(&g[at], &u[at], kWidth, &o[at], silu);
+      else scalar_row(&g[at], &u[at], kWidth, &o[at], silu);
+    }
+  });
+#else
+  return false;
+#endif
+}
+
+bool measure_backward() {
+#ifdef SILU_MUL_AVX512
+  const uint32_t* silu = silu_table().data();
+  const SiluSlope* slope = slope_table().data();
+  const auto d = made_up(3), g = made_up(4), u = made_up(5);
+  std::vector<uint16_t> dg(kRows * kWidth), du(kRows * kWidth);
+  return gathers_faster([&](bool gathers) {
+    for (int64_t r = 0; r < kRows; ++r) {
+      const int64_t at = r * kWidth;
+      if (gathers)
+        silu_mul_backward_row(&d[at], &g[at], &u[at], kWidth, &dg[at], &du[at], silu, slope);
+      else
+        scalar_backward_row(&d[at], &g[at], &u[at], kWidth, &dg[at], &du[at], silu, slope);
+    }
+  });
+#else
+  return false;
+#endif
+}
+
+// A loop's form, measured at its first call (two first calls at once may both measure).
+bool form(std::atomic<int>& chosen, bool (*measure)()) {
+  int now = chosen.load(std::memory_order_relaxed);
+  if (now == kMeasure) {
+    now = measure() ? kGathers : kOneAtATime;
+    chosen.store(now, std::memory_order_relaxed);
+  }
+  return now == kGathers;
+}
+
 }  // namespace
 
 // gate and up [rows, width] bf16, row r at gate + r * gate_stride (in elements), each row
@@ -174,7 +276,7 @@ extern "C" void silu_mul_bf16(const uint16_t* gate, int64_t gate_stride, const u
                               int64_t up_stride, int64_t rows, int64_t width, uint16_t* out,
                               int threads) {
   const uint32_t* silu = silu_table().data();
-  [[maybe_unused]] const bool gathers = g_gathers;
+  [[maybe_unused]] const bool gathers = form(g_forward, measure_forward);
   #pragma omp parallel for num_threads(threads) schedule(static) if (rows * width >= 32768)
   for (int64_t r = 0; r < rows; ++r) {
     const uint16_t* g = gate + r * gate_stride;
@@ -186,9 +288,7 @@ extern "C" void silu_mul_bf16(const uint16_t* gate, int64_t gate_stride, const u
       continue;
     }
 #endif
-    #pragma omp simd
-    for (int64_t i = 0; i < width; ++i)
-      o[i] = bf16::from_float(std::bit_cast<float>(silu[g[i]]) * bf16::to_float(u[i]));
+    scalar_row(g, u, width, o, silu);
   }
 }
 
@@ -206,7 +306,7 @@ extern "C" void silu_mul_backward_bf16(const uint16_t* grad, int64_t grad_stride
                                        int threads) {
   const uint32_t* silu = silu_table().data();
   const SiluSlope* slope = slope_table().data();
-  [[maybe_unused]] const bool gathers = g_gathers;
+  [[maybe_unused]] const bool gathers = form(g_backward, measure_backward);
   #pragma omp parallel for num_threads(threads) schedule(static) if (rows * width >= 32768)
   for (int64_t r = 0; r < rows; ++r) {
     const uint16_t* d = grad + r * grad_stride;
@@ -220,23 +320,16 @@ extern "C" void silu_mul_backward_bf16(const uint16_t* grad, int64_t grad_stride
       continue;
     }
 #endif
-    #pragma omp simd
-    for (int64_t i = 0; i < width; ++i) {
-      const float dy = bf16::to_float(d[i]);
-      du[i] = bf16::from_float(dy * std::bit_cast<float>(silu[g[i]]));
-      const float d_silu = bf16::rounded(dy * bf16::to_float(u[i]));
-      const SiluSlope s = slope[g[i]];
-      dg[i] = bf16::from_float((d_silu * s.sigmoid) * s.rest);
-    }
+    scalar_backward_row(d, g, u, width, dg, du, silu, slope);
   }
 }
 
-// Allows or forbids the gathers; returns whether the loops now use them.
+// Sets both loops' form: 1 gathers, 0 one element at a time, -1 measured at their next calls
+// (the default). Returns whether the forward now takes the gathers (measured first for -1;
+// 0 on a CPU without AVX-512).
 extern "C" int silu_mul_gathers(int allowed) {
-  g_gathers = allowed != 0;
-#ifdef SILU_MUL_AVX512
-  return allowed != 0;
-#else
-  return 0;
-#endif
+  const int set = allowed < 0 ? kMeasure : allowed != 0 ? kGathers : kOneAtATime;
+  g_forward = set;
+  g_backward = set;
+  return form(g_forward, measure_forward) ? 1 : 0;
 }
