@@ -342,8 +342,8 @@ extern "C" int linear_bf16(const uint16_t* x, int64_t ldx, int64_t rows, int64_t
         ahead.at = reinterpret_cast<const char*>(wb + pairs * 128);
         ahead.stop = ahead.at + block_bytes;
       }
-      // the rows in tiles of as even a size as 6 rows at most allow (a tile of few rows
-      // waits on its sums' latency: 128 rows as 18 x 6 + 4 x 5, not 21 x 6 + 2)
+      // the rows in tiles of as even a size as 6 rows at most allow (128 rows: 18 x 6 +
+      // 4 x 5, where the chunks of 48 rows made 21 x 6 and a tile of 2)
       const int64_t count = hi - lo, tiles = (count + kRows - 1) / kRows;
       for (int64_t t = 0, i0 = lo; t < tiles; ++t) {
         const int64_t m = count / tiles + (t < count % tiles ? 1 : 0);

@@ -328,7 +328,12 @@ extern "C" void silu_mul_backward_bf16(const uint16_t* grad, int64_t grad_stride
 // (the default). Returns whether the forward now takes the gathers (measured first for -1;
 // 0 on a CPU without AVX-512).
 extern "C" int silu_mul_gathers(int allowed) {
+#ifdef SILU_MUL_AVX512
   const int set = allowed < 0 ? kMeasure : allowed != 0 ? kGathers : kOneAtATime;
+#else
+  (void)allowed;
+  const int set = kOneAtATime;  // (no gathers to take)
+#endif
   g_forward = set;
   g_backward = set;
   return form(g_forward, measure_forward) ? 1 : 0;
