@@ -4,9 +4,12 @@ In-process `TorchBackend`, SmolLM2-135M, rank-32 LoRA on every linear layer and 
 bench/engine.py), `--dtype` weights (bf16 by default), 2 threads.
 - decode: 32 prompts x 4 samples from a lone sampler snapshot (merged weights where the dtype
   allows); per decode step, the whole step and, timed around their functions, the model's
-  forward (`ModelRunner.run`), its paged attention (`_reference`, all layers), the LM head
-  (`chunked_logits`) and the draw (`sample_rows`). A call of 2 new tokens is subtracted, so the
-  prefill is left out of the totals.
+  forward (`ModelRunner.run`), its decoder body where the lean loop runs it
+  (`decode_layers.run`) and of that the layers' one C++ call where it runs
+  (`native_layers.Loop.run`), the reference paged attention where it runs instead of the
+  native or compiled kernels (`_reference`, all layers), the LM head (`ModelRunner._logits`)
+  and the draw (`sample_rows`). A call of 2 new tokens is subtracted, so the prefill is left
+  out of the totals; a phase that did not run reads 0.
 - train: one batch of 8 x 64-256 tokens: forward only, forward + backward, optim_step.
 Prints the CPU model and the load with the medians of `--rounds`.
 
@@ -57,7 +60,7 @@ def _timed(owner: Any, name: str, label: str, into: dict[str, float]) -> None:
 
 
 def _decode(backend: Any, args: argparse.Namespace) -> None:
-    from tuneloop.server.engine import decoder, model_runner
+    from tuneloop.server.engine import decode_layers, decoder, model_runner, native_layers
     from tuneloop.server.engine import types as t
     from tuneloop.server.engine.kv import paged_attention
 
@@ -65,8 +68,10 @@ def _decode(backend: Any, args: argparse.Namespace) -> None:
     prompts = random_prompts()
     spent: dict[str, float] = collections.defaultdict(float)
     _timed(model_runner.ModelRunner, "run", "forward", spent)
-    _timed(paged_attention, "_reference", "attention", spent)
-    _timed(model_runner, "chunked_logits", "head", spent)
+    _timed(decode_layers, "run", "decoder body (lean loop)", spent)
+    _timed(native_layers.Loop, "run", "layers' C++ call", spent)
+    _timed(paged_attention, "_reference", "reference attention", spent)
+    _timed(model_runner.ModelRunner, "_logits", "head", spent)
     _timed(decoder, "sample_rows", "draw", spent)
 
     def call(new: int) -> dict[str, float]:
