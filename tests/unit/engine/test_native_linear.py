@@ -39,6 +39,7 @@ def form(request: pytest.FixtureRequest) -> Iterator[str]:
         (130, 64, 50, False),  # more rows than a unit
         (64, 2, 7, False),
         (100, 96, 300, True),  # several row chunks on the tiles, a short last pass
+        (130, 64, 520, False),  # three even chunks (192, 192, 136), a short last pass
         (40, 64, 17, True),  # fewer outputs than a tile pass's 32 + 16
     ],
 )

@@ -118,7 +118,7 @@ constexpr auto kTiles = tiles_of(std::make_integer_sequence<int, kRows>{});
 // four fp32 C tiles that start from the bias (a tile load of stride 0 repeats its 16 values
 // down the rows), 32 inputs a step; each output is its fp32 sum rounded to bf16 once. Every
 // row's sums take the same steps in the same order, so a row's values depend on that row
-// alone. Rows come in chunks of kChunkRows (x's chunk stays in L2 while the chunk's blocks
+// alone. Rows come in even chunks of kChunkRows at most (x's chunk stays in L2 while its blocks
 // stream past it); a chunk's last rows, short of a whole 32, are copied into zero rows first
 // (a tile always loads 16 rows). A call of 16 rows or fewer takes `narrow_pass` instead.
 namespace {
@@ -126,7 +126,7 @@ namespace {
 constexpr int64_t kTileK = 32;  // inputs a tile step
 constexpr int64_t kTileRows = 16;  // rows an A tile
 constexpr int64_t kPassRows = 32;  // rows a pass: two A tiles
-constexpr int64_t kChunkRows = 256;  // rows a unit of work
+constexpr int64_t kChunkRows = 256;  // rows a unit of work at most
 constexpr int64_t kLine = 64;  // bytes a cache line
 
 std::atomic<bool> g_tiles_allowed{true};
@@ -237,7 +237,11 @@ void narrow_round_out(const float* sums, int64_t m, int64_t valid, uint16_t* y, 
 int tile_linear(const uint16_t* x, int64_t ldx, int64_t rows, int64_t k, const uint16_t* w,
                 const float* bias, int64_t n, uint16_t* y, int64_t ldy, int threads) {
   const int64_t blocks = (n + 63) / 64, pairs = k / 2;
+  // chunks of even size (whole passes): 300 rows as 256 + 44 left a thread the short chunk's
+  // units where the other had the long chunk's (300 rows 1.24x, 520 rows 1.22x as 160 + 140
+  // and 192 + 192 + 136; docs/benchmarks.md)
   const int64_t chunks = (rows + kChunkRows - 1) / kChunkRows;
+  const int64_t chunk_rows = ((rows + chunks - 1) / chunks + kPassRows - 1) / kPassRows * kPassRows;
   const int64_t units = blocks * chunks;
   // the rows past the last whole pass, with zero rows after them
   // (a step of 16 rows or fewer takes narrow passes of 16)
@@ -257,7 +261,7 @@ int tile_linear(const uint16_t* x, int64_t ldx, int64_t rows, int64_t k, const u
     for (int64_t unit = begin; unit < end; ++unit) {
       // chunk-major: a chunk's rows meet every block in turn (consecutive units share rows)
       const int64_t chunk = unit / blocks, block = unit % blocks;
-      const int64_t first = chunk * kChunkRows, last = std::min(rows, first + kChunkRows);
+      const int64_t first = chunk * chunk_rows, last = std::min(rows, first + chunk_rows);
       const uint16_t* wb = w + block * pairs * 128;
       const float* bb = bias != nullptr ? bias + block * 64 : nullptr;
       const int64_t valid = std::min<int64_t>(64, n - block * 64);
