@@ -12,6 +12,7 @@
 // is never drawn (where rounding puts u * total past the last sum, the last token with mass).
 // A row reads its own logits, uniform and parameters only, so its token and logsumexp do not
 // depend on the rows beside it.
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -219,6 +220,132 @@ void draw_rows(const T* logits, int64_t rows, int64_t vocab, int64_t stride, int
   }
 }
 
+// A row's draw under its top-k, then top-p on what top-k kept (draw.py's `_filtered_draw`),
+// without sorting the vocabulary: torch's sort of 128 rows x 49,152 probabilities took ~330 ms
+// a step on an AMX Xeon, against ~3.5 ms for the whole draw of unfiltered rows. A histogram of
+// the row's exp(logit - max) by their top bits (an exponent and 3 mantissa bits: 8 bins an
+// octave, in the values' order) finds the least bin whose tokens and those above hold the
+// row's k best, or, with top-p alone, more than p of its mass; only those candidates are
+// sorted (by value, ties by ascending index: a stable sort's order, where torch's sort leaves
+// the order of ties unspecified). Then as the torch form: the k-th value, every token at least
+// as large kept (ties with it too), their total; a token dropped where the mass above it is p
+// of that total or more; the inverse CDF of the rest at u, a token without mass never drawn.
+// Sums in fp64; the exp is the unfiltered draw's, so a token differs from the torch form's
+// only where u falls within rounding of a boundary.
+constexpr int kBinShift = 20;  // fp32 bits >> 20: the sign (0), 8 exponent bits, 3 mantissa
+constexpr int kBins = 1024;  // values in [0, 1]: bits <= 0x3f800000, keys <= 1016
+
+struct Candidate {
+  float mass;
+  int64_t index;
+};
+
+struct FilterScratch {
+  std::vector<float> mass;  // the row's exp((logit - max) / temperature)
+  std::vector<Candidate> candidates;
+  double bin_mass[kBins];
+  int64_t bin_count[kBins];
+};
+
+inline int key(float v) { return int(std::bit_cast<uint32_t>(v) >> kBinShift); }
+
+template <typename T>
+int64_t filtered_row(const T* x, int64_t vocab, float u, float temperature, int64_t k, float p,
+                     FilterScratch& s) {
+  bool bad = false;
+  const float top = block_max(x, 0, vocab, &bad);
+  if (bad) return -1;  // (not finite: the unfiltered call's report stands)
+  const float inverse = 1.0f / temperature;
+  s.mass.resize(vocab);
+  float* e = s.mass.data();
+  int64_t i = 0;
+  for (; i + kLanes <= vocab; i += kLanes) {
+    const Floats v = exp_nonpositive((load(x, i) - top) * inverse);
+    std::memcpy(e + i, &v, sizeof v);
+  }
+  for (; i < vocab; ++i) e[i] = exp_nonpositive((value(x, i) - top) * inverse);
+  std::memset(s.bin_mass, 0, sizeof s.bin_mass);
+  std::memset(s.bin_count, 0, sizeof s.bin_count);
+  double all = 0.0;
+  for (i = 0; i < vocab; ++i) {
+    const int b = key(e[i]);
+    s.bin_mass[b] += e[i];
+    ++s.bin_count[b];
+    all += e[i];
+  }
+  // the least bin from which up the candidates hold what the filters can keep
+  int first = 0;
+  if (k < vocab) {
+    int64_t seen = 0;
+    for (int b = kBins - 1; b >= 0; --b)
+      if ((seen += s.bin_count[b]) >= k) {
+        first = b;
+        break;
+      }
+  } else if (p < 1.0f) {  // more than p of the mass (a margin over the sums' rounding)
+    const double wanted = double(p) * all * (1.0 + 1e-6);
+    double held = 0.0;
+    for (int b = kBins - 1; b >= 0; --b)
+      if ((held += s.bin_mass[b]) > wanted) {
+        first = b;
+        break;
+      }
+  }
+  std::vector<Candidate>& c = s.candidates;
+  c.clear();
+  for (i = 0; i < vocab; ++i)
+    if (key(e[i]) >= first) c.push_back({e[i], i});
+  std::sort(c.begin(), c.end(), [](const Candidate& a, const Candidate& b) {
+    return a.mass > b.mass || (a.mass == b.mass && a.index < b.index);
+  });
+  int64_t kept = int64_t(c.size());
+  double total = all;  // top-k keeps every token: the nucleus of the whole row's mass
+  if (k < vocab) {
+    const float kth = c[k - 1].mass;
+    kept = k;
+    while (kept < int64_t(c.size()) && c[kept].mass >= kth) ++kept;
+    total = 0.0;
+    for (int64_t j = 0; j < kept; ++j) total += c[j].mass;
+  }
+  int64_t n = kept;
+  if (p < 1.0f) {  // dropped: a token with p of the kept mass or more above it
+    double above = 0.0;
+    for (int64_t j = 0; j < kept; ++j) {
+      if (above / total >= double(p)) {
+        n = j;
+        break;
+      }
+      above += c[j].mass;
+    }
+  }
+  double nucleus = 0.0;
+  for (int64_t j = 0; j < n; ++j) nucleus += c[j].mass;
+  const double target = double(u) * nucleus;
+  double running = 0.0;
+  int64_t last = -1;
+  for (int64_t j = 0; j < n; ++j) {
+    if (c[j].mass <= 0.0f) continue;
+    last = j;
+    running += c[j].mass;
+    if (running >= target) break;
+  }
+  return c[last < 0 ? 0 : last].index;
+}
+
+template <typename T>
+void draw_filtered(const T* logits, int64_t count, const int64_t* rows, int64_t vocab,
+                   int64_t stride, const float* u, const float* temperature, const int64_t* top_k,
+                   const float* top_p, int64_t* tokens, int threads) {
+  #pragma omp parallel num_threads(threads) if (count > 1)
+  {
+    FilterScratch scratch;
+    #pragma omp for schedule(dynamic)
+    for (int64_t f = 0; f < count; ++f)
+      tokens[f] = filtered_row(logits + rows[f] * stride, vocab, u[f], temperature[f],
+                               top_k[f], top_p[f], scratch);
+  }
+}
+
 }  // namespace
 
 // logits [rows, vocab] (row `stride` elements apart), fp32 or bf16 (`bf16`); u, temperature
@@ -235,4 +362,24 @@ extern "C" void draw_rows(const void* logits, int bf16, int64_t rows, int64_t vo
   else
     draw_rows(static_cast<const float*>(logits), rows, vocab, stride, block, u, temperature,
               greedy, tokens, logsumexp, finite, maxima, threads);
+}
+
+// The rows `rows` [count] of logits [*, vocab] (row `stride` elements apart), fp32 or bf16,
+// drawn under their top-k ([count], 1 <= k <= vocab; vocab: none) and top-p ([count], in
+// (0, 1]; 1: none) at their uniform and temperature ([count] each). Out: tokens [count], -1
+// for a row with a logit that is not finite. Returns 1 where an argument is out of range.
+extern "C" int draw_filtered_rows(const void* logits, int bf16, int64_t count, const int64_t* rows,
+                                  int64_t vocab, int64_t stride, const float* u,
+                                  const float* temperature, const int64_t* top_k,
+                                  const float* top_p, int64_t* tokens, int threads) {
+  if (count < 0 || vocab <= 0 || stride < 0) return 1;  // (rows may be one row, repeated)
+  for (int64_t f = 0; f < count; ++f)
+    if (rows[f] < 0 || top_k[f] < 1 || top_k[f] > vocab || !(temperature[f] > 0.0f)) return 1;
+  if (bf16)
+    draw_filtered(static_cast<const uint16_t*>(logits), count, rows, vocab, stride, u,
+                  temperature, top_k, top_p, tokens, threads);
+  else
+    draw_filtered(static_cast<const float*>(logits), count, rows, vocab, stride, u, temperature,
+                  top_k, top_p, tokens, threads);
+  return 0;
 }

@@ -5,9 +5,15 @@ a softmax that writes [rows, V] probabilities, their block sums, the gathers) an
 in fp32, so the head's bf16 output was first copied to a fresh fp32 tensor. At 128 rows x
 49,152 tokens on an AVX-512-BF16 EPYC, a step's draw of fp32 logits took 5.7 ms and of a bf16
 head's, copy included, 14.2 ms; draw.cpp makes two passes over the head's own output, 2.2 and
-2.3 ms (bench/draw_step.py, docs/benchmarks.md). It draws the rows without top-k or top-p,
-greedy and tempered rows included; draw.py keeps the filtered rows' draw (a sort of their own
-rows) and the top-k logprobs (from the block maxima this call returns).
+2.3 ms (bench/draw_step.py, docs/benchmarks.md). It draws every row, greedy and tempered
+rows included, as if unfiltered; draw.py keeps the top-k logprobs (from the block maxima this
+call returns).
+
+Rows with top-k or top-p take a second call (`draw_filtered`). The torch form sorts each such
+row's whole vocabulary: 128 rows of 49,152 tokens took ~330 ms a step on an AMX Xeon, where the
+unfiltered draw takes ~3.5. The kernel bins a row's exp(logit - max) by their top bits, sorts
+only the bins' candidates that the filters can keep, and filters and draws them as the torch
+form does (tied probabilities in ascending token order, which torch's sort leaves unspecified).
 
 Its exp is a polynomial rather than torch's, and its sums add in another order, so a row's
 probabilities differ from torch's softmax in the last bits: a token differs from the torch
@@ -27,7 +33,7 @@ import torch
 
 from tuneloop.server.engine import native
 
-__all__ = ["available", "draw", "takes"]
+__all__ = ["available", "draw", "draw_filtered", "takes"]
 
 SOURCE = Path(__file__).with_name("draw.cpp")
 
@@ -44,8 +50,25 @@ _SIGNATURE = (
 )
 
 
+# logits, bf16; count, rows, vocab, stride; u, temperature, top_k, top_p; tokens; threads
+_FILTERED = (
+    _POINTER,
+    ctypes.c_int,
+    _SIZE,
+    _POINTER,
+    _SIZE,
+    _SIZE,
+    *[_POINTER] * 5,
+    ctypes.c_int,
+)
+
+
 def _kernel() -> Any:
     return native.function(SOURCE, "draw_rows", _SIGNATURE)
+
+
+def _filtered_kernel() -> Any:
+    return native.function(SOURCE, "draw_filtered_rows", _FILTERED, ctypes.c_int)
 
 
 def available() -> bool:
@@ -105,3 +128,49 @@ def draw(
         torch.get_num_threads(),
     )
     return tokens, logsumexp, finite, maxima
+
+
+def draw_filtered(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    u: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+) -> torch.Tensor:
+    """The tokens [F] int64 of the rows `rows` [F] of logits under their top-k ([F], the
+    vocabulary where none), then top-p ([F], 1 where none), at their uniform and temperature
+    ([F] each): draw.py's `_filtered_draw` of their tempered softmax, tied probabilities in
+    ascending token order; -1 in a row with a logit that is not finite. `takes(logits)` must
+    hold."""
+    kernel = _filtered_kernel()
+    assert kernel is not None
+    assert takes(logits)
+    count, (height, vocab) = rows.shape[0], logits.shape
+    rows = rows.to(torch.int64).contiguous()
+    u = u.to(torch.float32).contiguous()
+    temperature = temperature.to(torch.float32).contiguous()
+    top_k = top_k.to(torch.int64).contiguous()
+    top_p = top_p.to(torch.float32).contiguous()
+    if not (rows.shape == u.shape == temperature.shape == top_k.shape == top_p.shape == (count,)):
+        raise ValueError("rows, u, temperature, top_k and top_p need one value per filtered row")
+    if count and (int(rows.min()) < 0 or int(rows.max()) >= height):
+        raise ValueError(f"rows must index the logits' {height} rows")
+    tokens = torch.empty(count, dtype=torch.long)
+    code = kernel(
+        logits.data_ptr(),
+        int(logits.dtype == torch.bfloat16),
+        count,
+        rows.data_ptr(),
+        vocab,
+        logits.stride(0) if height > 1 else vocab,
+        u.data_ptr(),
+        temperature.data_ptr(),
+        top_k.data_ptr(),
+        top_p.data_ptr(),
+        tokens.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if code:
+        raise ValueError(f"top_k must lie in [1, {vocab}] and temperatures above 0")
+    return tokens
