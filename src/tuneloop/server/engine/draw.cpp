@@ -11,7 +11,8 @@
 // block, and that block alone is summed again token by token; a token whose probability is 0
 // is never drawn (where rounding puts u * total past the last sum, the last token with mass).
 // A row reads its own logits, uniform and parameters only, so its token and logsumexp do not
-// depend on the rows beside it.
+// depend on the rows beside it. Rows with top-k or top-p are drawn again by a second entry
+// point (`draw_filtered_rows`, below).
 #include <algorithm>
 #include <bit>
 #include <cmath>
