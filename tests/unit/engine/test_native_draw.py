@@ -173,6 +173,7 @@ def _filtered_reference(
         (1.0, 20, 0.8),
         (1.0, 1, 1.0),
         (0.9, 3000, 0.999),
+        (0.8, 40, 0.9),
     ],
 )
 def test_filtered_rows_draw_the_filters_tokens_but_at_rounding_boundaries(

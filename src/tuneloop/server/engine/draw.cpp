@@ -14,6 +14,7 @@
 // depend on the rows beside it. Rows with top-k or top-p are drawn again by a second entry
 // point (`draw_filtered_rows`, below).
 #include <algorithm>
+#include <functional>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -223,16 +224,19 @@ void draw_rows(const T* logits, int64_t rows, int64_t vocab, int64_t stride, int
 
 // A row's draw under its top-k, then top-p on what top-k kept (draw.py's `_filtered_draw`),
 // without sorting the vocabulary: torch's sort of 128 rows x 49,152 probabilities took ~330 ms
-// a step on an AMX Xeon, against ~3.5 ms for the whole draw of unfiltered rows. A histogram of
-// the row's exp(logit - max) by their top bits (an exponent and 3 mantissa bits: 8 bins an
-// octave, in the values' order) finds the least bin whose tokens and those above hold the
-// row's k best, or, with top-p alone, more than p of its mass; only those candidates are
-// sorted (by value, ties by ascending index: a stable sort's order, where torch's sort leaves
-// the order of ties unspecified). Then as the torch form: the k-th value, every token at least
-// as large kept (ties with it too), their total; a token dropped where the mass above it is p
-// of that total or more; the inverse CDF of the rest at u, a token without mass never drawn.
-// Sums in fp64; the exp is the unfiltered draw's, so a token differs from the torch form's
-// only where u falls within rounding of a boundary.
+// a step on an AMX Xeon, against ~3.5 ms for the whole draw of unfiltered rows. Only the
+// candidates that the filters can keep are sorted (by value, ties by ascending index: a stable
+// sort's order, where torch's sort leaves the order of ties unspecified):
+// - top-k (k at most the row's spans of 64 tokens): the logits at least as large as the k-th
+//   largest span maximum, which is at most the row's k-th logit;
+// - otherwise a histogram of the row's exp(logit - max) by their top bits (an exponent and 3
+//   mantissa bits: 8 bins an octave, in the values' order) gives the least bin from which up
+//   the tokens hold the k best, or with top-p alone more than p of the row's mass.
+// Then as the torch form: the k-th value, every token at least as large kept (ties with it
+// too), their total; a token dropped where the mass above it is p of that total or more; the
+// inverse CDF of the rest at u, a token without mass never drawn. Sums in fp64; the exp is the
+// unfiltered draw's, so a token differs from the torch form's only where u falls within
+// rounding of a boundary.
 constexpr int kBinShift = 20;  // fp32 bits >> 20: the sign (0), 8 exponent bits, 3 mantissa
 constexpr int kBins = 1024;  // values in [0, 1]: bits <= 0x3f800000, keys <= 1016
 
@@ -241,8 +245,11 @@ struct Candidate {
   int64_t index;
 };
 
+constexpr int64_t kSpan = 64;  // tokens a span, whose maximum bounds top-k's candidates
+
 struct FilterScratch {
   std::vector<float> mass;  // the row's exp((logit - max) / temperature)
+  std::vector<float> span_max, order;
   std::vector<Candidate> candidates;
   double bin_mass[kBins];
   int64_t bin_count[kBins];
@@ -257,45 +264,68 @@ int64_t filtered_row(const T* x, int64_t vocab, float u, float temperature, int6
   const float top = block_max(x, 0, vocab, &bad);
   if (bad) return -1;  // (not finite: the unfiltered call's report stands)
   const float inverse = 1.0f / temperature;
-  s.mass.resize(vocab);
-  float* e = s.mass.data();
-  int64_t i = 0;
-  for (; i + kLanes <= vocab; i += kLanes) {
-    const Floats v = exp_nonpositive((load(x, i) - top) * inverse);
-    std::memcpy(e + i, &v, sizeof v);
-  }
-  for (; i < vocab; ++i) e[i] = exp_nonpositive((value(x, i) - top) * inverse);
-  std::memset(s.bin_mass, 0, sizeof s.bin_mass);
-  std::memset(s.bin_count, 0, sizeof s.bin_count);
-  double all = 0.0;
-  for (i = 0; i < vocab; ++i) {
-    const int b = key(e[i]);
-    s.bin_mass[b] += e[i];
-    ++s.bin_count[b];
-    all += e[i];
-  }
-  // the least bin from which up the candidates hold what the filters can keep
-  int first = 0;
-  if (k < vocab) {
-    int64_t seen = 0;
-    for (int b = kBins - 1; b >= 0; --b)
-      if ((seen += s.bin_count[b]) >= k) {
-        first = b;
-        break;
-      }
-  } else if (p < 1.0f) {  // more than p of the mass (a margin over the sums' rounding)
-    const double wanted = double(p) * all * (1.0 + 1e-6);
-    double held = 0.0;
-    for (int b = kBins - 1; b >= 0; --b)
-      if ((held += s.bin_mass[b]) > wanted) {
-        first = b;
-        break;
-      }
-  }
   std::vector<Candidate>& c = s.candidates;
   c.clear();
-  for (i = 0; i < vocab; ++i)
-    if (key(e[i]) >= first) c.push_back({e[i], i});
+  const int64_t spans = (vocab + kSpan - 1) / kSpan;
+  double all = 0.0;  // the row's total (top-p alone filters by it)
+  if (k < vocab && k <= spans) {
+    // Top-k: the k-th largest span maximum is at most the row's k-th logit (k spans hold one
+    // at least as large), so the candidates are the logits at least that large, in the spans
+    // whose maximum is; only theirs are exponentiated.
+    s.span_max.resize(spans);
+    for (int64_t b = 0; b < spans; ++b) {
+      bool unused = false;
+      s.span_max[b] = block_max(x, b * kSpan, std::min(vocab, (b + 1) * kSpan), &unused);
+    }
+    s.order.assign(s.span_max.begin(), s.span_max.end());
+    std::nth_element(s.order.begin(), s.order.begin() + (k - 1), s.order.end(),
+                     std::greater<float>());
+    const float least = s.order[k - 1];
+    for (int64_t b = 0; b < spans; ++b)
+      if (s.span_max[b] >= least)
+        for (int64_t i = b * kSpan; i < std::min(vocab, (b + 1) * kSpan); ++i)
+          if (value(x, i) >= least)
+            c.push_back({exp_nonpositive((value(x, i) - top) * inverse), i});
+  } else {
+    s.mass.resize(vocab);
+    float* e = s.mass.data();
+    Floats sum = Floats{};
+    int64_t i = 0;
+    for (; i + kLanes <= vocab; i += kLanes) {
+      const Floats v = exp_nonpositive((load(x, i) - top) * inverse);
+      std::memcpy(e + i, &v, sizeof v);
+      sum += v;
+    }
+    all = lane_sum(sum);
+    for (; i < vocab; ++i) all += (e[i] = exp_nonpositive((value(x, i) - top) * inverse));
+    // the least bin from which up the candidates hold what the filters can keep
+    std::memset(s.bin_mass, 0, sizeof s.bin_mass);
+    std::memset(s.bin_count, 0, sizeof s.bin_count);
+    for (i = 0; i < vocab; ++i) {
+      const int b = key(e[i]);
+      s.bin_mass[b] += e[i];
+      ++s.bin_count[b];
+    }
+    int first = 0;
+    if (k < vocab) {
+      int64_t seen = 0;
+      for (int b = kBins - 1; b >= 0; --b)
+        if ((seen += s.bin_count[b]) >= k) {
+          first = b;
+          break;
+        }
+    } else if (p < 1.0f) {  // more than p of the mass (a margin over the sums' rounding)
+      const double wanted = double(p) * all * (1.0 + 1e-6);
+      double held = 0.0;
+      for (int b = kBins - 1; b >= 0; --b)
+        if ((held += s.bin_mass[b]) > wanted) {
+          first = b;
+          break;
+        }
+    }
+    for (i = 0; i < vocab; ++i)
+      if (key(e[i]) >= first) c.push_back({e[i], i});
+  }
   std::sort(c.begin(), c.end(), [](const Candidate& a, const Candidate& b) {
     return a.mass > b.mass || (a.mass == b.mass && a.index < b.index);
   });
