@@ -1,7 +1,7 @@
 """Sampling throughput of two engine trees side by side: bench/engine.py's sampling workload.
 
 32 prompts of 16-48 tokens (SmolLM2's corpus text, as bench/engine.py makes them) x 4 samples x
-64 new tokens, temperature 1, no early stop, through `TorchBackend.sample` from a rank-32 LoRA
+64 new tokens, temperature 1 (`--top-k`, `--top-p`: none by default), no early stop, through `TorchBackend.sample` from a rank-32 LoRA
 adapter on every linear layer and the LM head, `--dtype` (fp32 by default), `--threads` threads.
 Each measurement runs in its own process with one tree's `src/` first on the path
 (`--before-src`: a checkout of the engine to compare with; the other is this tree), rounds
@@ -9,6 +9,7 @@ alternating between the two, so machine noise hits both alike; reported per roun
 median ratio.
 
     python bench/sampling_ab.py --before-src /tmp/before/src [--rounds 3] [--json out.json]
+    python bench/sampling_ab.py --before-src /tmp/before/src --top-p 0.9 --top-k 50
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def worker(args: argparse.Namespace) -> dict[str, float]:
 
     def works(n: int, new: int) -> list[t.SampleWork]:
         return [
-            t.SampleWork("s", np.asarray(p), n, new, 1.0, -1, 1.0, SEED, (), ()) for p in prompts
+            t.SampleWork("s", np.asarray(p), n, new, 1.0, args.top_k, args.top_p, SEED, (), ())
+            for p in prompts
         ]
 
     backend.sample(works(args.samples, 4))  # warm-up
@@ -67,6 +69,8 @@ def main() -> int:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="float32", help="the base weights' dtype, both trees")
+    parser.add_argument("--top-k", type=int, default=-1, help="every request's top-k (-1: none)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="every request's top-p")
     parser.add_argument("--before-src", type=Path, required=True)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path)
@@ -79,6 +83,8 @@ def main() -> int:
     passed = [
         f"--{k}={getattr(args, k)}" for k in ("threads", "prompts", "samples", "new", "dtype")
     ] + [
+        f"--top-k={args.top_k}",
+        f"--top-p={args.top_p}",
         f"--before-src={args.before_src}",
         "--worker",
     ]
