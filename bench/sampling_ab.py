@@ -1,8 +1,9 @@
 """Sampling throughput of two engine trees side by side: bench/engine.py's sampling workload.
 
 32 prompts of 16-48 tokens (SmolLM2's corpus text, as bench/engine.py makes them) x 4 samples x
-64 new tokens, temperature 1 (`--top-k`, `--top-p`: none by default), no early stop, through `TorchBackend.sample` from a rank-32 LoRA
-adapter on every linear layer and the LM head, `--dtype` (fp32 by default), `--threads` threads.
+64 new tokens, temperature 1 (`--top-k`, `--top-p`: none by default), no early stop, through
+`TorchBackend.sample` from a rank-32 LoRA adapter on every linear layer and the LM head,
+`--dtype` (fp32 by default), `--threads` threads.
 Each measurement runs in its own process with one tree's `src/` first on the path
 (`--before-src`: a checkout of the engine to compare with; the other is this tree), rounds
 alternating between the two, so machine noise hits both alike; reported per round and as the
