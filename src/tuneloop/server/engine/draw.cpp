@@ -318,24 +318,20 @@ int64_t filtered_row(const T* x, int64_t vocab, float u, float temperature, int6
     // the least bin from which up the candidates hold what the filters can keep
     std::memset(s.bin_mass, 0, sizeof s.bin_mass);
     std::memset(s.bin_count, 0, sizeof s.bin_count);
-    if (k < vocab || !(p < 1.0f)) {
-      for (i = 0; i < vocab; ++i) {
-        const int b = key(e[i]);
-        s.bin_mass[b] += e[i];
-        ++s.bin_count[b];
-      }
-    } else {
-      // Top-p alone: only values of at least (1 - p) / 2 of the mean are binned. All below
-      // hold less than (1 - p) / 2 of the total, so those above hold more than p of it
-      // (for p below 1 - 2e-6; above, the search below finds no bin and takes every token).
-      // A peaked row has few: SmolLM2's rows at top-p 0.9 took 2.6x as long binned whole.
-      const float floor = float(0.5 * (1.0 - double(p)) * all / double(vocab));
-      for (i = 0; i < vocab; i += kLanes)  // (e's lanes past vocab are zeros, below floor)
-        each_at_least(e, i, floor, [&](int64_t j) {
+    // With top-p alone, only values of at least (1 - p) / 2 of the mean are binned. All below
+    // hold less than (1 - p) / 2 of the total, so those above hold more than p of it (for p
+    // below 1 - 2e-6; above, the search below finds no bin and takes every token). A peaked
+    // row has few: SmolLM2's rows at top-p 0.9 took 2.6x as long binned whole. Otherwise
+    // every value is binned (the k-th may be any).
+    const bool top_p_alone = !(k < vocab) && p < 1.0f;
+    const float floor = top_p_alone ? float(0.5 * (1.0 - double(p)) * all / double(vocab)) : 0.0f;
+    for (i = 0; i < vocab; i += kLanes)  // (e's lanes past vocab are zeros: not tokens)
+      each_at_least(e, i, floor, [&](int64_t j) {
+        if (j < vocab) {
           s.bin_mass[key(e[j])] += e[j];
           ++s.bin_count[key(e[j])];
-        });
-    }
+        }
+      });
     int first = 0;
     if (k < vocab) {
       int64_t seen = 0;
