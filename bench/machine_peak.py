@@ -6,7 +6,11 @@ bandwidth bound (weight bytes read per decode step over the read bandwidth measu
 
 Matmul: `torch.mm` into a preallocated output, on square sizes and on the shapes a small LLM
 runs (tokens x hidden @ hidden x MLP width, and the LM head), 2*M*K*N FLOPs per product; one
-untimed call first, then the median of timed repeats, and the best shape is the peak. Shapes
+untimed call first, then the median of timed repeats, and the best shape is the peak. On a CPU
+the same products also run on a weight packed once for oneDNN (the kernel the engine's packed
+linears call, packed.py), and the peak is the best of both: torch.mm's fp32 goes to MKL, whose
+kernel on AMD CPUs stops at AVX2 (a Zen 5 EPYC: 0.21 TFLOP/s against oneDNN's 0.50 on its
+AVX-512 units), so torch.mm alone would understate what the machine does. Shapes
 run smallest first; one call slower than 5 s (0.5 s with --quick) is timed once and the larger
 shapes of that dtype are skipped, so a dtype with no fast kernel (bf16 on a CPU without bf16
 instructions runs ~100x slower than fp32) is reported as slow in seconds, not hours. Read
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -96,14 +101,29 @@ def _matmul(
     min_s: float,
     reps: int,
     cap_s: float,
+    kernel: str = "mm",
 ) -> dict[str, Any]:
     m, k, n = shape
     gen = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(m, k, device=device, dtype=dtype, generator=gen)
     b = torch.randn(k, n, device=device, dtype=dtype, generator=gen)
     out = torch.empty(m, n, device=device, dtype=dtype)
-    seconds, capped = _seconds_per_call(lambda: torch.mm(a, b, out=out), device, min_s, reps, cap_s)
+    if kernel == "mm":
+        seconds, capped = _seconds_per_call(
+            lambda: torch.mm(a, b, out=out), device, min_s, reps, cap_s
+        )
+    else:  # oneDNN on a weight [n, k] packed once, as packed.py multiplies the engine's
+        mkldnn = torch.ops.mkldnn
+        packed = mkldnn._reorder_linear_weight(b.t().contiguous())
+        seconds, capped = _seconds_per_call(
+            lambda: mkldnn._linear_pointwise(a, packed, None, "none", [], ""),
+            device,
+            min_s,
+            reps,
+            cap_s,
+        )
     return {
+        "kernel": kernel,
         "dtype": str(dtype).removeprefix("torch."),
         "m": m,
         "k": k,
@@ -141,6 +161,23 @@ def _device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
+def _kernels(device: torch.device) -> list[str]:
+    """torch.mm everywhere; on a CPU with oneDNN's packed linear also that ("onednn")."""
+    mkldnn = torch.ops.mkldnn
+    packed = (
+        device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and hasattr(mkldnn, "_reorder_linear_weight")
+        and hasattr(mkldnn, "_linear_pointwise")
+    )
+    return ["mm", "onednn"] if packed else ["mm"]
+
+
+def _onednn_takes(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs `dtype` weights here: bf16 only on a CPU with bf16 or AVX-512 units."""
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def measure(device: str = "cpu", threads: int | None = None, quick: bool = False) -> dict[str, Any]:
     """Peak matmul TFLOP/s per dtype and read bandwidth of `device`, on `threads` torch threads
     (default: torch's current setting; restored afterwards). `quick` takes a few seconds: fewer,
@@ -159,12 +196,15 @@ def measure(device: str = "cpu", threads: int | None = None, quick: bool = False
             gib = 0.5 if quick else 1.0
         min_s, reps, cap_s = (0.1, 3, 0.5) if quick else (0.5, 5, 5.0)
         matmuls = []
-        for dtype in DTYPES.values():
-            # smallest product first; after one slower than the cap, larger ones are skipped
-            for shape in sorted(shapes, key=math.prod):
-                matmuls.append(_matmul(dev, dtype, shape, min_s, reps, cap_s))
-                if matmuls[-1]["slow_call_timed_once"]:
-                    break
+        for kernel in _kernels(dev):
+            for dtype in DTYPES.values():
+                if kernel == "onednn" and not _onednn_takes(dtype):
+                    continue
+                # smallest product first; after one slower than the cap, larger ones are skipped
+                for shape in sorted(shapes, key=math.prod):
+                    matmuls.append(_matmul(dev, dtype, shape, min_s, reps, cap_s, kernel))
+                    if matmuls[-1]["slow_call_timed_once"]:
+                        break
         memory = _bandwidth(dev, gib, min_s, reps)
         threads_used = torch.get_num_threads()
     finally:
@@ -175,6 +215,11 @@ def measure(device: str = "cpu", threads: int | None = None, quick: bool = False
         "device_name": _device_name(dev),
         "threads": threads_used if dev.type == "cpu" else None,
         "torch": torch.__version__,
+        # torch's vector level (ATEN_CPU_CAPABILITY caps it; bench/avx2_only.sh) and oneDNN's cap
+        "cpu_capability": (
+            torch.backends.cpu.get_cpu_capability() if dev.type == "cpu" else None
+        ),
+        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA") if dev.type == "cpu" else None,
         # fp32 products on a GPU run as plain fp32 unless TF32 is allowed; recorded as measured
         "cuda_matmul_allow_tf32": (
             bool(torch.backends.cuda.matmul.allow_tf32) if dev.type == "cuda" else None
@@ -190,13 +235,20 @@ def measure(device: str = "cpu", threads: int | None = None, quick: bool = False
 
 def print_table(result: dict[str, Any], file: Any = sys.stdout) -> None:
     threads = f", {result['threads']} threads" if result["threads"] else ""
-    print(f"{result['device_name']} ({result['device']}{threads})", file=file)
-    print(f"{'dtype':9s} {'M x K x N':>22s} {'ms/call':>10s} {'TFLOP/s':>9s}", file=file)
+    isa = ""
+    if result.get("cpu_capability"):
+        cap = result.get("onednn_max_cpu_isa")
+        isa = f"; torch {result['cpu_capability']}" + (f", oneDNN capped at {cap}" if cap else "")
+    print(f"{result['device_name']} ({result['device']}{threads}{isa})", file=file)
+    print(
+        f"{'kernel':7s} {'dtype':9s} {'M x K x N':>22s} {'ms/call':>10s} {'TFLOP/s':>9s}", file=file
+    )
     for r in result["matmul"]:
         shape = f"{r['m']} x {r['k']} x {r['n']}"
         once = "  (slow: timed once, larger shapes skipped)" if r["slow_call_timed_once"] else ""
         print(
-            f"{r['dtype']:9s} {shape:>22s} {r['ms_per_call']:10.3f} {r['tflops']:9.3f}{once}",
+            f"{r.get('kernel', 'mm'):7s} {r['dtype']:9s} {shape:>22s} {r['ms_per_call']:10.3f} "
+            f"{r['tflops']:9.3f}{once}",
             file=file,
         )
     peak = result["matmul_tflops"]

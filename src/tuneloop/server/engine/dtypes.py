@@ -21,9 +21,10 @@ import logging
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
+
+from tuneloop.server.engine import native
 
 log = logging.getLogger(__name__)
 
@@ -57,15 +58,11 @@ def probe_speedup() -> float:
 
 
 def cpu_bf16_flags() -> bool | None:
-    """Whether the CPU lists bf16 instructions (AVX-512-BF16, AMX); None if it can't be read."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.is_file():
+    """Whether the CPU lists bf16 instructions (AVX-512-BF16, AMX); None if it can't be read.
+    Under `TUNELOOP_CPU_ISA=avx2` (native.py) it lists none: weights stay fp32 unprobed."""
+    flags = native.cpu_flags()
+    if not flags:
         return None
-    flags: set[str] = set()
-    for line in cpuinfo.read_text().splitlines():
-        if line.startswith("flags"):
-            flags.update(line.split(":", 1)[1].split())
-            break
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 

@@ -13,6 +13,12 @@ torch's. Calls go through ctypes, which releases the GIL for them. Where a libra
 built (no compiler, a CPU without the instructions it needs, not x86-64 Linux) `library`
 gives None, with a warning where the build itself failed, and the callers keep their torch
 path.
+
+`TUNELOOP_CPU_ISA=avx2` makes a larger CPU look like an AVX2-only one to these kernels: its
+flags are cut to x86-64-v3's (no AVX-512, no AMX, no bf16 instructions) and the sources are
+built for that level. With torch's and oneDNN's own caps (`ATEN_CPU_CAPABILITY=avx2`,
+`ONEDNN_MAX_CPU_ISA=AVX2`; bench/avx2_only.sh sets all three) the engine takes the paths of an
+fp32-only CPU, so they can be measured and tested on a host that has more.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ __all__ = [
     "cpu_flags",
     "function",
     "in_sampling_step",
+    "isa_cap",
     "library",
     "sampling_step",
 ]
@@ -47,6 +54,13 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-std=c++20", "-fopenmp", "-fPIC", "-shared")
+ISA_VARIABLE = "TUNELOOP_CPU_ISA"
+# x86-64-v3's flags as /proc/cpuinfo spells them (abm is LZCNT's): what an AVX2-only CPU lists
+# of the ones the kernels ask for
+_AVX2_LEVEL = frozenset(
+    "fpu cx8 cmov mmx fxsr sse sse2 pni ssse3 sse4_1 sse4_2 popcnt cx16 lahf_lm avx avx2 fma f16c"
+    " bmi1 bmi2 movbe abm xsave osxsave".split()
+)
 _ENGINE = Path(__file__).parent  # its headers are shared by the sources of its subfolders
 _state = threading.local()  # `sampling`: inside `sampling_step()` on this thread
 
@@ -88,15 +102,34 @@ def bf16_rows(x: torch.Tensor, features: int, kernel: str, operand: str) -> torc
     return x
 
 
+def isa_cap() -> str | None:
+    """"avx2" where `TUNELOOP_CPU_ISA` asks the kernels to take an AVX2-only CPU's paths, None
+    where they take the host's; ValueError naming the variable for any other value."""
+    value = os.environ.get(ISA_VARIABLE, "").strip().lower()
+    if value in ("", "native"):
+        return None
+    if value != "avx2":
+        raise ValueError(f"{ISA_VARIABLE} must be 'avx2' or 'native', not {value!r}")
+    return value
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read),
+    cut to x86-64-v3's under `TUNELOOP_CPU_ISA=avx2`."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return frozenset()
     line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split())
+    flags = frozenset(line.partition(":")[2].split())
+    return flags & _AVX2_LEVEL if isa_cap() == "avx2" else flags
+
+
+def _compile_flags() -> tuple[str, ...]:
+    if isa_cap() != "avx2":
+        return FLAGS
+    return tuple("-march=x86-64-v3" if flag == "-march=native" else flag for flag in FLAGS)
 
 
 def _compiler() -> str | None:
@@ -121,7 +154,8 @@ def _build(source: Path) -> ctypes.CDLL:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True, timeout=60
     ).stdout
-    parts = [" ".join(FLAGS), version, " ".join(sorted(cpu_flags()))]
+    flags = _compile_flags()
+    parts = [" ".join(flags), version, " ".join(sorted(cpu_flags()))]
     # the headers beside the source and the engine's own (bf16.h, amx.h, included as "../x.h"
     # from a subfolder) are part of what is built
     headers = sorted({*source.parent.glob("*.h"), *_ENGINE.glob("*.h")})
@@ -133,7 +167,7 @@ def _build(source: Path) -> ctypes.CDLL:
         with tempfile.TemporaryDirectory(dir=folder) as scratch:
             fresh = Path(scratch) / built.name
             result = subprocess.run(
-                [compiler, *FLAGS, "-o", str(fresh), str(source)],
+                [compiler, *flags, "-o", str(fresh), str(source)],
                 capture_output=True,
                 text=True,
                 timeout=300,
