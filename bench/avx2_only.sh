@@ -10,4 +10,8 @@ export ATEN_CPU_CAPABILITY=avx2
 export ONEDNN_MAX_CPU_ISA=AVX2
 export MKL_ENABLE_INSTRUCTIONS=AVX2
 export TUNELOOP_CPU_ISA=avx2
+# inductor's on-disk cache does not key its kernels by the capped vector level: a kernel built
+# here and loaded later by an uncapped process of the same user crashed it (glibc: "double free
+# or corruption" in the compiled RMSNorm's warm-up). The capped runs keep a cache of their own.
+export TORCHINDUCTOR_CACHE_DIR="${TMPDIR:-/tmp}/torchinductor-avx2-$(id -u)"
 exec "$@"

@@ -25,6 +25,8 @@ model and the load. `--profile` prints the top ops of one step of the current va
     python bench/train_variants.py --variant rotary  # the rotary embedding's backward in C++
     python bench/train_variants.py --variant head-join  # the head's joined inputs once a chunk
     python bench/train_variants.py --variant attention-tiles  # attention on the AMX tile unit
+    python bench/train_variants.py --variant fp32-onednn --dtype float32  # frozen weights'
+                                                    # products by oneDNN, not MKL's sgemm
     python bench/train_variants.py --profile
     python bench/train_variants.py --micro          # each piece alone, 422 AdamW tensors, the head,
                                                     # one layer's packed attention fwd+bwd and
@@ -174,6 +176,19 @@ def _siblings(previous: bool) -> Any:
     from tuneloop.server.engine.lora import siblings
 
     return _swapped(siblings, "_GROUPED", False if previous else None)
+
+
+@contextmanager
+def _fp32_onednn(previous: bool) -> Iterator[None]:
+    """previous: fp32 products by frozen weights by torch's matmul (MKL's sgemm); current: by
+    oneDNN, forced (cpu_fp32_matmul.py; the engine measures which to take)."""
+    from tuneloop.server.engine import cpu_fp32_matmul
+
+    cpu_fp32_matmul.choose(not previous)
+    try:
+        yield
+    finally:
+        cpu_fp32_matmul.choose(None)
 
 
 def _silu_product(previous: bool) -> Any:
@@ -543,6 +558,7 @@ def main() -> int:
             "rotary",
             "head-join",
             "attention-tiles",
+            "fp32-onednn",
         ],
         default="attention",
     )
@@ -629,6 +645,7 @@ def main() -> int:
         "rotary": _rotary,
         "head-join": _head_join,
         "attention-tiles": _attention_tiles,
+        "fp32-onednn": _fp32_onednn,
     }
     switch = switches[args.variant]
     times: dict[str, list[float]] = {"previous": [], "current": []}

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tuneloop.server.engine import native_head
+from tuneloop.server.engine import cpu_fp32_matmul, native_head
 from tuneloop.server.engine.lora.linear import LoRALinear
 from tuneloop.server.engine.lora.ops import HALF, shrink, summed_linear
 from tuneloop.server.engine.memory import SAVED_LOGITS_BYTES
@@ -205,13 +205,11 @@ def _tile(
         inputs = joined.input(i)[r0 - seg.start : r1 - seg.start]
         return torch.nn.functional.linear(inputs, joined.weight(i, w, v0), cut)
     if into is not None:
-        out = torch.mm(x[r0:r1], w.t(), out=into)
+        out = cpu_fp32_matmul.linear_into(x[r0:r1], w, into)
         if bias is not None:
             out.add_(bias[v0:v1])
-    elif bias is None:
-        out = x[r0:r1] @ w.t()
     else:
-        out = torch.addmm(bias[v0:v1], x[r0:r1], w.t())
+        out = cpu_fp32_matmul.linear(x[r0:r1], w, None if bias is None else bias[v0:v1])
     for seg, low in zip(parts.segments, lows, strict=True):
         s0, s1 = max(seg.start, r0), min(seg.end, r1)
         if s0 < s1:
@@ -327,7 +325,10 @@ class _FusedHead(torch.autograd.Function):
                     if softcap:
                         d.mul_(1 - (z / softcap).square())  # d/dx of tanh(x / c) * c
                     d = d.to(hidden.dtype)
-                _accumulate(d_hidden[r0:r1], d, head[0][v0:v1], exact)
+                if exact:
+                    cpu_fp32_matmul.addmm_(d_hidden[r0:r1], d, head[0][v0:v1])
+                else:
+                    _accumulate(d_hidden[r0:r1], d, head[0][v0:v1], exact)
                 for seg, low, b, d_low, d_b in zip(
                     parts.segments, lows, bs, d_lows, d_bs, strict=True
                 ):

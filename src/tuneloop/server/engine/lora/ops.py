@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from tuneloop.server.engine import cpu_fp32_matmul
+
 __all__ = [
     "HALF",
     "Factors",
@@ -217,7 +219,7 @@ class _OneAdapterLinear(torch.autograd.Function):
         if _EXACT_DELTA and weight.dtype in HALF:
             out = summed_linear(flat, low, weight, b * scale, bias)
         else:
-            out = torch.nn.functional.linear(flat, weight, bias)
+            out = cpu_fp32_matmul.linear(flat, weight, bias)
             out.addmm_(low, b.t(), alpha=scale)
         ctx.save_for_backward(flat, weight, a, b, low)
         ctx.scale = scale  # type: ignore[attr-defined]
@@ -235,7 +237,7 @@ class _OneAdapterLinear(torch.autograd.Function):
         d_low = dy @ b  # [rows, r], the gradient of low before its scale
         d_x = d_a = d_b = None
         if needs[0]:
-            d_x = (dy @ weight).addmm_(d_low, a, alpha=scale).view(shape)
+            d_x = cpu_fp32_matmul.matmul(dy, weight).addmm_(d_low, a, alpha=scale).view(shape)
         if needs[3]:
             d_a = (d_low.t() @ flat).mul_(scale)
         if needs[4]:

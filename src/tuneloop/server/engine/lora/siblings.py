@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tuneloop.server.engine import cpu_fp32_matmul
 from tuneloop.server.engine.lora import ops
 from tuneloop.server.engine.lora.ops import HALF, Factors
 
@@ -65,7 +66,7 @@ class SiblingLinears(torch.autograd.Function):
         if x.dtype in HALF and ops._EXACT_DELTA:
             out = _summed(flat, low, weights, bias, ups, scales)
         else:  # fp32: each delta added into its columns, no zero blocks multiplied
-            out = torch.nn.functional.linear(flat, torch.cat(weights), bias)
+            out = cpu_fp32_matmul.linear(flat, torch.cat(weights), bias)
             row = column = 0
             for b, scale, size in zip(ups, scales, sizes, strict=True):
                 rank = b.shape[1]
@@ -101,9 +102,9 @@ class SiblingLinears(torch.autograd.Function):
         )
         d_x = None
         if ctx.needs_input_grad[0]:  # type: ignore[attr-defined]
-            d_x = dys[0] @ weights[0]
+            d_x = cpu_fp32_matmul.matmul(dys[0], weights[0])
             for dy, w in zip(dys[1:], weights[1:], strict=True):
-                d_x.addmm_(dy, w)
+                cpu_fp32_matmul.addmm_(d_x, dy, w)
             d_x = d_x.addmm_(d_low, a_all).view(ctx.shape)  # type: ignore[attr-defined]
         d_a_all = d_low.t() @ flat  # [G r, in]
         d_factors: list[torch.Tensor] = []

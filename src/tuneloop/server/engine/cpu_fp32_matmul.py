@@ -1,0 +1,135 @@
+"""fp32 products by a frozen weight on a CPU, by oneDNN where it measures faster than torch's.
+
+torch sends a plain fp32 matmul on a CPU to MKL's sgemm, whose kernel on AMD CPUs stops at AVX2:
+on a Zen 5 EPYC (AVX-512) sgemm ran a training step's [1408, 576] @ [576, 3072] at 0.21
+TFLOP/s, oneDNN's fp32 kernel on the same plain weight at 0.42-0.51; with both capped at AVX2
+(bench/avx2_only.sh, an AVX2-only CPU's case) 0.21-0.22 against 0.25-0.26. bf16 matmuls go to
+oneDNN already. oneDNN's linear (`mkldnn._linear_pointwise`, the kernel packed.py calls on
+packed weights) also takes a plain weight, strided or transposed, reordering it inside the
+call: no second copy of any weight is kept.
+
+Which kernel runs is measured once per process at the first call (a training step's shape,
+rounds alternated, ~50 ms), as other CPU kernel choices here are (gated_mlp.py's SiLU loops):
+sgemm is well tuned on other CPUs (Intel's with AVX-512), and a default must not be one host's.
+The products routed here are the ones by a frozen weight over many rows (the base linears'
+forward and input gradient, the LM head's tiles); the LoRA factors' small products and their
+gradients stay torch's. oneDNN's sums round differently from sgemm's (within fp32's rounding:
+tests/unit/engine/test_cpu_fp32_matmul.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+import statistics
+import time
+
+import torch
+
+__all__ = ["addmm_", "choose", "linear", "linear_into", "matmul", "onednn_chosen"]
+
+log = logging.getLogger(__name__)
+
+# oneDNN must beat sgemm by this much on the probe to be taken: on the CPUs measured it was
+# 1.12-1.27x (AVX2) or ~2x (AVX-512 on AMD); a tie keeps torch's own path.
+MIN_SPEEDUP = 1.05
+_PROBE = (256, 576, 1536)  # rows x in x out: a training step's MLP shape, a few ms a call
+_ROUNDS = 5
+
+_forced: bool | None = None
+
+
+def _kernels_present() -> bool:
+    mkldnn = torch.ops.mkldnn
+    return (
+        platform.machine() in ("x86_64", "AMD64")
+        and torch.backends.mkldnn.is_available()
+        and hasattr(mkldnn, "_linear_pointwise")
+    )
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@functools.cache
+def _measured() -> bool:
+    """Whether oneDNN ran the probe at least MIN_SPEEDUP x faster than torch's fp32 matmul."""
+    if not _kernels_present():
+        return False
+    rows, width, out = _PROBE
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, width, generator=generator)
+    w = torch.randn(out, width, generator=generator)
+    try:
+        _onednn(x, w, None)
+    except RuntimeError as exc:  # a build whose oneDNN refuses plain fp32 weights
+        log.info("oneDNN's fp32 linear is not available here (%s)", exc)
+        return False
+    torch.nn.functional.linear(x, w)
+    ratios = []
+    for _ in range(_ROUNDS):
+        start = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        middle = time.perf_counter()
+        _onednn(x, w, None)
+        ratios.append((middle - start) / max(time.perf_counter() - middle, 1e-9))
+    speedup = statistics.median(ratios)
+    chosen = speedup >= MIN_SPEEDUP
+    log.info(
+        "oneDNN's fp32 linear is %.2fx torch's here: fp32 products by frozen weights on %s",
+        speedup,
+        "oneDNN" if chosen else "torch's matmul",
+    )
+    return chosen
+
+
+def choose(onednn: bool | None) -> None:
+    """Force oneDNN (True) or torch's matmul (False) for every later call; None: measured."""
+    global _forced
+    _forced = onednn
+
+
+def onednn_chosen() -> bool:
+    """Whether fp32 CPU products by frozen weights go to oneDNN in this process."""
+    return _forced if _forced is not None else _measured()
+
+
+def _takes(*tensors: torch.Tensor) -> bool:
+    """fp32 CPU inputs, nothing autograd would record (the oneDNN call has no backward), and
+    oneDNN chosen here."""
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return onednn_chosen()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias), x [rows, in] or [..., in], weight [out, in] in any strides."""
+    if _takes(x, weight, *(() if bias is None else (bias,))):
+        return _onednn(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = x @ weight.T for 2-D x, written into `out` (a strided view: BLAS writes its rows
+    in place; under oneDNN the product is made, then copied)."""
+    if _takes(x, weight, out):
+        return out.copy_(_onednn(x, weight, None))
+    return torch.mm(x, weight.t(), out=out)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for 2-D a [rows, k] and b [k, n] (b as oneDNN's weight b.T, a view)."""
+    if _takes(a, b):
+        return _onednn(a, b.t(), None)
+    return a @ b
+
+
+def addmm_(into: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """into += a @ b, in place (under oneDNN the product is made, then added)."""
+    if _takes(into, a, b):
+        return into.add_(_onednn(a, b.t(), None))
+    return into.addmm_(a, b)
