@@ -216,9 +216,7 @@ def measure(device: str = "cpu", threads: int | None = None, quick: bool = False
         "threads": threads_used if dev.type == "cpu" else None,
         "torch": torch.__version__,
         # torch's vector level (ATEN_CPU_CAPABILITY caps it; bench/avx2_only.sh) and oneDNN's cap
-        "cpu_capability": (
-            torch.backends.cpu.get_cpu_capability() if dev.type == "cpu" else None
-        ),
+        "cpu_capability": (torch.backends.cpu.get_cpu_capability() if dev.type == "cpu" else None),
         "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA") if dev.type == "cpu" else None,
         # fp32 products on a GPU run as plain fp32 unless TF32 is allowed; recorded as measured
         "cuda_matmul_allow_tf32": (

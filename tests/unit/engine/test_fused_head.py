@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 
 from torch import nn  # noqa: E402
 
-from tuneloop.server.engine import fused_head  # noqa: E402
+from tuneloop.server.engine import cpu_fp32_matmul, fused_head  # noqa: E402
 from tuneloop.server.engine.fused_head import HeadParts, Segment  # noqa: E402
 
 
@@ -21,11 +21,14 @@ def _reference(x, weight, bias, segments):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("onednn", [False, True])
 def test_decode_logits_equal_the_matmul_plus_each_segment_delta(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, with_bias: bool
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, with_bias: bool, onednn: bool
 ) -> None:
     """Tiles of 128 rows by 700 columns (ragged at both ends), rows 100-220 adapted, the rest
-    base only: the same logits as one matmul plus the segment's product."""
+    base only: the same logits as one matmul plus the segment's product (fp32's tiles by
+    either kernel, cpu_fp32_matmul.py)."""
+    monkeypatch.setattr(cpu_fp32_matmul, "_forced", onednn)
     monkeypatch.setattr(fused_head, "ROWS", 128)
     monkeypatch.setattr(fused_head, "COLUMNS", 700)
     gen = torch.Generator().manual_seed(0)
@@ -94,12 +97,15 @@ def test_only_a_plain_linear_head_is_fused() -> None:
 
 @pytest.mark.parametrize("softcap", [30.0, None])
 @pytest.mark.parametrize("kept", [True, False])
+@pytest.mark.parametrize("onednn", [False, True])
 def test_target_logprobs_and_gradients_equal_autograd_through_log_softmax(
-    monkeypatch: pytest.MonkeyPatch, kept: bool, softcap: float | None
+    monkeypatch: pytest.MonkeyPatch, kept: bool, softcap: float | None, onednn: bool
 ) -> None:
     """Two adapted segments and base rows, a bias, a softcap or none and two targets per row,
     in tiles of 64 rows by 300 columns, the logits kept for the backward pass or recomputed
-    there: logprobs and the gradients of hidden, low and B as autograd's through log_softmax."""
+    there: logprobs and the gradients of hidden, low and B as autograd's through log_softmax.
+    The tiles' products by the head's weight by either fp32 kernel (cpu_fp32_matmul.py)."""
+    monkeypatch.setattr(cpu_fp32_matmul, "_forced", onednn)
     monkeypatch.setattr(fused_head, "ROWS", 64)
     monkeypatch.setattr(fused_head, "COLUMNS", 300)
     if not kept:

@@ -123,3 +123,30 @@ def test_bf16_loops_take_cpu_bf16_inputs_autograd_does_not_record() -> None:
     assert not native.bf16_without_autograd(x, trained)
     with torch.no_grad():
         assert native.bf16_without_autograd(x, trained)  # nothing recorded there
+
+
+def test_an_avx2_cap_hides_the_larger_flags_and_builds_for_x86_64_v3(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TUNELOOP_CPU_ISA=avx2: the flags a kernel may ask for are x86-64-v3's at most, the
+    sources are built for that level, and bf16 weights are not offered; other values are
+    refused by name."""
+    from tuneloop.server.engine import dtypes
+
+    native.cpu_flags.cache_clear()
+    try:
+        monkeypatch.setenv(native.ISA_VARIABLE, "avx2")
+        capped = native.cpu_flags()
+        assert not {f for f in capped if f.startswith(("avx512", "amx"))}
+        assert "-march=x86-64-v3" in native._compile_flags()
+        assert "-march=native" not in native._compile_flags()
+        if capped:
+            assert dtypes.cpu_bf16_flags() is False
+        monkeypatch.setenv(native.ISA_VARIABLE, "avx512")
+        with pytest.raises(ValueError, match=native.ISA_VARIABLE):
+            native.isa_cap()
+        monkeypatch.setenv(native.ISA_VARIABLE, "native")
+        assert native.isa_cap() is None
+        assert native._compile_flags() == native.FLAGS
+    finally:
+        native.cpu_flags.cache_clear()

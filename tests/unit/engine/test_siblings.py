@@ -18,6 +18,7 @@ from tests.unit.engine.conftest import (  # noqa: E402
     train,
     work,
 )
+from tuneloop.server.engine import cpu_fp32_matmul  # noqa: E402
 from tuneloop.server.engine.lora import fused, ops, siblings  # noqa: E402
 
 SIZES = (24, 8, 8)  # q, k, v of a grouped-query attention
@@ -70,12 +71,14 @@ def _run(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("used", [(0, 1, 2), (0, 2)])
 @pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("onednn", [False, True])
 def test_the_group_node_equals_each_layer_own_node(
-    dtype: torch.dtype, used: tuple, with_bias: bool
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, used: tuple, with_bias: bool, onednn: bool
 ) -> None:
     """Outputs and gradients (input, every A and B) as the one-adapter node of each layer, with
     biases on some siblings or none; an output the loss does not read gives its factors zero
-    gradients."""
+    gradients. fp32's products by the frozen weights by either kernel (cpu_fp32_matmul.py)."""
+    monkeypatch.setattr(cpu_fp32_matmul, "_forced", onednn)
     got_out, got_grads = _run(dtype, True, used, with_bias)
     want_out, want_grads = _run(dtype, False, used, with_bias)
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: each product rounded once

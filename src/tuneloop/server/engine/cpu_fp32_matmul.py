@@ -9,7 +9,7 @@ packed weights) also takes a plain weight, strided or transposed, reordering it 
 call: no second copy of any weight is kept.
 
 Which kernel runs is measured once per process at the first call (a training step's shape,
-rounds alternated, ~50 ms), as other CPU kernel choices here are (gated_mlp.py's SiLU loops):
+rounds alternated, ~0.1 s), as other CPU kernel choices here are (gated_mlp.py's SiLU loops):
 sgemm is well tuned on other CPUs (Intel's with AVX-512), and a default must not be one host's.
 The products routed here are the ones by a frozen weight over many rows (the base linears'
 forward and input gradient, the LM head's tiles); the LoRA factors' small products and their
@@ -32,10 +32,10 @@ __all__ = ["addmm_", "choose", "linear", "linear_into", "matmul", "onednn_chosen
 log = logging.getLogger(__name__)
 
 # oneDNN must beat sgemm by this much on the probe to be taken: on the CPUs measured it was
-# 1.12-1.27x (AVX2) or ~2x (AVX-512 on AMD); a tie keeps torch's own path.
-MIN_SPEEDUP = 1.05
+# 1.11-1.16x (AVX2, five processes) or ~2.2x (AVX-512 on AMD); a tie keeps torch's own path.
+MIN_SPEEDUP = 1.03
 _PROBE = (256, 576, 1536)  # rows x in x out: a training step's MLP shape, a few ms a call
-_ROUNDS = 5
+_ROUNDS = 9
 
 _forced: bool | None = None
 
@@ -86,14 +86,17 @@ def _measured() -> bool:
 
 
 def choose(onednn: bool | None) -> None:
-    """Force oneDNN (True) or torch's matmul (False) for every later call; None: measured."""
+    """Force oneDNN (True: where torch has it) or torch's matmul (False) for every later
+    call; None: as measured."""
     global _forced
     _forced = onednn
 
 
 def onednn_chosen() -> bool:
     """Whether fp32 CPU products by frozen weights go to oneDNN in this process."""
-    return _forced if _forced is not None else _measured()
+    if _forced is not None:
+        return _forced and _kernels_present()
+    return _measured()
 
 
 def _takes(*tensors: torch.Tensor) -> bool:

@@ -58,8 +58,32 @@ ISA_VARIABLE = "TUNELOOP_CPU_ISA"
 # x86-64-v3's flags as /proc/cpuinfo spells them (abm is LZCNT's): what an AVX2-only CPU lists
 # of the ones the kernels ask for
 _AVX2_LEVEL = frozenset(
-    "fpu cx8 cmov mmx fxsr sse sse2 pni ssse3 sse4_1 sse4_2 popcnt cx16 lahf_lm avx avx2 fma f16c"
-    " bmi1 bmi2 movbe abm xsave osxsave".split()
+    [
+        "fpu",
+        "cx8",
+        "cmov",
+        "mmx",
+        "fxsr",
+        "sse",
+        "sse2",
+        "pni",
+        "ssse3",
+        "sse4_1",
+        "sse4_2",
+        "popcnt",
+        "cx16",
+        "lahf_lm",
+        "avx",
+        "avx2",
+        "fma",
+        "f16c",
+        "bmi1",
+        "bmi2",
+        "movbe",
+        "abm",
+        "xsave",
+        "osxsave",
+    ]
 )
 _ENGINE = Path(__file__).parent  # its headers are shared by the sources of its subfolders
 _state = threading.local()  # `sampling`: inside `sampling_step()` on this thread
@@ -103,8 +127,9 @@ def bf16_rows(x: torch.Tensor, features: int, kernel: str, operand: str) -> torc
 
 
 def isa_cap() -> str | None:
-    """"avx2" where `TUNELOOP_CPU_ISA` asks the kernels to take an AVX2-only CPU's paths, None
-    where they take the host's; ValueError naming the variable for any other value."""
+    """The string "avx2" where `TUNELOOP_CPU_ISA` asks the kernels to take an AVX2-only CPU's
+    paths, None where they take the host's; ValueError naming the variable for any other
+    value."""
     value = os.environ.get(ISA_VARIABLE, "").strip().lower()
     if value in ("", "native"):
         return None

@@ -1,0 +1,104 @@
+"""fp32 products by frozen weights on a CPU by oneDNN or torch's matmul (cpu_fp32_matmul.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tuneloop.server.engine import cpu_fp32_matmul  # noqa: E402
+
+needs_onednn = pytest.mark.skipif(
+    not cpu_fp32_matmul._kernels_present(), reason="torch without oneDNN's linear here"
+)
+
+
+def _bound(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The textbook bound of an fp32 dot product's rounding, K eps sum |a||b|, per output."""
+    k = a.shape[-1]
+    return k * torch.finfo(torch.float32).eps * (a.double().abs() @ b.double().abs())
+
+
+@pytest.fixture(params=[False, True], ids=["torch", "onednn"])
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    if request.param and not cpu_fp32_matmul._kernels_present():
+        pytest.skip("torch without oneDNN's linear here")
+    monkeypatch.setattr(cpu_fp32_matmul, "_forced", request.param)
+    return bool(request.param)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 130])
+def test_linear_and_its_forms_are_fp32_products_within_rounding(kernel: bool, rows: int) -> None:
+    """linear (with and without a bias), matmul, addmm_ and linear_into against fp64, on
+    inputs with strided rows and a transposed weight, each within K eps sum |x||w|."""
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.randn(rows, 200, generator=gen)
+    x = wide[:, 30:130]  # rows strided
+    weight = torch.randn(70, 100, generator=gen)
+    bias = torch.randn(70, generator=gen)
+    want = x.double() @ weight.double().t()
+    bound = _bound(x, weight.t()) + 1e-30
+
+    got = cpu_fp32_matmul.linear(x, weight)
+    assert got.dtype == torch.float32
+    assert got.shape == (rows, 70)
+    assert ((got.double() - want).abs() <= bound).all()
+    got = cpu_fp32_matmul.linear(x, weight, bias)
+    assert ((got.double() - want - bias.double()).abs() <= bound + 1e-6).all()
+
+    dy = torch.randn(rows, 70, generator=gen)
+    got = cpu_fp32_matmul.matmul(dy, weight)  # dy @ W: an input gradient's product
+    assert ((got.double() - dy.double() @ weight.double()).abs() <= _bound(dy, weight)).all()
+
+    into = torch.randn(rows, 100, generator=gen)
+    before = into.double().clone()
+    out = cpu_fp32_matmul.addmm_(into, dy, weight)
+    assert out.data_ptr() == into.data_ptr()
+    added = before + dy.double() @ weight.double()
+    assert ((into.double() - added).abs() <= _bound(dy, weight) + 1e-5 * added.abs() + 1e-6).all()
+
+    logits = torch.zeros(rows, 250)
+    cpu_fp32_matmul.linear_into(x, weight, logits[:, 100:170])
+    assert ((logits[:, 100:170].double() - want).abs() <= bound).all()
+    assert logits[:, :100].abs().sum() == 0
+    assert logits[:, 170:].abs().sum() == 0
+
+
+def test_other_inputs_keep_torch_s_own_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 products (oneDNN's already) give functional.linear's bits; inputs autograd records
+    keep torch's path, whose backward reaches them."""
+    monkeypatch.setattr(cpu_fp32_matmul, "_forced", True)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 32, generator=gen).bfloat16()
+    w = torch.randn(16, 32, generator=gen).bfloat16()
+    assert torch.equal(cpu_fp32_matmul.linear(x, w), torch.nn.functional.linear(x, w))
+    assert torch.equal(cpu_fp32_matmul.matmul(x, w.t()), x @ w.t())
+    trained = torch.randn(9, 32, generator=gen, requires_grad=True)
+    out = cpu_fp32_matmul.linear(trained, w.float())
+    out.sum().backward()
+    assert trained.grad is not None
+    assert torch.allclose(trained.grad, w.float().sum(0).expand(9, 32))
+
+
+@needs_onednn
+def test_the_kernel_is_measured_once_and_can_be_forced(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first call measures both kernels and logs the ratio; `choose` overrides it both
+    ways and None returns to the measurement."""
+    monkeypatch.setattr(cpu_fp32_matmul, "_forced", None)
+    cpu_fp32_matmul._measured.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="tuneloop.server.engine.cpu_fp32_matmul"):
+            measured = cpu_fp32_matmul.onednn_chosen()
+        assert "oneDNN's fp32 linear is" in caplog.text
+        assert cpu_fp32_matmul.onednn_chosen() is measured  # cached: no second probe
+        assert caplog.text.count("oneDNN's fp32 linear is") == 1
+        cpu_fp32_matmul.choose(not measured)
+        assert cpu_fp32_matmul.onednn_chosen() is (not measured)
+        cpu_fp32_matmul.choose(None)
+        assert cpu_fp32_matmul.onednn_chosen() is measured
+    finally:
+        cpu_fp32_matmul.choose(None)
