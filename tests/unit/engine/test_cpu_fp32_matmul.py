@@ -89,6 +89,7 @@ def test_the_kernel_is_measured_once_and_can_be_forced(
     """The first call measures both kernels and logs the ratio; `choose` overrides it both
     ways and None returns to the measurement."""
     monkeypatch.setattr(cpu_fp32_matmul, "_forced", None)
+    monkeypatch.delenv(cpu_fp32_matmul.VARIABLE, raising=False)
     cpu_fp32_matmul._measured.cache_clear()
     try:
         with caplog.at_level(logging.INFO, logger="tuneloop.server.engine.cpu_fp32_matmul"):
@@ -102,3 +103,19 @@ def test_the_kernel_is_measured_once_and_can_be_forced(
         assert cpu_fp32_matmul.onednn_chosen() is measured
     finally:
         cpu_fp32_matmul.choose(None)
+
+
+def test_the_environment_sets_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TUNELOOP_FP32_ONEDNN=0 keeps torch's matmul, =1 takes oneDNN where torch has it, any
+    other value is refused by name; `choose` overrides it."""
+    monkeypatch.setattr(cpu_fp32_matmul, "_forced", None)
+    monkeypatch.setenv(cpu_fp32_matmul.VARIABLE, "0")
+    assert cpu_fp32_matmul.onednn_chosen() is False
+    monkeypatch.setenv(cpu_fp32_matmul.VARIABLE, "1")
+    assert cpu_fp32_matmul.onednn_chosen() is cpu_fp32_matmul._kernels_present()
+    monkeypatch.setattr(cpu_fp32_matmul, "_forced", False)
+    assert cpu_fp32_matmul.onednn_chosen() is False
+    monkeypatch.setattr(cpu_fp32_matmul, "_forced", None)
+    monkeypatch.setenv(cpu_fp32_matmul.VARIABLE, "yes")
+    with pytest.raises(ValueError, match=cpu_fp32_matmul.VARIABLE):
+        cpu_fp32_matmul.onednn_chosen()

@@ -14,13 +14,15 @@ sgemm is well tuned on other CPUs (Intel's with AVX-512), and a default must not
 The products routed here are the ones by a frozen weight over many rows (the base linears'
 forward and input gradient, the LM head's tiles); the LoRA factors' small products and their
 gradients stay torch's. oneDNN's sums round differently from sgemm's (within fp32's rounding:
-tests/unit/engine/test_cpu_fp32_matmul.py).
+tests/unit/engine/test_cpu_fp32_matmul.py). `TUNELOOP_FP32_ONEDNN=0` or `=1` sets the choice
+instead of measuring it (benchmarks compare the two so).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import platform
 import statistics
 import time
@@ -37,6 +39,7 @@ MIN_SPEEDUP = 1.03
 _PROBE = (256, 576, 1536)  # rows x in x out: a training step's MLP shape, a few ms a call
 _ROUNDS = 9
 
+VARIABLE = "TUNELOOP_FP32_ONEDNN"
 _forced: bool | None = None
 
 
@@ -92,10 +95,21 @@ def choose(onednn: bool | None) -> None:
     _forced = onednn
 
 
+def _from_environment() -> bool | None:
+    """`TUNELOOP_FP32_ONEDNN`: 1 takes oneDNN, 0 torch's matmul, unset or empty measures;
+    ValueError naming the variable for any other value."""
+    value = os.environ.get(VARIABLE, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{VARIABLE} must be 0 or 1, not {value!r}")
+    return None if value == "" else value == "1"
+
+
 def onednn_chosen() -> bool:
-    """Whether fp32 CPU products by frozen weights go to oneDNN in this process."""
-    if _forced is not None:
-        return _forced and _kernels_present()
+    """Whether fp32 CPU products by frozen weights go to oneDNN in this process: as `choose`
+    forced, else as `TUNELOOP_FP32_ONEDNN` says, else as measured."""
+    forced = _forced if _forced is not None else _from_environment()
+    if forced is not None:
+        return forced and _kernels_present()
     return _measured()
 
 
