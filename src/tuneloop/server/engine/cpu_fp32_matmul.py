@@ -113,10 +113,15 @@ def onednn_chosen() -> bool:
     return _measured()
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _takes(*tensors: torch.Tensor) -> bool:
-    """fp32 CPU inputs, nothing autograd would record (the oneDNN call has no backward), and
-    oneDNN chosen here."""
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+    """Plain fp32 CPU inputs (no subclass such as a sharded DTensor: the oneDNN op has no rule
+    for them), nothing autograd would record (the call has no backward), oneDNN chosen here."""
+    if any(
+        type(t) not in _PLAIN or t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors
+    ):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
