@@ -21,6 +21,10 @@ def _bound(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return k * torch.finfo(torch.float32).eps * (a.double().abs() @ b.double().abs())
 
 
+class _Marked(torch.Tensor):
+    """A tensor subclass, as a sharded DTensor is one."""
+
+
 @pytest.fixture(params=[False, True], ids=["torch", "onednn"])
 def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
     if request.param and not cpu_fp32_matmul._kernels_present():
@@ -67,14 +71,23 @@ def test_linear_and_its_forms_are_fp32_products_within_rounding(kernel: bool, ro
 
 
 def test_other_inputs_keep_torch_s_own_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 products (oneDNN's already) give functional.linear's bits; inputs autograd records
-    keep torch's path, whose backward reaches them."""
+    """bf16 products (oneDNN's already) and a tensor subclass's (a sharded DTensor's, say)
+    give functional.linear's bits; inputs autograd records keep torch's path, whose backward
+    reaches them."""
     monkeypatch.setattr(cpu_fp32_matmul, "_forced", True)
+
+    def refused(*args: object) -> None:
+        raise AssertionError("these inputs must not reach oneDNN's call")
+
+    monkeypatch.setattr(cpu_fp32_matmul, "_onednn", refused)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(9, 32, generator=gen).bfloat16()
     w = torch.randn(16, 32, generator=gen).bfloat16()
     assert torch.equal(cpu_fp32_matmul.linear(x, w), torch.nn.functional.linear(x, w))
     assert torch.equal(cpu_fp32_matmul.matmul(x, w.t()), x @ w.t())
+    sub = torch.Tensor._make_subclass(_Marked, torch.randn(16, 32, generator=gen))
+    x32 = torch.randn(9, 32, generator=gen)
+    assert torch.equal(cpu_fp32_matmul.linear(x32, sub), torch.nn.functional.linear(x32, sub))
     trained = torch.randn(9, 32, generator=gen, requires_grad=True)
     out = cpu_fp32_matmul.linear(trained, w.float())
     out.sum().backward()
