@@ -210,6 +210,17 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def isa_caps() -> str:
+    """The vector levels the run's kernels were capped at (bench/avx2_only.sh), "" where none:
+    a figure taken capped must say so beside the CPU's model."""
+    caps = [
+        f"{name}={os.environ[name]}"
+        for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "TUNELOOP_CPU_ISA")
+        if os.environ.get(name)
+    ]
+    return ", ".join(caps)
+
+
 def sync(device: torch.device) -> None:
     """CUDA calls return before the work is done; the clock must not stop before it is."""
     if device.type == "cuda":
@@ -763,6 +774,7 @@ def main() -> int:
             "cpus": os.cpu_count(),
             "machine": platform.processor() or platform.machine(),
             "cpu_model": cpu_model(),
+            "isa_caps": isa_caps(),
             "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
             "torch": torch.__version__,
             "machine_peak": {
@@ -951,7 +963,11 @@ def print_summary(report: dict[str, Any]) -> None:
         f"{peak['matmul_tflops'][report['dtype']]:.3f} TFLOP/s, read {peak['read_gb_per_s']} GB/s",
         file=sys.stderr,
     )
-    print(f"{report['cpu_model']}; load average {report['load_average_at_start']}", file=sys.stderr)
+    caps = f" (capped: {report['isa_caps']})" if report.get("isa_caps") else ""
+    print(
+        f"{report['cpu_model']}{caps}; load average {report['load_average_at_start']}",
+        file=sys.stderr,
+    )
     for section, extra in (("training", "mfu"), ("sampling", "bandwidth_fraction")):
         result = report.get(section)
         if result is None:  # --no-sampling
