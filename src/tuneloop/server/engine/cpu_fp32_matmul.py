@@ -3,7 +3,7 @@
 torch sends a plain fp32 matmul on a CPU to MKL's sgemm, whose kernel on AMD CPUs stops at AVX2:
 on a Zen 5 EPYC (AVX-512) sgemm ran a training step's [1408, 576] @ [576, 3072] at 0.21
 TFLOP/s, oneDNN's fp32 kernel on the same plain weight at 0.42-0.51; with both capped at AVX2
-(bench/avx2_only.sh, an AVX2-only CPU's case) 0.21-0.22 against 0.25-0.26. bf16 matmuls go to
+(bench/avx2_only.sh, an AVX2-only CPU's case) 0.21-0.24 against 0.25-0.26. bf16 matmuls go to
 oneDNN already. oneDNN's linear (`mkldnn._linear_pointwise`, the kernel packed.py calls on
 packed weights) also takes a plain weight, strided or transposed, reordering it inside the
 call: no second copy of any weight is kept.
@@ -13,7 +13,8 @@ rounds alternated, ~0.1 s), as other CPU kernel choices here are (gated_mlp.py's
 sgemm is well tuned on other CPUs (Intel's with AVX-512), and a default must not be one host's.
 The products routed here are the ones by a frozen weight over many rows (the base linears'
 forward and input gradient, the LM head's tiles); the LoRA factors' small products and their
-gradients stay torch's. oneDNN's sums round differently from sgemm's (within fp32's rounding:
+gradients stay torch's (capped at AVX2, oneDNN ran most of them 1.03-1.21x, a B gradient's
+product of transposed inputs 0.6x: about half a percent of a step, not worth a second rule). oneDNN's sums round differently from sgemm's (within fp32's rounding:
 tests/unit/engine/test_cpu_fp32_matmul.py). `TUNELOOP_FP32_ONEDNN=0` or `=1` sets the choice
 instead of measuring it (benchmarks compare the two so).
 """
