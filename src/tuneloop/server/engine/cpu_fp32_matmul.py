@@ -14,7 +14,8 @@ sgemm is well tuned on other CPUs (Intel's with AVX-512), and a default must not
 The products routed here are the ones by a frozen weight over many rows (the base linears'
 forward and input gradient, the LM head's tiles); the LoRA factors' small products and their
 gradients stay torch's (capped at AVX2, oneDNN ran most of them 1.03-1.21x, a B gradient's
-product of transposed inputs 0.6x: about half a percent of a step, not worth a second rule). oneDNN's sums round differently from sgemm's (within fp32's rounding:
+product of transposed inputs 0.6x: about half a percent of a step, not worth a second rule).
+oneDNN's sums round differently from sgemm's (within fp32's rounding:
 tests/unit/engine/test_cpu_fp32_matmul.py). `TUNELOOP_FP32_ONEDNN=0` or `=1` sets the choice
 instead of measuring it (benchmarks compare the two so).
 """
