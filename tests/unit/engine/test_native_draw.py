@@ -330,3 +330,48 @@ def test_a_step_fetched_natively_matches_the_torch_form(monkeypatch: pytest.Monk
     np.testing.assert_allclose(native.logprobs, expected.numpy(), rtol=0, atol=2e-7)
     assert any(native.stop_hit)
     assert not all(native.stop_hit)
+
+
+def test_a_build_for_avx2_draws_the_bits_of_the_hosts_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """draw.cpp built for x86-64-v3 (TUNELOOP_CPU_ISA=avx2: the 16-lane loops as two 8-lane
+    halves, where GCC would expand them lane by lane) draws the tokens, logsumexps, maxima and
+    filtered tokens of the build for this host, bit for bit: fp32 and bf16 logits, ragged
+    blocks, three temperatures, greedy rows, a NaN row, top-k, top-p and both."""
+    import ctypes
+
+    from tuneloop.server.engine import native
+
+    if not {"avx2", "fma"} <= native.cpu_flags():
+        pytest.skip("a CPU without AVX2 and FMA")
+    rows, vocab = 24, 5003
+    logits = _logits(rows, vocab, seed=5)
+    logits[7, 4000] = float("nan")
+    gen = torch.Generator().manual_seed(6)
+    u = torch.rand(rows, generator=gen).clamp(min=2**-24)
+    temperature = torch.tensor([1.0, 0.7, 1.3] * 8)
+    greedy = torch.tensor([False, False, False, True] * 6)
+    picked = torch.arange(rows)
+    top_k = torch.tensor([50, vocab, 700, vocab] * 6)
+    top_p = torch.tensor([1.0, 0.9, 0.95, 0.5] * 6)
+
+    def both(x: Any) -> tuple[Any, ...]:
+        plain = native_draw.draw(x, u, temperature, greedy, BLOCK)
+        return (*plain, native_draw.draw_filtered(x, picked, u, temperature, top_k, top_p))
+
+    own = {dtype: both(logits.to(dtype)) for dtype in (torch.float32, torch.bfloat16)}
+    native.cpu_flags.cache_clear()
+    try:
+        monkeypatch.setenv(native.ISA_VARIABLE, "avx2")
+        built = native._build(native_draw.SOURCE)
+    finally:
+        monkeypatch.delenv(native.ISA_VARIABLE)
+        native.cpu_flags.cache_clear()
+    plain, filtered = built.draw_rows, built.draw_filtered_rows
+    plain.argtypes, plain.restype = list(native_draw._SIGNATURE), None
+    filtered.argtypes, filtered.restype = list(native_draw._FILTERED), ctypes.c_int
+    monkeypatch.setattr(native_draw, "_kernel", lambda: plain)
+    monkeypatch.setattr(native_draw, "_filtered_kernel", lambda: filtered)
+    for dtype, want in own.items():
+        got = both(logits.to(dtype))
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), dtype
