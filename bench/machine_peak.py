@@ -9,7 +9,7 @@ runs (tokens x hidden @ hidden x MLP width, and the LM head), 2*M*K*N FLOPs per 
 untimed call first, then the median of timed repeats, and the best shape is the peak. On a CPU
 the same products also run on a weight packed once for oneDNN (the kernel the engine's packed
 linears call, packed.py), and the peak is the best of both: torch.mm's fp32 goes to MKL, whose
-kernel on AMD CPUs stops at AVX2 (a Zen 5 EPYC: 0.21 TFLOP/s against oneDNN's 0.50 on its
+kernel on AMD CPUs stops at AVX2 (a Zen 5 EPYC: 0.23 TFLOP/s against oneDNN's 0.52 on its
 AVX-512 units), so torch.mm alone would understate what the machine does. Shapes
 run smallest first; one call slower than 5 s (0.5 s with --quick) is timed once and the larger
 shapes of that dtype are skipped, so a dtype with no fast kernel (bf16 on a CPU without bf16
