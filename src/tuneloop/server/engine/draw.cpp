@@ -105,18 +105,7 @@ inline F exp_lanes(F x) {
   const F scale = reinterpret_cast<F>(((low ? -126 : whole) + 127) << 23);
   return x < -87.0f ? F{} : y * scale;
 }
-inline Floats exp_nonpositive(Floats x) {
-  if constexpr (kHalves) {
-    Floats8 halves[2];
-    std::memcpy(halves, &x, sizeof x);
-    halves[0] = exp_lanes<Floats8, Ints8>(halves[0]);
-    halves[1] = exp_lanes<Floats8, Ints8>(halves[1]);
-    std::memcpy(&x, halves, sizeof x);
-    return x;
-  } else {
-    return exp_lanes<Floats, Ints>(x);
-  }
-}
+inline Floats exp_nonpositive(Floats x) { return exp_lanes<Floats, Ints>(x); }
 inline Floats8 exp_nonpositive(Floats8 x) { return exp_lanes<Floats8, Ints8>(x); }
 inline float exp_nonpositive(float x) {
   Floats8 lanes = Floats8{} + x;
@@ -176,24 +165,43 @@ inline float block_max(const T* x, int64_t lo, int64_t hi, bool* bad) {
   return m;
 }
 
-// Block [lo, hi)'s sum of exp((logit - top) * scale).
-template <typename T>
-inline float block_sum(const T* x, int64_t lo, int64_t hi, float top, float scale) {
+// The lane-order sum of exp((logit - top) * scale) over the whole vectors from i up to hi, i
+// advanced past them; with kStore each exponential also goes to store[j].
+template <bool kStore, typename T>
+inline float exp_sum_lanes(const T* x, int64_t& i, int64_t hi, float top, float scale,
+                           float* store) {
   float s = 0.0f;
-  int64_t i = lo;
   if constexpr (kHalves) {
     Floats8 first = Floats8{}, second = Floats8{};
     for (; i + kLanes <= hi; i += kLanes) {
-      first += exp_nonpositive((load8(x, i) - top) * scale);
-      second += exp_nonpositive((load8(x, i + kLanes / 2) - top) * scale);
+      const Floats8 a = exp_nonpositive((load8(x, i) - top) * scale);
+      const Floats8 b = exp_nonpositive((load8(x, i + kLanes / 2) - top) * scale);
+      if constexpr (kStore) {
+        std::memcpy(store + i, &a, sizeof a);
+        std::memcpy(store + i + kLanes / 2, &b, sizeof b);
+      }
+      first += a;
+      second += b;
     }
-    for (int64_t k = 0; k < kLanes / 2; ++k) s += first[k];  // lane order
+    for (int64_t k = 0; k < kLanes / 2; ++k) s += first[k];  // lane order, as lane_sum
     for (int64_t k = 0; k < kLanes / 2; ++k) s += second[k];
   } else {
     Floats acc = Floats{};
-    for (; i + kLanes <= hi; i += kLanes) acc += exp_nonpositive((load(x, i) - top) * scale);
+    for (; i + kLanes <= hi; i += kLanes) {
+      const Floats v = exp_nonpositive((load(x, i) - top) * scale);
+      if constexpr (kStore) std::memcpy(store + i, &v, sizeof v);
+      acc += v;
+    }
     s = lane_sum(acc);
   }
+  return s;
+}
+
+// Block [lo, hi)'s sum of exp((logit - top) * scale).
+template <typename T>
+inline float block_sum(const T* x, int64_t lo, int64_t hi, float top, float scale) {
+  int64_t i = lo;
+  float s = exp_sum_lanes<false>(x, i, hi, top, scale, nullptr);
   for (; i < hi; ++i) s += exp_nonpositive((value(x, i) - top) * scale);
   return s;
 }
@@ -377,29 +385,7 @@ int64_t filtered_row(const T* x, int64_t vocab, float u, float temperature, int6
     s.mass.assign((vocab + kLanes - 1) / kLanes * kLanes, 0.0f);  // (whole vectors)
     float* e = s.mass.data();
     int64_t i = 0;
-    if constexpr (kHalves) {
-      Floats8 first = Floats8{}, second = Floats8{};
-      for (; i + kLanes <= vocab; i += kLanes) {
-        const Floats8 a = exp_nonpositive((load8(x, i) - top) * inverse);
-        const Floats8 b = exp_nonpositive((load8(x, i + kLanes / 2) - top) * inverse);
-        std::memcpy(e + i, &a, sizeof a);
-        std::memcpy(e + i + kLanes / 2, &b, sizeof b);
-        first += a;
-        second += b;
-      }
-      float total = 0.0f;  // in lane order, as lane_sum
-      for (int64_t k = 0; k < kLanes / 2; ++k) total += first[k];
-      for (int64_t k = 0; k < kLanes / 2; ++k) total += second[k];
-      all = total;
-    } else {
-      Floats sum = Floats{};
-      for (; i + kLanes <= vocab; i += kLanes) {
-        const Floats v = exp_nonpositive((load(x, i) - top) * inverse);
-        std::memcpy(e + i, &v, sizeof v);
-        sum += v;
-      }
-      all = lane_sum(sum);
-    }
+    all = exp_sum_lanes<true>(x, i, vocab, top, inverse, e);  // (the tail's sum in fp64)
     for (; i < vocab; ++i) all += (e[i] = exp_nonpositive((value(x, i) - top) * inverse));
     // the least bin from which up the candidates hold what the filters can keep
     std::memset(s.bin_mass, 0, sizeof s.bin_mass);
