@@ -25,11 +25,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import platform
 import statistics
 import time
 
 import torch
+
+from tuneloop.server.engine import packed
 
 __all__ = ["addmm_", "choose", "linear", "linear_into", "matmul", "onednn_chosen"]
 
@@ -45,17 +46,8 @@ VARIABLE = "TUNELOOP_FP32_ONEDNN"
 _forced: bool | None = None
 
 
-def _kernels_present() -> bool:
-    mkldnn = torch.ops.mkldnn
-    return (
-        platform.machine() in ("x86_64", "AMD64")
-        and torch.backends.mkldnn.is_available()
-        and hasattr(mkldnn, "_linear_pointwise")
-    )
-
-
-def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+_kernels_present = packed.fp32_kernels
+_onednn = packed.onednn_linear  # (a module name, so that the tests can watch its calls)
 
 
 @functools.cache

@@ -22,7 +22,7 @@ import platform
 import torch
 from torch.nn import functional
 
-__all__ = ["linear", "pack", "packable"]
+__all__ = ["fp32_kernels", "linear", "onednn_linear", "pack", "packable"]
 
 _HALF = (torch.bfloat16, torch.float16)
 # Where oneDNN's packed fp32 kernel was measured against MKL's sgemm (module docstring).
@@ -38,6 +38,18 @@ def _kernels() -> bool:
     )
 
 
+def fp32_kernels() -> bool:
+    """Whether oneDNN's fp32 linear runs here and was measured against MKL's sgemm: x86-64
+    (cpu_fp32_matmul.py calls it on plain weights too)."""
+    return _kernels() and platform.machine().lower() in _FP32_MACHINES
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias) by oneDNN's linear: a packed weight, or a plain one in any strides
+    (reordered inside the call)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 def packable(weight: torch.Tensor) -> bool:
     """Whether `weight` [out, in] can be packed: a CPU tensor in a half dtype that this CPU's
     oneDNN has native kernels for, or fp32 on x86-64 (where it was measured faster than MKL).
@@ -46,7 +58,7 @@ def packable(weight: torch.Tensor) -> bool:
     if weight.device.type != "cpu" or weight.dim() != 2 or not _kernels():
         return False
     if weight.dtype == torch.float32:
-        return platform.machine().lower() in _FP32_MACHINES
+        return fp32_kernels()
     if weight.dtype not in _HALF:
         return False
     mkldnn = torch.ops.mkldnn
@@ -68,4 +80,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """`functional.linear(x, weight, bias)` for a plain or a packed weight."""
     if not weight.is_mkldnn:
         return functional.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return onednn_linear(x, weight, bias)
