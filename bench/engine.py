@@ -101,6 +101,16 @@ RANDOM_INIT: dict[str, dict[str, Any]] = {
         "vocab_size": 512,
         "tie_word_embeddings": True,
     },
+    "qwen3-0.6b": {
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
     "qwen3-1.7b": {
         "hidden_size": 2048,
         "intermediate_size": 6144,

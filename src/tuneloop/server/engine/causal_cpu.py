@@ -28,11 +28,19 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
-__all__ = ["LENGTH_GRANULE", "MATMUL_MAX_TOKENS", "causal_attention", "uses_matmul"]
+from tuneloop.server.engine import sequence_batches
+
+__all__ = [
+    "LENGTH_GRANULE",
+    "MATMUL_MAX_TOKENS",
+    "causal_attention",
+    "packed_attention",
+    "uses_matmul",
+]
 
 MATMUL_MAX_TOKENS = 1024
 # The matmul kernel runs a sequence padded to a multiple of this many tokens: oneDNN builds a
@@ -58,14 +66,42 @@ def causal_attention(
     length = q.shape[2]
     if not uses_matmul(length):
         return _FlashFp32Backward.apply(q, k, v, scale)
-    padded = -(-length // LENGTH_GRANULE) * LENGTH_GRANULE
+    padded = _padded(length)
     if padded == length:
         return _MatmulCausal.apply(q, k, v, scale)
-    # Zero rows past the end: the causal mask hides the padded keys from every real query,
-    # and the padded queries' outputs are dropped (their gradients are zero).
-    grow = (0, 0, 0, padded - length)
-    out = _MatmulCausal.apply(*(torch.nn.functional.pad(t, grow) for t in (q, k, v)), scale)
+    out = _MatmulCausal.apply(*(_grown(t, padded) for t in (q, k, v)), scale)
     return out[:, :, :length]
+
+
+def packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int], scale: float
+) -> torch.Tensor:
+    """`causal_attention` of each sequence packed end to end in q [1, heads, total, d] and k, v
+    [1, key heads, total, d] (`lengths` tokens each), [1, total, heads, d] in the inputs' dtype:
+    the matmul kernel's sequences of one padded length as one batch of it
+    (sequence_batches.py)."""
+
+    def batch(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor) -> torch.Tensor:
+        return _MatmulCausal.apply(qb, kb, vb, scale).transpose(1, 2)
+
+    def one(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
+        return causal_attention(qs, ks, vs, scale).transpose(1, 2)
+
+    how = sequence_batches.plan(tuple(lengths), LENGTH_GRANULE, MATMUL_MAX_TOKENS)
+    return sequence_batches.attend(q, k, v, lengths, how, batch, one)
+
+
+def _padded(length: int) -> int:
+    return -(-length // LENGTH_GRANULE) * LENGTH_GRANULE
+
+
+def _grown(t: torch.Tensor, padded: int) -> torch.Tensor:
+    """t [n, heads, len, d] with zero rows past the end up to `padded`: the causal mask hides
+    the padded keys from every real query, and the padded queries' outputs are dropped (their
+    gradients are zero)."""
+    if t.shape[2] == padded:
+        return t
+    return torch.nn.functional.pad(t, (0, 0, 0, padded - t.shape[2]))
 
 
 def _causal_bias(length: int) -> torch.Tensor:
@@ -102,10 +138,10 @@ def _exact_bf16_products(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _folded(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[1, heads, len, d] -> [key heads, groups x len, d]: each key head's group of query heads
-    stacked, so that one matmul per key head serves its group and sums over it."""
-    heads, length, dim = t.shape[1:]
-    return t.reshape(kv_heads, heads // kv_heads * length, dim)
+    """[n, heads, len, d] -> [n x key heads, groups x len, d]: each key head's group of query
+    heads stacked, so that one matmul per key head serves its group and sums over it."""
+    count, heads, length, dim = t.shape
+    return t.reshape(count * kv_heads, heads // kv_heads * length, dim)
 
 
 class _MatmulCausal(torch.autograd.Function):
@@ -120,8 +156,8 @@ class _MatmulCausal(torch.autograd.Function):
         scale: float,
     ) -> torch.Tensor:
         kv_heads, length = k.shape[1], k.shape[2]
-        queries = _folded(q, kv_heads)  # [key heads, groups x len, d]
-        keys, values = k[0], v[0]
+        queries = _folded(q, kv_heads)  # [n x key heads, groups x len, d]
+        keys, values = k.flatten(0, 1), v.flatten(0, 1)  # [n x key heads, len, d]
         with _exact_bf16_products(q.dtype):
             scores = torch.bmm(queries.float(), keys.float().transpose(1, 2))
         blocks = scores.view(kv_heads, -1, length, length)
@@ -137,13 +173,14 @@ class _MatmulCausal(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         queries, keys, values, probs = ctx.saved_tensors  # type: ignore[attr-defined]
         scale, shape = ctx.scale, ctx.shape  # type: ignore[attr-defined]
-        grad = _folded(grad.to(queries.dtype), keys.shape[0])
+        grad = _folded(grad.to(queries.dtype), keys.shape[0] // shape[0])
         grad_values = torch.bmm(probs.transpose(1, 2), grad)  # summed over each group
         grad_probs = torch.bmm(grad, values.transpose(1, 2))
         grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
         grad_q = torch.bmm(grad_scores, keys).mul_(scale)
         grad_keys = torch.bmm(grad_scores.transpose(1, 2), queries).mul_(scale)
-        return grad_q.view(shape), grad_keys[None], grad_values[None], None
+        kv_shape = (shape[0], keys.shape[0] // shape[0], *keys.shape[1:])
+        return grad_q.view(shape), grad_keys.view(kv_shape), grad_values.view(kv_shape), None
 
 
 class _FlashFp32Backward(torch.autograd.Function):

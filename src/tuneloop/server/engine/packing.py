@@ -7,8 +7,9 @@ so that it never crosses a boundary. Everything else in a transformer works toke
 packed row gives each sequence exactly the hidden states it gets on its own.
 
 Attention is a transformers attention function registered under `PACKED_ATTENTION`: inside
-`packed_segments(lengths)` it runs causal attention on each sequence's piece of one split of
-q/k/v (SDPA; in bf16/fp16 on a CPU, causal_cpu.py's kernels); outside it, it is plain SDPA
+`packed_segments(lengths)` it runs causal attention on each sequence's piece of q/k/v, the
+sequences of one length as one batch (sequence_batches.py; SDPA, in bf16/fp16 on a CPU
+causal_cpu.py's kernels); outside it, it is plain SDPA
 with the usual mask, so sampling (padded prompts, KV cache) is unchanged. Per-sequence
 attention costs sum(len^2) instead of the (sum len)^2 a block-diagonal mask over the packed
 row would; in bf16 on a CPU with AMX every sequence runs in one call each way
@@ -29,8 +30,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from tuneloop.server.engine import native_attention
-from tuneloop.server.engine.causal_cpu import causal_attention
+from tuneloop.server.engine import native_attention, sequence_batches
+from tuneloop.server.engine.causal_cpu import packed_attention
 
 PACKED_ATTENTION = "tuneloop_packed_sdpa"
 
@@ -50,15 +51,6 @@ def _packed_sdpa(
     lengths: list[int] | None = getattr(_state, "lengths", None)
     if lengths is None or query.shape[2] != sum(lengths) or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    # One split per tensor, not a slice per sequence: a slice's backward writes its gradient
-    # into a zero-filled tensor of the full packed size (sequences x full-size fills and adds
-    # per layer), a split's backward concatenates the pieces' gradients once.
-    splits = zip(
-        query.split(lengths, dim=2),
-        key.split(lengths, dim=2),
-        value.split(lengths, dim=2),
-        strict=True,
-    )
     if _cpu_half(query, kwargs):
         scale = kwargs.get("scaling")
         scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
@@ -66,13 +58,15 @@ def _packed_sdpa(
             # every sequence in one call each way on the tile unit, no splits
             out = native_attention.PackedTileCausal.apply(query, key, value, tuple(lengths), scale)
             return out, None
-        pieces = [causal_attention(q, k, v, scale).transpose(1, 2) for q, k, v in splits]
-    else:
-        pieces = [
-            sdpa_attention_forward(module, q, k, v, None, **{**kwargs, "is_causal": True})[0]
-            for q, k, v in splits
-        ]  # each [1, len, heads, dim]
-    return torch.cat(pieces, dim=1), None
+        return packed_attention(query, key, value, lengths, scale), None
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        causal = {**kwargs, "is_causal": True}
+        return sdpa_attention_forward(module, q, k, v, None, **causal)[0]  # [n, len, heads, d]
+
+    # SDPA of each sequence, those of one length as one batch (sequence_batches.py)
+    how = sequence_batches.plan(tuple(lengths))
+    return sequence_batches.attend(query, key, value, lengths, how, sdpa, sdpa), None
 
 
 def _cpu_half(query: torch.Tensor, kwargs: dict[str, Any]) -> bool:

@@ -1,0 +1,122 @@
+"""A packed row's sequences gathered into batches of one length for the attention kernels.
+
+A training batch packs its sequences end to end in one row (packing.py), and each sequence
+attends within itself: one attention call per sequence per layer, each way. An RL batch of
+many short sequences (128 of 9-13 tokens: a group of sampled answers) then spends a layer's
+attention on the calls' fixed costs, not their arithmetic. Here the sequences of one length
+(rounded up to a `granule` of tokens, with zero rows past their ends where the kernel masks
+them) run as one batch of the kernel, their tokens gathered into it by one index and its
+outputs put back in the packed order by another. A batch's items are separate products of one
+shape, so a sequence gets the bits it gets alone (tests/unit/engine/test_packing.py compares).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+__all__ = ["Plan", "attend", "plan"]
+
+# (q, k, v) of a batch [count, heads, length, d] -> its outputs [count, length, heads, d]
+BatchKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (q, k, v) of one sequence [1, heads, length, d] -> its outputs [1, length, heads, d]
+OneKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where `attend` reads and writes the tokens of one packing of sequences."""
+
+    # (length, sequences, [sequences x length] indices into the packed tokens, where a padded
+    # row reads the zero row at the end), a batch per length that several sequences share
+    batches: tuple[tuple[int, int, torch.Tensor], ...]
+    alone: tuple[int, ...]  # the sequences run one by one (a length no other has), in order
+    # [total]: each packed token's row in the parts' outputs, in turn; None: the same row
+    order: torch.Tensor | None
+    _on: dict[torch.device, tuple[list[torch.Tensor], torch.Tensor | None]] = field(
+        default_factory=dict, compare=False
+    )
+
+    def indices(self, device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The batches' indices and `order` on `device`, copied there once."""
+        found = self._on.get(device)
+        if found is None:
+            found = self._on[device] = (
+                [index.to(device) for _, _, index in self.batches],
+                None if self.order is None else self.order.to(device),
+            )
+        return found
+
+
+@functools.lru_cache(maxsize=16)
+def plan(lengths: tuple[int, ...], granule: int = 1, limit: int | None = None) -> Plan:
+    """How `attend` runs sequences of `lengths` tokens packed end to end: those of one length
+    rounded up to `granule` tokens in one batch, those longer than `limit` (None: no limit) or
+    of a length no other has one by one; sequences of no tokens have no output."""
+    starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    total = int(starts[-1])
+    grouped: dict[int, list[int]] = {}
+    for i, length in enumerate(lengths):
+        if not length:
+            continue
+        batchable = limit is None or length <= limit
+        grouped.setdefault(-(-length // granule) * granule if batchable else -i - 1, []).append(i)
+    alone = sorted(i for members in grouped.values() if len(members) == 1 for i in members)
+    order = np.empty(total, dtype=np.int64)
+    batches = []
+    row = 0
+    for padded, members in grouped.items():
+        if len(members) == 1:
+            continue
+        index = np.full((len(members), padded), total, dtype=np.int64)
+        for j, i in enumerate(members):
+            span = np.arange(starts[i], starts[i + 1])
+            index[j, : len(span)] = span
+            order[span] = row + j * padded + np.arange(len(span))
+        batches.append((padded, len(members), torch.from_numpy(index.reshape(-1))))
+        row += len(members) * padded
+    for i in alone:
+        order[starts[i] : starts[i + 1]] = row + np.arange(lengths[i])
+        row += lengths[i]
+    same = bool((order == np.arange(total)).all())
+    return Plan(tuple(batches), tuple(alone), None if same else torch.from_numpy(order))
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: Sequence[int],
+    how: Plan,
+    batch: BatchKernel,
+    one: OneKernel,
+) -> torch.Tensor:
+    """The attention of each sequence packed in q [1, heads, total, d] and k, v [1, key heads,
+    total, d] as `how` says: `batch` for a batch of one length, `one` for a sequence alone;
+    [1, total, heads, d]."""
+    dim = q.shape[3]
+    rows: list[torch.Tensor] = []  # each part's outputs, [tokens, heads, d]
+    indices, order = how.indices(q.device)
+    if how.batches:
+        # one zero row past the end: what a sequence's padded rows read
+        grown = [torch.nn.functional.pad(t, (0, 0, 0, 1)) for t in (q, k, v)]
+        for (padded, count, _), index in zip(how.batches, indices, strict=True):
+            parts = [
+                t.index_select(2, index).view(t.shape[1], count, padded, dim).transpose(0, 1)
+                for t in grown
+            ]
+            rows.append(batch(*parts).reshape(count * padded, -1, dim))
+    if how.alone:
+        # One split per tensor, not a slice per sequence: a slice's backward writes its
+        # gradient into a zero-filled tensor of the full packed size, a split's concatenates.
+        splits = [t.split(list(lengths), 2) for t in (q, k, v)]
+        for i in how.alone:
+            rows.append(one(splits[0][i], splits[1][i], splits[2][i])[0])
+    if not rows:  # no tokens
+        return q.transpose(1, 2)
+    flat = rows[0] if len(rows) == 1 else torch.cat(rows)
+    return (flat if order is None else flat.index_select(0, order))[None]
