@@ -17,8 +17,8 @@ F = torch.nn.functional
 MODULE = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
 LENGTHS = [
     [9, 12, 13, 11, 10, 9, 16, 5] * 4,  # an RL batch of short answers: a few batches
-    [37, 80, 11, 40, 33, 37],  # some shared, some alone
-    [20, 1100, 30, 1050, 17],  # padded to one length, and two past the matmul kernel's bound
+    [37, 80, 11, 40, 33, 37],  # too few of one length to batch
+    [20, 1100, 30, 1050, 17, 25],  # padded to one length, and two past the kernel's bound
     [0, 5, 0, 5],  # sequences of no tokens
 ]
 
@@ -86,8 +86,19 @@ def test_a_plan_without_batches_keeps_the_packed_order() -> None:
     assert sequence_batches.plan((5, 7, 9)) is how  # one plan per packing, kept
 
 
+def test_fewer_than_min_batch_of_a_length_run_alone() -> None:
+    assert sequence_batches.MIN_BATCH == 4
+    how = sequence_batches.plan((4, 4, 4, 2))
+    assert how.batches == ()
+    assert how.alone == (0, 1, 2, 3)
+
+
 def test_indices_are_copied_to_a_device_once() -> None:
-    how = sequence_batches.plan((4, 4, 2))
+    how = sequence_batches.plan((4, 4, 2, 4, 4))
     first = how.indices(torch.device("cpu"))
     assert how.indices(torch.device("cpu")) is first
-    assert [i.tolist() for i in first[0]] == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    assert [i.tolist() for i in first[0]] == [
+        [0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 14, 15, 16, 17]
+    ]
+    assert first[1] is not None
+    assert first[1].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 8, 9, 10, 11, 12, 13, 14, 15]

@@ -7,7 +7,8 @@ attention on the calls' fixed costs, not their arithmetic. Here the sequences of
 (rounded up to a `granule` of tokens, with zero rows past their ends where the kernel masks
 them) run as one batch of the kernel, their tokens gathered into it by one index and its
 outputs put back in the packed order by another. A batch's items are separate products of one
-shape, so a sequence gets the bits it gets alone (tests/unit/engine/test_packing.py compares).
+shape, so a sequence gets the bits it gets alone (tests/unit/engine/test_sequence_batches.py
+compares).
 """
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-__all__ = ["Plan", "attend", "plan"]
+__all__ = ["MIN_BATCH", "Plan", "attend", "plan"]
+
+# The fewest sequences a batch gathers: gathering and putting back costs a few operations a
+# layer each way, about what a sequence's own call costs in fp32 SDPA on a CPU (8 sequences
+# of 8-16 tokens through a 36-layer model: batches of 2-3 ran 0.96x the calls one by one).
+MIN_BATCH = 4
 
 # (q, k, v) of a batch [count, heads, length, d] -> its outputs [count, length, heads, d]
 BatchKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -34,7 +40,7 @@ class Plan:
     # (length, sequences, [sequences x length] indices into the packed tokens, where a padded
     # row reads the zero row at the end), a batch per length that several sequences share
     batches: tuple[tuple[int, int, torch.Tensor], ...]
-    alone: tuple[int, ...]  # the sequences run one by one (a length no other has), in order
+    alone: tuple[int, ...]  # the sequences run one by one (a length few share), in order
     # [total]: each packed token's row in the parts' outputs, in turn; None: the same row
     order: torch.Tensor | None
     _on: dict[torch.device, tuple[list[torch.Tensor], torch.Tensor | None]] = field(
@@ -55,8 +61,9 @@ class Plan:
 @functools.lru_cache(maxsize=16)
 def plan(lengths: tuple[int, ...], granule: int = 1, limit: int | None = None) -> Plan:
     """How `attend` runs sequences of `lengths` tokens packed end to end: those of one length
-    rounded up to `granule` tokens in one batch, those longer than `limit` (None: no limit) or
-    of a length no other has one by one; sequences of no tokens have no output."""
+    rounded up to `granule` tokens in one batch (MIN_BATCH of them at least), those longer
+    than `limit` (None: no limit) or of a length too few others have one by one; sequences of
+    no tokens have no output."""
     starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
     total = int(starts[-1])
     grouped: dict[int, list[int]] = {}
@@ -65,12 +72,12 @@ def plan(lengths: tuple[int, ...], granule: int = 1, limit: int | None = None) -
             continue
         batchable = limit is None or length <= limit
         grouped.setdefault(-(-length // granule) * granule if batchable else -i - 1, []).append(i)
-    alone = sorted(i for members in grouped.values() if len(members) == 1 for i in members)
+    alone = sorted(i for members in grouped.values() if len(members) < MIN_BATCH for i in members)
     order = np.empty(total, dtype=np.int64)
     batches = []
     row = 0
     for padded, members in grouped.items():
-        if len(members) == 1:
+        if len(members) < MIN_BATCH:
             continue
         index = np.full((len(members), padded), total, dtype=np.int64)
         for j, i in enumerate(members):
