@@ -18,6 +18,7 @@ MODULE = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
 LENGTHS = [
     [9, 12, 13, 11, 10, 9, 16, 5] * 4,  # an RL batch of short answers: a few batches
     [37, 80, 11, 40, 33, 37],  # too few of one length to batch
+    [37, 80, 11, 40, 33, 37] * 4,  # several batches: one gather for all of them
     [20, 1100, 30, 1050, 17, 25],  # padded to one length, and two past the kernel's bound
     [0, 5, 0, 5],  # sequences of no tokens
 ]
@@ -97,8 +98,6 @@ def test_indices_are_copied_to_a_device_once() -> None:
     how = sequence_batches.plan((4, 4, 2, 4, 4))
     first = how.indices(torch.device("cpu"))
     assert how.indices(torch.device("cpu")) is first
-    assert [i.tolist() for i in first[0]] == [
-        [0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 14, 15, 16, 17]
-    ]
+    assert first[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 14, 15, 16, 17]
     assert first[1] is not None
     assert first[1].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 8, 9, 10, 11, 12, 13, 14, 15]

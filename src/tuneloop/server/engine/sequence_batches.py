@@ -43,16 +43,18 @@ class Plan:
     alone: tuple[int, ...]  # the sequences run one by one (a length few share), in order
     # [total]: each packed token's row in the parts' outputs, in turn; None: the same row
     order: torch.Tensor | None
-    _on: dict[torch.device, tuple[list[torch.Tensor], torch.Tensor | None]] = field(
+    _on: dict[torch.device, tuple[torch.Tensor, torch.Tensor | None]] = field(
         default_factory=dict, compare=False
     )
 
-    def indices(self, device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """The batches' indices and `order` on `device`, copied there once."""
+    def indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The batches' indices one after another and `order`, on `device` (copied there
+        once)."""
         found = self._on.get(device)
         if found is None:
+            every = [index for _, _, index in self.batches] or [torch.zeros(0, dtype=torch.long)]
             found = self._on[device] = (
-                [index.to(device) for _, _, index in self.batches],
+                torch.cat(every).to(device),
                 None if self.order is None else self.order.to(device),
             )
         return found
@@ -109,13 +111,16 @@ def attend(
     rows: list[torch.Tensor] = []  # each part's outputs, [tokens, heads, d]
     indices, order = how.indices(q.device)
     if how.batches:
-        # one zero row past the end: what a sequence's padded rows read
-        grown = [torch.nn.functional.pad(t, (0, 0, 0, 1)) for t in (q, k, v)]
-        for (padded, count, _), index in zip(how.batches, indices, strict=True):
-            parts = [
-                t.index_select(2, index).view(t.shape[1], count, padded, dim).transpose(0, 1)
-                for t in grown
-            ]
+        # One gather per tensor for every batch, then a split: each gather's backward adds
+        # into a zero-filled tensor of the full packed size, a split's concatenates. The
+        # padded rows read one zero row past the end.
+        sizes = [count * padded for padded, count, _ in how.batches]
+        gathered = [
+            torch.nn.functional.pad(t, (0, 0, 0, 1)).index_select(2, indices).split(sizes, 2)
+            for t in (q, k, v)
+        ]
+        for b, (padded, count, _) in enumerate(how.batches):
+            parts = [g[b].view(g[b].shape[1], count, padded, dim).transpose(0, 1) for g in gathered]
             rows.append(batch(*parts).reshape(count * padded, -1, dim))
     if how.alone:
         # One split per tensor, not a slice per sequence: a slice's backward writes its
