@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_column", "this_tree_src"]
+__all__ = ["alternate", "answered_as_worker", "run_column", "this_tree_src"]
 
 BENCH = Path(__file__).resolve().parent
 
@@ -36,3 +36,25 @@ def run_column(script: Path | str, src: str, args: Sequence[str]) -> dict[str, A
     ).stdout
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     return result
+
+
+def alternate(
+    script: Path | str, before_src: Path, args: Sequence[str], rounds: int
+) -> dict[str, list[dict[str, Any]]]:
+    """`rounds` rounds of `script args` with `before_src` ("before") and then this tree's
+    src ("after"), each in a process of its own: each side's results in round order."""
+    sources = {"before": str(Path(before_src).resolve()), "after": this_tree_src()}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sources}
+    for _ in range(rounds):
+        for name, src in sources.items():
+            runs[name].append(run_column(script, src, args))
+    return runs
+
+
+def answered_as_worker(args: Any, worker: Any) -> bool:
+    """Where the script runs as a column's worker (`--worker`): `worker(args)` run and its
+    JSON printed, the line `run_column` reads; False otherwise."""
+    if not args.worker:
+        return False
+    print(json.dumps(worker(args)))
+    return True

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from columns import run_column, this_tree_src  # siblings: a script's folder is on sys.path
+from columns import alternate, answered_as_worker  # siblings: a script's folder is on sys.path
 from engine import BETAS, EPS, LR, RANDOM_INIT, SEED, build_random_model, cross_entropy_pass
 from shared_prefix import cpu_model
 
@@ -107,20 +107,14 @@ def main() -> int:
     args = parser.parse_args()
     if args.layers <= 2:
         parser.error("--layers must be more than 2 (the difference with 2 layers is measured)")
-    if args.worker:
-        print(json.dumps(worker(args)))
+    if answered_as_worker(args, worker):
         return 0
-    here = Path(__file__).resolve()
-    sources = {"before": str(args.before_src.resolve()), "after": this_tree_src()}
     passed = [
         f"--{k}={getattr(args, k)}"
         for k in ("threads", "layers", "sequences", "lengths", "steps", "dtype")
     ] + [f"--before-src={args.before_src}", "--worker"]
     print(f"cpu: {cpu_model()}  {args.dtype}  threads {args.threads}  load {os.getloadavg()}")
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in sources}
-    for _ in range(args.rounds):
-        for name, src in sources.items():
-            runs[name].append(run_column(here, src, passed))
+    runs = alternate(Path(__file__), args.before_src, passed, args.rounds)
     keys = list(runs["after"][0])
     medians = {n: {k: statistics.median(r[k] for r in rs) for k in keys} for n, rs in runs.items()}
     for key in keys:

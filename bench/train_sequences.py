@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from columns import run_column, this_tree_src  # siblings: a script's folder is on sys.path
+from columns import alternate, answered_as_worker  # siblings: a script's folder is on sys.path
 from engine import BETAS, EPS, LR, MODEL, RANK, SEED, cross_entropy_pass
 from shared_prefix import cpu_model
 
@@ -73,11 +73,8 @@ def main() -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args)))
+    if answered_as_worker(args, worker):
         return 0
-    here = Path(__file__).resolve()
-    sources = {"before": str(args.before_src.resolve()), "after": this_tree_src()}
     print(f"cpu: {cpu_model()}  {args.dtype}  threads {args.threads}  load {os.getloadavg()}")
     report: dict[str, object] = {
         "cpu": cpu_model(),
@@ -89,10 +86,7 @@ def main() -> int:
             f"--shape={shape}",
             "--worker",
         ]
-        runs: dict[str, list[dict[str, float]]] = {name: [] for name in sources}
-        for _ in range(args.rounds):
-            for name, src in sources.items():
-                runs[name].append(run_column(here, src, passed))
+        runs = alternate(Path(__file__), args.before_src, passed, args.rounds)
         ratios = [
             a["tok_per_s"] / b["tok_per_s"]
             for a, b in zip(runs["after"], runs["before"], strict=True)
