@@ -101,3 +101,13 @@ def test_indices_are_copied_to_a_device_once() -> None:
     assert first[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 14, 15, 16, 17]
     assert first[1] is not None
     assert first[1].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 8, 9, 10, 11, 12, 13, 14, 15]
+
+
+def test_sdpa_batches_sequences_on_a_cpu_only() -> None:
+    lengths = [6, 6, 6, 6, 9]
+    on_cpu = packing.sdpa_plan(lengths, torch.device("cpu"))
+    assert [(length, count) for length, count, _ in on_cpu.batches] == [(6, 4)]
+    elsewhere = packing.sdpa_plan(lengths, torch.device("meta"))
+    assert elsewhere.batches == ()
+    assert elsewhere.alone == (0, 1, 2, 3, 4)
+    assert elsewhere.order is None

@@ -64,9 +64,18 @@ def _packed_sdpa(
         causal = {**kwargs, "is_causal": True}
         return sdpa_attention_forward(module, q, k, v, None, **causal)[0]  # [n, len, heads, d]
 
-    # SDPA of each sequence, those of one length as one batch (sequence_batches.py)
-    how = sequence_batches.plan(tuple(lengths))
+    how = sdpa_plan(lengths, query.device)
     return sequence_batches.attend(query, key, value, lengths, how, sdpa, sdpa), None
+
+
+def sdpa_plan(lengths: Sequence[int], device: torch.device) -> sequence_batches.Plan:
+    """How SDPA runs a packed row's sequences on `device`: on a CPU those of one length as one
+    batch (sequence_batches.py; each sequence's bits are those it gets alone, tested); on
+    other devices one by one, as a GPU's kernels may split a batch's work by its size (flash's
+    split-KV heuristic), which no run on a device has checked yet."""
+    if device.type == "cpu":
+        return sequence_batches.plan(tuple(lengths))
+    return sequence_batches.plan(tuple(lengths), limit=0)
 
 
 def _cpu_half(query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
