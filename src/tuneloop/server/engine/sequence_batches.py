@@ -49,12 +49,11 @@ class Plan:
 
     def indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The batches' indices one after another and `order`, on `device` (copied there
-        once)."""
+        once); for a plan with batches."""
         found = self._on.get(device)
         if found is None:
-            every = [index for _, _, index in self.batches] or [torch.zeros(0, dtype=torch.long)]
             found = self._on[device] = (
-                torch.cat(every).to(device),
+                torch.cat([index for _, _, index in self.batches]).to(device),
                 None if self.order is None else self.order.to(device),
             )
         return found
@@ -109,8 +108,9 @@ def attend(
     [1, total, heads, d]."""
     dim = q.shape[3]
     rows: list[torch.Tensor] = []  # each part's outputs, [tokens, heads, d]
-    indices, order = how.indices(q.device)
+    order = None  # (a plan without batches keeps the packed order)
     if how.batches:
+        indices, order = how.indices(q.device)
         # One gather per tensor for every batch, then a split: each gather's backward adds
         # into a zero-filled tensor of the full packed size, a split's concatenates. The
         # padded rows read one zero row past the end.
