@@ -2,7 +2,7 @@
 
 In-process `TorchBackend`, SmolLM2-135M, rank-32 LoRA on every linear layer and the head (as
 bench/engine.py), `--dtype` weights (bf16 by default), 2 threads.
-- decode: 32 prompts x 4 samples from a lone sampler snapshot (merged weights where the dtype
+- decode: 32 prompts x 4 samples (`--prompts`, `--samples`) from a lone sampler snapshot (merged weights where the dtype
   allows); per decode step, the whole step and, timed around their functions, the model's
   forward (`ModelRunner.run`), its decoder body where the lean loop runs it
   (`decode_layers.run`) and of that the layers' one C++ call where it runs
@@ -65,7 +65,7 @@ def _decode(backend: Any, args: argparse.Namespace) -> None:
     from tuneloop.server.engine.kv import paged_attention
 
     backend.create_sampler("s", MODEL, adapter_id="a")
-    prompts = random_prompts()
+    prompts = random_prompts(args.prompts)
     spent: dict[str, float] = collections.defaultdict(float)
     _timed(model_runner.ModelRunner, "run", "forward", spent)
     _timed(decode_layers, "run", "decoder body (lean loop)", spent)
@@ -76,7 +76,7 @@ def _decode(backend: Any, args: argparse.Namespace) -> None:
 
     def call(new: int) -> dict[str, float]:
         spent.clear()
-        works = [t.SampleWork("s", p, 4, new, 1.0, -1, 1.0, SEED, (), ()) for p in prompts]
+        works = [t.SampleWork("s", p, args.samples, new, 1.0, -1, 1.0, SEED, (), ()) for p in prompts]
         begin = time.perf_counter()
         backend.sample(works)
         return {"step": time.perf_counter() - begin, **spent}
@@ -89,7 +89,8 @@ def _decode(backend: Any, args: argparse.Namespace) -> None:
         rounds.append({k: (long[k] - short.get(k, 0.0)) / steps * 1e3 for k in long})
         print({k: round(v, 1) for k, v in rounds[-1].items()}, flush=True)
     medians = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-    print("decode step of 128 rows, ms (median):", {k: round(v, 1) for k, v in medians.items()})
+    rows = args.prompts * args.samples
+    print(f"decode step of {rows} rows, ms (median):", {k: round(v, 1) for k, v in medians.items()})
 
 
 def _train(backend: Any, args: argparse.Namespace) -> None:
@@ -125,6 +126,8 @@ def main() -> int:
     parser.add_argument("what", choices=["decode", "train"])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--new", type=int, default=24, help="decode: new tokens per call")
+    parser.add_argument("--prompts", type=int, default=32, help="decode: prompts per call")
+    parser.add_argument("--samples", type=int, default=4, help="decode: samples per prompt")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
