@@ -98,7 +98,7 @@ class SiblingLinears(torch.autograd.Function):
         ]
         # the gradient of low, scaled: scale_i * dy_i @ B_i per sibling
         d_low = torch.cat(
-            [(dy @ b).mul_(s) for dy, b, s in zip(dys, ups, scales, strict=True)], dim=1
+            [ops.scaled_(dy @ b, s) for dy, b, s in zip(dys, ups, scales, strict=True)], dim=1
         )
         d_x = None
         if ctx.needs_input_grad[0]:  # type: ignore[attr-defined]
@@ -111,7 +111,7 @@ class SiblingLinears(torch.autograd.Function):
         column = 0
         for dy, b, scale in zip(dys, ups, scales, strict=True):
             rank = b.shape[1]
-            d_b = (dy.t() @ low[:, column : column + rank]).mul_(scale)
+            d_b = ops.scaled_(dy.t() @ low[:, column : column + rank], scale)
             d_factors += [d_a_all[column : column + rank], d_b]
             column += rank
         return (d_x, None, None, None, *d_factors)
