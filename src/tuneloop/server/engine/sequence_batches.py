@@ -127,7 +127,8 @@ def attend(
         # gradient into a zero-filled tensor of the full packed size, a split's concatenates.
         splits = [t.split(list(lengths), 2) for t in (q, k, v)]
         for i in how.alone:
-            rows.append(one(splits[0][i], splits[1][i], splits[2][i])[0])
+            # (a view, not `[0]`: a select's backward writes into a zero-filled tensor)
+            rows.append(one(splits[0][i], splits[1][i], splits[2][i]).squeeze(0))
     if not rows:  # no tokens
         return q.transpose(1, 2)
     flat = rows[0] if len(rows) == 1 else torch.cat(rows)
