@@ -181,10 +181,16 @@ def test_the_backward_loop_gives_eager_autograds_bits(
         assert torch.equal(g.view(torch.int16), w.view(torch.int16))
 
 
-def test_a_model_that_is_not_bf16_switches_nothing() -> None:
-    own = modeling_llama.apply_rotary_pos_emb
-    assert rotary.install(_tiny_llama().float()) == 0
-    assert modeling_llama.apply_rotary_pos_emb is own
+def test_a_model_that_is_not_bf16_takes_no_loop() -> None:
+    """An fp32 model's family is switched to the recorded node only (test_rotary_node.py), a
+    bf16 model's to the loops unless the caller keeps them off."""
+    assert rotary.install(_tiny_llama().float()) == 1
+    assert rotary.installed() == []
+    assert rotary.switched() == ["transformers.models.llama.modeling_llama"]
+    assert rotary.install(_tiny_llama(), loops=False) == 1
+    assert rotary.installed() == []
+    assert rotary.install(_tiny_llama()) == 1
+    assert rotary.installed() == ["transformers.models.llama.modeling_llama"]
 
 
 def test_a_family_whose_rotary_differs_keeps_its_own(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,6 +14,15 @@ sum rounded as eager's nodes round them). In every other case (other dtypes and 
 layouts it does not take) it calls the family's own function. A family is switched only
 after the two agree bit for bit on a probe, so a family whose rotary differs (interleaved
 pairs, partial rotary) keeps its own.
+
+Every other model (other dtypes, a GPU) gets the recorded case only, in torch's own operations
+(`_TorchRotary`): eager's forward operations run without recording them, and the backward
+takes each gradient back through the rotation in five operations a tensor, where eager
+autograd's nodes run about ten (the rotated halves' slices each write into a zero-filled
+tensor of the whole size, then the pieces are summed), with eager's bits. On a GPU each is a
+kernel launch and its dispatch; a narrow Qwen3's training pass, where those costs are the
+step, measured the node per layer in `bench/train_host.py` (docs/benchmarks.md). Its probe
+runs forward and backward in the model's dtype on its device.
 """
 
 from __future__ import annotations
@@ -32,7 +41,15 @@ from torch import nn
 
 from tuneloop.server.engine import native
 
-__all__ = ["backward_kernel", "install", "installed", "native_kernel", "rotate", "uninstall"]
+__all__ = [
+    "backward_kernel",
+    "install",
+    "installed",
+    "native_kernel",
+    "rotate",
+    "switched",
+    "uninstall",
+]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +57,11 @@ SOURCE = Path(__file__).with_name("rotary.cpp")
 NAME = "apply_rotary_pos_emb"
 # The family modules switched in this process: module name -> the family's own function.
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
+# Of those, the families whose function the C++ loops reproduce (probed at bf16 on a CPU), and
+# those whose recorded rotation `_TorchRotary` reproduces (probed in a model's dtype and device:
+# the (dtype, device type) pairs probed).
+_LOOPS: set[str] = set()
+_NODES: dict[str, set[tuple[torch.dtype, str]]] = {}
 
 
 def _signature() -> tuple[Any, ...]:
@@ -150,12 +172,78 @@ def _trained(
     return out
 
 
-def _replacement(own: Callable[..., Any]) -> Callable[..., Any]:
+def _half_turned(x: torch.Tensor) -> torch.Tensor:
+    """transformers' `rotate_half`: [-second half, first half] of the last dimension."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _turned_back(t: torch.Tensor) -> torch.Tensor:
+    """The gradient through `_half_turned`: [second half, -first half]."""
+    half = t.shape[-1] // 2
+    return torch.cat((t[..., half:], -t[..., :half]), dim=-1)
+
+
+class _TorchRotary(torch.autograd.Function):
+    """q * cos + rotate_half(q) * sin and the same for k (cos and sin [batch, tokens, dim],
+    unsqueezed at dimension 1, no gradient) as one node in torch's operations. The gradient of
+    q is g * cos + the rotation back of g * sin: the two terms eager autograd adds (its two
+    slices' zero-filled gradients add nothing else), each product and the sum rounded as its
+    nodes round them."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        ctx.save_for_backward(cos, sin)
+        return q * cos + _half_turned(q) * sin, k * cos + _half_turned(k) * sin
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_q: torch.Tensor, grad_k: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        cos, sin = ctx.saved_tensors  # type: ignore[attr-defined]
+        needs = ctx.needs_input_grad  # type: ignore[attr-defined]
+        d_q = grad_q * cos + _turned_back(grad_q * sin) if needs[0] else None
+        d_k = grad_k * cos + _turned_back(grad_k * sin) if needs[1] else None
+        return d_q, d_k, None, None
+
+
+def _node_takes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether `_TorchRotary` computes what the family's function computes for these: one
+    dtype and device, q and k [batch, heads, tokens, dim] with cos and sin [batch, tokens,
+    dim] (an even dim), cos and sin without gradient."""
+    tensors = (q, k, cos, sin)
+    if any(type(t) is not torch.Tensor and type(t) is not nn.Parameter for t in tensors):
+        return False  # (a tensor subclass, e.g. a sharded DTensor: the family's own function)
+    if any(t.dtype != q.dtype or t.device != q.device for t in tensors):
+        return False
+    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape:
+        return False
+    batch, _, tokens, dim = q.shape
+    if k.shape[0] != batch or k.shape[2:] != q.shape[2:] or dim % 2:
+        return False
+    if cos.shape != (batch, tokens, dim) and cos.shape != (1, tokens, dim):
+        return False
+    return not (cos.requires_grad or sin.requires_grad)
+
+
+def _replacement(name: str, own: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(own)
     def _apply(q: Any, k: Any, cos: Any, sin: Any, *args: Any, **kwargs: Any) -> Any:
         if not args and not kwargs:
             recorded = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-            done = _trained(q, k, cos, sin) if recorded else rotate(q, k, cos, sin)
+            done = None
+            if name in _LOOPS:
+                done = _trained(q, k, cos, sin) if recorded else rotate(q, k, cos, sin)
+            if done is None and recorded and (q.dtype, q.device.type) in _NODES.get(name, ()):
+                if _node_takes(q, k, cos, sin):
+                    done = _TorchRotary.apply(q, k, cos, sin)
             if done is not None:
                 return done
         return own(q, k, cos, sin, *args, **kwargs)
@@ -181,6 +269,41 @@ def _agrees(own: Callable[..., Any], heads: int, kv_heads: int, dim: int) -> boo
     return all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
+def _node_agrees(
+    own: Callable[..., Any],
+    shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> bool:
+    """Whether `_TorchRotary` gives the family's bits, forward and the gradients of q and k as
+    the projections' transposed views of one tensor, on a probe in `dtype` on `device`."""
+    heads, kv_heads, dim = shape
+    if dim % 2:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    tokens = 5
+    both = torch.randn((1, tokens, (heads + kv_heads) * dim), generator=gen).mul(4)
+    angles = torch.randn((1, tokens, dim), generator=gen).mul(3)
+    upstream = [torch.randn((1, n, tokens, dim), generator=gen) for n in (heads, kv_heads)]
+    cast = [t.to(device=device, dtype=dtype) for t in (both, angles.cos(), angles.sin())]
+    upstream = [u.to(device=device, dtype=dtype) for u in upstream]
+
+    def run(rotate: Callable[..., Any]) -> list[torch.Tensor]:
+        with torch.enable_grad():
+            x = cast[0].clone().requires_grad_(True)
+            q = x[..., : heads * dim].view(1, tokens, heads, dim).transpose(1, 2)
+            k = x[..., heads * dim :].reshape(1, tokens, kv_heads, dim).transpose(1, 2)
+            out = rotate(q, k, cast[1], cast[2])
+            if not isinstance(out, tuple) or len(out) != 2:
+                return []
+            return [o.detach() for o in out] + list(torch.autograd.grad(out, (x,), upstream))
+
+    want, got = run(own), run(_TorchRotary.apply)
+    return len(want) == len(got) == 3 and all(
+        torch.equal(g, w) for g, w in zip(got, want, strict=True)
+    )
+
+
 def _families(model: nn.Module) -> dict[str, tuple[int, int, int]]:
     """The modules of the model's attention classes that define `apply_rotary_pos_emb`, with
     the attention's (heads, key heads, head size) from the model's config."""
@@ -202,36 +325,51 @@ def _families(model: nn.Module) -> dict[str, tuple[int, int, int]]:
     return found
 
 
-def install(model: nn.Module) -> int:
-    """Point the rotary function of `model`'s families at the native form where it agrees
-    with theirs; returns how many families are switched for it (0 where none, for a model
-    that is not bf16 on a CPU, or where the loop cannot be built)."""
+def _probed(name: str, what: str, probe: Callable[[], bool]) -> bool:
+    try:
+        return probe()
+    except Exception as exc:  # a family whose function takes other arguments
+        log.info("%s.%s kept for %s: %s", name, NAME, what, exc)
+        return False
+
+
+def install(model: nn.Module, *, loops: bool = True) -> int:
+    """Point the rotary function of `model`'s families at the native loops where the model
+    is bf16 on a CPU, `loops` allows them and they agree with the family's function, else at
+    the recorded node in torch's operations where it agrees in the model's dtype and device;
+    returns how many of the model's families are switched (0 where none)."""
     weight = next(model.parameters(), None)
-    if weight is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
-        return 0  # (the loop would never apply: no wrapper in its way)
-    if native_kernel() is None:
+    if weight is None:
         return 0
+    loops = loops and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+    loops = loops and native_kernel() is not None
+    kind = (weight.dtype, weight.device.type)
     count = 0
-    for name, (heads, kv_heads, dim) in _families(model).items():
+    for name, shape in _families(model).items():
         family = sys.modules[name]
-        current = getattr(family, NAME)
-        if name in _ORIGINALS:
-            count += 1  # switched already (another model of the family)
-            continue
-        try:
-            agrees = _agrees(current, heads, kv_heads, dim)
-        except Exception as exc:  # a family whose function takes other arguments
-            log.info("%s.%s kept: %s", name, NAME, exc)
-            agrees = False
-        if agrees:
-            _ORIGINALS[name] = current
-            setattr(family, NAME, _replacement(current))
+        own = _ORIGINALS.get(name, getattr(family, NAME))
+        if loops and name not in _LOOPS:
+            if _probed(name, "the loops", functools.partial(_agrees, own, *shape)):
+                _LOOPS.add(name)
+        if not (loops and name in _LOOPS) and kind not in _NODES.get(name, ()):
+            probe = functools.partial(_node_agrees, own, shape, weight.dtype, weight.device)
+            if _probed(name, f"{weight.dtype} on {weight.device.type}", probe):
+                _NODES.setdefault(name, set()).add(kind)
+        if name in _LOOPS or name in _NODES:
+            if name not in _ORIGINALS:
+                _ORIGINALS[name] = own
+                setattr(family, NAME, _replacement(name, own))
             count += 1
     return count
 
 
 def installed() -> list[str]:
-    """The family modules switched in this process."""
+    """The family modules whose function the native loops take in this process."""
+    return sorted(_LOOPS)
+
+
+def switched() -> list[str]:
+    """The family modules switched in this process: to the loops, the recorded node or both."""
     return sorted(_ORIGINALS)
 
 
@@ -241,4 +379,6 @@ def uninstall() -> int:
         setattr(sys.modules[name], NAME, own)
     count = len(_ORIGINALS)
     _ORIGINALS.clear()
+    _LOOPS.clear()
+    _NODES.clear()
     return count

@@ -138,9 +138,11 @@ class TorchBackend:
             )
             if compile_kernels:
                 compiled.install(loaded.model)
-                if self.device.type == "cpu":  # sampling steps' SiLU product and rotary
-                    gated_mlp.install(loaded.model)  # (gated_mlp.py, rotary.py)
-                    rotary.install(loaded.model)
+                if self.device.type == "cpu":  # sampling steps' SiLU product (gated_mlp.py)
+                    gated_mlp.install(loaded.model)
+            # the rotary embedding (rotary.py): C++ loops for the CPU steps of models wide
+            # enough to pay for building them, else one node in training (torch's operations)
+            rotary.install(loaded.model, loops=compile_kernels and self.device.type == "cpu")
             runtime = Runtime(
                 loaded,
                 bank,
