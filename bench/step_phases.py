@@ -76,7 +76,9 @@ def _decode(backend: Any, args: argparse.Namespace) -> None:
 
     def call(new: int) -> dict[str, float]:
         spent.clear()
-        works = [t.SampleWork("s", p, args.samples, new, 1.0, -1, 1.0, SEED, (), ()) for p in prompts]
+        works = [
+            t.SampleWork("s", p, args.samples, new, 1.0, -1, 1.0, SEED, (), ()) for p in prompts
+        ]
         begin = time.perf_counter()
         backend.sample(works)
         return {"step": time.perf_counter() - begin, **spent}
