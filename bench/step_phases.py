@@ -2,10 +2,10 @@
 
 In-process `TorchBackend`, SmolLM2-135M, rank-32 LoRA on every linear layer and the head (as
 bench/engine.py), `--dtype` weights (bf16 by default), 2 threads.
-- decode: 32 prompts x 4 samples (`--prompts`, `--samples`) from a lone sampler snapshot (merged weights where the dtype
-  allows); per decode step, the whole step and, timed around their functions, the model's
-  forward (`ModelRunner.run`), its decoder body where the lean loop runs it
-  (`decode_layers.run`) and of that the layers' one C++ call where it runs
+- decode: 32 prompts x 4 samples (`--prompts`, `--samples`) from a lone sampler snapshot
+  (merged weights where the dtype allows); per decode step, the whole step and, timed
+  around their functions, the model's forward (`ModelRunner.run`), its decoder body where the
+  lean loop runs it (`decode_layers.run`) and of that the layers' one C++ call where it runs
   (`native_layers.Loop.run`), the reference paged attention where it runs instead of the
   native or compiled kernels (`_reference`, all layers), the LM head (`ModelRunner._logits`)
   and the draw (`sample_rows`). A call of 2 new tokens is subtracted, so the prefill is left
@@ -13,7 +13,7 @@ bench/engine.py), `--dtype` weights (bf16 by default), 2 threads.
 - train: one batch of 8 x 64-256 tokens: forward only, forward + backward, optim_step.
 Prints the CPU model and the load with the medians of `--rounds`.
 
-    python bench/step_phases.py decode [--new 24] [--rounds 3]
+    python bench/step_phases.py decode [--new 24] [--rounds 3] [--prompts 1 --samples 1]
     python bench/step_phases.py train [--rounds 3]
 """
 

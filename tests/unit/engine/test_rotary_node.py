@@ -67,7 +67,8 @@ def test_the_node_gives_eager_autograds_bits(
     got, want = run(_node), run(family.apply_rotary_pos_emb)
     bits = torch.int32 if kind == torch.float32 else torch.int16
     for g, w in zip(got, want, strict=True):
-        assert g.shape == w.shape and g.stride() == w.stride()
+        assert g.shape == w.shape
+        assert g.stride() == w.stride()
         assert torch.equal(g.view(bits), w.view(bits))
 
 
@@ -99,7 +100,8 @@ def test_an_fp32_model_trains_through_the_node_with_eagers_bits() -> None:
         logits = model(ids).logits
     own = modeling_llama.apply_rotary_pos_emb
     assert rotary.install(model) == 1
-    assert rotary.switched() == [LLAMA] and rotary.installed() == []
+    assert rotary.switched() == [LLAMA]
+    assert rotary.installed() == []
     assert modeling_llama.apply_rotary_pos_emb is not own
     calls: list[int] = []
     backward = rotary._TorchRotary.backward

@@ -241,9 +241,9 @@ def _replacement(name: str, own: Callable[..., Any]) -> Callable[..., Any]:
             done = None
             if name in _LOOPS:
                 done = _trained(q, k, cos, sin) if recorded else rotate(q, k, cos, sin)
-            if done is None and recorded and (q.dtype, q.device.type) in _NODES.get(name, ()):
-                if _node_takes(q, k, cos, sin):
-                    done = _TorchRotary.apply(q, k, cos, sin)
+            probed = (q.dtype, q.device.type) in _NODES.get(name, ())
+            if done is None and recorded and probed and _node_takes(q, k, cos, sin):
+                done = _TorchRotary.apply(q, k, cos, sin)
             if done is not None:
                 return done
         return own(q, k, cos, sin, *args, **kwargs)
@@ -348,9 +348,9 @@ def install(model: nn.Module, *, loops: bool = True) -> int:
     for name, shape in _families(model).items():
         family = sys.modules[name]
         own = _ORIGINALS.get(name, getattr(family, NAME))
-        if loops and name not in _LOOPS:
-            if _probed(name, "the loops", functools.partial(_agrees, own, *shape)):
-                _LOOPS.add(name)
+        agrees = functools.partial(_agrees, own, *shape)
+        if loops and name not in _LOOPS and _probed(name, "the loops", agrees):
+            _LOOPS.add(name)
         if not (loops and name in _LOOPS) and kind not in _NODES.get(name, ()):
             probe = functools.partial(_node_agrees, own, shape, weight.dtype, weight.device)
             if _probed(name, f"{weight.dtype} on {weight.device.type}", probe):
