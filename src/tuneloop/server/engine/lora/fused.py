@@ -35,7 +35,15 @@ from tuneloop.server.engine.lora.native_columns import DownPairs
 from tuneloop.server.engine.lora.segments import Segment, add, stacked_up
 from tuneloop.server.engine.native_linear import NativeWeight
 
-__all__ = ["SIBLINGS", "FusedLinear", "fusable", "plain_frozen", "sibling_groups", "take"]
+__all__ = [
+    "SIBLINGS",
+    "FusedLinear",
+    "fusable",
+    "plain_frozen",
+    "sibling_groups",
+    "take",
+    "taken",
+]
 
 # Layer names under one parent module that take the same input in the model families served.
 SIBLINGS: tuple[frozenset[str], ...] = (
@@ -93,11 +101,26 @@ def take(
     """Sibling `index`'s output of group `group` for input x: from the group's outputs made
     for this very x and not yet taken, else from `compute()` (all of them, kept in `held` for
     the other siblings until each took its own)."""
+    out = taken(held, group, index, x)
+    if out is None:
+        held[group] = (x, list(compute()))
+        out = taken(held, group, index, x)
+    assert out is not None
+    return out
+
+
+def taken(
+    held: dict[int, tuple[torch.Tensor, list[torch.Tensor | None]]],
+    group: int,
+    index: int,
+    x: torch.Tensor,
+) -> torch.Tensor | None:
+    """Sibling `index`'s output of group `group` made for this very x and not yet taken (no
+    longer held once taken), or None."""
     entry = held.get(group)
     if entry is None or entry[0] is not x or entry[1][index] is None:
-        entry = held[group] = (x, list(compute()))
+        return None
     out = entry[1][index]
-    assert out is not None
     entry[1][index] = None
     if all(o is None for o in entry[1]):
         del held[group]  # every sibling served: hold nothing

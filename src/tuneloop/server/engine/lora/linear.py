@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine.lora import ops, siblings
-from tuneloop.server.engine.lora.fused import plain_frozen, take
+from tuneloop.server.engine.lora.fused import plain_frozen, take, taken
 from tuneloop.server.engine.lora.ops import Factors, add_lora
 from tuneloop.server.engine.lora.routing import Routing, RoutingContext
 from tuneloop.server.engine.lora.slots import Slotted
@@ -90,35 +90,42 @@ class LoRALinear(Slotted):
         weight, bias = self.base.weight, self.base.bias
         if x.dtype != weight.dtype or ops.kernel_on(x.device):
             return None
+        grouped = self.siblings is not None and siblings._GROUPED
+        if grouped and self.siblings is not None:
+            # the group's node ran for this very input (its first member checked every
+            # member): this member's output, without asking each member again
+            held = taken(routing.siblings, id(self.siblings[0]), self.siblings[1], x)
+            if held is not None:
+                return held
         key = routing.runs[0][0]
         factors = self.lookup_as(key, weight.dtype)
         if factors is None or factors[0].dtype != weight.dtype:
             return None
-        if self.siblings is not None and siblings._GROUPED:
+        if grouped and self.siblings is not None:
             group, index = self.siblings
-            if all(_groupable(m, key, x) for m in group):
+            found = [_groupable(m, key, x) for m in group]
+            if all(f is not None for f in found):
                 return take(
-                    routing.siblings, id(group), index, x, lambda: _group_outputs(group, key, x)
+                    routing.siblings, id(group), index, x, lambda: _group_outputs(group, found, x)
                 )
         return ops.one_adapter_linear(x, weight, bias, factors)
 
 
-def _groupable(module: LoRALinear, key: str | None, x: torch.Tensor) -> bool:
-    """Whether a sibling can join its group's node for `key`: a plain frozen layer in x's
-    dtype (its bias too), `key`'s factors in it."""
+def _groupable(module: LoRALinear, key: str | None, x: torch.Tensor) -> Factors | None:
+    """A sibling's factors for `key` in x's dtype where it can join its group's node: a plain
+    frozen layer in x's dtype (its bias too), `key`'s factors in it; else None."""
     base = module.base
     if not plain_frozen(base) or base.weight.dtype != x.dtype:
-        return False
+        return None
     if base.bias is not None and base.bias.dtype != x.dtype:
-        return False
+        return None
     factors = module.lookup_as(key, x.dtype)
-    return factors is not None and factors[0].dtype == x.dtype
+    return factors if factors is not None and factors[0].dtype == x.dtype else None
 
 
 def _group_outputs(
-    group: tuple[LoRALinear, ...], key: str | None, x: torch.Tensor
+    group: tuple[LoRALinear, ...], factors: list[Factors | None], x: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
-    factors = [m.lookup_as(key, x.dtype) for m in group]
     weights = [m.base.weight for m in group]
     biases = [m.base.bias for m in group]
     return siblings.sibling_linears(x, weights, factors, biases)  # type: ignore[arg-type]
