@@ -71,7 +71,8 @@ def test_what_the_loop_does_not_take_is_left_to_the_family() -> None:
     assert rotary.rotate(q.requires_grad_(True), k, cos, sin) is None
 
 
-def _tiny_llama(act: str = "silu") -> Any:
+def _tiny_llama(act: str = "silu", dtype: Any = None) -> Any:
+    """A 2-layer Llama 64 wide of seeded random weights, bf16 unless `dtype` says."""
     config = LlamaConfig(
         hidden_size=64,
         intermediate_size=96,
@@ -82,7 +83,7 @@ def _tiny_llama(act: str = "silu") -> Any:
         hidden_act=act,
     )
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).bfloat16().eval()
+    return LlamaForCausalLM(config).to(dtype or torch.bfloat16).eval()
 
 
 def test_a_switched_family_samples_the_same_logits() -> None:
@@ -191,17 +192,3 @@ def test_a_model_that_is_not_bf16_takes_no_loop() -> None:
     assert rotary.installed() == []
     assert rotary.install(_tiny_llama()) == 1
     assert rotary.installed() == ["transformers.models.llama.modeling_llama"]
-
-
-def test_a_family_whose_rotary_differs_keeps_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
-    def interleaved(q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: int = 1) -> Any:
-        def turn(x: Any) -> Any:  # pairs (x0, x1), (x2, x3), ... rotated: GPT-J's layout
-            pairs = x.unflatten(-1, (-1, 2))
-            return torch.stack([-pairs[..., 1], pairs[..., 0]], -1).flatten(-2)
-
-        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-        return q * cos + turn(q) * sin, k * cos + turn(k) * sin
-
-    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", interleaved)
-    assert rotary.install(_tiny_llama()) == 0
-    assert modeling_llama.apply_rotary_pos_emb is interleaved

@@ -11,10 +11,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
 
+from tests.unit.engine.test_rotary import _loss_and_grads, _tiny_llama  # noqa: E402
 from tuneloop.server.engine import rotary  # noqa: E402
 
 LLAMA = "transformers.models.llama.modeling_llama"
@@ -72,28 +72,8 @@ def test_the_node_gives_eager_autograds_bits(
         assert torch.equal(g.view(bits), w.view(bits))
 
 
-def _tiny_llama(dtype: Any = torch.float32) -> Any:
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(dtype).eval()
-
-
-def _loss_and_grads(model: Any, ids: Any) -> tuple[Any, list[Any]]:
-    model.zero_grad()
-    loss = model(ids).logits.float().logsumexp(-1).sum()
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters()]
-
-
 def test_an_fp32_model_trains_through_the_node_with_eagers_bits() -> None:
-    model = _tiny_llama()
+    model = _tiny_llama(dtype=torch.float32)
     ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(3))
     want, want_grads = _loss_and_grads(model, ids)
     with torch.no_grad():
@@ -126,8 +106,8 @@ def test_an_fp32_model_trains_through_the_node_with_eagers_bits() -> None:
 
 
 def test_the_node_is_taken_only_in_the_dtype_it_was_probed_in() -> None:
-    assert rotary.install(_tiny_llama()) == 1  # probed at fp32 on a CPU
-    model = _tiny_llama(torch.float16)
+    assert rotary.install(_tiny_llama(dtype=torch.float32)) == 1  # probed at fp32 on a CPU
+    model = _tiny_llama(dtype=torch.float16)
     ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(4))
     taken: list[int] = []
     apply = rotary._TorchRotary.apply
@@ -159,7 +139,13 @@ def test_what_the_node_does_not_take_is_left_to_the_family() -> None:
     assert not rotary._node_takes(q, k, cos.requires_grad_(True), sin)
 
 
-def test_a_family_whose_rotary_differs_keeps_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_family_whose_rotary_differs_keeps_its_own(
+    monkeypatch: pytest.MonkeyPatch, dtype: str
+) -> None:
+    """Neither the node nor (at bf16, where a compiler builds them) the C++ loops are switched
+    in for a family whose function computes something else."""
+
     def interleaved(q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: int = 1) -> Any:
         def turn(x: Any) -> Any:  # pairs (x0, x1), (x2, x3), ... rotated: GPT-J's layout
             pairs = x.unflatten(-1, (-1, 2))
@@ -169,5 +155,6 @@ def test_a_family_whose_rotary_differs_keeps_its_own(monkeypatch: pytest.MonkeyP
         return q * cos + turn(q) * sin, k * cos + turn(k) * sin
 
     monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", interleaved)
-    assert rotary.install(_tiny_llama()) == 0
+    assert rotary.install(_tiny_llama(dtype=getattr(torch, dtype))) == 0
     assert modeling_llama.apply_rotary_pos_emb is interleaved
+    assert rotary.switched() == []
