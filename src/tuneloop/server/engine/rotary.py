@@ -338,7 +338,7 @@ def install(model: nn.Module, *, loops: bool = True) -> int:
     """Point the rotary function of `model`'s families at the native loops where the model
     is bf16 on a CPU, `loops` allows them and they agree with the family's function, else at
     the recorded node in torch's operations where it agrees in the model's dtype and device;
-    returns how many of the model's families are switched (0 where none)."""
+    returns how many of the model's families are switched for this model (0 where none)."""
     weight = next(model.parameters(), None)
     if weight is None:
         return 0
@@ -356,7 +356,7 @@ def install(model: nn.Module, *, loops: bool = True) -> int:
             probe = functools.partial(_node_agrees, own, shape, weight.dtype, weight.device)
             if _probed(name, f"{weight.dtype} on {weight.device.type}", probe):
                 _NODES.setdefault(name, set()).add(kind)
-        if name in _LOOPS or name in _NODES:
+        if (loops and name in _LOOPS) or kind in _NODES.get(name, ()):
             if name not in _ORIGINALS:
                 _ORIGINALS[name] = own
                 setattr(family, NAME, _replacement(name, own))
