@@ -11,6 +11,9 @@ difference between `--layers` and 2 layers over the layers between. `--dtype flo
 default) runs the paths a GPU runs (SDPA attention, torch's matmuls); bfloat16 the CPU's half
 precision paths. Each measurement in its own process with one tree's `src/` first on the path
 (`--before-src`; the other is this tree), rounds alternating; medians and their ratio.
+Besides the times, the aten calls of one more forward_backward, counted by a dispatch mode (the
+same difference per layer): a count that this host's noise does not move, for changes whose
+effect on the times is within it.
 
     python bench/train_host.py --before-src /tmp/before/src [--rounds 3]
     python bench/train_host.py --before-src /tmp/before/src --sequences 128 --lengths 8:16
@@ -27,9 +30,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from columns import alternate, answered_as_worker  # siblings: a script's folder is on sys.path
 from engine import BETAS, EPS, LR, RANDOM_INIT, SEED, build_random_model, cross_entropy_pass
@@ -44,6 +49,18 @@ NARROW = {
     "vocab_size": 1024,
     "tie_word_embeddings": False,
 }
+
+
+class _Counted(TorchDispatchMode):
+    """Counts the aten calls made inside it, the backward pass's included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
 
 
 def worker(args: argparse.Namespace) -> dict[str, float]:
@@ -81,11 +98,15 @@ def worker(args: argparse.Namespace) -> dict[str, float]:
                     steps.append(end - middle)
             result[f"forward_backward_{layers}"] = statistics.median(passes)
             result[f"optim_step_{layers}"] = statistics.median(steps)
+            with _Counted() as counted:
+                cross_entropy_pass(backend, rows)
+            result[f"aten_calls_{layers}"] = counted.calls
+            backend.optim_step("a", step)
             del backend
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     between = args.layers - 2
-    for name in ("forward_backward", "optim_step"):
+    for name in ("forward_backward", "optim_step", "aten_calls"):
         result[f"{name}_per_layer"] = (
             result[f"{name}_{args.layers}"] - result[f"{name}_2"]
         ) / between
@@ -119,6 +140,12 @@ def main() -> int:
     medians = {n: {k: statistics.median(r[k] for r in rs) for k in keys} for n, rs in runs.items()}
     for key in keys:
         before, after = medians["before"][key], medians["after"][key]
+        if key.startswith("aten_calls"):
+            print(
+                f"{key}: before {before:.1f}, after {after:.1f}, "
+                f"before / after {before / after:.2f}x"
+            )
+            continue
         print(
             f"{key}: before {before * 1e3:.2f} ms, after {after * 1e3:.2f} ms, "
             f"before / after {before / after:.2f}x"
