@@ -92,7 +92,7 @@ def packed_attention(
 
 
 def _padded(length: int) -> int:
-    return -(-length // LENGTH_GRANULE) * LENGTH_GRANULE
+    return sequence_batches.rounded_up(length, LENGTH_GRANULE)
 
 
 def _grown(t: torch.Tensor, padded: int) -> torch.Tensor:

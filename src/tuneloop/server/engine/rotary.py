@@ -242,9 +242,8 @@ def _replacement(name: str, own: Callable[..., Any]) -> Callable[..., Any]:
             done = None
             if name in _LOOPS:
                 done = _trained(q, k, cos, sin) if recorded else rotate(q, k, cos, sin)
-            probed = (q.dtype, q.device.type) in _NODES.get(name, ())
-            if done is None and recorded and probed and _node_takes(q, k, cos, sin):
-                done = _TorchRotary.apply(q, k, cos, sin)
+            if done is None and recorded and (q.dtype, q.device.type) in _NODES.get(name, ()):
+                done = _TorchRotary.apply(q, k, cos, sin) if _node_takes(q, k, cos, sin) else None
             if done is not None:
                 return done
         return own(q, k, cos, sin, *args, **kwargs)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-__all__ = ["MIN_BATCH", "Plan", "attend", "plan"]
+__all__ = ["MIN_BATCH", "Plan", "attend", "plan", "rounded_up"]
 
 # The fewest sequences a batch gathers: gathering and putting back costs a few operations a
 # layer each way, about what a sequence's own call costs in fp32 SDPA on a CPU (8 sequences
@@ -59,6 +59,11 @@ class Plan:
         return found
 
 
+def rounded_up(length: int, granule: int) -> int:
+    """`length` rounded up to a multiple of `granule`."""
+    return -(-length // granule) * granule
+
+
 @functools.lru_cache(maxsize=16)
 def plan(lengths: tuple[int, ...], granule: int = 1, limit: int | None = None) -> Plan:
     """How `attend` runs sequences of `lengths` tokens packed end to end: those of one length
@@ -72,7 +77,7 @@ def plan(lengths: tuple[int, ...], granule: int = 1, limit: int | None = None) -
         if not length:
             continue
         batchable = limit is None or length <= limit
-        grouped.setdefault(-(-length // granule) * granule if batchable else -i - 1, []).append(i)
+        grouped.setdefault(rounded_up(length, granule) if batchable else -i - 1, []).append(i)
     alone = sorted(i for members in grouped.values() if len(members) < MIN_BATCH for i in members)
     order = np.empty(total, dtype=np.int64)
     batches = []

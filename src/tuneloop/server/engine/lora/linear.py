@@ -90,19 +90,19 @@ class LoRALinear(Slotted):
         weight, bias = self.base.weight, self.base.bias
         if x.dtype != weight.dtype or ops.kernel_on(x.device):
             return None
-        grouped = self.siblings is not None and siblings._GROUPED
-        if grouped and self.siblings is not None:
+        grouped = self.siblings if siblings._GROUPED else None
+        if grouped is not None:
             # the group's node ran for this very input (its first member checked every
             # member): this member's output, without asking each member again
-            held = taken(routing.siblings, id(self.siblings[0]), self.siblings[1], x)
+            held = taken(routing.siblings, id(grouped[0]), grouped[1], x)
             if held is not None:
                 return held
         key = routing.runs[0][0]
         factors = self.lookup_as(key, weight.dtype)
         if factors is None or factors[0].dtype != weight.dtype:
             return None
-        if grouped and self.siblings is not None:
-            group, index = self.siblings
+        if grouped is not None:
+            group, index = grouped
             found = [_groupable(m, key, x) for m in group]
             if all(f is not None for f in found):
                 return take(
