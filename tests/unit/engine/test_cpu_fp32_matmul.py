@@ -132,3 +132,29 @@ def test_the_environment_sets_the_choice(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv(cpu_fp32_matmul.VARIABLE, "yes")
     with pytest.raises(ValueError, match=cpu_fp32_matmul.VARIABLE):
         cpu_fp32_matmul.onednn_chosen()
+
+
+@needs_onednn
+@pytest.mark.parametrize("slow_form", ["forward", "input gradient", None])
+def test_the_probe_weighs_both_forms_of_a_step_s_products(
+    monkeypatch: pytest.MonkeyPatch, slow_form: str | None
+) -> None:
+    """A oneDNN that runs one of a training step's forms (x @ W.T, or dy @ W on a transposed
+    weight) slowly is not taken, however fast it runs the other: the probe times both. One
+    fast in both is taken."""
+    real = cpu_fp32_matmul._onednn
+
+    def uneven(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        form = "forward" if w.is_contiguous() else "input gradient"  # dy @ W: a W.T view
+        if form == slow_form:
+            for _ in range(4):  # the product four times over: a slow kernel, same result
+                out = real(x, w, bias)
+            return out
+        return torch.empty(x.shape[0], w.shape[0])  # the other form as fast as can be
+
+    monkeypatch.setattr(cpu_fp32_matmul, "_onednn", uneven)
+    cpu_fp32_matmul._measured.cache_clear()
+    try:
+        assert cpu_fp32_matmul._measured() is (slow_form is None)
+    finally:
+        cpu_fp32_matmul._measured.cache_clear()

@@ -8,9 +8,11 @@ oneDNN already. oneDNN's linear (`mkldnn._linear_pointwise`, the kernel packed.p
 packed weights) also takes a plain weight, strided or transposed, reordering it inside the
 call: no second copy of any weight is kept.
 
-Which kernel runs is measured once per process at the first call (a training step's shape,
-rounds alternated, ~0.1 s), as other CPU kernel choices here are (gated_mlp.py's SiLU loops):
-sgemm is well tuned on other CPUs (Intel's with AVX-512), and a default must not be one host's.
+Which kernel runs is measured once per process at the first call (a training step's rows by an
+MLP weight, forward and input gradient, rounds alternated; ~0.7 s on two Zen 3 cores), as
+other CPU kernel choices here are (gated_mlp.py's SiLU loops): sgemm is well tuned on other
+CPUs (Intel's with AVX-512), and on a Zen 3 EPYC (AVX2) it ran a whole training step 1.17x
+faster than oneDNN did; a default must not be one host's.
 The products routed here are the ones by a frozen weight over many rows (the base linears'
 forward and input gradient, the LM head's tiles); the LoRA factors' small products and their
 gradients stay torch's (capped at AVX2, oneDNN ran most of them 1.03-1.21x, a B gradient's
@@ -27,6 +29,7 @@ import logging
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -36,11 +39,17 @@ __all__ = ["addmm_", "choose", "linear", "linear_into", "matmul", "onednn_chosen
 
 log = logging.getLogger(__name__)
 
-# oneDNN must beat sgemm by this much on the probe to be taken: on the CPUs measured it was
-# 1.11-1.16x (AVX2, five processes) or ~2.2x (AVX-512 on AMD); a tie keeps torch's own path.
+# oneDNN must beat sgemm by this much on the probe to be taken; a tie keeps torch's own path.
+# (A step gains less than its products: on a Zen 5 capped at AVX2, a forward probe read
+# 1.11-1.16x where a whole step ran 1.05x faster.)
 MIN_SPEEDUP = 1.03
-_PROBE = (256, 576, 1536)  # rows x in x out: a training step's MLP shape, a few ms a call
-_ROUNDS = 9
+# The probe: a training step's rows by an MLP weight in both of the step's forms, forward
+# (x @ W.T) and input gradient (dy @ W), at both of its widths (576 in, 1536 out, and the
+# transpose). A forward at 576 alone (the earlier probe, 256 rows) read 0.92-1.06x on a Zen 3
+# EPYC, a coin flip, where a whole step ran 0.86x on oneDNN: its input gradients and its
+# 1536-wide forwards ran 0.76-0.90x there. Four products of ~12 ms each at 0.15 TFLOP/s.
+_ROWS, _IN, _OUT = 1024, 576, 1536
+_ROUNDS = 5
 
 VARIABLE = "TUNELOOP_FP32_ONEDNN"
 _forced: bool | None = None
@@ -50,28 +59,50 @@ _kernels_present = packed.fp32_kernels
 _onednn = packed.onednn_linear  # (a module name, so that the tests can watch its calls)
 
 
+def _probe_products(kernel: str) -> list[Callable[[], torch.Tensor]]:
+    """The probe's four products on `kernel` ("torch" or "onednn"): forward and input
+    gradient by a [_OUT, _IN] weight and by its transpose."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(_ROWS, _IN, generator=generator)
+    dy = torch.randn(_ROWS, _OUT, generator=generator)
+    w = torch.randn(_OUT, _IN, generator=generator)
+    w_t = w.t().contiguous()
+    if kernel == "torch":
+        return [
+            lambda: torch.nn.functional.linear(x, w),
+            lambda: dy @ w,
+            lambda: torch.nn.functional.linear(dy, w_t),
+            lambda: x @ w_t,
+        ]
+    return [
+        lambda: _onednn(x, w, None),
+        lambda: _onednn(dy, w.t(), None),
+        lambda: _onednn(dy, w_t, None),
+        lambda: _onednn(x, w_t.t(), None),
+    ]
+
+
+def _seconds(products: list[Callable[[], torch.Tensor]]) -> float:
+    start = time.perf_counter()
+    for product in products:
+        product()
+    return time.perf_counter() - start
+
+
 @functools.cache
 def _measured() -> bool:
-    """Whether oneDNN ran the probe at least MIN_SPEEDUP x faster than torch's fp32 matmul."""
+    """Whether oneDNN ran the probe's products at least MIN_SPEEDUP x faster than torch's
+    fp32 matmul (rounds alternated, the median of their ratios)."""
     if not _kernels_present():
         return False
-    rows, width, out = _PROBE
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, width, generator=generator)
-    w = torch.randn(out, width, generator=generator)
+    theirs, ours = _probe_products("torch"), _probe_products("onednn")
     try:
-        _onednn(x, w, None)
+        ours[0]()
     except RuntimeError as exc:  # a build whose oneDNN refuses plain fp32 weights
         log.info("oneDNN's fp32 linear is not available here (%s)", exc)
         return False
-    torch.nn.functional.linear(x, w)
-    ratios = []
-    for _ in range(_ROUNDS):
-        start = time.perf_counter()
-        torch.nn.functional.linear(x, w)
-        middle = time.perf_counter()
-        _onednn(x, w, None)
-        ratios.append((middle - start) / max(time.perf_counter() - middle, 1e-9))
+    _seconds(theirs), _seconds(ours)  # each kernel's first calls set up its buffers
+    ratios = [_seconds(theirs) / max(_seconds(ours), 1e-9) for _ in range(_ROUNDS)]
     speedup = statistics.median(ratios)
     chosen = speedup >= MIN_SPEEDUP
     log.info(
