@@ -75,7 +75,9 @@ def test_the_draw_is_the_torch_forms_but_at_rounding_boundaries() -> None:
         assert abs(float(u[r]) - float(cdf[lo])) < 1e-6, (r, lo, hi)  # the boundary after lo
         assert abs(float(u[r]) - float(cdf[hi - 1])) < 1e-6, (r, lo, hi)  # ... is before hi
     assert len(parted) <= 3, parted
-    assert float((logsumexp - their_lse).abs().max()) < 1e-5
+    # two fp32 sums of 49,152 exponentials in other orders (the kernel's per lane, 8 or 16
+    # lanes by the CPU's vectors): 1.006e-5 apart at a logsumexp of ~15 on an AVX2 EPYC
+    assert float((logsumexp - their_lse).abs().max()) < 2e-5
 
 
 def test_greedy_rows_take_the_first_of_tied_maxima() -> None:

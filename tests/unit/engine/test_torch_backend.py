@@ -85,7 +85,9 @@ def test_mixed_batch_gradients_equal_separate_runs(tmp_path: Path, rank_b: int) 
         ok(r)
     g_mix = {k: grads(mixed, k) for k in "AB"}
     assert all(float(g.abs().max()) > 0 for g in g_mix["A"] + g_mix["B"])
-    assert_near(g_mix, g_sep, 1e-6, "mixed vs separate grads", relative=True)
+    # (fp32 sums whose matmul blocking follows the batch's rows: 1.004e-6 of the largest
+    # gradient apart with MKL's sgemm on an AVX2 EPYC)
+    assert_near(g_mix, g_sep, 2e-6, "mixed vs separate grads", relative=True)
 
     for be in (separate, mixed):
         be.optim_step("A", adam(1e-3, eps=1e-4))

@@ -262,9 +262,12 @@ def test_sharded_sampling_equals_one_process(
     assert [[s.tokens for s in r.sequences] for r in got] == [
         [s.tokens for s in r.sequences] for r in want
     ]
+    # (the MoE model's logprobs were 1.64e-5 apart on an AVX2 EPYC, the dense ones within
+    # TOL: more sums whose order the shards change)
+    tol = 3 * TOL if which == "moe" else TOL
     for g, w in zip(got, want, strict=True):
-        assert_near([s.logprobs for s in g.sequences], [s.logprobs for s in w.sequences], TOL)
-        assert_near(g.prompt_logprobs[1:], w.prompt_logprobs[1:], TOL, "prompt logprobs")
+        assert_near([s.logprobs for s in g.sequences], [s.logprobs for s in w.sequences], tol)
+        assert_near(g.prompt_logprobs[1:], w.prompt_logprobs[1:], tol, "prompt logprobs")
 
 
 def test_continuous_sampling_admits_and_cancels_as_one_process(group: Any, single: Any) -> None:
