@@ -44,6 +44,7 @@ __all__ = [
     "bf16_rows",
     "bf16_without_autograd",
     "cpu_flags",
+    "cpu_rows",
     "function",
     "in_sampling_step",
     "isa_cap",
@@ -113,12 +114,23 @@ def bf16_without_autograd(*tensors: torch.Tensor) -> bool:
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
 def bf16_rows(x: torch.Tensor, features: int, kernel: str, operand: str) -> torch.Tensor:
-    """x [rows, features] as a kernel reads it (bf16 on a CPU, features contiguous, rows
+    """`cpu_rows` for a kernel that reads bf16."""
+    return cpu_rows(x, torch.bfloat16, features, kernel, operand)
+
+
+def cpu_rows(
+    x: torch.Tensor, dtype: torch.dtype, features: int, kernel: str, operand: str
+) -> torch.Tensor:
+    """x [rows, features] as a kernel reads it (`dtype` on a CPU, features contiguous, rows
     strided), copied where its layout is another; ValueError naming `kernel` and the `operand`
     x multiplies where it is not such a tensor."""
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
-        raise ValueError(f"the {kernel} takes 2-D bf16 CPU inputs")
+    if x.dim() != 2 or x.dtype != dtype or x.device.type != "cpu":
+        name = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+        raise ValueError(f"the {kernel} takes 2-D {name} CPU inputs")
     if x.shape[1] != features:
         raise ValueError(f"inputs of {x.shape[1]} features for a {operand}")
     if x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1]):

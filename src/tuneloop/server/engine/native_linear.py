@@ -18,6 +18,13 @@ layer loop can run in one C++ call (native_layers.py). `TUNELOOP_NATIVE_LINEAR=0
 oneDNN's packed layout everywhere. Another kernel, so its sums round differently from
 oneDNN's (a bf16 step in a few outputs); the modules and the lean loops (decode_layers.py,
 native_layers.py) make the same calls, so they agree bit for bit with each other.
+
+fp32 weights take `linear_avx2.cpp` on CPUs with AVX2 and FMA and without AVX-512 (an
+fp32-only CPU's sampling steps): blocks of 16 outputs' weights for each input, [ceil(N / 16),
+K, 16]. There oneDNN's packed fp32 kernel ran a 128-row step's linears at 75 % of a Zen 3
+EPYC's fp32 peak and one row's at ~25 GB/s; this one ran them 1.03-1.13x and 1.30-1.39x faster
+(bench/native_linear.py --dtype float32). On CPUs with AVX-512, oneDNN's fp32 kernel works on
+vectors twice as wide, and fp32 weights stay packed for it.
 """
 
 from __future__ import annotations
@@ -32,21 +39,43 @@ import torch
 
 from tuneloop.server.engine import native
 
-__all__ = ["NativeWeight", "available", "linear", "native_kernel", "pack", "tiles"]
+__all__ = [
+    "NativeWeight",
+    "available",
+    "fp32_kernel",
+    "linear",
+    "native_kernel",
+    "pack",
+    "tiles",
+]
 
 SOURCE = Path(__file__).with_name("linear_avx512.cpp")
 _NEEDS = ("avx512f", "avx512_bf16")
+FP32_SOURCE = Path(__file__).with_name("linear_avx2.cpp")
+_FP32_NEEDS = ("avx2", "fma")
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 # x, ldx, rows, k, w, bias, n, y, ldy, threads
 _SIGNATURE = (
     _POINTER, _SIZE, _SIZE, _SIZE, _POINTER, _POINTER, _SIZE, _POINTER, _SIZE, ctypes.c_int,
 )  # fmt: skip
-_BLOCK = 64  # outputs a block
+_BLOCK = 64  # outputs a block (bf16)
+_FP32_BLOCK = 16
+# Whether fp32 weights take linear_avx2.cpp on a CPU with AVX-512 too (the tests set it, so
+# that the kernel runs on every AVX2 CPU).
+_FP32_WITH_AVX512 = False
 
 
 def native_kernel() -> Any:
     """The library's entry point (`_SIGNATURE`), or None where it cannot be built."""
     return native.function(SOURCE, "linear_bf16", _SIGNATURE, ctypes.c_int, _NEEDS)
+
+
+def fp32_kernel() -> Any:
+    """linear_avx2.cpp's entry point (`_SIGNATURE`, fp32 pointers), or None where it is not
+    taken: a CPU without AVX2 and FMA, or with AVX-512, or the library not built."""
+    if "avx512f" in native.cpu_flags() and not _FP32_WITH_AVX512:
+        return None
+    return native.function(FP32_SOURCE, "linear_fp32", _SIGNATURE, ctypes.c_int, _FP32_NEEDS)
 
 
 def tiles(allowed: bool = True) -> bool:
@@ -58,11 +87,19 @@ def tiles(allowed: bool = True) -> bool:
     return switch is not None and bool(switch(int(allowed)))
 
 
+def _kernel(dtype: torch.dtype) -> Any:
+    """The entry point for weights of `dtype`, or None."""
+    if dtype == torch.bfloat16:
+        return native_kernel()
+    return fp32_kernel() if dtype == torch.float32 else None
+
+
 def _takes(weight: torch.Tensor) -> bool:
-    """Whether `pack` takes `weight`: a 2-D bf16 CPU tensor, the kernel built."""
-    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+    """Whether `pack` takes `weight`: a 2-D CPU tensor whose dtype's kernel is built here (bf16
+    with AVX512-BF16, fp32 with AVX2 but no AVX-512)."""
+    if weight.dim() != 2 or weight.device.type != "cpu":
         return False
-    return native_kernel() is not None
+    return _kernel(weight.dtype) is not None
 
 
 def available(weight: torch.Tensor) -> bool:
@@ -76,12 +113,18 @@ def available(weight: torch.Tensor) -> bool:
 @dataclass(frozen=True)
 class NativeWeight:
     """A weight [N, K] (and its bias) in the kernel's layout: `blocks` [ceil(N / 64), ceil(K /
-    2), 64, 2] bf16, zeros past N and K; `bias` [ceil(N / 64) * 64] fp32 or None."""
+    2), 64, 2] bf16 or [ceil(N / 16), K, 16] fp32, zeros past N and K; `bias` [blocks x
+    outputs a block] fp32 or None."""
 
     blocks: torch.Tensor
     bias: torch.Tensor | None
     out_features: int
     in_features: int
+
+    @property
+    def shape(self) -> torch.Size:
+        """[N, K], as the plain weight's."""
+        return torch.Size((self.out_features, self.in_features))
 
     @property
     def nbytes(self) -> int:
@@ -90,27 +133,40 @@ class NativeWeight:
 
 
 def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> NativeWeight:
-    """`weight` [N, K] bf16 (and `bias` [N]) in the kernel's layout."""
+    """`weight` [N, K] bf16 or fp32 (and `bias` [N]) in its kernel's layout."""
     if not _takes(weight):
-        raise ValueError("the native linear kernel takes a 2-D bf16 CPU weight (AVX512-BF16)")
+        raise ValueError(
+            "the native linear kernel takes a 2-D CPU weight, bf16 (AVX512-BF16) or fp32 "
+            "(AVX2 without AVX-512)"
+        )
     n, k = weight.shape
-    nb, kp = -(-n // _BLOCK), -(-k // 2)
-    padded = torch.zeros((nb * _BLOCK, 2 * kp), dtype=weight.dtype)
-    padded[:n, :k] = weight.detach()
-    # [nb * 64, 2 kp] -> [nb, 64, kp, 2] -> [nb, kp, 64, 2]
-    blocks = padded.view(nb, _BLOCK, kp, 2).transpose(1, 2).contiguous()
+    if weight.dtype == torch.float32:
+        nb = -(-n // _FP32_BLOCK)
+        padded = torch.zeros((nb * _FP32_BLOCK, k), dtype=weight.dtype)
+        padded[:n] = weight.detach()
+        # [nb * 16, k] -> [nb, 16, k] -> [nb, k, 16]
+        blocks = padded.view(nb, _FP32_BLOCK, k).transpose(1, 2).contiguous()
+        width = _FP32_BLOCK
+    else:
+        nb, kp = -(-n // _BLOCK), -(-k // 2)
+        padded = torch.zeros((nb * _BLOCK, 2 * kp), dtype=weight.dtype)
+        padded[:n, :k] = weight.detach()
+        # [nb * 64, 2 kp] -> [nb, 64, kp, 2] -> [nb, kp, 64, 2]
+        blocks = padded.view(nb, _BLOCK, kp, 2).transpose(1, 2).contiguous()
+        width = _BLOCK
     wide = None
     if bias is not None:
-        wide = torch.zeros(nb * _BLOCK, dtype=torch.float32)
+        wide = torch.zeros(nb * width, dtype=torch.float32)
         wide[:n] = bias.detach().float()
     return NativeWeight(blocks, wide, n, k)
 
 
 def linear(x: torch.Tensor, weight: NativeWeight) -> torch.Tensor:
-    """x [rows, K] bf16 (features contiguous) @ W.T + bias, [rows, N] bf16."""
+    """x [rows, K] (features contiguous) @ W.T + bias, [rows, N], in the weight's dtype."""
     shape = f"[{weight.out_features}, {weight.in_features}] weight"
-    x = native.bf16_rows(x, weight.in_features, "native linear kernel", shape)
-    kernel = native_kernel()
+    dtype = weight.blocks.dtype
+    x = native.cpu_rows(x, dtype, weight.in_features, "native linear kernel", shape)
+    kernel = _kernel(dtype)
     assert kernel is not None, "linear is used on packed weights: the kernel is built"
     rows, n = x.shape[0], weight.out_features
     y = torch.empty((rows, n), dtype=x.dtype)

@@ -15,8 +15,9 @@ matmul per group of siblings, with the delta kept exact:
   products are made in the same matmul, summed in fp32 with the base's, and rounded once, as
   a training pass's one-adapter node does (ops.py).
 
-The stacked weight is packed once: for oneDNN (packed.py), or at bf16 on a CPU with AVX512-BF16
-in the native linear kernel's layout, its bias with it (native_linear.py). The first sibling
+The stacked weight is packed once: for oneDNN (packed.py), or in the native linear kernel's
+layout, its bias with it (native_linear.py: bf16 on a CPU with AVX512-BF16, fp32 on one with
+AVX2 and no AVX-512). The first sibling
 called with an input computes every sibling's output; the others take theirs while the input
 is the same tensor (any other input computes the group again, so a wrong guess of siblings
 costs time, never values).
