@@ -1,4 +1,4 @@
-"""The native linear kernel against oneDNN's packed weights, in a bf16 decode step (measured).
+"""The native linear kernel against oneDNN's packed weights, in a decode step (measured).
 
 Two parts, each alternating the two sides round by round so that machine noise hits both
 alike, and printing the CPU model, the load and its measured peaks' context:
@@ -13,9 +13,12 @@ alike, and printing the CPU model, the load and its measured peaks' context:
   as one C++ call (native_layers.py); on oneDNN's weights, the Python lean loop
   (decode_layers.py): the side's whole difference.
 
-On a CPU with AMX the kernel runs on the tile unit (native_linear.tiles).
+On a CPU with AMX the kernel runs on the tile unit (native_linear.tiles). `--dtype float32`
+measures the fp32 kernel (linear_avx2.cpp, CPUs with AVX2 and no AVX-512) on the merged
+weights an fp32 lone copy holds (no LoRA columns).
 
     python bench/native_linear.py [--rounds 3] [--new 34] [--part linears|steps|both]
+                                  [--dtype bfloat16|float32]
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ from engine import DTYPES, MODEL, SEED, adapted_backend, cpu_model, random_promp
 # SmolLM2-135M's decode groups: (outputs, inputs with the LoRA columns), 30 layers, the head
 SHAPES = [(960, 576 + 96), (576, 576 + 32), (3072, 576 + 64), (576, 1536 + 32)]
 HEAD = (49152, 576 + 32)
+# fp32: the merged weights (an fp32 lone copy merges its adapter: torch_backend.py)
+MERGED_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+MERGED_HEAD = (49152, 576)
 LAYERS = 30
 
 
@@ -45,27 +51,27 @@ def _time(run: Callable[[], object], repeat: int) -> float:
     return (time.perf_counter() - start) / repeat
 
 
-def linears(rounds: int) -> None:
+def linears(rounds: int, dtype: torch.dtype) -> None:
     from tuneloop.server.engine import native_linear
 
     gen = torch.Generator().manual_seed(SEED)
-    plain = [
-        [torch.randn(n, k, generator=gen).bfloat16() for n, k in SHAPES] for _ in range(LAYERS)
-    ]
-    head = torch.randn(*HEAD, generator=gen).bfloat16()
+    shapes, head_shape = (SHAPES, HEAD) if dtype == torch.bfloat16 else (MERGED_SHAPES, MERGED_HEAD)
+    plain = [[torch.randn(n, k, generator=gen).to(dtype) for n, k in shapes] for _ in range(LAYERS)]
+    head = torch.randn(*head_shape, generator=gen).to(dtype)
     ours = [[native_linear.pack(w) for w in ws] for ws in plain]
     ours_head = native_linear.pack(head)
     reorder = torch.ops.mkldnn._reorder_linear_weight
     theirs = [[reorder(w) for w in ws] for ws in plain]
     theirs_head = reorder(head)
     del plain, head
-    read = (sum(n * k for n, k in SHAPES) * LAYERS + HEAD[0] * HEAD[1]) * 2
+    size = torch.finfo(dtype).bits // 8
+    read = (sum(n * k for n, k in shapes) * LAYERS + head_shape[0] * head_shape[1]) * size
     pointwise = torch.ops.mkldnn._linear_pointwise
-    print(f"linears of a decode step: {read / 1e6:.0f} MB of bf16 weights")
+    print(f"linears of a decode step: {read / 1e6:.0f} MB of {dtype} weights")
     print("rows | native ms | GB/s | oneDNN ms | GB/s | oneDNN / native")
     for rows in (1, 2, 4, 8, 16, 32, 128):
-        xs = [torch.randn(rows, k, generator=gen).bfloat16() for _, k in SHAPES]
-        xh = torch.randn(rows, HEAD[1], generator=gen).bfloat16()
+        xs = [torch.randn(rows, k, generator=gen).to(dtype) for _, k in shapes]
+        xh = torch.randn(rows, head_shape[1], generator=gen).to(dtype)
 
         def native_step(xs: list[torch.Tensor] = xs, xh: torch.Tensor = xh) -> None:
             for layer in ours:
@@ -92,10 +98,10 @@ def linears(rounds: int) -> None:
         )
 
 
-def steps(rounds: int, new: int) -> None:
+def steps(rounds: int, new: int, dtype: torch.dtype) -> None:
     from tuneloop.server.engine import types as t
 
-    backend = adapted_backend(DTYPES["bfloat16"])
+    backend = adapted_backend(dtype)
     backend.create_sampler("s", MODEL, adapter_id="a")
     [runtime] = backend._runtimes.values()
     prompts = random_prompts()
@@ -133,21 +139,29 @@ def main() -> int:
     parser.add_argument("--new", type=int, default=34, help="new tokens per timed call")
     parser.add_argument("--part", choices=["linears", "steps", "both"], default="both")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from tuneloop.server.engine import native, native_linear
 
+    dtype = DTYPES[args.dtype]
     flags = "amx" if "amx_bf16" in native.cpu_flags() else "no amx"
-    form = "the AMX tile unit" if native_linear.tiles(True) else "AVX-512 loops"
     print(f"cpu: {cpu_model()} ({flags})  threads {args.threads}  load {os.getloadavg()}")
-    print(f"native kernel on {form}")
-    if native_linear.native_kernel() is None:
-        print("the native linear kernel is not built on this CPU (it needs AVX512-BF16)")
-        return 1
+    if dtype == torch.float32:
+        if native_linear.fp32_kernel() is None:
+            print("the fp32 native linear kernel is not taken on this CPU (AVX2 without AVX-512)")
+            return 1
+        print("fp32 native kernel (linear_avx2.cpp)")
+    else:
+        form = "the AMX tile unit" if native_linear.tiles(True) else "AVX-512 loops"
+        print(f"native kernel on {form}")
+        if native_linear.native_kernel() is None:
+            print("the native linear kernel is not built on this CPU (it needs AVX512-BF16)")
+            return 1
     if args.part in ("linears", "both"):
-        linears(args.rounds)
+        linears(args.rounds, dtype)
     if args.part in ("steps", "both"):
-        steps(args.rounds, args.new)
+        steps(args.rounds, args.new, dtype)
     print("load:", os.getloadavg())
     return 0
 
