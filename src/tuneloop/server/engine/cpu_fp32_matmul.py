@@ -9,7 +9,8 @@ packed weights) also takes a plain weight, strided or transposed, reordering it 
 call: no second copy of any weight is kept.
 
 Which kernel runs is measured once per process at the first call (a training step's rows by an
-MLP weight, forward and input gradient, rounds alternated; ~0.7 s on two Zen 3 cores), as
+MLP weight, forward and input gradient, rounds alternated; ~0.7 s on two Zen 3 cores: the
+torch backend asks when it loads an fp32 model on a CPU, so that no request waits on it), as
 other CPU kernel choices here are (gated_mlp.py's SiLU loops): sgemm is well tuned on other
 CPUs (Intel's with AVX-512), and on a Zen 3 EPYC (AVX2) it ran a whole training step 1.17x
 faster than oneDNN did; a default must not be one host's.

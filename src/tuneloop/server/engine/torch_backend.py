@@ -18,6 +18,7 @@ from torch import nn
 from tuneloop.server.engine import (
     checkpoints,
     compiled,
+    cpu_fp32_matmul,
     gated_mlp,
     host_allocator,
     native_draw,
@@ -153,6 +154,8 @@ class TorchBackend:
                 runtime.compile_decode()
             if self.device.type == "cpu":  # the draw's C++ kernel built now, not at the first
                 native_draw.available()  # sampling step (native_draw.py)
+                if next(loaded.model.parameters()).dtype == torch.float32:
+                    cpu_fp32_matmul.onednn_chosen()  # its probe (~0.7 s) now, not in a request
             self._runtimes[loaded.spec.name] = runtime
             if token_budget is None:  # the tightest model's budget, measured after it loaded
                 budget = training_token_budget(
