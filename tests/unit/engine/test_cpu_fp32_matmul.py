@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +15,14 @@ from tuneloop.server.engine import cpu_fp32_matmul  # noqa: E402
 needs_onednn = pytest.mark.skipif(
     not cpu_fp32_matmul._kernels_present(), reason="torch without oneDNN's linear here"
 )
+
+
+@pytest.fixture(autouse=True)
+def own_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test's measured choice kept in its own folder, not the host's."""
+    record = tmp_path / "fp32-matmul.json"
+    monkeypatch.setattr(cpu_fp32_matmul, "_record", lambda: record)
+    return record
 
 
 def _bound(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -156,5 +166,34 @@ def test_the_probe_weighs_both_forms_of_a_step_s_products(
     cpu_fp32_matmul._measured.cache_clear()
     try:
         assert cpu_fp32_matmul._measured() is (slow_form is None)
+    finally:
+        cpu_fp32_matmul._measured.cache_clear()
+
+
+@needs_onednn
+def test_the_choice_is_kept_for_later_processes(
+    own_record: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first measurement is written down; a later process (the cache cleared) reads it
+    without probing, and an unreadable record is measured again."""
+    probes = []
+
+    def probe() -> tuple[bool, float]:
+        probes.append(1)
+        return True, 1.5
+
+    monkeypatch.setattr(cpu_fp32_matmul, "_probe", probe)
+    cpu_fp32_matmul._measured.cache_clear()
+    try:
+        assert cpu_fp32_matmul._measured() is True
+        assert json.loads(own_record.read_text()) == {"onednn": True, "speedup": 1.5}
+        own_record.write_text(json.dumps({"onednn": False, "speedup": 0.9}))
+        cpu_fp32_matmul._measured.cache_clear()
+        assert cpu_fp32_matmul._measured() is False  # as recorded: no second probe
+        assert len(probes) == 1
+        own_record.write_text("{")
+        cpu_fp32_matmul._measured.cache_clear()
+        assert cpu_fp32_matmul._measured() is True
+        assert len(probes) == 2
     finally:
         cpu_fp32_matmul._measured.cache_clear()

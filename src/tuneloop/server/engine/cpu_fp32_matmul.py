@@ -8,9 +8,10 @@ oneDNN already. oneDNN's linear (`mkldnn._linear_pointwise`, the kernel packed.p
 packed weights) also takes a plain weight, strided or transposed, reordering it inside the
 call: no second copy of any weight is kept.
 
-Which kernel runs is measured once per process at the first call (a training step's rows by an
-MLP weight, forward and input gradient, rounds alternated; ~0.7 s on two Zen 3 cores: the
-torch backend asks when it loads an fp32 model on a CPU, so that no request waits on it), as
+Which kernel runs is measured at the first call (a training step's rows by an MLP weight,
+forward and input gradient, rounds alternated; ~0.7 s on two Zen 3 cores: the torch backend
+asks when it loads an fp32 model on a CPU, so that no request waits on it) and kept for later
+processes on the host (`_measured`: a worker group's processes choose alike), as
 other CPU kernel choices here are (gated_mlp.py's SiLU loops): sgemm is well tuned on other
 CPUs (Intel's with AVX-512), and on a Zen 3 EPYC (AVX2) it ran a whole training step 1.17x
 faster than oneDNN did; a default must not be one host's.
@@ -25,16 +26,20 @@ instead of measuring it (benchmarks compare the two so).
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
+import json
 import logging
 import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from tuneloop.server.engine import packed
+from tuneloop.server.engine import native, packed
 
 __all__ = ["addmm_", "choose", "linear", "linear_into", "matmul", "onednn_chosen"]
 
@@ -90,22 +95,60 @@ def _seconds(products: list[Callable[[], torch.Tensor]]) -> float:
     return time.perf_counter() - start
 
 
-@functools.cache
-def _measured() -> bool:
-    """Whether oneDNN ran the probe's products at least MIN_SPEEDUP x faster than torch's
-    fp32 matmul (rounds alternated, the median of their ratios)."""
-    if not _kernels_present():
-        return False
+def _probe() -> tuple[bool, float]:
+    """Times the probe: whether oneDNN ran its products at least MIN_SPEEDUP x faster than
+    torch's fp32 matmul (rounds alternated, the median of their ratios), and that ratio."""
     theirs, ours = _probe_products("torch"), _probe_products("onednn")
     try:
         ours[0]()
     except RuntimeError as exc:  # a build whose oneDNN refuses plain fp32 weights
         log.info("oneDNN's fp32 linear is not available here (%s)", exc)
-        return False
+        return False, 0.0
     _seconds(theirs), _seconds(ours)  # each kernel's first calls set up its buffers
     ratios = [_seconds(theirs) / max(_seconds(ours), 1e-9) for _ in range(_ROUNDS)]
     speedup = statistics.median(ratios)
-    chosen = speedup >= MIN_SPEEDUP
+    return speedup >= MIN_SPEEDUP, speedup
+
+
+# What a recorded choice holds to: a process with other kernels or caps measures again.
+_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def _record() -> Path | None:
+    """Where this host's choice is kept for later processes (the user's own kernel folder,
+    native.py), named by what it depends on; None where no such folder can be had."""
+    try:
+        folder = native.cache_dir()
+    except (OSError, RuntimeError):
+        return None
+    parts = [torch.__version__, str(torch.get_num_threads()), *sorted(native.cpu_flags())]
+    parts += [f"{name}={os.environ.get(name, '')}" for name in _CAPS]
+    digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+    return folder / f"fp32-matmul-{digest}.json"
+
+
+@functools.cache
+def _measured() -> bool:
+    """Whether oneDNN runs this host's fp32 products: measured once per host (threads, kernels
+    and caps) and kept, so that every process of a worker group, and one restarted later,
+    makes the same choice. Processes probing at once (a group's workers start together on a
+    shared CPU) would each time the other's load, and a near tie would split them between
+    the kernels, whose sums round differently: the first takes a lock and measures, the
+    others read its result."""
+    if not _kernels_present():
+        return False
+    record = _record()
+    if record is None:
+        chosen, speedup = _probe()
+    else:
+        with open(record.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes)
+            try:
+                saved = json.loads(record.read_text())
+                chosen, speedup = bool(saved["onednn"]), float(saved["speedup"])
+            except (OSError, ValueError, KeyError, TypeError):  # none yet, or unreadable
+                chosen, speedup = _probe()
+                record.write_text(json.dumps({"onednn": chosen, "speedup": speedup}))
     log.info(
         "oneDNN's fp32 linear is %.2fx torch's here: fp32 products by frozen weights on %s",
         speedup,

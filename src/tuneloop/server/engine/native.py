@@ -43,6 +43,7 @@ import torch
 __all__ = [
     "bf16_rows",
     "bf16_without_autograd",
+    "cache_dir",
     "cpu_flags",
     "cpu_rows",
     "function",
@@ -174,8 +175,9 @@ def _compiler() -> str | None:
     return next((path for name in names if (path := shutil.which(name))), None)
 
 
-def _cache_dir() -> Path:
-    """A folder only this user can write: nobody else's library is ever loaded from it."""
+def cache_dir() -> Path:
+    """A folder only this user can write: nobody else's library is ever loaded from it (nor
+    another user's measured choice read: cpu_fp32_matmul.py)."""
     folder = Path(tempfile.gettempdir()) / f"tuneloop-kernels-{os.getuid()}"
     folder.mkdir(mode=0o700, exist_ok=True)
     info = folder.stat()
@@ -198,7 +200,7 @@ def _build(source: Path) -> ctypes.CDLL:
     headers = sorted({*source.parent.glob("*.h"), *_ENGINE.glob("*.h")})
     texts = [source.read_bytes(), *(h.read_bytes() for h in headers)]
     key = hashlib.sha256(b"\0".join([*texts, *(p.encode() for p in parts)]))
-    folder = _cache_dir()
+    folder = cache_dir()
     built = folder / f"{source.stem}_{key.hexdigest()[:24]}.so"
     if not built.exists():
         with tempfile.TemporaryDirectory(dir=folder) as scratch:
