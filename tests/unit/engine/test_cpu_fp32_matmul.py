@@ -197,3 +197,16 @@ def test_the_choice_is_kept_for_later_processes(
         assert len(probes) == 2
     finally:
         cpu_fp32_matmul._measured.cache_clear()
+
+
+@needs_onednn
+def test_a_record_that_cannot_be_kept_leaves_the_choice_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cpu_fp32_matmul, "_record", lambda: tmp_path / "missing" / "r.json")
+    monkeypatch.setattr(cpu_fp32_matmul, "_probe", lambda: (True, 1.2))
+    cpu_fp32_matmul._measured.cache_clear()
+    try:
+        assert cpu_fp32_matmul._measured() is True
+    finally:
+        cpu_fp32_matmul._measured.cache_clear()

@@ -127,6 +127,20 @@ def _record() -> Path | None:
     return folder / f"fp32-matmul-{digest}.json"
 
 
+def _recorded(record: Path) -> tuple[bool, float]:
+    """The choice `record` holds, or measured and written there where it holds none."""
+    try:
+        saved = json.loads(record.read_text())
+        return bool(saved["onednn"]), float(saved["speedup"])
+    except (OSError, ValueError, KeyError, TypeError):  # none yet, or unreadable
+        chosen, speedup = _probe()
+        try:
+            record.write_text(json.dumps({"onednn": chosen, "speedup": speedup}))
+        except OSError as exc:
+            log.info("the fp32 kernel choice is not kept for other processes (%s)", exc)
+        return chosen, speedup
+
+
 @functools.cache
 def _measured() -> bool:
     """Whether oneDNN runs this host's fp32 products: measured once per host (threads, kernels
@@ -138,17 +152,15 @@ def _measured() -> bool:
     if not _kernels_present():
         return False
     record = _record()
-    if record is None:
-        chosen, speedup = _probe()
-    else:
+    try:
+        if record is None:
+            raise OSError("no folder of the user's own for the record")
         with open(record.with_suffix(".lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes)
-            try:
-                saved = json.loads(record.read_text())
-                chosen, speedup = bool(saved["onednn"]), float(saved["speedup"])
-            except (OSError, ValueError, KeyError, TypeError):  # none yet, or unreadable
-                chosen, speedup = _probe()
-                record.write_text(json.dumps({"onednn": chosen, "speedup": speedup}))
+            chosen, speedup = _recorded(record)
+    except OSError as exc:  # the choice is this process's alone then
+        log.info("the fp32 kernel choice is not kept for other processes (%s)", exc)
+        chosen, speedup = _probe()
     log.info(
         "oneDNN's fp32 linear is %.2fx torch's here: fp32 products by frozen weights on %s",
         speedup,
