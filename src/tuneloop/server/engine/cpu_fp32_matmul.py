@@ -110,6 +110,7 @@ def _probe() -> tuple[bool, float]:
     return speedup >= MIN_SPEEDUP, speedup
 
 
+_UNKEPT = "the fp32 kernel choice is not kept for other processes (%s)"
 # What a recorded choice holds to: a process with other kernels or caps measures again.
 _CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
@@ -137,7 +138,7 @@ def _recorded(record: Path) -> tuple[bool, float]:
         try:
             record.write_text(json.dumps({"onednn": chosen, "speedup": speedup}))
         except OSError as exc:
-            log.info("the fp32 kernel choice is not kept for other processes (%s)", exc)
+            log.info(_UNKEPT, exc)
         return chosen, speedup
 
 
@@ -151,16 +152,15 @@ def _measured() -> bool:
     others read its result."""
     if not _kernels_present():
         return False
-    record = _record()
-    try:
-        if record is None:
-            raise OSError("no folder of the user's own for the record")
-        with open(record.with_suffix(".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes)
-            chosen, speedup = _recorded(record)
-    except OSError as exc:  # the choice is this process's alone then
-        log.info("the fp32 kernel choice is not kept for other processes (%s)", exc)
-        chosen, speedup = _probe()
+    record, found = _record(), None
+    if record is not None:
+        try:
+            with open(record.with_suffix(".lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes)
+                found = _recorded(record)
+        except OSError as exc:  # no lock to be had: the choice is this process's alone
+            log.info(_UNKEPT, exc)
+    chosen, speedup = found if found is not None else _probe()
     log.info(
         "oneDNN's fp32 linear is %.2fx torch's here: fp32 products by frozen weights on %s",
         speedup,

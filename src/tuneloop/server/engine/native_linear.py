@@ -140,23 +140,18 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> NativeWeight
             "(AVX2 without AVX-512)"
         )
     n, k = weight.shape
-    if weight.dtype == torch.float32:
-        nb = -(-n // _FP32_BLOCK)
-        padded = torch.zeros((nb * _FP32_BLOCK, k), dtype=weight.dtype)
-        padded[:n] = weight.detach()
-        # [nb * 16, k] -> [nb, 16, k] -> [nb, k, 16]
-        blocks = padded.view(nb, _FP32_BLOCK, k).transpose(1, 2).contiguous()
-        width = _FP32_BLOCK
-    else:
-        nb, kp = -(-n // _BLOCK), -(-k // 2)
-        padded = torch.zeros((nb * _BLOCK, 2 * kp), dtype=weight.dtype)
-        padded[:n, :k] = weight.detach()
-        # [nb * 64, 2 kp] -> [nb, 64, kp, 2] -> [nb, kp, 64, 2]
-        blocks = padded.view(nb, _BLOCK, kp, 2).transpose(1, 2).contiguous()
-        width = _BLOCK
+    # bf16: 64 outputs' weights for each input pair; fp32: 16 outputs' for each input
+    block, pair = (_FP32_BLOCK, 1) if weight.dtype == torch.float32 else (_BLOCK, 2)
+    nb, kp = -(-n // block), -(-k // pair)
+    padded = torch.zeros((nb * block, pair * kp), dtype=weight.dtype)
+    padded[:n, :k] = weight.detach()
+    # [nb * block, pair kp] -> [nb, block, kp, pair] -> [nb, kp, block, pair]
+    blocks = padded.view(nb, block, kp, pair).transpose(1, 2).contiguous()
+    if pair == 1:
+        blocks = blocks.squeeze(-1)  # [nb, k, block]
     wide = None
     if bias is not None:
-        wide = torch.zeros(nb * width, dtype=torch.float32)
+        wide = torch.zeros(nb * block, dtype=torch.float32)
         wide[:n] = bias.detach().float()
     return NativeWeight(blocks, wide, n, k)
 
