@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -224,19 +225,24 @@ def _assert_native_agrees(native: torch.Tensor, eager: torch.Tensor) -> None:
 
 @pytest.mark.skipif(not NATIVE, reason="no C++ compiler here")
 def test_the_native_norm_runs_in_sampling_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Installed norms take the C++ loop inside native.py's `sampling_step` for bf16 CPU inputs
-    without autograd; outside a step, for an input that requires grad (training, which needs the
-    compiled kernel's backward) and at fp32 they keep the compiled kernel."""
+    """Installed norms take the C++ loop inside native.py's `sampling_step` for bf16 and fp32
+    CPU inputs without autograd; outside a step and for an input that requires grad (training,
+    which needs the compiled kernel's backward) they keep the compiled kernel."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    real = compiled.native_norm()
-    calls: list[int] = []
+    calls: list[torch.dtype] = []
+    real_norm = compiled.native_norm
 
-    def counting(*args: object) -> None:
-        calls.append(1)
-        real(*args)
+    def counting(dtype: torch.dtype = torch.bfloat16) -> Any:
+        real = real_norm(dtype)
 
-    monkeypatch.setattr(compiled, "native_norm", lambda: counting)
+        def call(*args: object) -> None:
+            calls.append(dtype)
+            real(*args)
+
+        return call
+
+    monkeypatch.setattr(compiled, "native_norm", counting)
     norms = {}
     for dtype in (torch.bfloat16, torch.float32):
         norm = LlamaRMSNorm(576, eps=1e-5).to(dtype)
@@ -248,14 +254,35 @@ def test_the_native_norm_runs_in_sampling_steps_only(monkeypatch: pytest.MonkeyP
         assert not calls
         with native.sampling_step():
             inside = norms[torch.bfloat16](x)
-            assert len(calls) == 1
-            norms[torch.float32](x.float())
+            assert calls == [torch.bfloat16]
+            inside_fp32 = norms[torch.float32](x.float())
+            assert calls == [torch.bfloat16, torch.float32]
     with native.sampling_step():
         trained = norms[torch.bfloat16](x.clone().requires_grad_(True))
     assert trained.requires_grad
-    assert len(calls) == 1
+    assert len(calls) == 2
     # The sum of squares' order may differ from the compiled kernel's (the host's vector width
     # decides it), so a rounding may flip: the native norm's stated agreement, not equality.
     with torch.no_grad():
         _assert_native_agrees(inside, compiled.rms_norm(x, norms[torch.bfloat16].weight, 1e-5))
     torch.testing.assert_close(inside, outside, atol=0.0, rtol=2.0**-7)
+    with torch.no_grad():
+        eager_fp32 = compiled.rms_norm(x.float(), norms[torch.float32].weight, 1e-5)
+    torch.testing.assert_close(inside_fp32, eager_fp32, atol=0.0, rtol=8 * 2.0**-24)
+
+
+@pytest.mark.skipif(compiled.native_norm(torch.float32) is None, reason="no C++ compiler here")
+@pytest.mark.parametrize(("rows", "width"), [(1, 576), (128, 576), (7, 64), (300, 1536)])
+def test_the_native_fp32_norm_is_the_functions_arithmetic(rows: int, width: int) -> None:
+    """The fp32 C++ norm against `rms_norm` eager: the products rounded as eager's, so only the
+    order of the sum of squares differs (the factor 1/sqrt then a step apart): within eight
+    fp32 steps at the value's scale, and most values equal."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, width, generator=gen) * 3
+    weight = torch.randn(width, generator=gen)
+    with torch.no_grad():
+        native = compiled._native_rms_norm(x, weight, 1e-5)
+        eager = compiled.rms_norm(x, weight, 1e-5)
+    assert native is not None
+    torch.testing.assert_close(native, eager, atol=0.0, rtol=8 * 2.0**-24)
+    assert (native == eager).float().mean().item() > 0.5

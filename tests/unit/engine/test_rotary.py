@@ -29,25 +29,36 @@ def _restored() -> Iterator[None]:
 
 
 def _inputs(
-    heads: int, kv_heads: int, tokens: int, dim: int, seed: int, scale: float = 4.0
+    heads: int,
+    kv_heads: int,
+    tokens: int,
+    dim: int,
+    seed: int,
+    scale: float = 4.0,
+    dtype: Any = None,
 ) -> tuple[Any, ...]:
-    """q and k as the projections' transposed views, cos and sin of random angles, bf16."""
+    """q and k as the projections' transposed views, cos and sin of random angles, in `dtype`
+    (bf16 by default)."""
+    dtype = dtype or torch.bfloat16
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn((1, tokens, heads, dim), generator=gen).mul(scale).bfloat16().transpose(1, 2)
+    q = torch.randn((1, tokens, heads, dim), generator=gen).mul(scale).to(dtype).transpose(1, 2)
     k = torch.randn((1, tokens, kv_heads, dim), generator=gen).mul(scale)
     angles = torch.randn((1, tokens, dim), generator=gen).mul(5)
-    return q, k.bfloat16().transpose(1, 2), angles.cos().bfloat16(), angles.sin().bfloat16()
+    return q, k.to(dtype).transpose(1, 2), angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("family", [modeling_llama, modeling_qwen3])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "tokens", "dim"),
     [(9, 3, 128, 64), (8, 2, 7, 128), (4, 4, 1, 32), (2, 1, 33, 6)],
 )
 def test_the_loop_gives_the_families_bits(
-    family: Any, heads: int, kv_heads: int, tokens: int, dim: int
+    family: Any, heads: int, kv_heads: int, tokens: int, dim: int, dtype: Any
 ) -> None:
-    q, k, cos, sin = _inputs(heads, kv_heads, tokens, dim, seed=heads * tokens + dim)
+    """bf16 and fp32 (an fp32 model's sampling steps): each product and the sum rounded as
+    eager's operations round them, so the same bits."""
+    q, k, cos, sin = _inputs(heads, kv_heads, tokens, dim, seed=heads * tokens + dim, dtype=dtype)
     q[0, 0, 0, :2] = torch.tensor([float("nan"), 3e38])  # NaN kept, overflow to inf as eager
     own = family.apply_rotary_pos_emb
     got = rotary.rotate(q, k, cos, sin)
@@ -63,7 +74,8 @@ def test_the_loop_gives_the_families_bits(
 
 def test_what_the_loop_does_not_take_is_left_to_the_family() -> None:
     q, k, cos, sin = _inputs(4, 2, 5, 16, seed=1)
-    assert rotary.rotate(q.float(), k.float(), cos.float(), sin.float()) is None
+    assert rotary.rotate(q.float(), k, cos, sin) is None  # dtypes mixed
+    assert rotary.rotate(q.half(), k.half(), cos.half(), sin.half()) is None  # no fp16 loop
     assert rotary.rotate(q, k, cos[0], sin[0]) is None  # cos without its batch dimension
     assert rotary.rotate(torch.cat([q, q]), torch.cat([k, k]), cos, sin) is None  # a batch of 2
     odd = _inputs(4, 2, 5, 15, seed=2)
@@ -182,13 +194,51 @@ def test_the_backward_loop_gives_eager_autograds_bits(
         assert torch.equal(g.view(torch.int16), w.view(torch.int16))
 
 
-def test_a_model_that_is_not_bf16_takes_no_loop() -> None:
-    """An fp32 model's family is switched to the recorded node only (test_rotary_node.py), a
-    bf16 model's to the loops unless the caller keeps them off."""
+def test_each_dtypes_loop_is_probed_for_its_models() -> None:
+    """An fp32 model's family takes the fp32 loop (sampling steps) and the recorded node where
+    autograd records the rotation (test_rotary_node.py); an fp16 model's the node only; a bf16
+    model's the loops, forward and backward, unless the caller keeps them off."""
+    name = "transformers.models.llama.modeling_llama"
+    assert rotary.install(_tiny_llama().half()) == 1
+    assert rotary.installed(torch.float16) == []
     assert rotary.install(_tiny_llama().float()) == 1
+    assert rotary.installed(torch.float32) == [name]
     assert rotary.installed() == []
-    assert rotary.switched() == ["transformers.models.llama.modeling_llama"]
+    assert rotary.switched() == [name]
+    assert (torch.float32, "cpu") in rotary._NODES[name]
     assert rotary.install(_tiny_llama(), loops=False) == 1
     assert rotary.installed() == []
     assert rotary.install(_tiny_llama()) == 1
     assert rotary.installed() == ["transformers.models.llama.modeling_llama"]
+
+
+def test_an_fp32_model_samples_through_the_loop_and_trains_through_the_node() -> None:
+    """At fp32 the loop runs in sampling steps (inputs autograd does not record), with the
+    unswitched model's logits bit for bit; training records the node, with eager's loss and
+    gradients."""
+    model = _tiny_llama(dtype=torch.float32)
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        before = model(ids).logits
+    want, want_grads = _loss_and_grads(model, ids)
+    assert rotary.install(model) == 1
+    calls: list[int] = []
+    rotate = rotary.rotate
+
+    def counted(*args: Any) -> Any:
+        out = rotate(*args)
+        calls.append(out is not None)
+        return out
+
+    try:
+        rotary.rotate = counted  # type: ignore[assignment]
+        with torch.no_grad(), native.sampling_step():
+            inside = model(ids).logits
+    finally:
+        rotary.rotate = rotate  # type: ignore[assignment]
+    assert calls == [True, True]  # one loop call a layer
+    assert torch.equal(inside, before)
+    got, got_grads = _loss_and_grads(model, ids)
+    assert torch.equal(got, want)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        assert torch.equal(a, b)

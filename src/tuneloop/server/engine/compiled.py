@@ -22,10 +22,10 @@ compiled call costs the host dynamo's guards and wrappers, more than it saves, s
 (prefill, training) keep the norm's own forward.
 
 A sampling step's norms (native.py's `sampling_step`, around the model runner's forward) at
-bf16 on a CPU run a C++ loop instead (rms_norm.cpp, built by native.py): the same arithmetic
-in the same order, bit for bit but for the order of one fp32 sum, where each compiled call
-cost ~0.1 ms of dynamo's guards and wrappers for a few microseconds of work (61 calls a
-SmolLM2 step). Training passes keep the compiled kernel, which has a backward.
+bf16 or fp32 on a CPU run a C++ loop instead (rms_norm.cpp, built by native.py): the same
+arithmetic in the same order, bit for bit but for the order of one fp32 sum, where each
+compiled call cost ~0.1 ms of dynamo's guards and wrappers for a few microseconds of work (61
+calls a SmolLM2 step). Training passes keep the compiled kernel, which has a backward.
 
 Compiling costs seconds once per process (inductor's on-disk cache makes later processes
 faster), so `install` compiles at once, with dynamic shapes, on warm-up inputs: the first
@@ -93,20 +93,25 @@ def _compiled_norm() -> Callable[..., torch.Tensor]:
     return torch.compile(rms_norm, dynamic=True)
 
 
-def native_norm() -> Any:
-    """rms_norm.cpp's entry point (x, weight, rows, width, eps, out, threads), or None where
-    it cannot be built."""
+_NATIVE_NAMES = {torch.bfloat16: "rms_norm_bf16", torch.float32: "rms_norm_fp32"}
+
+
+def native_norm(dtype: torch.dtype = torch.bfloat16) -> Any:
+    """rms_norm.cpp's entry point for `dtype` (bf16 or fp32; x, weight, rows, width, eps, out,
+    threads), or None where it cannot be built (or for another dtype)."""
+    if dtype not in _NATIVE_NAMES:
+        return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     signature = (pointer, pointer, size, size, ctypes.c_float, pointer, ctypes.c_int)
-    return native.function(NATIVE_SOURCE, "rms_norm_bf16", signature)
+    return native.function(NATIVE_SOURCE, _NATIVE_NAMES[dtype], signature)
 
 
 def _native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """`rms_norm` of a bf16 CPU tensor without autograd by the C++ loop; None where it does
-    not apply (or could not be built)."""
-    if not native.bf16_without_autograd(x, weight):
+    """`rms_norm` of a bf16 or fp32 CPU tensor without autograd by the C++ loop; None where it
+    does not apply (or could not be built)."""
+    if x.dtype not in _NATIVE_NAMES or not native.without_autograd(x.dtype, x, weight):
         return None
-    kernel = native_norm()
+    kernel = native_norm(x.dtype)
     if kernel is None:
         return None
     flat, weight = x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous()

@@ -51,6 +51,7 @@ __all__ = [
     "isa_cap",
     "library",
     "sampling_step",
+    "without_autograd",
 ]
 
 log = logging.getLogger(__name__)
@@ -107,12 +108,18 @@ def in_sampling_step() -> bool:
     return bool(getattr(_state, "sampling", False))
 
 
-def bf16_without_autograd(*tensors: torch.Tensor) -> bool:
-    """Whether a bf16 loop may take these inputs: each bf16 on a CPU (the loops read raw
-    memory), and none that autograd would record in grad mode (the loops have no backward)."""
-    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors):
+def without_autograd(dtype: torch.dtype, *tensors: torch.Tensor) -> bool:
+    """Whether a loop of `dtype` may take these inputs: each of that dtype on a CPU (the loops
+    read raw memory), and none that autograd would record in grad mode (the loops have no
+    backward)."""
+    if any(t.dtype != dtype or t.device.type != "cpu" for t in tensors):
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+def bf16_without_autograd(*tensors: torch.Tensor) -> bool:
+    """`without_autograd` for a bf16 loop."""
+    return without_autograd(torch.bfloat16, *tensors)
 
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}

@@ -1,4 +1,4 @@
-// transformers' apply_rotary_pos_emb at bf16 (rotary.py), queries and keys in one call:
+// transformers' apply_rotary_pos_emb at bf16 and fp32 (rotary.py), queries and keys in one call:
 // out = q * cos + rotate_half(q) * sin, where rotate_half(q) = [-q2, q1] for q's halves q1,
 // q2. Each product is rounded to bf16 and so is their sum, as eager torch rounds each of its
 // operations, so the result is the eager one bit for bit. A sampling step's rotary is eight
@@ -51,20 +51,44 @@ inline void unrotate(const uint16_t* g, const uint16_t* c, const uint16_t* s, in
   }
 }
 
-using Head = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, int64_t, uint16_t*);
+// rotate at fp32 (an fp32 model's sampling steps): each product and the sum rounded to fp32
+// by the arithmetic itself, as eager's operations round them. GCC contracts a product and a
+// sum into one FMA across statements by default (one rounding where eager makes two), so
+// contraction is off here (clang contracts within one expression only); rotary.py takes the
+// loop only after it agrees with the family's function bit for bit.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+void rotate_fp32(const float* x, const float* c, const float* s, int64_t dim, float* out) {
+  const int64_t half = dim / 2;
+  #pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i] * c[i];
+    const float b = -x[i + half] * s[i];
+    out[i] = a + b;
+  }
+  #pragma omp simd
+  for (int64_t i = half; i < dim; ++i) {
+    const float a = x[i] * c[i];
+    const float b = x[i - half] * s[i];
+    out[i] = a + b;
+  }
+}
+#pragma GCC pop_options
+
+template <typename T>
+using Head = void (*)(const T*, const T*, const T*, int64_t, T*);
 
 // `head` on every head of every token of q and k, tokens in parallel: the loops' walk over
 // their [tokens, heads, dim] inputs and outputs (the entry points' arguments).
-template <Head head>
-void each_head(const uint16_t* q, int64_t q_token, int64_t q_head, int64_t q_heads,
-               const uint16_t* k, int64_t k_token, int64_t k_head, int64_t k_heads,
-               const uint16_t* cos, const uint16_t* sin, int64_t cs_token, int64_t tokens,
-               int64_t dim, uint16_t* q_out, uint16_t* k_out, int threads) {
+template <typename T, Head<T> head>
+void each_head(const T* q, int64_t q_token, int64_t q_head, int64_t q_heads, const T* k,
+               int64_t k_token, int64_t k_head, int64_t k_heads, const T* cos, const T* sin,
+               int64_t cs_token, int64_t tokens, int64_t dim, T* q_out, T* k_out, int threads) {
   #pragma omp parallel for num_threads(threads) schedule(static) \
       if (tokens * (q_heads + k_heads) * dim >= 32768)
   for (int64_t t = 0; t < tokens; ++t) {
-    const uint16_t* c = cos + t * cs_token;
-    const uint16_t* s = sin + t * cs_token;
+    const T* c = cos + t * cs_token;
+    const T* s = sin + t * cs_token;
     for (int64_t h = 0; h < q_heads; ++h)
       head(q + t * q_token + h * q_head, c, s, dim, q_out + (t * q_heads + h) * dim);
     for (int64_t h = 0; h < k_heads; ++h)
@@ -82,8 +106,8 @@ extern "C" void rotary_bf16(const uint16_t* q, int64_t q_token, int64_t q_head, 
                             const uint16_t* cos, const uint16_t* sin, int64_t cs_token,
                             int64_t tokens, int64_t dim, uint16_t* q_out, uint16_t* k_out,
                             int threads) {
-  each_head<rotate>(q, q_token, q_head, q_heads, k, k_token, k_head, k_heads, cos, sin,
-                    cs_token, tokens, dim, q_out, k_out, threads);
+  each_head<uint16_t, rotate>(q, q_token, q_head, q_heads, k, k_token, k_head, k_heads, cos,
+                              sin, cs_token, tokens, dim, q_out, k_out, threads);
 }
 
 // The backward of rotary_bf16: the gradients of q and k from those of q_out and k_out (read
@@ -94,6 +118,15 @@ extern "C" void rotary_backward_bf16(const uint16_t* gq, int64_t q_token, int64_
                                      int64_t k_head, int64_t k_heads, const uint16_t* cos,
                                      const uint16_t* sin, int64_t cs_token, int64_t tokens,
                                      int64_t dim, uint16_t* q_out, uint16_t* k_out, int threads) {
-  each_head<unrotate>(gq, q_token, q_head, q_heads, gk, k_token, k_head, k_heads, cos, sin,
-                      cs_token, tokens, dim, q_out, k_out, threads);
+  each_head<uint16_t, unrotate>(gq, q_token, q_head, q_heads, gk, k_token, k_head, k_heads,
+                                cos, sin, cs_token, tokens, dim, q_out, k_out, threads);
+}
+
+// rotary_bf16's form at fp32.
+extern "C" void rotary_fp32(const float* q, int64_t q_token, int64_t q_head, int64_t q_heads,
+                            const float* k, int64_t k_token, int64_t k_head, int64_t k_heads,
+                            const float* cos, const float* sin, int64_t cs_token, int64_t tokens,
+                            int64_t dim, float* q_out, float* k_out, int threads) {
+  each_head<float, rotate_fp32>(q, q_token, q_head, q_heads, k, k_token, k_head, k_heads, cos,
+                                sin, cs_token, tokens, dim, q_out, k_out, threads);
 }

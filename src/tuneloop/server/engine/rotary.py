@@ -15,6 +15,11 @@ layouts it does not take) it calls the family's own function. A family is switch
 after the two agree bit for bit on a probe, so a family whose rotary differs (interleaved
 pairs, partial rotary) keeps its own.
 
+At fp32 on a CPU (an fp32 model's sampling steps) the forward loop runs too, its products and
+sum rounded to fp32 as eager's operations round them (probed at fp32 the same way): the eight
+operations' dispatch is most of a one-row step's rotary. Training at fp32 records the node
+below (no fp32 backward loop).
+
 Every other model (other dtypes, a GPU) gets the recorded case only, in torch's own operations
 (`_TorchRotary`): eager's forward operations run without recording them, and the backward
 takes each gradient back through the rotation in five operations a tensor, where eager
@@ -58,10 +63,12 @@ SOURCE = Path(__file__).with_name("rotary.cpp")
 NAME = "apply_rotary_pos_emb"
 # The family modules switched in this process: module name -> the family's own function.
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
-# Of those, the families whose function the C++ loops reproduce (probed at bf16 on a CPU), and
-# those whose recorded rotation `_TorchRotary` reproduces (probed in a model's dtype and device:
-# the (dtype, device type) pairs probed).
-_LOOPS: set[str] = set()
+# Of those, the families whose function the C++ loops reproduce (the dtypes probed on a CPU:
+# bf16, fp32), and those whose recorded rotation `_TorchRotary` reproduces (probed in a model's
+# dtype and device: the (dtype, device type) pairs probed).
+_LOOPS: dict[str, set[torch.dtype]] = {}
+# The loops' entry points by dtype (the backward at bf16 only: fp32 training takes the node)
+_KERNELS = {torch.bfloat16: "rotary_bf16", torch.float32: "rotary_fp32"}
 _NODES: dict[str, set[tuple[torch.dtype, str]]] = {}
 
 
@@ -80,9 +87,12 @@ def _signature() -> tuple[Any, ...]:
     )
 
 
-def native_kernel() -> Any:
-    """rotary.cpp's entry point (its arguments below), or None where it cannot be built."""
-    return native.function(SOURCE, "rotary_bf16", _signature())
+def native_kernel(dtype: torch.dtype = torch.bfloat16) -> Any:
+    """rotary.cpp's entry point for `dtype` (bf16 or fp32; its arguments below), or None where
+    it cannot be built (or for another dtype)."""
+    if dtype not in _KERNELS:
+        return None
+    return native.function(SOURCE, _KERNELS[dtype], _signature())
 
 
 def backward_kernel() -> Any:
@@ -92,9 +102,12 @@ def backward_kernel() -> Any:
 
 def _fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether the loops read these: q [1, heads, tokens, dim] and k [1, kv_heads, tokens,
-    dim] with cos and sin [1, tokens, dim], all bf16 on a CPU, every head size contiguous."""
+    dim] with cos and sin [1, tokens, dim], all bf16 or all fp32 on a CPU, every head size
+    contiguous."""
     tensors = (q, k, cos, sin)
-    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors):
+    if q.dtype not in _KERNELS:
+        return False
+    if any(t.dtype != q.dtype or t.device.type != "cpu" for t in tensors):
         return False
     if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape:
         return False
@@ -129,9 +142,9 @@ def rotate(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`apply_rotary_pos_emb(q, k, cos, sin)` by the C++ loop for inputs autograd does not
     record (`_fits`' shapes); None for anything else (or where the loop was not built)."""
-    if not native.bf16_without_autograd(q, k, cos, sin) or not _fits(q, k, cos, sin):
+    if not native.without_autograd(q.dtype, q, k, cos, sin) or not _fits(q, k, cos, sin):
         return None
-    kernel = native_kernel()
+    kernel = native_kernel(q.dtype)
     return None if kernel is None else _run(kernel, q, k, cos, sin)
 
 
@@ -165,9 +178,9 @@ def _trained(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The rotation as one autograd node of the loops where autograd records q or k (and not
     cos or sin); None where the loops do not take them."""
-    if cos.requires_grad or sin.requires_grad or not _fits(q, k, cos, sin):
+    if q.dtype != torch.bfloat16 or cos.requires_grad or sin.requires_grad:
         return None
-    if native_kernel() is None or backward_kernel() is None:
+    if not _fits(q, k, cos, sin) or native_kernel() is None or backward_kernel() is None:
         return None
     out: tuple[torch.Tensor, torch.Tensor] = _Rotary.apply(q, k, cos, sin)
     return out
@@ -240,7 +253,7 @@ def _replacement(name: str, own: Callable[..., Any]) -> Callable[..., Any]:
         if not args and not kwargs:
             recorded = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
             done = None
-            if name in _LOOPS:
+            if q.dtype in _LOOPS.get(name, ()):
                 done = _trained(q, k, cos, sin) if recorded else rotate(q, k, cos, sin)
             if done is None and recorded and (q.dtype, q.device.type) in _NODES.get(name, ()):
                 done = _TorchRotary.apply(q, k, cos, sin) if _node_takes(q, k, cos, sin) else None
@@ -252,15 +265,17 @@ def _replacement(name: str, own: Callable[..., Any]) -> Callable[..., Any]:
     return _apply
 
 
-def _agrees(own: Callable[..., Any], heads: int, kv_heads: int, dim: int) -> bool:
-    """Whether `rotate` gives the bits of the family's own function on a probe shaped like
-    the model's attention (its projections' transposed views)."""
+def _agrees(
+    own: Callable[..., Any], heads: int, kv_heads: int, dim: int, dtype: torch.dtype
+) -> bool:
+    """Whether `rotate` gives the bits of the family's own function on a probe in `dtype`
+    shaped like the model's attention (its projections' transposed views)."""
     gen = torch.Generator().manual_seed(0)
     tokens = 5
-    q = torch.randn((1, tokens, heads, dim), generator=gen).mul(4).bfloat16().transpose(1, 2)
-    k = torch.randn((1, tokens, kv_heads, dim), generator=gen).mul(4).bfloat16().transpose(1, 2)
+    q = torch.randn((1, tokens, heads, dim), generator=gen).mul(4).to(dtype).transpose(1, 2)
+    k = torch.randn((1, tokens, kv_heads, dim), generator=gen).mul(4).to(dtype).transpose(1, 2)
     angles = torch.randn((1, tokens, dim), generator=gen).mul(3)
-    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     with torch.no_grad():
         want = own(q, k, cos, sin)
         got = rotate(q, k, cos, sin)
@@ -335,27 +350,31 @@ def _probed(name: str, what: str, probe: Callable[[], bool]) -> bool:
 
 def install(model: nn.Module, *, loops: bool = True) -> int:
     """Point the rotary function of `model`'s families at the native loops where the model
-    is bf16 on a CPU, `loops` allows them and they agree with the family's function, else at
-    the recorded node in torch's operations where it agrees in the model's dtype and device;
-    returns how many of the model's families are switched for this model (0 where none)."""
+    is bf16 or fp32 on a CPU, `loops` allows them and they agree with the family's function
+    (at fp32 forward only: inputs autograd does not record), and, where the loops do not
+    record the rotation (any dtype but bf16), at the recorded node in torch's operations where
+    it agrees in the model's dtype and device; returns how many of the model's families are
+    switched for this model (0 where none)."""
     weight = next(model.parameters(), None)
     if weight is None:
         return 0
-    loops = loops and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-    loops = loops and native_kernel() is not None
-    kind = (weight.dtype, weight.device.type)
+    dtype = weight.dtype
+    loops = loops and weight.device.type == "cpu" and native_kernel(dtype) is not None
+    kind = (dtype, weight.device.type)
     count = 0
     for name, shape in _families(model).items():
         family = sys.modules[name]
         own = _ORIGINALS.get(name, getattr(family, NAME))
-        agrees = functools.partial(_agrees, own, *shape)
-        if loops and name not in _LOOPS and _probed(name, "the loops", agrees):
-            _LOOPS.add(name)
-        if not (loops and name in _LOOPS) and kind not in _NODES.get(name, ()):
-            probe = functools.partial(_node_agrees, own, shape, weight.dtype, weight.device)
-            if _probed(name, f"{weight.dtype} on {weight.device.type}", probe):
+        agrees = functools.partial(_agrees, own, *shape, dtype)
+        unprobed = loops and dtype not in _LOOPS.get(name, ())
+        if unprobed and _probed(name, f"the {dtype} loop", agrees):
+            _LOOPS.setdefault(name, set()).add(dtype)
+        looped = loops and dtype in _LOOPS.get(name, ())
+        if not (looped and dtype == torch.bfloat16) and kind not in _NODES.get(name, ()):
+            probe = functools.partial(_node_agrees, own, shape, dtype, weight.device)
+            if _probed(name, f"{dtype} on {weight.device.type}", probe):
                 _NODES.setdefault(name, set()).add(kind)
-        if (loops and name in _LOOPS) or kind in _NODES.get(name, ()):
+        if looped or kind in _NODES.get(name, ()):
             if name not in _ORIGINALS:
                 _ORIGINALS[name] = own
                 setattr(family, NAME, _replacement(name, own))
@@ -363,9 +382,9 @@ def install(model: nn.Module, *, loops: bool = True) -> int:
     return count
 
 
-def installed() -> list[str]:
-    """The family modules whose function the native loops take in this process."""
-    return sorted(_LOOPS)
+def installed(dtype: torch.dtype = torch.bfloat16) -> list[str]:
+    """The family modules whose function the native loop of `dtype` takes in this process."""
+    return sorted(name for name, dtypes in _LOOPS.items() if dtype in dtypes)
 
 
 def switched() -> list[str]:
