@@ -275,8 +275,8 @@ def test_the_native_norm_runs_in_sampling_steps_only(monkeypatch: pytest.MonkeyP
 @pytest.mark.parametrize(("rows", "width"), [(1, 576), (128, 576), (7, 64), (300, 1536)])
 def test_the_native_fp32_norm_is_the_functions_arithmetic(rows: int, width: int) -> None:
     """The fp32 C++ norm against `rms_norm` eager: the products rounded as eager's, so only the
-    order of the sum of squares differs (the factor 1/sqrt then a step apart): within eight
-    fp32 steps at the value's scale, and most values equal."""
+    order of the sum of squares differs (a row's factor 1/sqrt then a step apart, and with it
+    most of the row's values): within eight fp32 steps at the value's scale."""
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, width, generator=gen) * 3
     weight = torch.randn(width, generator=gen)
@@ -285,4 +285,3 @@ def test_the_native_fp32_norm_is_the_functions_arithmetic(rows: int, width: int)
         eager = compiled.rms_norm(x, weight, 1e-5)
     assert native is not None
     torch.testing.assert_close(native, eager, atol=0.0, rtol=8 * 2.0**-24)
-    assert (native == eager).float().mean().item() > 0.5

@@ -323,13 +323,9 @@ def test_steps_it_does_not_take_run_the_modules(tmp_path: Path, lean_runs: list[
 
 
 def test_models_it_does_not_take(tmp_path: Path) -> None:
-    """No plan for fp32 weights, for norms left to their own forward, or for a family whose
-    layers it does not make (a Mistral, its attention taking the native kernel alone)."""
-    from tuneloop.server.engine.torch_backend import TorchBackend
-
-    fp32 = TorchBackend([LLAMA], cache_dir=tmp_path / "a", device="cpu", compile_norms=True)
-    assert _runtime(fp32).layers_plan is None
-    fp32.close()
+    """No plan for norms left to their own forward, or for a family whose layers it does not
+    make (a Mistral, its attention taking the native kernel alone). (fp32 weights get a plan
+    of their own: test_decode_layers_fp32.py.)"""
     eager = _backend(LLAMA, tmp_path / "b", compile_norms=False)
     layer = _runtime(eager).model.get_decoder().layers[0]
     assert not compiled.switched(layer.input_layernorm)

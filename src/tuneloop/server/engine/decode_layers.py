@@ -12,19 +12,27 @@ a 128-row step of SmolLM2-135M on an AVX-512-BF16 EPYC. `run` makes the same cal
 same order, on the same inputs, with the checks made once per step: the same bits as the
 modules' forward (tests/unit/engine/test_decode_layers.py).
 
-`plan(model)` says whether a model's layers qualify, once per model: a Llama, Qwen2 or Qwen3
-decoder (pre-norm residual blocks, a gated SiLU MLP, no sliding window; Qwen3's per-head query
-and key norms) whose norms, MLPs and rotary function were switched to their native forms,
-every projection a LoRA layer, no hooks, every kernel built. A step qualifies where
-`Plan.weights` finds its one key's fused weights (fused.py) grouped as `run` computes them, or,
-for a step of several keys, the shared base weights with every key's deltas (`Plan.segmented`:
-each group's base output, then each key's delta added to its rows by the same calls as the
-modules make, segments.py); a step without them runs the modules (model_runner.py). A step of
-decode rows alone attends by the native kernel directly; a step with prompt chunks (or of
-one-slot rows) calls the modules' attention function, `paged_attention_forward`, as they do.
+`plan(model)` says whether a model's layers qualify, once per model: a bf16 or fp32 Llama, Qwen2 or
+Qwen3 decoder (pre-norm residual blocks, a gated SiLU MLP, no sliding window; Qwen3's per-head
+query and key norms) whose norms, MLPs (at bf16) and rotary function were switched to their native
+forms, every projection a LoRA layer, no hooks, every kernel built. A step qualifies where
+`Plan.weights` finds its one key's fused weights (fused.py) grouped as `run` computes them, or, for
+a step of several keys, the shared base weights with every key's deltas (`Plan.segmented`: each
+group's base output, then each key's delta added to its rows by the same calls as the modules make,
+segments.py); a step without them runs the modules (model_runner.py). A step of decode rows alone
+attends by the native kernel directly; a step with prompt chunks (or of one-slot rows) calls the
+modules' attention function, `paged_attention_forward`, as they do.
 
-A step of decode rows alone whose groups are all in the native linear kernel's layout skips
-even this loop's Python: `native_layers.loop` gives its calls as one C++ call
+An fp32 model (a CPU without bf16 units) gets a plan too, with the kernels' fp32 forms: the
+norms (rms_norm_fp32), the rotary embedding (rotary_fp32), the KV writes, the fp32 decode
+attention (decode_attention_avx2.cpp) and the fp32 linear kernel (linear_avx2.cpp, on a CPU
+without AVX-512) or oneDNN's packed fp32 weights; no LoRA columns (an fp32 lone copy merges
+its adapter) and eager's SiLU product, as its MLPs (left to their own forward) compute it.
+There the modules' Python was most of a few-row step: on a one-row step of SmolLM2-135M,
+~20 of ~31 ms on an AVX-512-BF16 EPYC capped at AVX2 (docs/benchmarks.md).
+
+A bf16 step of decode rows alone whose groups are all in the native linear kernel's layout
+skips even this loop's Python: `native_layers.loop` gives its calls as one C++ call
 (decode_layers.cpp), the same kernels in the same order.
 """
 
@@ -38,7 +46,14 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from tuneloop.server.engine import compiled, gated_mlp, native_layers, native_linear, rotary
+from tuneloop.server.engine import (
+    compiled,
+    gated_mlp,
+    native_layers,
+    native_linear,
+    packed,
+    rotary,
+)
 from tuneloop.server.engine.kv import kv_write, native_decode
 from tuneloop.server.engine.kv.paged_attention import PagedStep, paged_attention_forward
 from tuneloop.server.engine.lora import native_columns
@@ -90,10 +105,10 @@ class LayerWeights:
 @dataclass
 class _Kernels:
     norm: Any
-    columns: Any
+    columns: Any  # (None at fp32: no LoRA columns)
     rotate: Any
     write: Any
-    silu: Any
+    silu: Any  # (None at fp32: eager's product)
     attend: Any
     linear: Any  # (None where the native linear kernel is not built: no NativeWeight then)
 
@@ -109,8 +124,9 @@ class Plan:
         shape: tuple[int, int, int, int],
         scale: float,
         kernels: _Kernels,
+        dtype: torch.dtype = torch.bfloat16,
     ) -> None:
-        self.decoder, self.layers, self.kernels = decoder, layers, kernels
+        self.decoder, self.layers, self.kernels, self.dtype = decoder, layers, kernels, dtype
         self.heads, self.kv_heads, self.dim, self.intermediate = shape
         self.scale = scale
         self.native_loop: Any = None  # native_layers.Loop of the last weights it took
@@ -119,7 +135,7 @@ class Plan:
         """The layers' groups in a lone table (`AdapterBank.lone_weights`; or the shared one,
         `shared_weights`, for `segmented`), or None where a layer's projections are not
         grouped as `run` computes them: q/k/v one group and gate/up another, in that order, o
-        and down alone, LoRA columns (if any) for the native kernel."""
+        and down alone."""
         found: list[LayerWeights] = []
         inner = self.heads * self.dim, self.kv_heads * self.dim
         for layer in self.layers:
@@ -136,8 +152,6 @@ class Plan:
             if qkv.sizes != [inner[0], inner[1], inner[1]] or len(o.sizes) != 1:
                 return None
             if gate_up.sizes != [self.intermediate] * 2 or len(down.sizes) != 1:
-                return None
-            if not all(g.a is None or isinstance(g.a, DownPairs) for g in (qkv, o, gate_up, down)):
                 return None
             found.append(LayerWeights(qkv, o, gate_up, down))
         return found
@@ -185,20 +199,24 @@ def plan(model: nn.Module) -> Plan | None:
     if len(decoder.layers) != config.num_hidden_layers or not len(decoder.layers):
         return None
     weight = next(model.parameters())
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+    dtype = weight.dtype
+    if dtype not in (torch.bfloat16, torch.float32) or weight.device.type != "cpu":
         return None
+    bf16 = dtype == torch.bfloat16
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or 0
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kernels = _Kernels(
-        compiled.native_norm(),
-        native_columns.native_kernel(),
-        rotary.native_kernel(),
+        compiled.native_norm(dtype),
+        native_columns.native_kernel() if bf16 else None,
+        rotary.native_kernel(dtype),
         kv_write.native_kernel(),
-        gated_mlp.native_kernel(),
-        native_decode.native_kernel(),
-        native_linear.native_kernel(),
+        gated_mlp.native_kernel() if bf16 else None,
+        native_decode.native_kernel() if bf16 else native_decode.fp32_kernel(),
+        native_linear.native_kernel() if bf16 else native_linear.fp32_kernel(),
     )
-    if any(k is None for name, k in vars(kernels).items() if name != "linear"):
+    # (fp32: no LoRA columns, its lone copies merge their adapter; eager's SiLU product)
+    optional = {"linear"} if bf16 else {"linear", "columns", "silu"}
+    if any(k is None for name, k in vars(kernels).items() if name not in optional):
         return None
     if not native_decode.available(heads, kv_heads, dim, dim, weight.dtype, weight.device):
         return None
@@ -226,10 +244,12 @@ def plan(model: nn.Module) -> Plan | None:
             )
         elif hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
             return None
-        if type(attn).__module__ not in rotary.installed():
+        if type(attn).__module__ not in rotary.installed(dtype):
             return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if not all(compiled.switched(n) for n in norms) or not gated_mlp.switched(mlp):
+        if not all(compiled.switched(n) for n in norms):
+            return None
+        if not (gated_mlp.switched(mlp) if bf16 else gated_mlp.eager_silu(mlp)):
             return None
         names = ("q_proj", "k_proj", "v_proj", "o_proj")
         projections = (*(getattr(attn, n) for n in names),)
@@ -254,7 +274,8 @@ def plan(model: nn.Module) -> Plan | None:
         )
     if len(scales) != 1 or intermediate is None:
         return None
-    return Plan(decoder, layers, (heads, kv_heads, dim, intermediate), scales.pop(), kernels)
+    shape = (heads, kv_heads, dim, intermediate)
+    return Plan(decoder, layers, shape, scales.pop(), kernels, dtype)
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -329,7 +350,7 @@ def run(
     cos_stride = cos.stride(1)
     linear = torch.ops.mkldnn._linear_pointwise.default
     size = hidden.element_size()
-    native_product = rows * inter >= gated_mlp.MIN_ELEMENTS
+    native_product = k.silu is not None and rows * inter >= gated_mlp.MIN_ELEMENTS
 
     def norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         out = torch.empty_like(x)  # (x [rows of the norm's width] contiguous)
@@ -340,7 +361,9 @@ def run(
         x: torch.Tensor, group: FusedLinear, segments: list[Segment] | None
     ) -> torch.Tensor:
         plain, down = x, group.a
-        if isinstance(down, DownPairs):
+        if isinstance(down, torch.Tensor):  # (fused.py's packed down-projections: fp32 unmerged)
+            x = torch.cat([x, packed.linear(x, down, None)], dim=1)
+        elif isinstance(down, DownPairs):
             extended = torch.empty((rows, x.shape[1] + down.rank), dtype=x.dtype)
             code = k.columns(
                 _ptr(x), x.stride(0), _ptr(down.pairs), rows, x.shape[1], down.rank,

@@ -44,6 +44,7 @@ from tuneloop.server.engine import native
 
 __all__ = [
     "backward_kernel",
+    "eager_silu",
     "gathers",
     "install",
     "native_kernel",
@@ -276,6 +277,24 @@ def install(model: nn.Module) -> int:
         module.forward = types.MethodType(_mlp_forward, module)
     log.info("%d gated MLPs take the native SiLU product in sampling steps", len(mlps))
     return len(mlps)
+
+
+# transformers' gated MLP classes whose own forward is down_proj(act_fn(gate_proj(x)) *
+# up_proj(x)), as `_mlp_forward` computes it below the loop's floor
+_EAGER_CLASSES = {
+    ("transformers.models.llama.modeling_llama", "LlamaMLP"),
+    ("transformers.models.qwen2.modeling_qwen2", "Qwen2MLP"),
+    ("transformers.models.qwen3.modeling_qwen3", "Qwen3MLP"),
+}
+
+
+def eager_silu(module: nn.Module) -> bool:
+    """Whether an MLP left to its own forward computes `silu(gate) * up` as eager's two
+    operations between its projections: one of transformers' classes above with a SiLU, its
+    forward not replaced (an fp32 model's MLPs, which `install` does not switch)."""
+    if "forward" in vars(module) or not isinstance(getattr(module, "act_fn", None), _silu_types()):
+        return False
+    return (type(module).__module__, type(module).__name__) in _EAGER_CLASSES
 
 
 def switched(module: nn.Module) -> bool:

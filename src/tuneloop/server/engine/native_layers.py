@@ -8,8 +8,9 @@ spins idle (about a sixth of a 128-row step of SmolLM2-135M on an AMX Xeon). Whe
 decode rows alone on one key's fused weights, every group in the native linear kernel's
 layout (native_linear.py), `decode_layers.cpp` makes the same calls in the same order on the
 same inputs, the kernels passed to it by their addresses: the same bits (tests/unit/engine/
-test_decode_layers.py). Other steps (prompt chunks, several keys, oneDNN's packed weights)
-keep the Python loop; `TUNELOOP_NATIVE_LAYERS=0` keeps it for every step.
+test_decode_layers.py). Other steps (prompt chunks, several keys, oneDNN's packed weights,
+an fp32 model's: its loop is bf16 arithmetic) keep the Python loop; `TUNELOOP_NATIVE_LAYERS=0`
+keeps it for every step.
 
 `loop(plan, weights)` builds the call's tables of pointers once for a set of weights (the
 fused groups live as long as the adapter's snapshot) and keeps them on the plan; `Loop.run`
@@ -204,10 +205,11 @@ def enabled() -> bool:
 
 def loop(plan: Plan, weights: Sequence[LayerWeights]) -> Loop | None:
     """The loop over `weights` (the plan's last one where they are the same groups), or None
-    where a step on them keeps the Python loop: a group not in the native linear's layout,
-    several keys' segments, the library or the linear kernel not built, or turned off."""
-    if not enabled() or plan.kernels.linear is None:
-        return None
+    where a step on them keeps the Python loop: an fp32 plan, a group not in the native
+    linear's layout, several keys' segments, the library or the linear kernel not built, or
+    turned off."""
+    if not enabled() or plan.kernels.linear is None or plan.dtype != torch.bfloat16:
+        return None  # (an fp32 plan's steps: the Python loop)
     held = plan.native_loop
     if isinstance(held, Loop) and held.matches(weights):
         return held
