@@ -14,8 +14,9 @@ alike, and printing the CPU model, the load and its measured peaks' context:
   (decode_layers.py): the side's whole difference.
 
 On a CPU with AMX the kernel runs on the tile unit (native_linear.tiles). `--dtype float32`
-measures the fp32 kernel (linear_avx2.cpp, CPUs with AVX2 and no AVX-512) on the merged
-weights an fp32 lone copy holds (no LoRA columns).
+measures the fp32 kernel (linear_fp32.cpp: AVX-512 tiles where the CPU has them, AVX2 tiles
+under TUNELOOP_CPU_ISA=avx2 or on an AVX2 CPU) on the merged weights an fp32 lone copy holds
+(no LoRA columns).
 
     python bench/native_linear.py [--rounds 3] [--new 34] [--part linears|steps|both]
                                   [--dtype bfloat16|float32]
@@ -149,9 +150,10 @@ def main() -> int:
     print(f"cpu: {cpu_model()} ({flags})  threads {args.threads}  load {os.getloadavg()}")
     if dtype == torch.float32:
         if native_linear.fp32_kernel() is None:
-            print("the fp32 native linear kernel is not taken on this CPU (AVX2 without AVX-512)")
+            print("the fp32 native linear kernel is not built on this CPU (it needs AVX2, FMA)")
             return 1
-        print("fp32 native kernel (linear_avx2.cpp)")
+        tiles = "AVX-512" if "avx512f" in native.cpu_flags() else "AVX2"
+        print(f"fp32 native kernel (linear_fp32.cpp, {tiles} tiles)")
     else:
         form = "the AMX tile unit" if native_linear.tiles(True) else "AVX-512 loops"
         print(f"native kernel on {form}")

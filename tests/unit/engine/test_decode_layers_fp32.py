@@ -39,14 +39,12 @@ lean_runs = bf16_tests.lean_runs  # (the fixture: steps the lean loop ran to the
 
 @pytest.fixture(params=["fp32 kernel", "oneDNN"])
 def linear_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The lone copy's weights in the fp32 kernel's layout (taken on this CPU even where it has
-    AVX-512) or packed for oneDNN (`TUNELOOP_NATIVE_LINEAR=0`)."""
+    """The lone copy's weights in the fp32 kernel's layout or packed for oneDNN
+    (`TUNELOOP_NATIVE_LINEAR=0`)."""
     if request.param == "oneDNN":
         monkeypatch.setenv("TUNELOOP_NATIVE_LINEAR", "0")
-    else:
-        monkeypatch.setattr(native_linear, "_FP32_WITH_AVX512", True)
-        if native_linear.fp32_kernel() is None:
-            pytest.skip("the fp32 linear kernel is not built here")
+    elif native_linear.fp32_kernel() is None:
+        pytest.skip("the fp32 linear kernel is not built here")
     return str(request.param)
 
 

@@ -92,7 +92,7 @@ def test_strided_rows_and_bad_shapes(form: str) -> None:
     with pytest.raises(ValueError, match="bf16"):
         native_linear.linear(torch.randn(3, 40), packed_w)
     with pytest.raises(ValueError, match="bf16"):
-        native_linear.pack(torch.randn(8, 8))
+        native_linear.pack(torch.randn(8, 8, dtype=torch.float64))
 
 
 def test_decode_copies_take_the_layout(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,7 @@
-"""The fp32 native linear kernel (native_linear.py, linear_avx2.cpp): x @ W.T + b on blocks of 16
-outputs, each output's sum made in input order from its bias; chosen for fp32 decode copies on
-CPUs with AVX2 and without AVX-512 (the tests run it on any AVX2 CPU)."""
+"""The fp32 native linear kernel (native_linear.py, linear_fp32.cpp): x @ W.T + b on blocks of 16
+outputs, each output's sum made in input order from its bias, in tiles of AVX2 or (where the CPU
+has it) AVX-512 vectors; chosen for fp32 decode copies (`TUNELOOP_CPU_ISA=avx2` runs the AVX2
+tiles on a CPU with AVX-512)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,7 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(autouse=True)
-def anywhere(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernel taken on this CPU, AVX-512 or not."""
-    monkeypatch.setattr(native_linear, "_FP32_WITH_AVX512", True)
+def built() -> None:
     if native_linear.fp32_kernel() is None:
         pytest.skip("the fp32 kernel could not be built here")
 
@@ -37,6 +36,7 @@ def _bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Te
         (960, 576, 128, False),  # q/k/v, a decode step's rows
         (576, 1536, 1, True),  # one row, a bias
         (77, 33, 13, True),  # outputs past the last whole block, tiles of 6 and a short one
+        (80, 20, 25, True),  # an odd count of blocks (AVX-512: two pairs and one alone)
         (16, 1, 7, False),  # one input
         (5, 40, 6, True),  # fewer outputs than a block
         (130, 64, 50, False),
@@ -69,7 +69,7 @@ def test_a_rows_values_do_not_depend_on_its_batch_or_the_threads() -> None:
         torch.set_num_threads(2)
         every = native_linear.linear(x, w)
         assert torch.equal(alone, every)
-        for rows in (1, 5, 6, 7, 12, 13, 257):
+        for rows in (1, 5, 6, 7, 11, 12, 13, 24, 25, 257):  # (tiles of 6 or 12 rows)
             assert torch.equal(native_linear.linear(x[:rows], w), every[:rows]), rows
             assert torch.equal(native_linear.linear(x[-rows:], w), every[-rows:]), rows
     finally:

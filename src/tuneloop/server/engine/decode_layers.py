@@ -23,13 +23,13 @@ segments.py); a step without them runs the modules (model_runner.py). A step of 
 attends by the native kernel directly; a step with prompt chunks (or of one-slot rows) calls the
 modules' attention function, `paged_attention_forward`, as they do.
 
-An fp32 model (a CPU without bf16 units) gets a plan too, with the kernels' fp32 forms: the
-norms (rms_norm_fp32), the rotary embedding (rotary_fp32), the KV writes, the fp32 decode
-attention (decode_attention_avx2.cpp) and the fp32 linear kernel (linear_avx2.cpp, on a CPU
-without AVX-512) or oneDNN's packed fp32 weights; no LoRA columns (an fp32 lone copy merges
-its adapter) and eager's SiLU product, as its MLPs (left to their own forward) compute it.
-There the modules' Python was most of a few-row step: on a one-row step of SmolLM2-135M,
-~20 of ~31 ms on an AVX-512-BF16 EPYC capped at AVX2 (docs/benchmarks.md).
+An fp32 model (a CPU without bf16 units) gets a plan too, with the kernels' fp32 forms: the norms
+(rms_norm_fp32), the rotary embedding (rotary_fp32), the KV writes, the fp32 decode attention
+(decode_attention_avx2.cpp) and the fp32 linear kernel (linear_fp32.cpp) or oneDNN's packed fp32
+weights (`TUNELOOP_NATIVE_LINEAR=0`); no LoRA columns (an fp32 lone copy merges its adapter) and
+eager's SiLU product, as its MLPs (left to their own forward) compute it. There the modules' Python
+was most of a few-row step: on a one-row step of SmolLM2-135M, ~20 of ~31 ms on an AVX-512-BF16
+EPYC capped at AVX2 (docs/benchmarks.md).
 
 A bf16 step of decode rows alone whose groups are all in the native linear kernel's layout
 skips even this loop's Python: `native_layers.loop` gives its calls as one C++ call

@@ -1,4 +1,4 @@
-"""Decode weights in a layout of our own, multiplied by one C++ kernel, on CPUs with AVX512-BF16.
+"""Decode weights in a layout of our own, multiplied by C++ kernels (bf16: AVX512-BF16; fp32: AVX2).
 
 A sampling step's linears run on weights made once for it (lora/fused.py): packed for
 oneDNN's bf16 kernel (packed.py) where this kernel is not built. On an AVX-512-BF16 EPYC that
@@ -19,12 +19,15 @@ oneDNN's packed layout everywhere. Another kernel, so its sums round differently
 oneDNN's (a bf16 step in a few outputs); the modules and the lean loops (decode_layers.py,
 native_layers.py) make the same calls, so they agree bit for bit with each other.
 
-fp32 weights take `linear_avx2.cpp` on CPUs with AVX2 and FMA and without AVX-512 (an
-fp32-only CPU's sampling steps): blocks of 16 outputs' weights for each input, [ceil(N / 16),
-K, 16]. There oneDNN's packed fp32 kernel ran a 128-row step's linears at 75 % of a Zen 3
-EPYC's fp32 peak and one row's at ~25 GB/s; this one ran them 1.03-1.13x and 1.30-1.39x faster
-(bench/native_linear.py --dtype float32). On CPUs with AVX-512, oneDNN's fp32 kernel works on
-vectors twice as wide, and fp32 weights stay packed for it.
+fp32 weights take `linear_fp32.cpp` on CPUs with AVX2 and FMA (an fp32 model's sampling
+steps: a CPU without bf16 units, or a model asked for at fp32): blocks of 16 outputs' weights
+for each input, [ceil(N / 16), K, 16], in tiles of AVX2 vectors or, where the CPU has them,
+AVX-512 vectors (the same sums in the same order: the same bits). On a Zen 3 EPYC (AVX2)
+oneDNN's packed fp32 kernel ran a 128-row step's linears at 75 % of the fp32 peak and one
+row's at ~25 GB/s; the AVX2 tiles ran them 1.03-1.13x and 1.30-1.39x faster. On an AVX-512
+Zen 4 EPYC the AVX-512 tiles ran a step's linears 1.4-1.9x oneDNN's fp32 kernel at 1-2 rows,
+1.2-1.4x at 4-8, 1.03-1.07x at 16-32 and 0.92-1.02x at 128, where the AVX2 tiles ran 0.76-0.90x
+at 4-32 rows (bench/native_linear.py --dtype float32).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ __all__ = [
 
 SOURCE = Path(__file__).with_name("linear_avx512.cpp")
 _NEEDS = ("avx512f", "avx512_bf16")
-FP32_SOURCE = Path(__file__).with_name("linear_avx2.cpp")
+FP32_SOURCE = Path(__file__).with_name("linear_fp32.cpp")
 _FP32_NEEDS = ("avx2", "fma")
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 # x, ldx, rows, k, w, bias, n, y, ldy, threads
@@ -60,9 +63,6 @@ _SIGNATURE = (
 )  # fmt: skip
 _BLOCK = 64  # outputs a block (bf16)
 _FP32_BLOCK = 16
-# Whether fp32 weights take linear_avx2.cpp on a CPU with AVX-512 too (the tests set it, so
-# that the kernel runs on every AVX2 CPU).
-_FP32_WITH_AVX512 = False
 
 
 def native_kernel() -> Any:
@@ -71,10 +71,8 @@ def native_kernel() -> Any:
 
 
 def fp32_kernel() -> Any:
-    """linear_avx2.cpp's entry point (`_SIGNATURE`, fp32 pointers), or None where it is not
-    taken: a CPU without AVX2 and FMA, or with AVX-512, or the library not built."""
-    if "avx512f" in native.cpu_flags() and not _FP32_WITH_AVX512:
-        return None
+    """linear_fp32.cpp's entry point (`_SIGNATURE`, fp32 pointers), or None where it cannot be
+    built (a CPU without AVX2 and FMA)."""
     return native.function(FP32_SOURCE, "linear_fp32", _SIGNATURE, ctypes.c_int, _FP32_NEEDS)
 
 
@@ -96,7 +94,7 @@ def _kernel(dtype: torch.dtype) -> Any:
 
 def _takes(weight: torch.Tensor) -> bool:
     """Whether `pack` takes `weight`: a 2-D CPU tensor whose dtype's kernel is built here (bf16
-    with AVX512-BF16, fp32 with AVX2 but no AVX-512)."""
+    with AVX512-BF16, fp32 with AVX2 and FMA)."""
     if weight.dim() != 2 or weight.device.type != "cpu":
         return False
     return _kernel(weight.dtype) is not None
@@ -137,7 +135,7 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> NativeWeight
     if not _takes(weight):
         raise ValueError(
             "the native linear kernel takes a 2-D CPU weight, bf16 (AVX512-BF16) or fp32 "
-            "(AVX2 without AVX-512)"
+            "(AVX2 and FMA)"
         )
     n, k = weight.shape
     # bf16: 64 outputs' weights for each input pair; fp32: 16 outputs' for each input
