@@ -59,6 +59,15 @@ def _warm(be: Any, works: list[SampleWork]) -> None:
     bf16_tests._outputs(be, works)
 
 
+def _same_as_modules(be: Any, works: list[SampleWork], lean_runs: list[int], steps: int) -> None:
+    """`works` (sampled once already: `_warm`) through the lean loop, at least `steps` of its
+    steps, then through the modules: the same tokens and logprobs."""
+    before = lean_runs[0]
+    lean = bf16_tests._outputs(be, works)
+    assert lean_runs[0] - before >= steps
+    assert lean == bf16_tests._modules_outputs(be, works, lean_runs)
+
+
 def _lone_groups(be: Any, key: str | None, merge: bool) -> list[Any]:
     runtime = bf16_tests._runtime(be)
     weights = runtime.layers_plan.weights(runtime.bank.lone_weights(key, merge=merge))
@@ -95,14 +104,12 @@ def test_fp32_decode_steps_give_the_modules_bits(
         bf16_tests._trained_sampler(be, name)
         works = bf16_tests._works(prompts, samples, 12)
         _warm(be, works)
-        lean = bf16_tests._outputs(be, works)
         groups = _lone_groups(be, "s", merge=True)
         assert all(w.qkv.a is None for w in groups)  # merged: no LoRA columns
         native = isinstance(groups[0].qkv.weight, NativeWeight)
         assert native == (linear_kernel == "fp32 kernel")
         assert native_layers.loop(plan, groups) is None  # (the C++ loop is bf16's)
-        assert lean_runs[0] >= 8  # (12 tokens: 11 decode steps, fewer if rows stop early)
-        assert lean == bf16_tests._modules_outputs(be, works, lean_runs)
+        _same_as_modules(be, works, lean_runs, 8)  # (12 tokens: 11 decode steps, or fewer)
     finally:
         be.close()
 
@@ -115,11 +122,9 @@ def test_fp32_unmerged_columns_give_the_modules_bits(tmp_path: Path, lean_runs: 
         bf16_tests._trained_sampler(be, LLAMA)
         works = bf16_tests._works(6, 4, 8)
         _warm(be, works)
-        lean = bf16_tests._outputs(be, works)
         groups = _lone_groups(be, "s", merge=False)
         assert all(isinstance(w.qkv.a, torch.Tensor) for w in groups)
-        assert lean_runs[0] >= 4
-        assert lean == bf16_tests._modules_outputs(be, works, lean_runs)
+        _same_as_modules(be, works, lean_runs, 4)
     finally:
         be.close()
 
@@ -142,9 +147,7 @@ def test_fp32_steps_of_several_keys_give_the_modules_bits(
             SampleWork("base", seq(5, 8), 2, 10, 1.0, -1, 1.0, 2, (), ()),
         ]
         _warm(be, works)
-        lean = bf16_tests._outputs(be, works)
-        assert lean_runs[0] >= 8
-        assert lean == bf16_tests._modules_outputs(be, works, lean_runs)
+        _same_as_modules(be, works, lean_runs, 8)
     finally:
         be.close()
 
@@ -163,9 +166,7 @@ def test_fp32_steps_with_prompt_chunks_give_the_modules_bits(
             for i in range(6)
         ]
         _warm(be, works)
-        lean = bf16_tests._outputs(be, works)
-        assert lean_runs[0] >= 8
-        assert lean == bf16_tests._modules_outputs(be, works, lean_runs)
+        _same_as_modules(be, works, lean_runs, 8)
     finally:
         be.close()
 
