@@ -36,7 +36,7 @@ def _bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Te
         (960, 576, 128, False),  # q/k/v, a decode step's rows
         (576, 1536, 1, True),  # one row, a bias
         (77, 33, 13, True),  # outputs past the last whole block, tiles of 6 and a short one
-        (80, 20, 25, True),  # an odd count of blocks (AVX-512: two pairs and one alone)
+        (80, 20, 25, True),  # 5 blocks (AVX-512: a tile of three blocks and one of two)
         (16, 1, 7, False),  # one input
         (5, 40, 6, True),  # fewer outputs than a block
         (130, 64, 50, False),
@@ -69,7 +69,7 @@ def test_a_rows_values_do_not_depend_on_its_batch_or_the_threads() -> None:
         torch.set_num_threads(2)
         every = native_linear.linear(x, w)
         assert torch.equal(alone, every)
-        for rows in (1, 5, 6, 7, 11, 12, 13, 24, 25, 257):  # (tiles of 6 or 12 rows)
+        for rows in (1, 5, 6, 7, 11, 12, 13, 24, 25, 257):  # (tiles of 6 or 8 rows)
             assert torch.equal(native_linear.linear(x[:rows], w), every[:rows]), rows
             assert torch.equal(native_linear.linear(x[-rows:], w), every[-rows:]), rows
     finally:
