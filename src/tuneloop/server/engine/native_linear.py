@@ -25,9 +25,9 @@ for each input, [ceil(N / 16), K, 16], in tiles of AVX2 vectors or, where the CP
 AVX-512 vectors (the same sums in the same order: the same bits). On a Zen 3 EPYC (AVX2)
 oneDNN's packed fp32 kernel ran a 128-row step's linears at 75 % of the fp32 peak and one
 row's at ~25 GB/s; the AVX2 tiles ran them 1.03-1.13x and 1.30-1.39x faster. On an AVX-512
-Zen 4 EPYC the AVX-512 tiles ran a step's linears 1.4-1.9x oneDNN's fp32 kernel at 1-2 rows,
-1.2-1.4x at 4-8, 1.03-1.07x at 16-32 and 0.92-1.02x at 128, where the AVX2 tiles ran 0.76-0.90x
-at 4-32 rows (bench/native_linear.py --dtype float32).
+Zen 4 EPYC the AVX-512 tiles ran a step's linears 1.6-2.0x oneDNN's fp32 kernel at 1-2 rows,
+1.2-1.5x at 4-8, 1.13-1.23x at 16-32 and 1.08x at 128 (a prefill's 512-2,048 rows: 0.98-1.04x),
+where the AVX2 tiles ran 0.76-0.90x at 4-32 rows (bench/native_linear.py --dtype float32).
 """
 
 from __future__ import annotations
