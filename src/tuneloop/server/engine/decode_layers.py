@@ -211,8 +211,8 @@ def plan(model: nn.Module) -> Plan | None:
         rotary.native_kernel(dtype),
         kv_write.native_kernel(),
         gated_mlp.native_kernel() if bf16 else None,
-        native_decode.native_kernel() if bf16 else native_decode.fp32_kernel(),
-        native_linear.native_kernel() if bf16 else native_linear.fp32_kernel(),
+        native_decode.kernel_for(dtype),
+        native_linear.kernel_for(dtype),
     )
     # (fp32: no LoRA columns, its lone copies merge their adapter; eager's SiLU product)
     optional = {"linear"} if bf16 else {"linear", "columns", "silu"}

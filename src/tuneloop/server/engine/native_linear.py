@@ -46,6 +46,7 @@ __all__ = [
     "NativeWeight",
     "available",
     "fp32_kernel",
+    "kernel_for",
     "linear",
     "native_kernel",
     "pack",
@@ -85,8 +86,9 @@ def tiles(allowed: bool = True) -> bool:
     return switch is not None and bool(switch(int(allowed)))
 
 
-def _kernel(dtype: torch.dtype) -> Any:
-    """The entry point for weights of `dtype`, or None."""
+def kernel_for(dtype: torch.dtype) -> Any:
+    """The entry point for weights of `dtype` (bf16: `native_kernel`, fp32: `fp32_kernel`),
+    or None for another dtype or where it cannot be built."""
     if dtype == torch.bfloat16:
         return native_kernel()
     return fp32_kernel() if dtype == torch.float32 else None
@@ -97,7 +99,7 @@ def _takes(weight: torch.Tensor) -> bool:
     with AVX512-BF16, fp32 with AVX2 and FMA)."""
     if weight.dim() != 2 or weight.device.type != "cpu":
         return False
-    return _kernel(weight.dtype) is not None
+    return kernel_for(weight.dtype) is not None
 
 
 def available(weight: torch.Tensor) -> bool:
@@ -159,7 +161,7 @@ def linear(x: torch.Tensor, weight: NativeWeight) -> torch.Tensor:
     shape = f"[{weight.out_features}, {weight.in_features}] weight"
     dtype = weight.blocks.dtype
     x = native.cpu_rows(x, dtype, weight.in_features, "native linear kernel", shape)
-    kernel = _kernel(dtype)
+    kernel = kernel_for(dtype)
     assert kernel is not None, "linear is used on packed weights: the kernel is built"
     rows, n = x.shape[0], weight.out_features
     y = torch.empty((rows, n), dtype=x.dtype)

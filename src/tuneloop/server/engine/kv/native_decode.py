@@ -24,7 +24,7 @@ import torch
 from tuneloop.server.engine import native
 from tuneloop.server.engine.kv import decode_attention
 
-__all__ = ["attend", "available", "fp32_kernel", "native_kernel"]
+__all__ = ["attend", "available", "fp32_kernel", "kernel_for", "native_kernel"]
 
 SOURCE = Path(__file__).with_name("decode_attention_avx512.cpp")
 FP32_SOURCE = Path(__file__).with_name("decode_attention_avx2.cpp")
@@ -50,7 +50,8 @@ def fp32_kernel() -> Any:
     )
 
 
-def _kernel(dtype: torch.dtype) -> Any:
+def kernel_for(dtype: torch.dtype) -> Any:
+    """The entry point for pools of `dtype`: bf16's, else the fp32 one (None where not built)."""
     return native_kernel() if dtype == torch.bfloat16 else fp32_kernel()
 
 
@@ -68,7 +69,7 @@ def available(
         return False
     if kv_heads <= 0 or heads % kv_heads or dim % _DIVISOR[dtype] or dim_v % _DIVISOR[dtype]:
         return False
-    return _kernel(dtype) is not None
+    return kernel_for(dtype) is not None
 
 
 def attend(
@@ -89,7 +90,7 @@ def attend(
             "the native decode attention takes bf16 or fp32 CPU tensors of one dtype, long "
             "slots, a bool mask"
         )
-    kernel = _kernel(dtype)
+    kernel = kernel_for(dtype)
     assert kernel is not None
     low, high = torch.aminmax(slots) if slots.numel() else (slots.new_zeros(()),) * 2
     if int(low) < 0 or int(high) >= min(k_pool.shape[0], v_pool.shape[0]):

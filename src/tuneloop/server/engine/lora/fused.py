@@ -17,7 +17,7 @@ matmul per group of siblings, with the delta kept exact:
 
 The stacked weight is packed once: for oneDNN (packed.py), or in the native linear kernel's
 layout, its bias with it (native_linear.py: bf16 on a CPU with AVX512-BF16, fp32 on one with
-AVX2 and no AVX-512). The first sibling
+AVX2 and FMA). The first sibling
 called with an input computes every sibling's output; the others take theirs while the input
 is the same tensor (any other input computes the group again, so a wrong guess of siblings
 costs time, never values).
