@@ -24,7 +24,7 @@ model and the load. `--profile` prints the top ops of one step of the current va
     python bench/train_variants.py --variant head-tiles  # the head tiles' element-wise work in C++
     python bench/train_variants.py --variant rotary  # the rotary embedding's backward in C++
     python bench/train_variants.py --variant head-join  # the head's joined inputs once a chunk
-    python bench/train_variants.py --variant attention-tiles  # attention on the AMX tile unit
+    python bench/train_variants.py --variant attention-tiles  # attention in C++ (AMX or AVX-512-BF16)
     python bench/train_variants.py --variant fp32-onednn --dtype float32  # frozen weights'
                                                     # products by oneDNN, not MKL's sgemm
     python bench/train_variants.py --profile
@@ -237,7 +237,8 @@ def _rotary(previous: bool) -> Any:
 
 def _attention_tiles(previous: bool) -> Any:
     """previous: short sequences' attention by causal_cpu.py's torch matmul kernel; current:
-    on the AMX tile unit (native_attention.py), where the CPU has one."""
+    in C++ (native_attention.py), where the CPU has AVX512-BF16: the products on the AMX tile
+    unit where it has one, else on the vector unit."""
     from tuneloop.server.engine import native_attention
 
     def never(*args: Any) -> bool:
@@ -346,7 +347,8 @@ def _adamw(previous: bool, backend: Any) -> Iterator[None]:
 
 def _micro_attention(repeats: int) -> str:
     """One layer's packed attention (SmolLM2: 9 query heads, 3 KV heads, dim 64) fwd+bwd:
-    per-slice SDPA, causal_cpu.py's torch kernel and the tile unit's."""
+    per-slice SDPA, causal_cpu.py's torch kernel and the C++ kernel's (its products on the
+    tile unit where the CPU has AMX, else on the vector unit)."""
     from types import SimpleNamespace
 
     from tuneloop.server.engine import packing
@@ -366,8 +368,8 @@ def _micro_attention(repeats: int) -> str:
             out.float().sum().backward()
         return time.perf_counter() - begin
 
-    # slices: SDPA per slice; split: causal_cpu's torch kernel per sequence; tiles: the tile
-    # unit's kernel per sequence (where the CPU has one; else the torch kernel again)
+    # slices: SDPA per slice; split: causal_cpu's torch kernel per sequence; tiles: the C++
+    # kernel, all sequences in one call (where the CPU has AVX512-BF16; else the torch kernel)
     names = ("slices", "split", "tiles")
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(repeats):

@@ -1,8 +1,9 @@
-"""The tile unit's causal attention of packed sequences (native_attention.py,
-attention_tiles.cpp) against fp64 attention and causal_cpu.py's torch kernel: any grouping of
-query heads, head sizes of 32 to 128, lengths of one token to the matmul kernel's bound and
-of partial blocks; each sequence's values as it gets alone; strided inputs as the projections
-give them; thread counts; what it refuses."""
+"""The C++ causal attention of packed sequences (native_attention.py, attention_tiles.cpp),
+in both its forms (products on the AMX tile unit where the CPU has one, on AVX-512-BF16's dot
+products everywhere it builds), against fp64 attention and causal_cpu.py's torch kernel: any
+grouping of query heads, head sizes of 32 to 128, lengths of one token to the matmul kernel's
+bound and of partial blocks; each sequence's values as it gets alone; strided inputs as the
+projections give them; thread counts; the two forms against each other; what it refuses."""
 
 from __future__ import annotations
 
@@ -17,8 +18,20 @@ from tuneloop.server.engine import causal_cpu, native_attention, packing  # noqa
 F = torch.nn.functional
 
 needs_tiles = pytest.mark.skipif(
-    not native_attention._ready(), reason="no AMX tile unit granted on this CPU"
+    not native_attention._ready(), reason="the kernels need AVX512-BF16 (and a C++ compiler)"
 )
+
+
+@pytest.fixture(params=["tiles", "vector"], autouse=True)
+def form(request: Any) -> Any:
+    """Each test once per form of the products: on the tile unit (skipped on a CPU without
+    AMX) and on the vector unit; the default (tiles where granted) restored after."""
+    if request.param == "tiles" and not native_attention.tiles(True):
+        pytest.skip("no AMX tile unit granted on this CPU")
+    if request.param == "vector":
+        native_attention.tiles(False)
+    yield request.param
+    native_attention.tiles(True)
 
 
 def _case(heads: int, kv_heads: int, lengths: list[int], dim: int, seed: int = 0) -> list[Any]:
@@ -175,6 +188,21 @@ def test_the_packed_attention_takes_it_for_bf16_rows(monkeypatch: Any) -> None:
     for a, b in zip([out.detach(), *(t.grad for t in leaves)], want, strict=True):
         assert a.shape == b.shape
         assert _error(a, b.double()) < 0.01
+
+
+@needs_tiles
+def test_the_two_forms_agree_to_a_bf16_rounding(form: str) -> None:
+    """The tile unit and the vector unit sum each product's pairs in their own order: values
+    a bf16 rounding apart at most, where a CPU has both."""
+    if form != "tiles":
+        pytest.skip("compares the forms once, where the tile unit runs")
+    lengths = [160, 37, 64]
+    q, k, v, grad = _case(9, 3, lengths, 64)
+    tiles = _packed(q, k, v, grad, lengths, 0.125)
+    native_attention.tiles(False)
+    vector = _packed(q, k, v, grad, lengths, 0.125)
+    for a, b in zip(tiles, vector, strict=True):
+        assert _error(a, b.double()) < 2**-7
 
 
 def test_what_it_does_not_take() -> None:

@@ -29,9 +29,16 @@
 // to bf16) and rounds dS to bf16 for its two products. Units of 16 query rows (forward, dQ)
 // or 64 keys (dK, dV) run in parallel under OpenMP; each output's sum runs in one order
 // whatever the number of threads.
-#if !defined(__AVX512F__) || !defined(__AVX512BF16__) || !defined(__AMX_TILE__) || \
-    !defined(__AMX_BF16__)
-#error "this kernel needs AVX512F, AVX512-BF16, AMX-TILE and AMX-BF16"
+//
+// Without a tile unit (AVX-512-BF16 CPUs: AMD's Zen 4 and 5, Intel's Cooper Lake) the same
+// products run on the vector unit's bf16 dot products (`vdpbf16ps`): each product is exact
+// in fp32 there too and is summed in fp32, pairs of k in order, so the numerics above hold;
+// the order within a pair may differ from the tile unit's, so the two forms' bits may differ
+// in the last place. Everything else (layouts, softmax, units of work) is shared. On a CPU
+// with AMX the tile form is the default and `attention_tiles_allow(0)` selects the vector form
+// (for the tests and the benches).
+#if !defined(__AVX512F__) || !defined(__AVX512BF16__)
+#error "this kernel needs AVX512F and AVX512-BF16"
 #endif
 #include <immintrin.h>
 #include <omp.h>
@@ -43,7 +50,10 @@
 #include <memory>
 #include <vector>
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include "amx.h"
+#define ATTENTION_AMX 1
+#endif
 #include "vec512.h"
 
 namespace {
@@ -57,11 +67,27 @@ constexpr int kPad = 32;
 
 inline int64_t up32(int64_t n) { return (n + kDepth - 1) / kDepth * kDepth; }
 
+#ifdef ATTENTION_AMX
+bool g_tiles_allowed = true;  // attention_tiles_allow
+
+// Whether this call's products take the tile unit: built with AMX, allowed, granted by Linux.
+bool use_tiles() { return g_tiles_allowed && amx::permitted(); }
+
 void configure() {
+  if (!use_tiles()) return;
   amx::TileConfig config;
   for (int t = 0; t < 6; ++t) config.rows[t] = kBlock, config.colsb[t] = 64;
   _tile_loadconfig(&config);
 }
+
+void release() {
+  if (use_tiles()) _tile_release();
+}
+#else
+constexpr bool use_tiles() { return false; }
+void configure() {}
+void release() {}
+#endif
 
 // The right side of a product: pair row p (inputs 2p and 2p + 1, interleaved per column) of
 // column block n at b + p * pair + n * block. A tile of it is 16 pair rows `pair` apart.
@@ -70,10 +96,11 @@ struct Right {
   int64_t pair, block;
 };
 
+#ifdef ATTENTION_AMX
 // C [16, 16 J] fp32 (row stride ldc) = A [16, k] times B over the k of `ranges` (pairs of
 // [begin, end), multiples of 32). A: bf16 rows of stride lda.
 template <int J>
-void product(const uint16_t* a, int64_t lda, Right r, const int64_t* ranges, int count, float* c,
+void tile_product(const uint16_t* a, int64_t lda, Right r, const int64_t* ranges, int count, float* c,
              int64_t ldc) {
   _tile_zero(0);
   if constexpr (J >= 2) _tile_zero(1);
@@ -105,6 +132,63 @@ void product(const uint16_t* a, int64_t lda, Right r, const int64_t* ranges, int
   if constexpr (J >= 2) _tile_stored(1, c + 16, c_stride);
   if constexpr (J >= 3) _tile_stored(2, c + 32, c_stride);
   if constexpr (J >= 4) _tile_stored(3, c + 48, c_stride);
+}
+#endif
+
+// The vector unit's form of `product`: C [16, 16 J] fp32 = A [16, k] times B, in passes of
+// R rows (R x J accumulators in registers, J pair rows of B loaded once a pass and each A pair
+// broadcast to the J of them). Each pair of k is one `vdpbf16ps`: both products exact in fp32
+// and added to the sum in order of k.
+template <int R, int J>
+void vector_rows(const uint16_t* a, int64_t lda, Right r, const int64_t* ranges, int count,
+                 float* c, int64_t ldc) {
+  __m512 sum[R][J];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < J; ++j) sum[i][j] = _mm512_setzero_ps();
+  for (int n = 0; n < count; ++n) {
+    for (int64_t k = ranges[2 * n]; k < ranges[2 * n + 1]; k += 2) {
+      const uint16_t* bk = r.b + (k / 2) * r.pair;
+      __m512bh b[J];
+#pragma GCC unroll 4
+      for (int j = 0; j < J; ++j) b[j] = (__m512bh)_mm512_loadu_si512((const void*)(bk + j * r.block));
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, a + i * lda + k, sizeof(pair));
+        const __m512bh ai = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+        for (int j = 0; j < J; ++j) sum[i][j] = _mm512_dpbf16_ps(sum[i][j], ai, b[j]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < J; ++j) _mm512_storeu_ps(c + i * ldc + 16 * j, sum[i][j]);
+}
+
+// 16 rows in passes of R: R x J accumulators stay within the 32 vector registers.
+template <int R, int J>
+void vector_product(const uint16_t* a, int64_t lda, Right r, const int64_t* ranges, int count,
+                    float* c, int64_t ldc) {
+  for (int i = 0; i < kBlock; i += R) vector_rows<R, J>(a + i * lda, lda, r, ranges, count, c + i * ldc, ldc);
+}
+
+template <int J>
+void product(const uint16_t* a, int64_t lda, Right r, const int64_t* ranges, int count, float* c,
+             int64_t ldc) {
+#ifdef ATTENTION_AMX
+  if (use_tiles()) return tile_product<J>(a, lda, r, ranges, count, c, ldc);
+#endif
+  if constexpr (J == 1) {
+    vector_product<16, 1>(a, lda, r, ranges, count, c, ldc);
+  } else if constexpr (J == 4) {
+    vector_product<4, 4>(a, lda, r, ranges, count, c, ldc);
+  } else {
+    vector_product<8, J>(a, lda, r, ranges, count, c, ldc);
+  }
 }
 
 // C [16, 16 n] over n column blocks, four at a time.
@@ -540,7 +624,25 @@ void transposed_block(const Shape& s, const Rows& r, int64_t query, int64_t i0, 
 }  // namespace
 
 // Whether this process may run the kernels: Linux grants the tile registers.
-extern "C" int attention_tiles_ready() { return amx::permitted() ? 1 : 0; }
+// Whether this process may run the kernels: always on the vector unit; with the tile unit
+// where it is allowed, Linux granting the tile registers.
+extern "C" int attention_tiles_ready() {
+#ifdef ATTENTION_AMX
+  if (g_tiles_allowed) return amx::permitted() ? 1 : 0;
+#endif
+  return 1;
+}
+
+// Let the products take the tile unit where the CPU has one (1, the default) or keep them on
+// the vector unit (0). Returns whether they take the tile unit now.
+extern "C" int attention_tiles_allow(int allowed) {
+#ifdef ATTENTION_AMX
+  g_tiles_allowed = allowed != 0;
+#else
+  (void)allowed;
+#endif
+  return use_tiles() ? 1 : 0;
+}
 
 // The size in values of a packed call's probabilities ([heads, rows32 / 2, keys32, 2] a
 // sequence, one after the other).
@@ -553,7 +655,7 @@ extern "C" int64_t attention_probs_size(const int64_t* lengths, int64_t count, i
 // features at (head stride, token stride) q_head, q_token (a key head's query heads
 // adjacent); k, v: [heads, tokens, dim] likewise; out like q at o_head, o_token; probs
 // (attention_probs_size, written whole; kept for the backward pass). dim a multiple of 32.
-// Returns 0, or -1 without the tile unit.
+// Returns 0, or -1 where the tile unit is allowed but not granted.
 extern "C" int attention_forward_bf16(const uint16_t* q, int64_t q_head, int64_t q_token,
                                       const uint16_t* k, int64_t k_head, int64_t k_token,
                                       const uint16_t* v, int64_t v_head, int64_t v_token,
@@ -561,7 +663,7 @@ extern "C" int attention_forward_bf16(const uint16_t* q, int64_t q_head, int64_t
                                       uint16_t* probs, const int64_t* lengths, int64_t count,
                                       int64_t heads, int64_t groups, int64_t dim, float scale,
                                       int threads) {
-  if (!amx::permitted()) return -1;
+  if (attention_tiles_ready() == 0) return -1;
   const Packed p(lengths, count, heads, groups, dim);
   const Rows queries{q, q_head, q_token}, keys{k, k_head, k_token}, values{v, v_head, v_token};
   std::vector<uint16_t> kp(p.keys.back()), vr(p.keys.back());  // zeroed: keys past the end
@@ -578,7 +680,7 @@ extern "C" int attention_forward_bf16(const uint16_t* q, int64_t q_head, int64_t
                    vr.data() + p.keys[u.sequence], out, o_head, o_token,
                    probs + p.pairs[u.sequence], scale, w);
     }
-    _tile_release();
+    release();
   }
   return 0;
 }
@@ -595,7 +697,7 @@ extern "C" int attention_backward_bf16(const uint16_t* dout, int64_t d_head, int
                                        int64_t dk_head, int64_t dk_token,
                                        const int64_t* lengths, int64_t count, int64_t heads,
                                        int64_t groups, int64_t dim, float scale, int threads) {
-  if (!amx::permitted()) return -1;
+  if (attention_tiles_ready() == 0) return -1;
   const Packed p(lengths, count, heads, groups, dim);
   const Rows grads{dout, d_head, d_token}, queries{q, q_head, q_token};
   const Rows keys{k, k_head, k_token}, values{v, v_head, v_token};
@@ -638,7 +740,7 @@ extern "C" int attention_backward_bf16(const uint16_t* dout, int64_t d_head, int
                probs + p.pairs[u.sequence], ds.get() + p.pairs[u.sequence], dk, dv, dk_head,
                dk_token, w.scores.data());
     }
-    _tile_release();
+    release();
   }
   return 0;
 }

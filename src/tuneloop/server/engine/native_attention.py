@@ -1,22 +1,24 @@
-"""Causal attention of a packed row's sequences on the AMX tile unit, with its backward.
+"""Causal attention of a packed row's sequences in C++ at bf16, with its backward.
 
 causal_cpu.py's matmul kernel makes a sequence's attention from torch operations (fp32
 copies, batched matmuls, the bias, the softmax and its gradient): on SmolLM2-135M's shapes
 (9 query heads over 3 key heads, head size 64, sequences of 64-256 tokens) each costs more
 than its arithmetic, and the attention took ~16 % of a bf16 training step on an AMX Xeon for
-~3 % of its FLOPs. `attention_tiles.cpp` makes the same attention in 16-row blocks on the
-tile unit and the vector unit, the blocks past the diagonal skipped, in two C++ calls (see
-its header for the layouts and numerics). `PackedTileCausal` is the autograd node of a packed
+~3 % of its FLOPs. `attention_tiles.cpp` makes the same attention in 16-row blocks, the
+blocks past the diagonal skipped, in two C++ calls (see its header for the layouts and
+numerics): its products on the AMX tile unit where the CPU has one, else on AVX-512-BF16's
+dot products (AMD's Zen 4 and 5), the softmax and the layouts on the vector unit either way. `PackedTileCausal` is the autograd node of a packed
 row's sequences (packing.py), all of them in one call each way: the kernels pad each
 sequence to whole 16-token blocks inside, run the blocks of all sequences as one list of
 work, and write the output and the gradients where their callers read them
 ([tokens, heads, dim] rows), so no per-sequence slices, padding copies or concatenation
 remain. A sequence's values are those it gets alone. packing.py takes it for bf16 CPU rows
-where `takes` says so (a CPU with AMX whose tiles Linux grants, head sizes of whole
-32-feature tile rows, sequences within causal_cpu.py's matmul bound) and causal_cpu.py's
-torch kernels elsewhere. One layer of SmolLM2-135M over 8 sequences of 64-256 tokens,
-forward + backward: 8.5 ms by the torch kernel, 3.5 ms here; a bf16 training step 1.17x
-faster on an AMX Xeon (bench/train_variants.py --micro, --variant attention-tiles).
+where `takes` says so (a CPU with AVX512-BF16, and where it has AMX, tiles Linux grants;
+head sizes of whole 32-feature tile rows, sequences within causal_cpu.py's matmul bound) and
+causal_cpu.py's torch kernels elsewhere. One layer of SmolLM2-135M over 8 sequences of
+64-256 tokens, forward + backward: 8.5 ms by the torch kernel, 3.5 ms here; a bf16 training
+step 1.17x faster on an AMX Xeon (bench/train_variants.py --micro, --variant
+attention-tiles; the vector form's figures on a Zen 5 EPYC are in docs/benchmarks.md).
 
 The kernels read q, k, v and the output's gradient where they lie (rows of contiguous
 features at any head and token strides: the attention's transposed projections need no copy).
@@ -33,10 +35,10 @@ import torch
 
 from tuneloop.server.engine import causal_cpu, native
 
-__all__ = ["PackedTileCausal", "backward_kernel", "forward_kernel", "takes"]
+__all__ = ["PackedTileCausal", "backward_kernel", "forward_kernel", "takes", "tiles"]
 
 SOURCE = Path(__file__).with_name("attention_tiles.cpp")
-_NEEDS = ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+_NEEDS = ("avx512f", "avx512_bf16")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ROWS = (_P, _I, _I)  # address, head stride, token stride
 # lengths, count, key heads, groups, dim, scale, threads
@@ -61,8 +63,18 @@ def _probs_size() -> Any:
     return native.function(SOURCE, "attention_probs_size", args, ctypes.c_int64, _NEEDS)
 
 
+def tiles(allowed: bool = True) -> bool:
+    """Let the products take the AMX tile unit where the CPU has one (the default), or keep
+    them on the vector unit (`allowed=False`: both forms on one CPU, for the tests and the
+    benches). Returns whether they take the tile unit now (built with AMX, granted by the OS,
+    allowed); False where the kernels cannot be built."""
+    switch = native.function(SOURCE, "attention_tiles_allow", (ctypes.c_int,), ctypes.c_int, _NEEDS)
+    return switch is not None and bool(switch(int(allowed)))
+
+
 def _ready() -> bool:
-    """The kernels built and Linux granting this process the tile registers."""
+    """The kernels built, and where the tile unit is allowed, Linux granting this process its
+    registers."""
     ready = native.function(SOURCE, "attention_tiles_ready", (), ctypes.c_int, _NEEDS)
     return ready is not None and forward_kernel() is not None and bool(ready())
 

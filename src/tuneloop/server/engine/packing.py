@@ -12,7 +12,7 @@ sequences of one length as one batch (sequence_batches.py; SDPA, in bf16/fp16 on
 causal_cpu.py's kernels); outside it, it is plain SDPA
 with the usual mask, so sampling (padded prompts, KV cache) is unchanged. Per-sequence
 attention costs sum(len^2) instead of the (sum len)^2 a block-diagonal mask over the packed
-row would; in bf16 on a CPU with AMX every sequence runs in one call each way
+row would; in bf16 on a CPU with AVX512-BF16 every sequence runs in one call each way
 (native_attention.py). The packed row is padded at its end to a bucket length (`bucketed`),
 by a segment of its own that no loss reads.
 """
@@ -55,7 +55,7 @@ def _packed_sdpa(
         scale = kwargs.get("scaling")
         scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
         if native_attention.takes(query, key, value, scale, lengths):
-            # every sequence in one call each way on the tile unit, no splits
+            # every sequence in one call each way in C++, no splits
             out = native_attention.PackedTileCausal.apply(query, key, value, tuple(lengths), scale)
             return out, None
         return packed_attention(query, key, value, lengths, scale), None
