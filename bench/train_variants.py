@@ -24,7 +24,7 @@ model and the load. `--profile` prints the top ops of one step of the current va
     python bench/train_variants.py --variant head-tiles  # the head tiles' element-wise work in C++
     python bench/train_variants.py --variant rotary  # the rotary embedding's backward in C++
     python bench/train_variants.py --variant head-join  # the head's joined inputs once a chunk
-    python bench/train_variants.py --variant attention-tiles  # attention in C++ (AMX or AVX-512-BF16)
+    python bench/train_variants.py --variant attention-tiles  # attention in C++ (AVX512-BF16)
     python bench/train_variants.py --variant fp32-onednn --dtype float32  # frozen weights'
                                                     # products by oneDNN, not MKL's sgemm
     python bench/train_variants.py --profile

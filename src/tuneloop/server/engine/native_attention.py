@@ -7,18 +7,19 @@ than its arithmetic, and the attention took ~16 % of a bf16 training step on an 
 ~3 % of its FLOPs. `attention_tiles.cpp` makes the same attention in 16-row blocks, the
 blocks past the diagonal skipped, in two C++ calls (see its header for the layouts and
 numerics): its products on the AMX tile unit where the CPU has one, else on AVX-512-BF16's
-dot products (AMD's Zen 4 and 5), the softmax and the layouts on the vector unit either way. `PackedTileCausal` is the autograd node of a packed
-row's sequences (packing.py), all of them in one call each way: the kernels pad each
-sequence to whole 16-token blocks inside, run the blocks of all sequences as one list of
-work, and write the output and the gradients where their callers read them
-([tokens, heads, dim] rows), so no per-sequence slices, padding copies or concatenation
-remain. A sequence's values are those it gets alone. packing.py takes it for bf16 CPU rows
-where `takes` says so (a CPU with AVX512-BF16, and where it has AMX, tiles Linux grants;
-head sizes of whole 32-feature tile rows, sequences within causal_cpu.py's matmul bound) and
-causal_cpu.py's torch kernels elsewhere. One layer of SmolLM2-135M over 8 sequences of
-64-256 tokens, forward + backward: 8.5 ms by the torch kernel, 3.5 ms here; a bf16 training
-step 1.17x faster on an AMX Xeon (bench/train_variants.py --micro, --variant
-attention-tiles; the vector form's figures on a Zen 5 EPYC are in docs/benchmarks.md).
+dot products (AMD's Zen 4 and 5), the softmax and the layouts on the vector unit either way.
+`PackedTileCausal` is the autograd node of a packed row's sequences (packing.py), all of
+them in one call each way: the kernels pad each sequence to whole 16-token blocks inside,
+run the blocks of all sequences as one list of work, and write the output and the gradients
+where their callers read them ([tokens, heads, dim] rows), so no per-sequence slices,
+padding copies or concatenation remain. A sequence's values are those it gets alone.
+packing.py takes it for bf16 CPU rows where `takes` says so (a CPU with AVX512-BF16, and
+where it has AMX, tiles Linux grants; head sizes of whole 32-feature tile rows, sequences
+within causal_cpu.py's matmul bound) and causal_cpu.py's torch kernels elsewhere. One layer
+of SmolLM2-135M over 8 sequences of 64-256 tokens, forward + backward: 8.5 ms by the torch
+kernel, 3.5 ms here; a bf16 training step 1.17x faster on an AMX Xeon
+(bench/train_variants.py --micro, --variant attention-tiles; the vector form's figures on a
+Zen 5 EPYC are in docs/benchmarks.md).
 
 The kernels read q, k, v and the output's gradient where they lie (rows of contiguous
 features at any head and token strides: the attention's transposed projections need no copy).
