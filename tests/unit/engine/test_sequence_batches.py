@@ -11,7 +11,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tuneloop.server.engine import causal_cpu, packing, sequence_batches  # noqa: E402
+from tuneloop.server.engine import (  # noqa: E402
+    causal_cpu,
+    native_attention,
+    packing,
+    sequence_batches,
+)
 
 F = torch.nn.functional
 MODULE = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
@@ -22,6 +27,14 @@ LENGTHS = [
     [20, 1100, 30, 1050, 17, 25],  # padded to one length, and two past the kernel's bound
     [0, 5, 0, 5],  # sequences of no tokens
 ]
+
+
+@pytest.fixture(autouse=True)
+def torch_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packed row through the torch kernels' batches, which these tests are about, where a
+    CPU with AVX512-BF16 would run the C++ kernel (test_native_attention.py holds that one to
+    the same per-sequence bits)."""
+    monkeypatch.setattr(native_attention, "takes", lambda *args: False)
 
 
 def _alone(q: Any, k: Any, v: Any, lengths: list[int], half: bool) -> Any:
