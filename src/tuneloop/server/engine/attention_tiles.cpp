@@ -35,8 +35,8 @@
 // in fp32 there too and is summed in fp32, pairs of k in order, so the numerics above hold;
 // the order within a pair may differ from the tile unit's, so the two forms' bits may differ
 // in the last place. Everything else (layouts, softmax, units of work) is shared. On a CPU
-// with AMX the tile form is the default and `attention_tiles_allow(0)` selects the vector form
-// (for the tests and the benches).
+// with AMX the tile form is the default where Linux grants the tiles, and
+// `attention_tiles_allow(0)` selects the vector form (for the tests and the benches).
 #if !defined(__AVX512F__) || !defined(__AVX512BF16__)
 #error "this kernel needs AVX512F and AVX512-BF16"
 #endif
@@ -70,7 +70,8 @@ inline int64_t up32(int64_t n) { return (n + kDepth - 1) / kDepth * kDepth; }
 #ifdef ATTENTION_AMX
 bool g_tiles_allowed = true;  // attention_tiles_allow
 
-// Whether this call's products take the tile unit: built with AMX, allowed, granted by Linux.
+// Whether the products take the tile unit: built with AMX, allowed, granted by Linux (a kernel
+// that does not grant it leaves them on the vector unit).
 bool use_tiles() { return g_tiles_allowed && amx::permitted(); }
 
 void configure() {
@@ -100,8 +101,8 @@ struct Right {
 // C [16, 16 J] fp32 (row stride ldc) = A [16, k] times B over the k of `ranges` (pairs of
 // [begin, end), multiples of 32). A: bf16 rows of stride lda.
 template <int J>
-void tile_product(const uint16_t* a, int64_t lda, Right r, const int64_t* ranges, int count, float* c,
-             int64_t ldc) {
+void tile_product(const uint16_t* a, int64_t lda, Right r, const int64_t* ranges, int count,
+                  float* c, int64_t ldc) {
   _tile_zero(0);
   if constexpr (J >= 2) _tile_zero(1);
   if constexpr (J >= 3) _tile_zero(2);
@@ -152,7 +153,8 @@ void vector_rows(const uint16_t* a, int64_t lda, Right r, const int64_t* ranges,
       const uint16_t* bk = r.b + (k / 2) * r.pair;
       __m512bh b[J];
 #pragma GCC unroll 4
-      for (int j = 0; j < J; ++j) b[j] = (__m512bh)_mm512_loadu_si512((const void*)(bk + j * r.block));
+      for (int j = 0; j < J; ++j)
+        b[j] = (__m512bh)_mm512_loadu_si512((const void*)(bk + j * r.block));
 #pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
         int32_t pair;
@@ -173,7 +175,8 @@ void vector_rows(const uint16_t* a, int64_t lda, Right r, const int64_t* ranges,
 template <int R, int J>
 void vector_product(const uint16_t* a, int64_t lda, Right r, const int64_t* ranges, int count,
                     float* c, int64_t ldc) {
-  for (int i = 0; i < kBlock; i += R) vector_rows<R, J>(a + i * lda, lda, r, ranges, count, c + i * ldc, ldc);
+  for (int i = 0; i < kBlock; i += R)
+    vector_rows<R, J>(a + i * lda, lda, r, ranges, count, c + i * ldc, ldc);
 }
 
 template <int J>
@@ -623,18 +626,8 @@ void transposed_block(const Shape& s, const Rows& r, int64_t query, int64_t i0, 
 
 }  // namespace
 
-// Whether this process may run the kernels: Linux grants the tile registers.
-// Whether this process may run the kernels: always on the vector unit; with the tile unit
-// where it is allowed, Linux granting the tile registers.
-extern "C" int attention_tiles_ready() {
-#ifdef ATTENTION_AMX
-  if (g_tiles_allowed) return amx::permitted() ? 1 : 0;
-#endif
-  return 1;
-}
-
-// Let the products take the tile unit where the CPU has one (1, the default) or keep them on
-// the vector unit (0). Returns whether they take the tile unit now.
+// Let the products take the tile unit where the CPU has one and Linux grants it (1, the
+// default) or keep them on the vector unit (0). Returns whether they take the tile unit now.
 extern "C" int attention_tiles_allow(int allowed) {
 #ifdef ATTENTION_AMX
   g_tiles_allowed = allowed != 0;
@@ -655,7 +648,7 @@ extern "C" int64_t attention_probs_size(const int64_t* lengths, int64_t count, i
 // features at (head stride, token stride) q_head, q_token (a key head's query heads
 // adjacent); k, v: [heads, tokens, dim] likewise; out like q at o_head, o_token; probs
 // (attention_probs_size, written whole; kept for the backward pass). dim a multiple of 32.
-// Returns 0, or -1 where the tile unit is allowed but not granted.
+// Returns 0.
 extern "C" int attention_forward_bf16(const uint16_t* q, int64_t q_head, int64_t q_token,
                                       const uint16_t* k, int64_t k_head, int64_t k_token,
                                       const uint16_t* v, int64_t v_head, int64_t v_token,
@@ -663,7 +656,6 @@ extern "C" int attention_forward_bf16(const uint16_t* q, int64_t q_head, int64_t
                                       uint16_t* probs, const int64_t* lengths, int64_t count,
                                       int64_t heads, int64_t groups, int64_t dim, float scale,
                                       int threads) {
-  if (attention_tiles_ready() == 0) return -1;
   const Packed p(lengths, count, heads, groups, dim);
   const Rows queries{q, q_head, q_token}, keys{k, k_head, k_token}, values{v, v_head, v_token};
   std::vector<uint16_t> kp(p.keys.back()), vr(p.keys.back());  // zeroed: keys past the end
@@ -697,7 +689,6 @@ extern "C" int attention_backward_bf16(const uint16_t* dout, int64_t d_head, int
                                        int64_t dk_head, int64_t dk_token,
                                        const int64_t* lengths, int64_t count, int64_t heads,
                                        int64_t groups, int64_t dim, float scale, int threads) {
-  if (attention_tiles_ready() == 0) return -1;
   const Packed p(lengths, count, heads, groups, dim);
   const Rows grads{dout, d_head, d_token}, queries{q, q_head, q_token};
   const Rows keys{k, k_head, k_token}, values{v, v_head, v_token};

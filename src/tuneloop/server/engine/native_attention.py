@@ -13,13 +13,12 @@ them in one call each way: the kernels pad each sequence to whole 16-token block
 run the blocks of all sequences as one list of work, and write the output and the gradients
 where their callers read them ([tokens, heads, dim] rows), so no per-sequence slices,
 padding copies or concatenation remain. A sequence's values are those it gets alone.
-packing.py takes it for bf16 CPU rows where `takes` says so (a CPU with AVX512-BF16, and
-where it has AMX, tiles Linux grants; head sizes of whole 32-feature tile rows, sequences
-within causal_cpu.py's matmul bound) and causal_cpu.py's torch kernels elsewhere. One layer
-of SmolLM2-135M over 8 sequences of 64-256 tokens, forward + backward: 8.5 ms by the torch
-kernel, 3.5 ms here; a bf16 training step 1.17x faster on an AMX Xeon
-(bench/train_variants.py --micro, --variant attention-tiles; the vector form's figures on a
-Zen 5 EPYC are in docs/benchmarks.md).
+packing.py takes it for bf16 CPU rows where `takes` says so (a CPU with AVX512-BF16; head
+sizes of whole 32-feature tile rows, sequences within causal_cpu.py's matmul bound) and
+causal_cpu.py's torch kernels elsewhere. One layer of SmolLM2-135M over 8 sequences of
+64-256 tokens, forward + backward: 8.5 ms by the torch kernel, 3.5 ms here; a bf16 training
+step 1.17x faster on an AMX Xeon (bench/train_variants.py --micro, --variant attention-
+tiles; the vector form's figures on a Zen 5 EPYC are in docs/benchmarks.md).
 
 The kernels read q, k, v and the output's gradient where they lie (rows of contiguous
 features at any head and token strides: the attention's transposed projections need no copy).
@@ -74,10 +73,8 @@ def tiles(allowed: bool = True) -> bool:
 
 
 def _ready() -> bool:
-    """The kernels built, and where the tile unit is allowed, Linux granting this process its
-    registers."""
-    ready = native.function(SOURCE, "attention_tiles_ready", (), ctypes.c_int, _NEEDS)
-    return ready is not None and forward_kernel() is not None and bool(ready())
+    """The kernels built (a CPU with AVX512-BF16 and a C++ compiler)."""
+    return forward_kernel() is not None and backward_kernel() is not None
 
 
 def takes(
