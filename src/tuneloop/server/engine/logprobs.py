@@ -135,14 +135,20 @@ def _hidden_and_head(
     instead (no mask: the packed attention keeps sequences apart).
     """
     decoder: nn.Module = model.get_decoder()  # type: ignore[operator]
+    # No KV cache: an evaluated model's decoder would otherwise build one (a copy of every
+    # layer's keys and values, held until the pass returns) that nothing reads.
     if position_ids is not None:
-        hidden = decoder(input_ids=input_ids, position_ids=position_ids).last_hidden_state
+        hidden = decoder(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
     else:
         width = input_ids.shape[1]
         positions = torch.arange(width, device=input_ids.device)
         lens = torch.as_tensor(lengths, device=input_ids.device)
         mask = (positions[None, :] < lens[:, None]).long()
-        hidden = decoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
+        hidden = decoder(
+            input_ids=input_ids, attention_mask=mask, use_cache=False
+        ).last_hidden_state
     head: nn.Module = model.get_output_embeddings()  # type: ignore[operator]
     softcap = getattr(model.config, "final_logit_softcapping", None)
     vocab = int(head.weight.shape[0])  # type: ignore[index]
