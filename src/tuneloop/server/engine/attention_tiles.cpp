@@ -321,7 +321,9 @@ struct Packed {
   std::vector<Shape> shapes;
   std::vector<int64_t> pairs, keys, rows;  // one more than the sequences: the totals last
   int64_t longest = 0;                     // keys32 of the longest
-  Packed(const int64_t* lengths, int64_t count, int64_t heads, int64_t groups, int64_t dim) {
+  int64_t groups;
+  Packed(const int64_t* lengths, int64_t count, int64_t heads, int64_t groups, int64_t dim)
+      : groups(groups) {
     int64_t offset = 0;
     pairs = keys = rows = {0};
     for (int64_t i = 0; i < count; ++i) {
@@ -337,19 +339,32 @@ struct Packed {
 };
 
 // Per thread: a block's scores [16, wide] fp32 (or a key unit's C block [16, 64]), its
-// probabilities (or dS) [16, wide] bf16, its output [16, dim] fp32 and a copy of 16 input
-// rows [16, dim] (zeros past a sequence's end), for the longest sequence.
+// probabilities (or dS) [16, wide] bf16, its output [16, dim] fp32, a copy of 16 input
+// rows [16, dim] (zeros past a sequence's end), for the longest sequence, and a key unit's
+// ranges of rows. Made by the calling thread before the parallel region (`for_threads`): the
+// OpenMP workers allocate nothing, so none of them takes an allocator arena of its own, whose
+// pages another thread's allocations could not reuse.
 struct Scratch {
   std::vector<float> scores;
   std::vector<uint16_t> block;
   std::vector<float> out;
   std::vector<uint16_t> rows;
+  std::vector<int64_t> ranges;
   Scratch(const Packed& p, int64_t dim)
       : scores(kBlock * std::max<int64_t>(p.longest + kPad, kWide * kBlock)),
         block(kBlock * (p.longest + kPad)),
         out(kBlock * dim),
-        rows(kBlock * dim) {}
+        rows(kBlock * dim) {
+    ranges.reserve(2 * (p.groups * p.longest / kDepth + 2));  // at most one per 32 rows
+  }
 };
+
+std::vector<Scratch> for_threads(const Packed& p, int64_t dim, int threads) {
+  std::vector<Scratch> scratch;
+  scratch.reserve(std::max(threads, 1));
+  for (int t = 0; t < std::max(threads, 1); ++t) scratch.emplace_back(p, dim);
+  return scratch;
+}
 
 // Rows [i0, i0 + 16) of head h of a sequence's rows: where they lie (their token stride in
 // *token), or copied into `copy` (stride dim) with zeros past the sequence's end.
@@ -543,9 +558,10 @@ void backward_unit(const Shape& s, const Unit& u, const Rows& dout, const uint16
 // zeros), written transposed for the sequence's keys. qt, dot: [heads][dim][rows32 + kPad].
 void key_unit(const Shape& s, int64_t head, int64_t j0, int64_t n, const uint16_t* qt,
               const uint16_t* dot, const uint16_t* probs, const uint16_t* ds, uint16_t* dk,
-              uint16_t* dv, int64_t k_head, int64_t k_token, float* c) {
+              uint16_t* dv, int64_t k_head, int64_t k_token, float* c,
+              std::vector<int64_t>& ranges) {
   const int64_t ldt = s.rows32() + kPad;
-  std::vector<int64_t> ranges;
+  ranges.clear();  // (within the capacity the calling thread reserved: no allocation)
   for (int64_t r = 0; r < s.rows32(); r += kDepth) {
     bool sees = false;  // a row of the step at or after j0 in its query head
     for (int64_t g = 0; g < s.groups && !sees; ++g)
@@ -660,9 +676,10 @@ extern "C" int attention_forward_bf16(const uint16_t* q, int64_t q_head, int64_t
   const Rows queries{q, q_head, q_token}, keys{k, k_head, k_token}, values{v, v_head, v_token};
   std::vector<uint16_t> kp(p.keys.back()), vr(p.keys.back());  // zeroed: keys past the end
   const std::vector<Unit> blocks = key_units(p, kBlock), units = row_units(p);
+  std::vector<Scratch> scratch = for_threads(p, dim, threads);
 #pragma omp parallel num_threads(threads)
   {
-    Scratch w(p, dim);
+    Scratch& w = scratch[omp_get_thread_num()];
     lay_out_keys(p, blocks, keys, kp.data(), values, vr.data(), probs, w);
     configure();
 #pragma omp for schedule(dynamic)
@@ -698,9 +715,10 @@ extern "C" int attention_backward_bf16(const uint16_t* dout, int64_t d_head, int
   std::unique_ptr<uint16_t[]> ds(new uint16_t[p.pairs.back()]);  // written whole
   const std::vector<Unit> blocks = key_units(p, kBlock), units = row_units(p);
   const std::vector<Unit> groups_of_keys = key_units(p, kWide * kBlock);
+  std::vector<Scratch> scratch = for_threads(p, dim, threads);
 #pragma omp parallel num_threads(threads)
   {
-    Scratch w(p, dim);
+    Scratch& w = scratch[omp_get_thread_num()];
     lay_out_keys(p, blocks, values, vp.data(), keys, kr.data(), ds.get(), w);
 #pragma omp for schedule(static)
     for (size_t i = 0; i < units.size(); ++i) {
@@ -729,7 +747,7 @@ extern "C" int attention_backward_bf16(const uint16_t* dout, int64_t d_head, int
       const int64_t at = p.rows[u.sequence];
       key_unit(s, u.head, u.first, n, qt.data() + at, dot.data() + at,
                probs + p.pairs[u.sequence], ds.get() + p.pairs[u.sequence], dk, dv, dk_head,
-               dk_token, w.scores.data());
+               dk_token, w.scores.data(), w.ranges);
     }
     release();
   }
