@@ -343,8 +343,9 @@ struct Packed {
 // rows [16, dim] (zeros past a sequence's end), for the longest sequence, and a key unit's
 // ranges of rows. Made by the calling thread before the parallel region (`for_threads`): the
 // OpenMP workers allocate nothing, so none of them takes an allocator arena of its own, whose
-// pages another thread's allocations could not reuse.
-struct Scratch {
+// pages another thread's allocations could not reuse. (A cache line each: a key unit writes
+// its ranges' size.)
+struct alignas(64) Scratch {
   std::vector<float> scores;
   std::vector<uint16_t> block;
   std::vector<float> out;
