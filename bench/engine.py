@@ -39,7 +39,11 @@ Allocator: `tuneloop serve` preloads jemalloc under a CPU engine; the in-process
 whatever this process allocates with, which the report names ("allocator"). transformers + PEFT
 on a CPU gains a lot from jemalloc (on a Zen 4 EPYC: training 1.71x, `generate` 1.40x), so run
 this script under it for the comparison that gives each side its best setup:
-`LD_PRELOAD=libjemalloc.so.2 MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1`.
+`LD_PRELOAD=libjemalloc.so.2 MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1`. The
+in-process engine column shares this process, and its allocator, with the HF column: on a Zen 5
+EPYC, with the engine's C++ training attention, HF's steps page-faulted far more there and ran
+~15 % slower than in a process without the engine (docs/benchmarks.md); `--no-engine` keeps HF
+alone with the server column, which runs in its own process.
 
     python bench/machine_peak.py --threads 2 --json peak.json
     python bench/engine.py [--dtype float32|bfloat16] [--peak-json peak.json] [--json out.json]
