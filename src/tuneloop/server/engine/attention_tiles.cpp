@@ -665,14 +665,13 @@ extern "C" int64_t attention_probs_size(const int64_t* lengths, int64_t count, i
 // features at (head stride, token stride) q_head, q_token (a key head's query heads
 // adjacent); k, v: [heads, tokens, dim] likewise; out like q at o_head, o_token; probs
 // (attention_probs_size, written whole; kept for the backward pass). dim a multiple of 32.
-// Returns 0.
-extern "C" int attention_forward_bf16(const uint16_t* q, int64_t q_head, int64_t q_token,
-                                      const uint16_t* k, int64_t k_head, int64_t k_token,
-                                      const uint16_t* v, int64_t v_head, int64_t v_token,
-                                      uint16_t* out, int64_t o_head, int64_t o_token,
-                                      uint16_t* probs, const int64_t* lengths, int64_t count,
-                                      int64_t heads, int64_t groups, int64_t dim, float scale,
-                                      int threads) {
+extern "C" void attention_forward_bf16(const uint16_t* q, int64_t q_head, int64_t q_token,
+                                       const uint16_t* k, int64_t k_head, int64_t k_token,
+                                       const uint16_t* v, int64_t v_head, int64_t v_token,
+                                       uint16_t* out, int64_t o_head, int64_t o_token,
+                                       uint16_t* probs, const int64_t* lengths, int64_t count,
+                                       int64_t heads, int64_t groups, int64_t dim, float scale,
+                                       int threads) {
   const Packed p(lengths, count, heads, groups, dim);
   const Rows queries{q, q_head, q_token}, keys{k, k_head, k_token}, values{v, v_head, v_token};
   std::vector<uint16_t> kp(p.keys.back()), vr(p.keys.back());  // zeroed: keys past the end
@@ -692,21 +691,20 @@ extern "C" int attention_forward_bf16(const uint16_t* q, int64_t q_head, int64_t
     }
     release();
   }
-  return 0;
 }
 
 // dout, q, k, v: rows at (head stride, token stride) as the forward's inputs (dout as its
 // output); probs from the forward pass; dq like q at g_head, g_token; dk and dv like k at
 // k_head, k_token.
-extern "C" int attention_backward_bf16(const uint16_t* dout, int64_t d_head, int64_t d_token,
-                                       const uint16_t* q, int64_t q_head, int64_t q_token,
-                                       const uint16_t* k, int64_t k_head, int64_t k_token,
-                                       const uint16_t* v, int64_t v_head, int64_t v_token,
-                                       const uint16_t* probs, uint16_t* dq, int64_t g_head,
-                                       int64_t g_token, uint16_t* dk, uint16_t* dv,
-                                       int64_t dk_head, int64_t dk_token,
-                                       const int64_t* lengths, int64_t count, int64_t heads,
-                                       int64_t groups, int64_t dim, float scale, int threads) {
+extern "C" void attention_backward_bf16(const uint16_t* dout, int64_t d_head, int64_t d_token,
+                                        const uint16_t* q, int64_t q_head, int64_t q_token,
+                                        const uint16_t* k, int64_t k_head, int64_t k_token,
+                                        const uint16_t* v, int64_t v_head, int64_t v_token,
+                                        const uint16_t* probs, uint16_t* dq, int64_t g_head,
+                                        int64_t g_token, uint16_t* dk, uint16_t* dv,
+                                        int64_t dk_head, int64_t dk_token,
+                                        const int64_t* lengths, int64_t count, int64_t heads,
+                                        int64_t groups, int64_t dim, float scale, int threads) {
   const Packed p(lengths, count, heads, groups, dim);
   const Rows grads{dout, d_head, d_token}, queries{q, q_head, q_token};
   const Rows keys{k, k_head, k_token}, values{v, v_head, v_token};
@@ -752,5 +750,4 @@ extern "C" int attention_backward_bf16(const uint16_t* dout, int64_t d_head, int
     }
     release();
   }
-  return 0;
 }

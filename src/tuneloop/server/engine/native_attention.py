@@ -50,12 +50,12 @@ DEPTH = 32  # features of a tile row
 
 def forward_kernel() -> Any:
     """attention_forward_bf16 (`_FORWARD`), or None where it cannot be built."""
-    return native.function(SOURCE, "attention_forward_bf16", _FORWARD, ctypes.c_int, _NEEDS)
+    return native.function(SOURCE, "attention_forward_bf16", _FORWARD, None, _NEEDS)
 
 
 def backward_kernel() -> Any:
     """attention_backward_bf16 (`_BACKWARD`), or None where it cannot be built."""
-    return native.function(SOURCE, "attention_backward_bf16", _BACKWARD, ctypes.c_int, _NEEDS)
+    return native.function(SOURCE, "attention_backward_bf16", _BACKWARD, None, _NEEDS)
 
 
 def _probs_size() -> Any:
@@ -112,11 +112,6 @@ def _tokens_first(t: torch.Tensor) -> list[int]:
     return [t.data_ptr(), t.stride(2), t.stride(1)]
 
 
-def _run(kernel: Any, part: str, *arguments: Any) -> None:
-    if kernel(*arguments, torch.get_num_threads()) != 0:
-        raise RuntimeError(f"the attention tile kernel's {part} pass could not run")
-
-
 class PackedTileCausal(torch.autograd.Function):
     """Causal attention of each sequence of a packed row: q [1, heads, T, d] over k, v [1, key
     heads, T, d] (key heads may divide heads), the sequences of `lengths` end to end; the
@@ -139,7 +134,7 @@ class PackedTileCausal(torch.autograd.Function):
         # (written whole by the kernel: pairs of rows, zeros past each row block's keys)
         probs = torch.empty(_probs_size()(*shape[:4]), dtype=q.dtype)
         rows = [*_heads_first(q), *_heads_first(k), *_heads_first(v), *_tokens_first(out)]
-        _run(forward_kernel(), "forward", *rows, probs.data_ptr(), *shape)
+        forward_kernel()(*rows, probs.data_ptr(), *shape, torch.get_num_threads())
         ctx.save_for_backward(q, k, v, probs, sizes)
         ctx.shape = shape[1:]  # type: ignore[attr-defined]
         return out
@@ -159,5 +154,5 @@ class PackedTileCausal(torch.autograd.Function):
         rows = [*_tokens_first(grad), *_heads_first(q), *_heads_first(k), *_heads_first(v)]
         grads = [*_tokens_first(dq), dk.data_ptr(), dv.data_ptr(), dk.stride(2), dk.stride(1)]
         shape = (sizes.data_ptr(), *ctx.shape)  # type: ignore[attr-defined]
-        _run(backward_kernel(), "backward", *rows, probs.data_ptr(), *grads, *shape)
+        backward_kernel()(*rows, probs.data_ptr(), *grads, *shape, torch.get_num_threads())
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None
