@@ -45,7 +45,8 @@ def test_the_decoder_is_called_without_a_cache(packed: bool) -> None:
             hidden, _, _, vocab = logprobs._hidden_and_head(model, ids, lengths, positions)
     finally:
         hook.remove()
-    assert vocab == 64 and hidden.shape[:2] == ids.shape
+    assert vocab == 64
+    assert hidden.shape[:2] == ids.shape
     [(use_cache, out)] = seen
     assert use_cache is False
     assert out.past_key_values is None
