@@ -10,26 +10,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
+from tests.unit.engine.test_rotary import _tiny_llama  # noqa: E402
 from tuneloop.server.engine import logprobs  # noqa: E402
-
-
-def _tiny() -> Any:
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    return LlamaForCausalLM(config).eval()
 
 
 @pytest.mark.parametrize("packed", [True, False])
 def test_the_decoder_is_called_without_a_cache(packed: bool) -> None:
-    model = _tiny()
+    model = _tiny_llama()
     assert model.config.use_cache  # (the model's own default would build one)
     seen: list[Any] = []
     decoder = model.get_decoder()
@@ -38,14 +25,14 @@ def test_the_decoder_is_called_without_a_cache(packed: bool) -> None:
         with_kwargs=True,
     )
     try:
-        ids = torch.randint(0, 64, (1, 7) if packed else (2, 5))
+        ids = torch.randint(0, 128, (1, 7) if packed else (2, 5))
         positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3]]) if packed else None
         lengths = [3, 4] if packed else [5, 3]
         with torch.no_grad():
             hidden, _, _, vocab = logprobs._hidden_and_head(model, ids, lengths, positions)
     finally:
         hook.remove()
-    assert vocab == 64
+    assert vocab == 128
     assert hidden.shape[:2] == ids.shape
     [(use_cache, out)] = seen
     assert use_cache is False
