@@ -25,6 +25,7 @@ model and the load. `--profile` prints the top ops of one step of the current va
     python bench/train_variants.py --variant rotary  # the rotary embedding's backward in C++
     python bench/train_variants.py --variant head-join  # the head's joined inputs once a chunk
     python bench/train_variants.py --variant attention-tiles  # attention in C++ (AVX512-BF16)
+    python bench/train_variants.py --variant parts  # a micro-batch as two parts on two threads
     python bench/train_variants.py --variant fp32-onednn --dtype float32  # frozen weights'
                                                     # products by oneDNN, not MKL's sgemm
     python bench/train_variants.py --profile
@@ -245,6 +246,14 @@ def _attention_tiles(previous: bool) -> Any:
         return False
 
     return _swapped(native_attention, "takes", never if previous else None)
+
+
+def _parts(previous: bool) -> Any:
+    """previous: a micro-batch one pass on all threads; current: on a CPU, two parts of its
+    rows on two threads at once, half the threads each (training.split)."""
+    from tuneloop.server.engine import training
+
+    return _swapped(training, "_SPLIT", False if previous else None)
 
 
 @contextmanager
@@ -560,6 +569,7 @@ def main() -> int:
             "rotary",
             "head-join",
             "attention-tiles",
+            "parts",
             "fp32-onednn",
         ],
         default="attention",
@@ -647,6 +657,7 @@ def main() -> int:
         "rotary": _rotary,
         "head-join": _head_join,
         "attention-tiles": _attention_tiles,
+        "parts": _parts,
         "fp32-onednn": _fp32_onednn,
     }
     switch = switches[args.variant]

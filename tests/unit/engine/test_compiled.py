@@ -74,6 +74,36 @@ def test_compiled_norm_matches_eager_forward_and_backward() -> None:
             assert_near(x2.grad.float(), x1.grad.float(), 4 * atol, f"{dtype} {shape} grads")
 
 
+def test_install_compiles_the_training_graphs_of_other_thread_counts(two_threads: None) -> None:
+    """dynamo guards on the calling thread's thread count: `install` compiles the training
+    graphs at the counts training's parts run at (training.py), so a part's first pass
+    compiles nothing, while a count not asked for sets out to."""
+    import threading
+
+    from torch._dynamo.utils import counters
+
+    norm = _norm_classes()[1](40, eps=3e-6)  # a kind of its own: compiled here first
+    assert compiled.install(norm, training_threads=(1,)) == 1
+
+    def compiles(threads: int) -> int:
+        made: list[int] = []
+
+        def run() -> None:
+            torch.set_num_threads(threads)
+            before = counters["frames"]["total"]  # frames dynamo set out to compile
+            x = torch.randn(7, 40, requires_grad=True)
+            norm(x).sum().backward()
+            made.append(counters["frames"]["total"] - before)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        return made[0]
+
+    assert compiles(1) == 0
+    assert compiles(3) > 0
+
+
 def test_a_norm_that_computes_something_else_keeps_its_forward() -> None:
     """Gemma's norm scales by 1 + weight: the probe disagrees, so it is not switched."""
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm

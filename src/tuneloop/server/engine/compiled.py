@@ -47,7 +47,7 @@ import logging
 import threading
 import types
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,9 @@ MIN_HIDDEN = 256
 # Graphs dynamo makes per (width, dtype, eps): one row and many (a size of 1 is specialised),
 # each without grad, with grad mode on, and with an input that requires grad.
 GRAPHS_PER_KIND = 6
+# And per further thread count of training passes: many rows, with grad mode on and with an
+# input that requires grad.
+TRAINING_GRAPHS = 2
 _KINDS: set[tuple[Any, ...]] = set()  # the kinds compiled in this process
 _state = threading.local()  # `capturing`: inside `graph_capture()` on this thread
 NATIVE_SOURCE = Path(__file__).with_name("rms_norm.cpp")
@@ -192,19 +195,22 @@ def _candidates(model: nn.Module) -> list[Any]:
     return norms
 
 
-def _warm_up(norms: list[Any]) -> None:
+def _warm_up(norms: list[Any], training_threads: Sequence[int]) -> None:
     """Compile every graph the engine will run: inference and training, one row and many
     (dynamic shapes specialise a size of 1), per distinct width, dtype and eps (dynamo
-    specialises on each). On CUDA inference only: the compiled kernel runs inside decode
-    graphs alone (`_norm_forward`)."""
+    specialises on each), and the training graphs of many rows at each of `training_threads`
+    (dynamo specialises on the thread count). On CUDA inference only: the compiled kernel
+    runs inside decode graphs alone (`_norm_forward`)."""
     norm = _compiled_norm()
     kinds = {
         (m.weight.shape[0], m.weight.dtype, m.weight.device, m._tuneloop_eps): m for m in norms
     }
+    threads = torch.get_num_threads()
+    extra = sorted(set(training_threads) - {threads})
     # Every kind compiled in this process counts: the limit is per function, and a process
     # may hold several models.
-    _KINDS.update(kinds)
-    _allow_graphs(GRAPHS_PER_KIND * len(_KINDS))
+    _KINDS.update((*kind, tuple(extra)) for kind in kinds)
+    _allow_graphs(sum(GRAPHS_PER_KIND + TRAINING_GRAPHS * len(kind[-1]) for kind in _KINDS))
     for module in kinds.values():
         w, eps = module.weight, module._tuneloop_eps
         for rows in (1, 5):
@@ -213,9 +219,23 @@ def _warm_up(norms: list[Any]) -> None:
                 norm(x, w, eps)
             if w.is_cuda:
                 continue
-            norm(x, w, eps)  # grad mode, input without grad: the first layer's, training
-            x.requires_grad_(True)
-            norm(x, w, eps).sum().backward()
+            _training_graphs(norm, x, w, eps)
+        if w.is_cuda:
+            continue
+        for count in extra:
+            torch.set_num_threads(count)
+            try:
+                _training_graphs(norm, torch.randn((5, w.shape[0]), dtype=w.dtype), w, eps)
+            finally:
+                torch.set_num_threads(threads)
+
+
+def _training_graphs(norm: Callable[..., torch.Tensor], x: Any, w: Any, eps: float) -> None:
+    """The TRAINING_GRAPHS of `x`'s rows: an input without grad in grad mode (the first layer's)
+    and one that requires grad, with its backward."""
+    norm(x, w, eps)
+    x.requires_grad_(True)
+    norm(x, w, eps).sum().backward()
 
 
 def _allow_graphs(count: int) -> None:
@@ -228,9 +248,11 @@ def _allow_graphs(count: int) -> None:
         setattr(config, name, count)
 
 
-def install(model: nn.Module) -> int:
+def install(model: nn.Module, training_threads: Sequence[int] = ()) -> int:
     """Point the model's RMSNorms at the compiled function; returns how many were switched (0
-    where none qualifies or compiling failed)."""
+    where none qualifies or compiling failed). `training_threads`: the thread counts training
+    passes run at besides the caller's (training.py's parts on a CPU): dynamo guards on the
+    calling thread's count, so each gets its own training graphs, compiled here too."""
     norms = _candidates(model)
     if not norms:
         return 0
@@ -240,7 +262,7 @@ def install(model: nn.Module) -> int:
             # deprecated APIs (torch.jit.script_method): nothing a caller can act on.
             warnings.simplefilter("ignore", DeprecationWarning)
             warnings.simplefilter("ignore", FutureWarning)
-            _warm_up(norms)
+            _warm_up(norms, training_threads)
     except Exception as exc:  # any failure to compile leaves the eager model
         log.warning("torch.compile of the RMSNorms failed, they run eager: %s", exc)
         return 0

@@ -138,7 +138,9 @@ class TorchBackend:
                 compile_norms is None and compiled.wanted(loaded.model, self.device)
             )
             if compile_kernels:
-                compiled.install(loaded.model)
+                threads = torch.get_num_threads()
+                on_cpu = self.device.type == "cpu"
+                compiled.install(loaded.model, training.part_threads(threads) if on_cpu else ())
                 if self.device.type == "cpu":  # sampling steps' SiLU product (gated_mlp.py)
                     gated_mlp.install(loaded.model)
             # the rotary embedding (rotary.py): C++ loops for the CPU steps of models wide

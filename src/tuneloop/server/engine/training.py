@@ -14,9 +14,11 @@ the request failing alone fails, with nothing accumulated (`_isolated_micro_batc
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import itertools
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,12 +35,13 @@ from tuneloop.server.engine.logprobs import (
     pad_targets,
     target_logprobs,
 )
+from tuneloop.server.engine.lora.routing import Routing
 from tuneloop.server.engine.losses import batch_losses
 from tuneloop.server.engine.packing import bucketed, packed_positions, packed_segments
 from tuneloop.server.engine.runtime import Runtime
 from tuneloop.server.engine.types import EngineError, ForwardBackwardResult, ForwardBackwardWork
 
-__all__ = ["TrainRow", "micro_batches", "train"]
+__all__ = ["SPLIT_MIN_TOKENS", "TrainRow", "micro_batches", "part_threads", "split", "train"]
 
 
 @dataclass
@@ -238,6 +241,27 @@ def _finite_grads(params: Sequence[nn.Parameter]) -> bool:
     return not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
 
 
+@dataclass
+class _Part:
+    """The rows of a micro-batch that run as one forward (and backward) pass, and its results."""
+
+    micro: list[TrainRow]
+    index: list[int]  # of each row in the micro-batch
+    routing: Routing
+    lengths: list[int]
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    positions: torch.Tensor | None
+    offsets: list[tuple[int, int]]  # row i's (batch row, start) in the pass's output
+    needs_grad: bool
+    views: list[torch.Tensor] = field(default_factory=list)
+    per_work: dict[int, tuple[torch.Tensor, list[dict[str, float]]]] = field(default_factory=dict)
+    errors: dict[int, EngineError] = field(default_factory=dict)
+    values: dict[int, np.ndarray] = field(default_factory=dict)
+    row_lp: list[np.ndarray] = field(default_factory=list)
+    trained: set[int] = field(default_factory=set)  # requests its backward pass took
+
+
 def _run_micro_batch(
     runtime: Runtime,
     works: Sequence[ForwardBackwardWork],
@@ -249,12 +273,166 @@ def _run_micro_batch(
     budget: int,
 ) -> None:
     """One forward (and backward) pass of `micro`; a packed row is padded to its bucket length
-    (packing.bucketed) within the token `budget`."""
+    (packing.bucketed) within the token `budget`. On a CPU a large enough micro-batch runs as
+    two parts on two threads at once (`split`)."""
+    parts = [_prepare(runtime, works, micro, index, budget) for index in split(runtime, micro)]
+    if len(parts) == 1:
+        (part,) = parts
+        with _entered(runtime, part):  # backward inside the routing block (see _backward)
+            _forward(runtime, works, part)
+            (takes,) = _account(works, parts, losses, logprobs, failed, metric_sums)
+            _backward(part, [part.per_work[wi][0].sum() for wi in takes])
+        return
+    _in_parts(runtime, works, parts, losses, logprobs, failed, metric_sums)
+
+
+# On a CPU a training pass is its matmuls and, between them, the host's work of a pass (the
+# Python of the model's modules and autograd nodes, torch's dispatch, small single-threaded
+# operations): while one thread runs that, the other waits for the next parallel region. At 2
+# threads on SmolLM2-135M (bf16, 1,408 tokens) the second thread waited in OpenMP ~19 % of a
+# step (perf). A micro-batch of two parts on two threads of half the threads each, forward and
+# backward, overlaps one part's host work with the other's arithmetic (bench/train_variants.py
+# --variant parts, docs/benchmarks.md). Each part is at least this many tokens: below it, the
+# host work a pass costs, paid once per part, outweighs what the overlap saves.
+SPLIT_MIN_TOKENS = 256
+_SPLIT = True  # (bench/train_variants.py switches it off to compare: --variant parts)
+_helper: concurrent.futures.ThreadPoolExecutor | None = None
+_helper_lock = threading.Lock()
+
+
+def split(runtime: Runtime, micro: list[TrainRow]) -> list[list[int]]:
+    """The parts `micro` runs in, as lists of its row indices in order: on a CPU with two
+    threads or more, two parts of token counts as even as the rows allow (longest row first
+    to the part with fewer tokens), each of at least SPLIT_MIN_TOKENS tokens; else one part,
+    all of it.
+
+    A part's gradients are summed over its own rows, and the parts' are added once both are
+    done (two terms: the same bits whichever finishes first); the split depends only on the
+    rows' lengths, so a micro-batch's results do not depend on the threads' timing."""
+    whole = [list(range(len(micro)))]
+    if not _SPLIT or runtime.device.type != "cpu" or torch.get_num_threads() < 2:
+        return whole
+    if len(micro) < 2 or sum(len(r.tokens) for r in micro) < 2 * SPLIT_MIN_TOKENS:
+        return whole
+    parts: tuple[list[int], list[int]] = ([], [])
+    loads = [0, 0]
+    for i in sorted(range(len(micro)), key=lambda i: -len(micro[i].tokens)):
+        lighter = int(loads[1] < loads[0])
+        parts[lighter].append(i)
+        loads[lighter] += len(micro[i].tokens)
+    if min(loads) < SPLIT_MIN_TOKENS:
+        return whole
+    return [sorted(part) for part in parts]
+
+
+def part_threads(threads: int) -> tuple[int, ...]:
+    """The threads of a two-part pass's parts, of `threads` in all: the calling thread's part
+    (with the odd one) and the helper's; none below two threads (no parts)."""
+    return (threads - threads // 2, threads // 2) if threads >= 2 else ()
+
+
+def _in_parts(
+    runtime: Runtime,
+    works: Sequence[ForwardBackwardWork],
+    parts: list[_Part],
+    losses: list[float],
+    logprobs: list[list[np.ndarray]],
+    failed: dict[int, EngineError],
+    metric_sums: list[dict[str, float]],
+) -> None:
+    """Two parts' passes at once, the second on the helper thread, each with half the threads
+    (the calling thread keeps the odd one); then the accounts of every request over both.
+
+    Each part runs its forward and backward without waiting for the other: its backward
+    leaves out the requests whose loss failed or is not finite in its own rows. A request
+    that fails in one part after the other trained its rows has its error raised here, so
+    the caller drops the micro-batch's gradients and runs each request alone
+    (`_isolated_micro_batch`): a failing request trains in no part."""
+    threads = torch.get_num_threads()
+    mine, its = part_threads(threads)
+    earlier = frozenset(failed)  # failed in an earlier micro-batch: trained in no part
+    first, second = parts
+
+    def on_helper() -> None:
+        torch.set_num_threads(its)
+        with _entered(runtime, second):
+            _part_pass(runtime, works, second, earlier)
+
+    torch.set_num_threads(mine)
+    try:
+        _both(
+            _helper_thread().submit(on_helper), _part_pass_entered, runtime, works, first, earlier
+        )
+    finally:
+        torch.set_num_threads(threads)
+    _account(works, parts, losses, logprobs, failed, metric_sums)
+    for part in parts:
+        for wi in part.trained:
+            if wi in failed:
+                raise failed[wi]
+
+
+def _part_pass(
+    runtime: Runtime,
+    works: Sequence[ForwardBackwardWork],
+    part: _Part,
+    earlier: frozenset[int],
+) -> None:
+    """A part's forward and backward, the latter over the requests that may train in it."""
+    _forward(runtime, works, part)
+    totals: list[torch.Tensor] = []
+    for wi, (vec, _) in part.per_work.items():
+        if wi in earlier or works[wi].forward_only or not np.isfinite(part.values[wi]).all():
+            continue
+        totals.append(vec.sum())
+        part.trained.add(wi)
+    _backward(part, totals)
+
+
+def _part_pass_entered(
+    runtime: Runtime,
+    works: Sequence[ForwardBackwardWork],
+    part: _Part,
+    earlier: frozenset[int],
+) -> None:
+    with _entered(runtime, part):
+        _part_pass(runtime, works, part, earlier)
+
+
+def _both(other: concurrent.futures.Future[Any], step: Any, *args: Any) -> None:
+    """`step(*args)` here while `other` runs on the helper thread; returns once both are done,
+    raising the first error (this thread's first)."""
+    try:
+        step(*args)
+    finally:
+        error = other.exception()  # waits: the helper never outlives the pass
+    if error is not None:
+        raise error
+
+
+def _helper_thread() -> concurrent.futures.ThreadPoolExecutor:
+    global _helper
+    with _helper_lock:
+        if _helper is None:
+            _helper = concurrent.futures.ThreadPoolExecutor(1, "tuneloop-train-part")
+        return _helper
+
+
+def _prepare(
+    runtime: Runtime,
+    works: Sequence[ForwardBackwardWork],
+    rows_of: list[TrainRow],
+    index: list[int],
+    budget: int,
+) -> _Part:
+    """The inputs on the device, routing and layout of the part of `rows_of` at `index`."""
     device = runtime.device
+    micro = [rows_of[i] for i in index]
     needs_grad = any(not works[r.work_index].forward_only for r in micro)
     lengths = [len(r.tokens) for r in micro]
     row_targets = [r.inputs["target_tokens"] for r in micro]
     keys: list[str | None] = [r.key for r in micro]
+    positions: torch.Tensor | None = None
     if runtime.packed:
         rows = [r.tokens for r in micro]
         # row i's positions in the [1, total] output start after the rows before it
@@ -270,83 +448,119 @@ def _run_micro_batch(
             keys.append(keys[-1])
         input_ids = pack_rows(rows, device)
         targets = pack_targets(row_targets, device)
-        positions: torch.Tensor | None = packed_positions(lengths, device)
-        segments: Any = packed_segments(lengths)
+        positions = packed_positions(lengths, device)
     else:
         input_ids = pad_rows([r.tokens for r in micro], runtime.pad_id, device)
         targets = pad_targets(row_targets, input_ids.shape[1], device)
-        positions = None
         offsets = [(i, 0) for i in range(len(micro))]
-        segments = contextlib.nullcontext()
-    with (
-        runtime.bank.routed(keys, lengths if runtime.packed else None),
-        segments,
-        torch.set_grad_enabled(needs_grad),
-    ):
-        all_lp = target_logprobs(runtime.model, input_ids, lengths, targets, positions)
-        views: list[torch.Tensor] = []
-        by_work: dict[int, list[int]] = {}
-        for i, row in enumerate(micro):
-            target = row.inputs["target_tokens"]
-            batch_row, start = offsets[i]
-            lp = all_lp[
-                batch_row,
-                start : start + len(row.tokens),
-                : (1 if target.ndim == 1 else target.shape[1]),
-            ]
-            views.append(lp[:, 0] if target.ndim == 1 else lp)
-            by_work.setdefault(row.work_index, []).append(i)
-        # Every request's datums in one pass each (losses.batch_losses), then one copy to the
-        # host for every loss value and logprob of the micro-batch, where a per-datum float()
-        # and .cpu() waited on the device twice per datum.
-        per_work: dict[int, tuple[torch.Tensor, list[dict[str, float]]]] = {}
-        for wi, members in by_work.items():
-            try:
-                per_work[wi] = batch_losses(
-                    works[wi],
-                    [views[i] for i in members],
-                    [micro[i].inputs for i in members],
-                    device,
-                )
-            except EngineError as exc:  # e.g. an unknown loss: fails this request only
-                failed.setdefault(wi, exc)
-        host = (
-            torch.cat(
-                [vec.detach().to(torch.float32) for vec, _ in per_work.values()]
-                + [lp.detach().to(torch.float32).reshape(-1) for lp in views]
+    routing = runtime.bank.routing(keys, lengths if runtime.packed else None)
+    return _Part(micro, index, routing, lengths, input_ids, targets, positions, offsets, needs_grad)
+
+
+@contextlib.contextmanager
+def _entered(runtime: Runtime, part: _Part) -> Iterator[None]:
+    """The part's routing, packed segments and grad mode, on this thread."""
+    segments: Any = packed_segments(part.lengths) if runtime.packed else contextlib.nullcontext()
+    with runtime.bank.using(part.routing), segments, torch.set_grad_enabled(part.needs_grad):
+        yield
+
+
+def _forward(runtime: Runtime, works: Sequence[ForwardBackwardWork], part: _Part) -> None:
+    """The part's logprobs and every request's losses, and one copy to the host for every loss
+    value and logprob of the part (a per-datum float() and .cpu() waited on the device twice
+    per datum). A request whose loss raises (e.g. an unknown loss) is in `part.errors`."""
+    micro = part.micro
+    all_lp = target_logprobs(
+        runtime.model, part.input_ids, part.lengths, part.targets, part.positions
+    )
+    by_work: dict[int, list[int]] = {}
+    for i, row in enumerate(micro):
+        target = row.inputs["target_tokens"]
+        batch_row, start = part.offsets[i]
+        lp = all_lp[
+            batch_row,
+            start : start + len(row.tokens),
+            : (1 if target.ndim == 1 else target.shape[1]),
+        ]
+        part.views.append(lp[:, 0] if target.ndim == 1 else lp)
+        by_work.setdefault(row.work_index, []).append(i)
+    # Every request's datums in one pass each (losses.batch_losses).
+    for wi, members in by_work.items():
+        try:
+            part.per_work[wi] = batch_losses(
+                works[wi],
+                [part.views[i] for i in members],
+                [micro[i].inputs for i in members],
+                runtime.device,
             )
-            .cpu()
-            .numpy()
+        except EngineError as exc:
+            part.errors[wi] = exc
+    host = (
+        torch.cat(
+            [vec.detach().to(torch.float32) for vec, _ in part.per_work.values()]
+            + [lp.detach().to(torch.float32).reshape(-1) for lp in part.views]
         )
-        values: dict[int, np.ndarray] = {}
-        at = 0
-        for wi, (vec, _) in per_work.items():
-            values[wi], at = host[at : at + vec.shape[0]], at + vec.shape[0]
-        row_lp: list[np.ndarray] = []
-        for lp in views:
-            size = lp.numel()
-            row_lp.append(host[at : at + size].reshape(tuple(lp.shape)))
-            at += size
-        total: list[torch.Tensor] = []
-        for wi, (vec, metrics) in per_work.items():
-            work = works[wi]
-            if wi in failed:  # in an earlier micro-batch of this request
-                continue
-            if not np.isfinite(values[wi]).all():
-                failed.setdefault(
-                    wi,
-                    EngineError(f"the {work.loss_fn} loss is not finite for this request", "user"),
-                )
-                continue
-            losses[wi] += sum(float(v) for v in values[wi])
-            sums = metric_sums[wi]
-            for extra in metrics:
-                for key, metric in extra.items():
-                    sums[key] = sums.get(key, 0.0) + metric
-            logprobs[wi].extend(row_lp[i] for i in by_work[wi])
-            if not work.forward_only:
-                total.append(vec.sum())
-        if needs_grad and total:
-            # Backward inside the routing block: checkpointed LM-head chunks recompute
-            # through the same adapters.
-            torch.stack(total).sum().backward()
+        .cpu()
+        .numpy()
+    )
+    at = 0
+    for wi, (vec, _) in part.per_work.items():
+        part.values[wi], at = host[at : at + vec.shape[0]], at + vec.shape[0]
+    for lp in part.views:
+        size = lp.numel()
+        part.row_lp.append(host[at : at + size].reshape(tuple(lp.shape)))
+        at += size
+
+
+def _account(
+    works: Sequence[ForwardBackwardWork],
+    parts: list[_Part],
+    losses: list[float],
+    logprobs: list[list[np.ndarray]],
+    failed: dict[int, EngineError],
+    metric_sums: list[dict[str, float]],
+) -> list[list[int]]:
+    """Every request's losses, metrics and logprobs over the parts, in the micro-batch's row
+    order; per part, the requests its backward pass takes (none that failed in any part)."""
+    for part in parts:
+        for wi, exc in part.errors.items():
+            failed.setdefault(wi, exc)
+    # per request, its datums in row order: (row, part number, the datum's place in that
+    # part's values of the request)
+    datums: dict[int, list[tuple[int, int, int]]] = {}
+    for n, part in enumerate(parts):
+        seen: dict[int, int] = {}
+        for row, train_row in zip(part.index, part.micro, strict=True):
+            wi = train_row.work_index
+            if wi in part.per_work:
+                datums.setdefault(wi, []).append((row, n, seen.get(wi, 0)))
+                seen[wi] = seen.get(wi, 0) + 1
+    takes: list[list[int]] = [[] for _ in parts]
+    for wi, places in sorted(datums.items(), key=lambda item: min(item[1])):
+        work = works[wi]
+        if wi in failed:  # in an earlier micro-batch of this request, or its loss raised
+            continue
+        places.sort()
+        values = [parts[n].values[wi][k] for _, n, k in places]
+        if not np.isfinite(values).all():
+            failed.setdefault(
+                wi, EngineError(f"the {work.loss_fn} loss is not finite for this request", "user")
+            )
+            continue
+        losses[wi] += sum(float(v) for v in values)
+        sums = metric_sums[wi]
+        for row, n, k in places:
+            for key, metric in parts[n].per_work[wi][1][k].items():
+                sums[key] = sums.get(key, 0.0) + metric
+            logprobs[wi].append(parts[n].row_lp[parts[n].index.index(row)])
+        if not work.forward_only:
+            for n in sorted({n for _, n, _ in places}):
+                takes[n].append(wi)
+    return takes
+
+
+def _backward(part: _Part, totals: list[torch.Tensor]) -> None:
+    """The part's backward pass, inside its routing block: checkpointed LM-head chunks
+    recompute through the same adapters."""
+    if part.needs_grad and totals:
+        torch.stack(totals).sum().backward()

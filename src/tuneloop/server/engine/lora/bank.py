@@ -422,13 +422,16 @@ class AdapterBank:
 
         With `lengths`, the batch is one packed row and row_keys[i] covers lengths[i] tokens.
         """
-        routing = (
-            Routing.from_rows(row_keys)
-            if lengths is None
-            else Routing.from_lengths(row_keys, lengths)
-        )
-        with self.using(routing):
+        with self.using(self.routing(row_keys, lengths)):
             yield
+
+    @staticmethod
+    def routing(row_keys: Sequence[str | None], lengths: Sequence[int] | None = None) -> Routing:
+        """`routed`'s routing, to be applied with `using` (in blocks that must be entered again
+        with the same routing: a pass whose forward and backward run apart)."""
+        if lengths is None:
+            return Routing.from_rows(row_keys)
+        return Routing.from_lengths(row_keys, lengths)
 
     @contextlib.contextmanager
     def using(self, routing: Routing) -> Iterator[None]:

@@ -9,6 +9,7 @@ per-token index (`token_slots`) is what a BGMV kernel and the expert layers take
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeAlias
@@ -136,7 +137,19 @@ class Routing:
 
 
 class RoutingContext:
-    """The routing in force, shared by every adapted layer of one model (set once per block)."""
+    """The routing in force, shared by every adapted layer of one model (set once per block).
+
+    Per thread: a CPU training pass may run parts of one batch on two threads at once
+    (training.py), each part under its own routing."""
 
     def __init__(self) -> None:
-        self.routing: Routing | None = None
+        self._local = threading.local()
+
+    @property
+    def routing(self) -> Routing | None:
+        routing: Routing | None = getattr(self._local, "routing", None)
+        return routing
+
+    @routing.setter
+    def routing(self, routing: Routing | None) -> None:
+        self._local.routing = routing
