@@ -77,6 +77,16 @@ def test_split_needs_two_threads_and_a_cpu(monkeypatch: pytest.MonkeyPatch) -> N
         torch.set_num_threads(threads)
 
 
+def test_the_environment_switches_parts_off(
+    small_parts: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime: Any = _Runtime()
+    monkeypatch.setenv(training.PARTS_VARIABLE, "0")
+    assert training.split(runtime, _rows(30, 30)) == [[0, 1]]
+    monkeypatch.setenv(training.PARTS_VARIABLE, "1")
+    assert training.split(runtime, _rows(30, 30)) == [[0], [1]]
+
+
 def test_part_threads() -> None:
     assert training.part_threads(1) == ()
     assert training.part_threads(2) == (1, 1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import itertools
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,15 @@ from tuneloop.server.engine.packing import bucketed, packed_positions, packed_se
 from tuneloop.server.engine.runtime import Runtime
 from tuneloop.server.engine.types import EngineError, ForwardBackwardResult, ForwardBackwardWork
 
-__all__ = ["SPLIT_MIN_TOKENS", "TrainRow", "micro_batches", "part_threads", "split", "train"]
+__all__ = [
+    "PARTS_VARIABLE",
+    "SPLIT_MIN_TOKENS",
+    "TrainRow",
+    "micro_batches",
+    "part_threads",
+    "split",
+    "train",
+]
 
 
 @dataclass
@@ -295,6 +304,7 @@ def _run_micro_batch(
 # --variant parts, docs/benchmarks.md). Each part is at least this many tokens: below it, the
 # host work a pass costs, paid once per part, outweighs what the overlap saves.
 SPLIT_MIN_TOKENS = 256
+PARTS_VARIABLE = "TUNELOOP_TRAIN_PARTS"  # "0": every micro-batch in one pass
 _SPLIT = True  # (bench/train_variants.py switches it off to compare: --variant parts)
 _helper: concurrent.futures.ThreadPoolExecutor | None = None
 _helper_lock = threading.Lock()
@@ -310,7 +320,9 @@ def split(runtime: Runtime, micro: list[TrainRow]) -> list[list[int]]:
     done (two terms: the same bits whichever finishes first); the split depends only on the
     rows' lengths, so a micro-batch's results do not depend on the threads' timing."""
     whole = [list(range(len(micro)))]
-    if not _SPLIT or runtime.device.type != "cpu" or torch.get_num_threads() < 2:
+    if not _SPLIT or os.environ.get(PARTS_VARIABLE, "1") == "0":
+        return whole
+    if runtime.device.type != "cpu" or torch.get_num_threads() < 2:
         return whole
     if len(micro) < 2 or sum(len(r.tokens) for r in micro) < 2 * SPLIT_MIN_TOKENS:
         return whole
