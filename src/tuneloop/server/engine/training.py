@@ -63,6 +63,17 @@ class TrainRow:
     inputs: dict[str, np.ndarray] = field(default_factory=dict)
 
 
+@dataclass
+class _Tally:
+    """Per request of a forward_backward batch: its loss sum, logprobs and metric sums so far,
+    and the requests that failed (index -> error)."""
+
+    losses: list[float]
+    logprobs: list[list[np.ndarray]]
+    metric_sums: list[dict[str, float]]
+    failed: dict[int, EngineError] = field(default_factory=dict)
+
+
 def micro_batches(
     rows: list[TrainRow], packed: bool, token_budget: int
 ) -> list[tuple[list[TrainRow], int | None]]:
@@ -118,10 +129,8 @@ def train(
         for wi, work in enumerate(works)
         for ex in work.examples
     ]
-    losses = [0.0] * len(works)
-    metric_sums: list[dict[str, float]] = [{} for _ in works]
-    logprobs: list[list[np.ndarray]] = [[] for _ in works]
-    failed: dict[int, EngineError] = {}
+    tally = _Tally([0.0] * len(works), [[] for _ in works], [{} for _ in works])
+    failed = tally.failed
     # Gradients of the adapter of a request split over several micro-batches, as they were
     # before it: restored if the request fails after some of its micro-batches ran.
     saved: tuple[int, list[torch.Tensor | None]] | None = None
@@ -138,9 +147,7 @@ def train(
             params = runtime.bank.parameters(works[alone].adapter_id)
             saved = (alone, [None if p.grad is None else p.grad.clone() for p in params])
         try:
-            _isolated_micro_batch(
-                runtime, works, micro, losses, logprobs, failed, metric_sums, token_budget
-            )
+            _isolated_micro_batch(runtime, works, micro, tally, token_budget)
         except torch.OutOfMemoryError:
             for row in micro:
                 failed.setdefault(
@@ -153,8 +160,11 @@ def train(
     return [
         failed.get(i)
         or ForwardBackwardResult(
-            logprobs[i],
-            {"loss:sum": losses[i], **reduce_metrics(metric_sums[i], len(works[i].examples))},
+            tally.logprobs[i],
+            {
+                "loss:sum": tally.losses[i],
+                **reduce_metrics(tally.metric_sums[i], len(works[i].examples)),
+            },
         )
         for i in range(len(works))
     ]
@@ -164,10 +174,7 @@ def _isolated_micro_batch(
     runtime: Runtime,
     works: Sequence[ForwardBackwardWork],
     micro: list[TrainRow],
-    losses: list[float],
-    logprobs: list[list[np.ndarray]],
-    failed: dict[int, EngineError],
-    metric_sums: list[dict[str, float]],
+    tally: _Tally,
     budget: int,
 ) -> None:
     """`_run_micro_batch`, its gradients accumulated only if they are finite.
@@ -190,14 +197,15 @@ def _isolated_micro_batch(
         for param in ps:
             param.grad = None
     indices = list(dict.fromkeys(r.work_index for r in micro))
+    failed = tally.failed
     before = (
         dict(failed),
-        {i: losses[i] for i in indices},
-        {i: len(logprobs[i]) for i in indices},
-        {i: dict(metric_sums[i]) for i in indices},
+        {i: tally.losses[i] for i in indices},
+        {i: len(tally.logprobs[i]) for i in indices},
+        {i: dict(tally.metric_sums[i]) for i in indices},
     )
     try:
-        _run_micro_batch(runtime, works, micro, losses, logprobs, failed, metric_sums, budget)
+        _run_micro_batch(runtime, works, micro, tally, budget)
     except torch.OutOfMemoryError:
         _put_back(params, held, keep_new=False)
         raise
@@ -217,15 +225,15 @@ def _isolated_micro_batch(
     failed.clear()
     failed.update(before[0])
     for i in indices:
-        losses[i] = before[1][i]
-        del logprobs[i][before[2][i] :]
-        metric_sums[i] = before[3][i]
+        tally.losses[i] = before[1][i]
+        del tally.logprobs[i][before[2][i] :]
+        tally.metric_sums[i] = before[3][i]
     if len(indices) == 1:
         failed.setdefault(indices[0], error)
         return
     for i in indices:
         alone = [r for r in micro if r.work_index == i]
-        _isolated_micro_batch(runtime, works, alone, losses, logprobs, failed, metric_sums, budget)
+        _isolated_micro_batch(runtime, works, alone, tally, budget)
 
 
 def _put_back(
@@ -275,10 +283,7 @@ def _run_micro_batch(
     runtime: Runtime,
     works: Sequence[ForwardBackwardWork],
     micro: list[TrainRow],
-    losses: list[float],
-    logprobs: list[list[np.ndarray]],
-    failed: dict[int, EngineError],
-    metric_sums: list[dict[str, float]],
+    tally: _Tally,
     budget: int,
 ) -> None:
     """One forward (and backward) pass of `micro`; a packed row is padded to its bucket length
@@ -289,10 +294,10 @@ def _run_micro_batch(
         (part,) = parts
         with _entered(runtime, part):  # backward inside the routing block (see _backward)
             _forward(runtime, works, part)
-            (takes,) = _account(works, parts, losses, logprobs, failed, metric_sums)
+            (takes,) = _account(works, parts, tally)
             _backward(part, [part.per_work[wi][0].sum() for wi in takes])
         return
-    _in_parts(runtime, works, parts, losses, logprobs, failed, metric_sums)
+    _in_parts(runtime, works, parts, tally)
 
 
 # On a CPU a training pass is its matmuls and, between them, the host's work of a pass (the
@@ -347,10 +352,7 @@ def _in_parts(
     runtime: Runtime,
     works: Sequence[ForwardBackwardWork],
     parts: list[_Part],
-    losses: list[float],
-    logprobs: list[list[np.ndarray]],
-    failed: dict[int, EngineError],
-    metric_sums: list[dict[str, float]],
+    tally: _Tally,
 ) -> None:
     """Two parts' passes at once, the second on the helper thread, each with half the threads
     (the calling thread keeps the odd one); then the accounts of every request over both.
@@ -362,6 +364,7 @@ def _in_parts(
     (`_isolated_micro_batch`): a failing request trains in no part."""
     threads = torch.get_num_threads()
     mine, its = part_threads(threads)
+    failed = tally.failed
     earlier = frozenset(failed)  # failed in an earlier micro-batch: trained in no part
     first, second = parts
 
@@ -377,7 +380,7 @@ def _in_parts(
         )
     finally:
         torch.set_num_threads(threads)
-    _account(works, parts, losses, logprobs, failed, metric_sums)
+    _account(works, parts, tally)
     for part in parts:
         for wi in part.trained:
             if wi in failed:
@@ -527,13 +530,11 @@ def _forward(runtime: Runtime, works: Sequence[ForwardBackwardWork], part: _Part
 def _account(
     works: Sequence[ForwardBackwardWork],
     parts: list[_Part],
-    losses: list[float],
-    logprobs: list[list[np.ndarray]],
-    failed: dict[int, EngineError],
-    metric_sums: list[dict[str, float]],
+    tally: _Tally,
 ) -> list[list[int]]:
     """Every request's losses, metrics and logprobs over the parts, in the micro-batch's row
     order; per part, the requests its backward pass takes (none that failed in any part)."""
+    failed = tally.failed
     for part in parts:
         for wi, exc in part.errors.items():
             failed.setdefault(wi, exc)
@@ -559,12 +560,12 @@ def _account(
                 wi, EngineError(f"the {work.loss_fn} loss is not finite for this request", "user")
             )
             continue
-        losses[wi] += sum(float(v) for v in values)
-        sums = metric_sums[wi]
+        tally.losses[wi] += sum(float(v) for v in values)
+        sums = tally.metric_sums[wi]
         for row, n, k in places:
             for key, metric in parts[n].per_work[wi][1][k].items():
                 sums[key] = sums.get(key, 0.0) + metric
-            logprobs[wi].append(parts[n].row_lp[parts[n].index.index(row)])
+            tally.logprobs[wi].append(parts[n].row_lp[parts[n].index.index(row)])
         if not work.forward_only:
             for n in sorted({n for _, n, _ in places}):
                 takes[n].append(wi)
