@@ -141,7 +141,7 @@ class TorchBackend:
                 threads = torch.get_num_threads()
                 on_cpu = self.device.type == "cpu"
                 compiled.install(loaded.model, training.part_threads(threads) if on_cpu else ())
-                if self.device.type == "cpu":  # sampling steps' SiLU product (gated_mlp.py)
+                if on_cpu:  # sampling steps' SiLU product (gated_mlp.py)
                     gated_mlp.install(loaded.model)
             # the rotary embedding (rotary.py): C++ loops for the CPU steps of models wide
             # enough to pay for building them, else one node in training (torch's operations)

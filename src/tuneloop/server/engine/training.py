@@ -367,19 +367,18 @@ def _in_parts(
     failed = tally.failed
     earlier = frozenset(failed)  # failed in an earlier micro-batch: trained in no part
     first, second = parts
-
-    def on_helper() -> None:
-        torch.set_num_threads(its)
-        with _entered(runtime, second):
-            _part_pass(runtime, works, second, earlier)
-
-    torch.set_num_threads(mine)
     try:
         _both(
-            _helper_thread().submit(on_helper), _part_pass_entered, runtime, works, first, earlier
+            _helper_thread().submit(_part_on_thread, its, runtime, works, second, earlier),
+            _part_on_thread,
+            mine,
+            runtime,
+            works,
+            first,
+            earlier,
         )
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads)  # (the helper's count is set at each of its passes)
     _account(works, parts, tally)
     for part in parts:
         for wi in part.trained:
@@ -404,12 +403,15 @@ def _part_pass(
     _backward(part, totals)
 
 
-def _part_pass_entered(
+def _part_on_thread(
+    threads: int,
     runtime: Runtime,
     works: Sequence[ForwardBackwardWork],
     part: _Part,
     earlier: frozenset[int],
 ) -> None:
+    """`_part_pass` on the calling thread with `threads` threads, under the part's routing."""
+    torch.set_num_threads(threads)
     with _entered(runtime, part):
         _part_pass(runtime, works, part, earlier)
 
@@ -539,14 +541,14 @@ def _account(
         for wi, exc in part.errors.items():
             failed.setdefault(wi, exc)
     # per request, its datums in row order: (row, part number, the datum's place in that
-    # part's values of the request)
-    datums: dict[int, list[tuple[int, int, int]]] = {}
+    # part's values of the request, its row in the part)
+    datums: dict[int, list[tuple[int, int, int, int]]] = {}
     for n, part in enumerate(parts):
         seen: dict[int, int] = {}
-        for row, train_row in zip(part.index, part.micro, strict=True):
+        for i, (row, train_row) in enumerate(zip(part.index, part.micro, strict=True)):
             wi = train_row.work_index
             if wi in part.per_work:
-                datums.setdefault(wi, []).append((row, n, seen.get(wi, 0)))
+                datums.setdefault(wi, []).append((row, n, seen.get(wi, 0), i))
                 seen[wi] = seen.get(wi, 0) + 1
     takes: list[list[int]] = [[] for _ in parts]
     for wi, places in sorted(datums.items(), key=lambda item: min(item[1])):
@@ -554,7 +556,7 @@ def _account(
         if wi in failed:  # in an earlier micro-batch of this request, or its loss raised
             continue
         places.sort()
-        values = [parts[n].values[wi][k] for _, n, k in places]
+        values = [parts[n].values[wi][k] for _, n, k, _ in places]
         if not np.isfinite(values).all():
             failed.setdefault(
                 wi, EngineError(f"the {work.loss_fn} loss is not finite for this request", "user")
@@ -562,12 +564,12 @@ def _account(
             continue
         tally.losses[wi] += sum(float(v) for v in values)
         sums = tally.metric_sums[wi]
-        for row, n, k in places:
+        for _, n, k, i in places:
             for key, metric in parts[n].per_work[wi][1][k].items():
                 sums[key] = sums.get(key, 0.0) + metric
-            tally.logprobs[wi].append(parts[n].row_lp[parts[n].index.index(row)])
+            tally.logprobs[wi].append(parts[n].row_lp[i])
         if not work.forward_only:
-            for n in sorted({n for _, n, _ in places}):
+            for n in sorted({n for _, n, _, _ in places}):
                 takes[n].append(wi)
     return takes
 
