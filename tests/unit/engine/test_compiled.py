@@ -134,6 +134,47 @@ class _AsIfCuda(torch.Tensor):
         return True
 
 
+def test_one_thread_at_a_time_calls_the_compiled_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dynamo's frame evaluation is not safe for two threads at once (a guard failing on one
+    that passes on a second look made graphs past the limit): training's two parts' norms
+    enter the compiled function one at a time, and each gets its own result."""
+    import threading
+    import time
+
+    norm = _norm_classes()[0](32)
+    assert compiled.install(norm) == 1
+    inside: list[int] = []
+    most = [0]
+
+    def slow(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        inside.append(1)
+        most[0] = max(most[0], len(inside))
+        time.sleep(0.01)  # long enough for the other thread to arrive
+        inside.pop()
+        return compiled.rms_norm(x, weight, eps)
+
+    monkeypatch.setattr(compiled, "_compiled_norm", lambda: slow)
+    inputs = [torch.randn(3, 32, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    results: dict[int, torch.Tensor] = {}
+    start = threading.Barrier(2)
+
+    def call(i: int) -> None:
+        start.wait()
+        for _ in range(5):
+            with torch.no_grad():
+                results[i] = norm(inputs[i])
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert most[0] == 1
+    for i in range(2):
+        with torch.no_grad():
+            assert torch.equal(results[i], compiled.rms_norm(inputs[i], norm.weight, 1e-6))
+
+
 def test_on_cuda_the_compiled_norm_runs_inside_graph_captures_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -94,6 +94,36 @@ def test_part_threads() -> None:
     assert training.part_threads(5) == (3, 2)
 
 
+@pytest.mark.parametrize("use", ["torch", "use_threads"])
+def test_a_new_threads_count_holds_after_another_thread_sets_its_own(use: str) -> None:
+    """torch sets a new thread's count at its first read, to the count any thread set last:
+    torch.set_num_threads alone on the helper's first pass is undone by the engine thread
+    setting its own count in between; `use_threads` holds."""
+    import threading
+
+    set_count = torch.set_num_threads if use == "torch" else training.use_threads
+    outer = torch.get_num_threads()
+    ready, go = threading.Event(), threading.Event()
+    seen: list[int] = []
+
+    def helper() -> None:
+        set_count(1)
+        ready.set()
+        go.wait()
+        seen.append(torch.get_num_threads())
+
+    thread = threading.Thread(target=helper)
+    thread.start()
+    ready.wait()
+    try:
+        torch.set_num_threads(2)  # the engine thread's part
+        go.set()
+        thread.join()
+    finally:
+        torch.set_num_threads(outer)
+    assert seen == ([2] if use == "torch" else [1])
+
+
 def _fresh(backend: Any, *ids: str) -> None:
     for adapter_id in ids:
         if adapter_id in bank(backend).specs:

@@ -80,6 +80,15 @@ GRAPHS_PER_KIND = 6
 TRAINING_GRAPHS = 2
 _KINDS: set[tuple[Any, ...]] = set()  # the kinds compiled in this process
 _state = threading.local()  # `capturing`: inside `graph_capture()` on this thread
+# One thread at a time calls the compiled function. dynamo's frame evaluation is not safe for
+# two threads at once (training's parts: training.py): now and then a guard failed on one
+# thread that passed when dynamo looked again ("Unexpected recompilation: runtime guards
+# failed even though they passed during recompilation-reason analysis"), and the call
+# compiled a graph past the limit and ran eager, rounding apart from the compiled norms of
+# the same pass. Reproduced in ~1 of 4 processes of 200 passes on a new helper thread each,
+# in none of 6 with the lock. A norm's call takes ~0.3 ms of a part's ~5 s pass: the two
+# threads rarely wait for each other. (The compiled backward runs no guards.)
+_calls = threading.Lock()
 NATIVE_SOURCE = Path(__file__).with_name("rms_norm.cpp")
 
 
@@ -166,7 +175,8 @@ def _norm_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
         return type(self).forward(self, x)
     # As [rows, width], so that one graph serves [1, tokens, hidden] and a per-head norm's
     # [1, tokens, heads, head_dim] (Qwen3's q_norm and k_norm) alike.
-    flat = _compiled_norm()(x.reshape(-1, x.shape[-1]), self.weight, self._tuneloop_eps)
+    with _calls:
+        flat = _compiled_norm()(x.reshape(-1, x.shape[-1]), self.weight, self._tuneloop_eps)
     return flat.view(x.shape)
 
 

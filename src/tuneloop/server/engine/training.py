@@ -50,6 +50,7 @@ __all__ = [
     "part_threads",
     "split",
     "train",
+    "use_threads",
 ]
 
 
@@ -411,9 +412,19 @@ def _part_on_thread(
     earlier: frozenset[int],
 ) -> None:
     """`_part_pass` on the calling thread with `threads` threads, under the part's routing."""
-    torch.set_num_threads(threads)
+    use_threads(threads)
     with _entered(runtime, part):
         _part_pass(runtime, works, part, earlier)
+
+
+def use_threads(threads: int) -> None:
+    """torch.set_num_threads for the calling thread, one that may be new. torch sets a thread's
+    count lazily, at its first get_num_threads, to the last count set by any thread: on a new
+    thread (the helper's first pass) a count set before that was undone whenever the engine
+    thread had set another since (at 3 threads the helper's part of 1 could run on the
+    engine thread's 2). Reading the count first makes that happen before the count is set."""
+    torch.get_num_threads()
+    torch.set_num_threads(threads)
 
 
 def _both(other: concurrent.futures.Future[Any], step: Any, *args: Any) -> None:
