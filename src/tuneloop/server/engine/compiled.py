@@ -85,9 +85,9 @@ _state = threading.local()  # `capturing`: inside `graph_capture()` on this thre
 # thread that passed when dynamo looked again ("Unexpected recompilation: runtime guards
 # failed even though they passed during recompilation-reason analysis"), and the call
 # compiled a graph past the limit and ran eager, rounding apart from the compiled norms of
-# the same pass. Reproduced in ~1 of 4 processes of 200 passes on a new helper thread each,
-# in none of 6 with the lock. A norm's call takes ~0.3 ms of a part's ~5 s pass: the two
-# threads rarely wait for each other. (The compiled backward runs no guards.)
+# the same pass. Reproduced in 4 of 17 processes of 200 passes on a new helper thread each,
+# in none of 14 with the lock. A norm's call takes ~0.3 ms of a part's seconds-long pass: the
+# two threads rarely wait for each other. (The compiled backward runs no guards.)
 _calls = threading.Lock()
 NATIVE_SOURCE = Path(__file__).with_name("rms_norm.cpp")
 
