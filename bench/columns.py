@@ -9,6 +9,7 @@ machine noise hits them alike.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["alternate", "answered_as_worker", "run_column", "this_tree_src"]
+__all__ = ["add_tree_options", "alternate", "answered_as_worker", "run_column", "this_tree_src"]
 
 BENCH = Path(__file__).resolve().parent
 
@@ -49,6 +50,15 @@ def alternate(
         for name, src in sources.items():
             runs[name].append(run_column(script, src, args))
     return runs
+
+
+def add_tree_options(parser: argparse.ArgumentParser, rounds: int = 3) -> None:
+    """The options of a script comparing two trees: `--rounds`, `--before-src` (the other
+    tree's src), `--json` (the report) and the hidden `--worker` that `run_column` passes."""
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--before-src", type=Path, required=True)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=Path)
 
 
 def answered_as_worker(args: Any, worker: Any) -> bool:

@@ -36,7 +36,8 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from columns import alternate, answered_as_worker  # siblings: a script's folder is on sys.path
+# siblings: a script's folder is on sys.path
+from columns import add_tree_options, alternate, answered_as_worker
 from engine import BETAS, EPS, LR, RANDOM_INIT, SEED, build_random_model, cross_entropy_pass
 from shared_prefix import cpu_model
 
@@ -120,11 +121,8 @@ def main() -> int:
     parser.add_argument("--sequences", type=int, default=8)
     parser.add_argument("--lengths", default="8:16", help="min:max tokens a sequence")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="float32", help="the weights' dtype, both trees")
-    parser.add_argument("--before-src", type=Path, required=True)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--json", type=Path)
+    add_tree_options(parser)
     args = parser.parse_args()
     if args.layers <= 2:
         parser.error("--layers must be more than 2 (the difference with 2 layers is measured)")

@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from columns import alternate, answered_as_worker  # siblings: a script's folder is on sys.path
+# siblings: a script's folder is on sys.path
+from columns import add_tree_options, alternate, answered_as_worker
 from engine import BETAS, EPS, LR, SEED, adapted_backend, cross_entropy_pass, make_batches
 from shared_prefix import cpu_model
 
@@ -61,11 +62,8 @@ def main() -> int:
     parser.add_argument("--lengths", default="64,256", help="the windows' min,max tokens")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="float32", help="the base weights' dtype, both trees")
-    parser.add_argument("--before-src", type=Path, required=True)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--json", type=Path)
+    add_tree_options(parser)
     args = parser.parse_args()
     if answered_as_worker(args, worker):
         return 0
