@@ -86,8 +86,8 @@ _state = threading.local()  # `capturing`: inside `graph_capture()` on this thre
 # failed even though they passed during recompilation-reason analysis"), and the call
 # compiled a graph past the limit and ran eager, rounding apart from the compiled norms of
 # the same pass. Reproduced in 4 of 17 processes of 200 passes on a new helper thread each,
-# in none of 14 with the lock. A norm's call takes ~0.3 ms of a part's seconds-long pass: the
-# two threads rarely wait for each other. (The compiled backward runs no guards.)
+# in none of 14 with the lock. A norm's compiled call takes ~0.4 ms of a part's pass of
+# seconds: the two threads rarely wait for each other. (The compiled backward runs no guards.)
 _calls = threading.Lock()
 NATIVE_SOURCE = Path(__file__).with_name("rms_norm.cpp")
 
