@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from columns import run_column, this_tree_src  # siblings: a script's folder is on sys.path
+# siblings: a script's folder is on sys.path
+from columns import add_tree_options, run_column, this_tree_src
 
 WORKLOADS = ("plain", "filtered", "mixed")
 
@@ -98,13 +99,10 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
         "--head-dtype", choices=("float32", "bfloat16"), default="float32", help="the logits' dtype"
     )
-    parser.add_argument("--before-src", type=Path, required=True)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--json", type=Path)
+    add_tree_options(parser)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args)))

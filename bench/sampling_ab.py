@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from columns import run_column, this_tree_src  # siblings: a script's folder is on sys.path
+# siblings: a script's folder is on sys.path
+from columns import add_tree_options, run_column, this_tree_src
 from engine import MODEL, RANK, SEED, corpus_text, make_prompts
 from shared_prefix import cpu_model
 
@@ -68,13 +69,10 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--new", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="float32", help="the base weights' dtype, both trees")
     parser.add_argument("--top-k", type=int, default=-1, help="every request's top-k (-1: none)")
     parser.add_argument("--top-p", type=float, default=1.0, help="every request's top-p")
-    parser.add_argument("--before-src", type=Path, required=True)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--json", type=Path)
+    add_tree_options(parser)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args)))

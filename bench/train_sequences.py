@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from columns import alternate, answered_as_worker  # siblings: a script's folder is on sys.path
+# siblings: a script's folder is on sys.path
+from columns import add_tree_options, alternate, answered_as_worker
 from engine import BETAS, EPS, LR, MODEL, RANK, SEED, cross_entropy_pass
 from shared_prefix import cpu_model
 
@@ -66,12 +67,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--shapes", default="128:9:13,32:38:50,8:64:256")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per measurement")
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16", help="the base weights' dtype, both trees")
-    parser.add_argument("--before-src", type=Path, required=True)
     parser.add_argument("--shape", help=argparse.SUPPRESS)  # a worker's one shape
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--json", type=Path)
+    add_tree_options(parser)
     args = parser.parse_args()
     if answered_as_worker(args, worker):
         return 0
