@@ -1,7 +1,8 @@
-"""The LM head tiles' element-wise work by C++ loops (engine/native_head.py, head_tile.cpp):
-the fused head's logprobs and gradients as its torch code makes them, to a few fp32 ulps and
-a bf16 step; every tile shape, repeated targets, the thread count blind. Skipped where the
-CPU has no AVX512-BF16 (the torch code runs there, tested in test_fused_head.py)."""
+"""The LM head tiles' element-wise work by C++ loops (engine/native_head.py, head_tile.h):
+the fused head's logprobs and gradients as its torch code makes them, to a few fp32 ulps and,
+at bf16, a bf16 step; every tile shape, repeated targets, the thread count blind. Each width
+is skipped where the CPU lacks its features (bf16: AVX512-BF16, fp32: AVX512F; the torch
+code runs there, tested in test_fused_head.py)."""
 
 from __future__ import annotations
 
@@ -11,19 +12,34 @@ torch = pytest.importorskip("torch")
 
 from tuneloop.server.engine import fused_head, native_head  # noqa: E402
 
-BUILT = native_head.forward_kernel() is not None and native_head.backward_kernel() is not None
-pytestmark = pytest.mark.skipif(not BUILT, reason="no AVX512-BF16 or no C++ compiler here")
+
+def _built(dtype: torch.dtype) -> bool:
+    return (
+        native_head.forward_kernel(dtype) is not None
+        and native_head.backward_kernel(dtype) is not None
+    )
 
 
-def _run(rows: int, vocab: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
-    """Logprobs of k targets a row through a bf16 head with one LoRA segment, and the
+_WIDTHS = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = [
+    pytest.param(
+        dtype,
+        id=name,
+        marks=pytest.mark.skipif(not _built(dtype), reason=f"no {name} loops built here"),
+    )
+    for name, dtype in _WIDTHS.items()
+]
+
+
+def _run(rows: int, vocab: int, k: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Logprobs of k targets a row through a head of `dtype` with one LoRA segment, and the
     gradients of hidden, low and B for a random upstream gradient."""
     gen = torch.Generator().manual_seed(seed)
     d, r = 64, 8
-    weight = (torch.randn(vocab, d, generator=gen) * 0.6).bfloat16()
-    hidden = torch.randn(rows, d, generator=gen).bfloat16().requires_grad_(True)
-    low = (torch.randn(rows, r, generator=gen) * 0.1).bfloat16().requires_grad_(True)
-    b = (torch.randn(vocab, r, generator=gen) * 0.1).bfloat16().requires_grad_(True)
+    weight = (torch.randn(vocab, d, generator=gen) * 0.6).to(dtype)
+    hidden = torch.randn(rows, d, generator=gen).to(dtype).requires_grad_(True)
+    low = (torch.randn(rows, r, generator=gen) * 0.1).to(dtype).requires_grad_(True)
+    b = (torch.randn(vocab, r, generator=gen) * 0.1).to(dtype).requires_grad_(True)
     targets = torch.randint(0, vocab, (rows, k), generator=gen)
     if k > 1:
         targets[::3, 1] = targets[::3, 0]  # a target twice in a row: both gradients land
@@ -39,15 +55,30 @@ def _run(rows: int, vocab: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
 SHAPES = [(700, 3000, 2), (1, 1024, 1), (513, 1040, 1), (37, 517, 3)]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "vocab", "k"), SHAPES)
 def test_the_loops_give_the_torch_codes_logprobs_and_gradients(
-    rows: int, vocab: int, k: int, monkeypatch: pytest.MonkeyPatch
+    rows: int, vocab: int, k: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    got = _run(rows, vocab, k, seed=rows + vocab)
+    calls: list[torch.dtype] = []
+    tile = native_head.forward_tile
+    monkeypatch.setattr(
+        native_head, "forward_tile", lambda raw, *a: (calls.append(raw.dtype), tile(raw, *a))
+    )
+    got = _run(rows, vocab, k, seed=rows + vocab, dtype=dtype)
+    assert set(calls) == {dtype}  # (the loops ran, on tiles of this width alone)
     monkeypatch.setattr(native_head, "takes", lambda raw, softcap: False)
-    want = _run(rows, vocab, k, seed=rows + vocab)
+    want = _run(rows, vocab, k, seed=rows + vocab, dtype=dtype)
     # logprobs: the same logsumexp but for the order of the sums (a few fp32 ulps)
     torch.testing.assert_close(got[0], want[0], rtol=4e-7, atol=1e-6)
+    if dtype == torch.float32:
+        # each logit's gradient within an ulp or two of its exp; the input gradients sum a
+        # row's or a column's over the vocabulary or the rows, where terms cancel: measured
+        # within 1.6e-6 of the largest value (13 ulps of it), bounded at 2^-18
+        for a, b in zip(got[1:], want[1:], strict=True):
+            assert a.dtype == b.dtype == torch.float32
+            assert float((a - b).abs().max()) <= float(b.abs().max()) * 2.0**-18
+        return
     for a, b in zip(got[1:], want[1:], strict=True):
         assert a.dtype == b.dtype == torch.bfloat16
         # each tile's gradient rounds to bf16, where an ulp of its exp may move the rounding by
@@ -57,11 +88,15 @@ def test_the_loops_give_the_torch_codes_logprobs_and_gradients(
         assert (a != b).float().mean() <= 0.01
 
 
-def test_the_loops_take_bf16_cpu_tiles_without_softcap_alone() -> None:
-    tile = torch.randn(4, 32).bfloat16()
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_loops_take_cpu_tiles_of_their_widths_without_softcap_alone(
+    dtype: torch.dtype,
+) -> None:
+    tile = torch.randn(4, 32).to(dtype)
     assert native_head.takes(tile, None)
     assert not native_head.takes(tile, 30.0)
-    assert not native_head.takes(tile.float(), None)
+    assert not native_head.takes(tile.double(), None)
+    assert not native_head.takes(tile.half(), None)
     assert not native_head.takes(tile.t(), None)
     stats = torch.zeros(4), torch.zeros(4), torch.zeros(4, 1)
     targets = torch.zeros(4, 1, dtype=torch.int64)
@@ -71,9 +106,12 @@ def test_the_loops_take_bf16_cpu_tiles_without_softcap_alone() -> None:
         native_head.forward_tile(tile, (0, 4, 0, 32), targets, stats[0].double(), *stats[1:])
 
 
-def test_a_row_does_not_depend_on_the_rows_beside_it_or_on_the_thread_count() -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_does_not_depend_on_the_rows_beside_it_or_on_the_thread_count(
+    dtype: torch.dtype,
+) -> None:
     gen = torch.Generator().manual_seed(9)
-    raw = (torch.randn(300, 1024, generator=gen) * 8).bfloat16()
+    raw = (torch.randn(300, 1024, generator=gen) * 8).to(dtype)
     targets = torch.randint(0, 1024, (300, 1), generator=gen)
     lse = torch.randn(300, generator=gen) + 12
     g_sum, g = torch.randn(300, generator=gen), torch.randn(300, 1, generator=gen)
@@ -105,11 +143,12 @@ def test_a_row_does_not_depend_on_the_rows_beside_it_or_on_the_thread_count() ->
     assert tile[1] == whole[3].shape[0]
 
 
-def test_the_statistics_merge_over_tiles_as_one_logsumexp() -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_statistics_merge_over_tiles_as_one_logsumexp(dtype: torch.dtype) -> None:
     """Tiles of one row taken one after another: the running maximum and sum give the row's
     logsumexp (fp64 reference), including logits far below the row's maximum."""
     gen = torch.Generator().manual_seed(2)
-    row = (torch.randn(1, 4096, generator=gen) * 20).bfloat16()
+    row = (torch.randn(1, 4096, generator=gen) * 20).to(dtype)
     row[0, 7] = -3.0e38  # exp underflows to zero
     high, total = torch.full((1,), float("-inf")), torch.zeros(1)
     picked, targets = torch.zeros(1, 1), torch.tensor([[4000]])

@@ -1,124 +1,37 @@
-// A training pass's LM head tile by tile (fused_head.py): the element-wise work on one tile of
-// bf16 logits [rows, columns of vocabulary], for x86-64 CPUs with AVX512F and AVX512-BF16
-// (native_head.py builds and loads it).
-//
-// Eager, a tile's forward statistics are six passes over it in fp32 (the upcast, the row
-// maxima, the subtraction, the scaling, exp2, the row sums) and its gradient seven (the
-// upcast, the subtraction, the scaling, exp2, the product with the gradients' sums, the
-// scatter of the targets' gradients, the downcast): on SmolLM2's 49,152-word head, ~200 ms of
-// a training step of 1,250 tokens on an AMX Xeon where the head's matmuls take ~65. Here each
-// is one pass over the bf16 tile, a row at a time (a row of 1,024 logits stays in L1).
-//
-// exp in fp32 by the reduction and polynomial of SLEEF's expf_u10 (which torch's vectorized
-// kernels call), to within an ulp of eager's; the sums run in another order than torch's
-// (16 lanes, then across them), so a row's sums differ from eager's by a few fp32 ulps.
-// Rows run in parallel under OpenMP; a row's values depend on that row alone.
+// The LM head tile's loops (head_tile.h) over bf16 logits, for x86-64 CPUs with AVX512F and
+// AVX512-BF16 (native_head.py builds and loads it); a gradient rounds to bf16 as it is stored
+// (nearest even, as torch's downcast).
 #if !defined(__AVX512F__) || !defined(__AVX512BF16__)
 #error "this kernel needs AVX512F and AVX512-BF16"
 #endif
-#include <immintrin.h>
-#include <omp.h>
-#include <cmath>
-#include <cstdint>
-
 #include "bf16.h"
-#include "vec512.h"
+#include "head_tile.h"
 
 namespace {
 
-using vec512::exp_le0;
-using vec512::lanes;
-using vec512::widen;
-
-float row_max(const uint16_t* z, int64_t n) {
-  __m512 high = _mm512_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 keep = lanes(n - j);
-    high = _mm512_mask_max_ps(high, keep, high, widen(z + j, keep));
+struct Bf16 {
+  using T = uint16_t;
+  static __m512 load(const T* p, __mmask16 keep) { return vec512::widen(p, keep); }
+  static float at(const T* p) { return bf16::to_float(*p); }
+  static void store(T* p, __mmask16 keep, __m512 v) {
+    _mm256_mask_storeu_epi16(p, keep, (__m256i)_mm512_cvtneps_pbh(v));
   }
-  return _mm512_reduce_max_ps(high);
-}
-
-float row_exp_sum(const uint16_t* z, int64_t n, float shift) {
-  const __m512 minus = _mm512_set1_ps(shift);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 keep = lanes(n - j);
-    const __m512 e = exp_le0(_mm512_sub_ps(widen(z + j, keep), minus));
-    sum = _mm512_mask_add_ps(sum, keep, sum, e);
-  }
-  return _mm512_reduce_add_ps(sum);
-}
+  static void put(T* p, float v) { *p = bf16::from_float(v); }
+};
 
 }  // namespace
 
-// One tile's logits into its rows' running statistics, in place: raw [rows, n] bf16 (row
-// stride ld) holds vocabulary columns [v0, v0 + n); targets [rows, k] (vocabulary ids, row
-// stride k); high, total [rows]: the running maximum and sum of exp(logit - maximum); picked
-// [rows, k]: the targets' logits, written where the target falls in the tile.
 extern "C" int head_tile_forward_bf16(const uint16_t* raw, int64_t ld, int64_t rows, int64_t n,
                                       int64_t v0, const int64_t* targets, int64_t k,
                                       float* high, float* total, float* picked, int threads) {
-  if (rows < 0 || n <= 0 || ld < n || k < 0) return 1;
-  #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= 65536)
-  for (int64_t i = 0; i < rows; ++i) {
-    const uint16_t* z = raw + i * ld;
-    const float old = high[i];
-    const float top = std::fmax(old, row_max(z, n));
-    // the running sum rescaled to the new maximum (zero on a row's first tile: exp(-inf))
-    const float kept = old == top ? total[i] : total[i] * std::exp(old - top);
-    total[i] = kept + row_exp_sum(z, n, top);
-    high[i] = top;
-    for (int64_t t = 0; t < k; ++t) {
-      const int64_t column = targets[i * k + t] - v0;
-      if (column >= 0 && column < n) picked[i * k + t] = bf16::to_float(z[column]);
-    }
-  }
-  return 0;
+  return head_tile::forward<Bf16>(raw, ld, rows, n, v0, targets, k, high, total, picked,
+                                  threads);
 }
 
-// One tile's gradient of the logits, rounded to bf16 into d [rows, n] (contiguous):
-// exp(logit - lse) * -g_sum + the targets' gradients where they fall in the tile, summed in
-// fp32 in that order (the targets in theirs). raw, targets as head_tile_forward_bf16; lse,
-// g_sum [rows]; g [rows, k].
 extern "C" int head_tile_backward_bf16(const uint16_t* raw, int64_t ld, int64_t rows, int64_t n,
                                        int64_t v0, const int64_t* targets, int64_t k,
                                        const float* lse, const float* g_sum, const float* g,
                                        uint16_t* d, int threads) {
-  if (rows < 0 || n <= 0 || ld < n || k < 0) return 1;
-  #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= 65536)
-  for (int64_t i = 0; i < rows; ++i) {
-    const uint16_t* z = raw + i * ld;
-    uint16_t* out = d + i * n;
-    const __m512 shift = _mm512_set1_ps(lse[i]);
-    const __m512 scale = _mm512_set1_ps(-g_sum[i]);
-    // targets in this tile: at most a few per row; their columns' values are fixed below
-    bool any = false;
-    for (int64_t t = 0; t < k; ++t) {
-      const int64_t column = targets[i * k + t] - v0;
-      any |= column >= 0 && column < n;
-    }
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 keep = lanes(n - j);
-      const __m512 e = exp_le0(_mm512_sub_ps(widen(z + j, keep), shift));
-      const __m512 v = _mm512_mul_ps(e, scale);
-      _mm256_mask_storeu_epi16(out + j, keep, (__m256i)_mm512_cvtneps_pbh(v));
-    }
-    if (!any) continue;
-    // a target's column: its value recomputed in fp32 with each of its gradients added in
-    // order, then rounded (as a scatter-add into the fp32 tile, then the downcast)
-    for (int64_t t = 0; t < k; ++t) {
-      const int64_t column = targets[i * k + t] - v0;
-      if (column < 0 || column >= n) continue;
-      bool first = true;
-      for (int64_t s = 0; s < t; ++s) first &= targets[i * k + s] != targets[i * k + t];
-      if (!first) continue;  // (done with the first of equal targets)
-      const __m512 one = _mm512_set1_ps(bf16::to_float(z[column]) - lse[i]);
-      float value = _mm512_cvtss_f32(_mm512_mul_ps(exp_le0(one), scale));
-      for (int64_t s = t; s < k; ++s)
-        if (targets[i * k + s] == targets[i * k + t]) value += g[i * k + s];
-      out[column] = bf16::from_float(value);  // (nearest even, as the vector stores round)
-    }
-  }
-  return 0;
+  return head_tile::backward<Bf16>(raw, ld, rows, n, v0, targets, k, lse, g_sum, g, d,
+                                   threads);
 }

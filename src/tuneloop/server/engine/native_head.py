@@ -1,18 +1,20 @@
-"""A training pass's LM head tiles' element-wise work as C++ loops at bf16 on a CPU.
+"""A training pass's LM head tiles' element-wise work as C++ loops on a CPU, bf16 or fp32.
 
-fused_head.py computes the head tile by tile: per tile of bf16 logits, its rows' running
-maximum, sum of exponentials and targets' logits (forward), and the logits' gradient
-(backward). Eager torch makes those in six and seven fp32 passes over each tile;
-head_tile.cpp makes each in one pass over the bf16 tile, a row at a time. On SmolLM2-135M (a
-49,152-word head) on an AMX Xeon, the head of a 1,252-token training step took 131.7 -> 88.9
-ms forward and 159.5 -> 121.6 ms backward with them, the step 1.045x faster
-(bench/train_variants.py --variant head-tiles, docs/benchmarks.md).
+fused_head.py computes the head tile by tile: per tile of logits, its rows' running maximum,
+sum of exponentials and targets' logits (forward), and the logits' gradient (backward). Eager
+torch makes those in five to seven fp32 passes over each tile; head_tile.h makes each in one
+pass over the tile, a row at a time, at the tile's width (head_tile.cpp: bf16,
+head_tile_fp32.cpp: fp32). On SmolLM2-135M (a 49,152-word head) on an AMX Xeon, the bf16 head
+of a 1,252-token training step took 131.7 -> 88.9 ms forward and 159.5 -> 121.6 ms backward
+with them, the step 1.045x faster; at fp32 on an AVX-512 Xeon without bf16 units (Ice Lake),
+see docs/benchmarks.md (bench/train_variants.py --variant head-tiles).
 
 The loops' exp is SLEEF's expf_u10 as torch's vectorized kernels call it; their sums run in
-another order than torch's, so a row's logsumexp differs from eager's by a few fp32 ulps and a
-gradient by a bf16 step where that moves its rounding (tests/unit/engine/test_native_head.py).
-They take bf16 CPU tiles of a head without a logit softcap where the CPU has AVX512-BF16 and
-the library could be built; elsewhere fused_head.py's torch code runs.
+another order than torch's, so a row's logsumexp differs from eager's by a few fp32 ulps, and
+a gradient by an ulp of its exp at fp32, or by a bf16 step where that moves its rounding
+(tests/unit/engine/test_native_head.py). They take CPU tiles of a head without a logit softcap,
+bf16 where the CPU has AVX512-BF16, fp32 where it has AVX512F, and where the library could be
+built; elsewhere fused_head.py's torch code runs.
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ from tuneloop.server.engine import native
 
 __all__ = ["backward_kernel", "backward_tile", "forward_kernel", "forward_tile", "takes"]
 
-SOURCE = Path(__file__).with_name("head_tile.cpp")
-_NEEDS = ("avx512f", "avx512_bf16")
+# each width's source, its functions' suffix and the CPU features it needs
+_SOURCES = {
+    torch.bfloat16: (Path(__file__).with_name("head_tile.cpp"), "bf16", ("avx512f", "avx512_bf16")),
+    torch.float32: (Path(__file__).with_name("head_tile_fp32.cpp"), "fp32", ("avx512f",)),
+}
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 # raw, ld, rows, n, v0, targets, k; high, total, picked; threads
 _FORWARD = (_P, _I, _I, _I, _I, _P, _I, _P, _P, _P, ctypes.c_int)
@@ -36,24 +41,31 @@ _FORWARD = (_P, _I, _I, _I, _I, _P, _I, _P, _P, _P, ctypes.c_int)
 _BACKWARD = (_P, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, ctypes.c_int)
 
 
-def forward_kernel() -> Any:
-    """head_tile_forward_bf16 (`_FORWARD`), or None where it cannot be built."""
-    return native.function(SOURCE, "head_tile_forward_bf16", _FORWARD, ctypes.c_int, _NEEDS)
+def _kernel(dtype: torch.dtype, part: str, signature: tuple[Any, ...]) -> Any:
+    if dtype not in _SOURCES:
+        return None
+    source, suffix, needs = _SOURCES[dtype]
+    return native.function(source, f"head_tile_{part}_{suffix}", signature, ctypes.c_int, needs)
 
 
-def backward_kernel() -> Any:
-    """head_tile_backward_bf16 (`_BACKWARD`), or None where it cannot be built."""
-    return native.function(SOURCE, "head_tile_backward_bf16", _BACKWARD, ctypes.c_int, _NEEDS)
+def forward_kernel(dtype: torch.dtype = torch.bfloat16) -> Any:
+    """head_tile_forward_<bf16|fp32> (`_FORWARD`) for tiles of `dtype`, or None where it
+    cannot be built (or no loop takes that dtype)."""
+    return _kernel(dtype, "forward", _FORWARD)
+
+
+def backward_kernel(dtype: torch.dtype = torch.bfloat16) -> Any:
+    """head_tile_backward_<bf16|fp32> (`_BACKWARD`) for tiles of `dtype`, or None where it
+    cannot be built (or no loop takes that dtype)."""
+    return _kernel(dtype, "backward", _BACKWARD)
 
 
 def takes(raw: torch.Tensor, softcap: float | None) -> bool:
-    """Whether the loops take this tile of logits: bf16 on a CPU, rows each contiguous, no
-    softcap, both kernels built."""
-    if softcap or raw.dtype != torch.bfloat16 or raw.device.type != "cpu" or raw.dim() != 2:
+    """Whether the loops take this tile of logits: bf16 or fp32 on a CPU, rows each
+    contiguous, no softcap, both kernels of its dtype built."""
+    if softcap or raw.device.type != "cpu" or raw.dim() != 2 or raw.stride(1) != 1:
         return False
-    if raw.stride(1) != 1:
-        return False
-    return forward_kernel() is not None and backward_kernel() is not None
+    return forward_kernel(raw.dtype) is not None and backward_kernel(raw.dtype) is not None
 
 
 def _rows(t: torch.Tensor, r0: int) -> int:
@@ -98,10 +110,10 @@ def forward_tile(
     total: torch.Tensor,
     picked: torch.Tensor,
 ) -> None:
-    """fused_head._forward_tile for a bf16 tile `raw` [r1 - r0, v1 - v0] (`takes`): its rows'
-    running maximum `high`, sum of exponentials `total` and targets' logits `picked` ([N, K],
-    as targets), updated in place. targets int64, each tensor contiguous."""
-    _call(forward_kernel(), "forward", raw, tile, targets, (high, total, picked))
+    """fused_head._forward_tile for a bf16 or fp32 tile `raw` [r1 - r0, v1 - v0] (`takes`):
+    its rows' running maximum `high`, sum of exponentials `total` and targets' logits `picked`
+    ([N, K], as targets), updated in place. targets int64, each tensor contiguous."""
+    _call(forward_kernel(raw.dtype), "forward", raw, tile, targets, (high, total, picked))
 
 
 def backward_tile(
@@ -112,10 +124,10 @@ def backward_tile(
     g_sum: torch.Tensor,
     g: torch.Tensor,
 ) -> torch.Tensor:
-    """The tile's gradient of its logits in bf16, [r1 - r0, v1 - v0]: exp(z - lse) * -g_sum
+    """The tile's gradient of its logits at raw's dtype, [r1 - r0, v1 - v0]: exp(z - lse) * -g_sum
     plus the targets' gradients g ([N, K], as targets) in their columns. lse, g_sum [N] fp32,
     each tensor contiguous."""
     r0, r1, v0, v1 = tile
-    d = torch.empty((r1 - r0, v1 - v0), dtype=torch.bfloat16)
-    _call(backward_kernel(), "backward", raw, tile, targets, (lse, g_sum, g), d.data_ptr())
+    d = torch.empty((r1 - r0, v1 - v0), dtype=raw.dtype)
+    _call(backward_kernel(raw.dtype), "backward", raw, tile, targets, (lse, g_sum, g), d.data_ptr())
     return d

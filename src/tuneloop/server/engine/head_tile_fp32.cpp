@@ -1,0 +1,34 @@
+// The LM head tile's loops (head_tile.h) over fp32 logits, for x86-64 CPUs with AVX512F
+// (native_head.py builds and loads it): an fp32 model's training pass, where the CPU has no
+// bf16 units.
+#if !defined(__AVX512F__)
+#error "this kernel needs AVX512F"
+#endif
+#include "head_tile.h"
+
+namespace {
+
+struct Fp32 {
+  using T = float;
+  static __m512 load(const T* p, __mmask16 keep) { return _mm512_maskz_loadu_ps(keep, p); }
+  static float at(const T* p) { return *p; }
+  static void store(T* p, __mmask16 keep, __m512 v) { _mm512_mask_storeu_ps(p, keep, v); }
+  static void put(T* p, float v) { *p = v; }
+};
+
+}  // namespace
+
+extern "C" int head_tile_forward_fp32(const float* raw, int64_t ld, int64_t rows, int64_t n,
+                                      int64_t v0, const int64_t* targets, int64_t k,
+                                      float* high, float* total, float* picked, int threads) {
+  return head_tile::forward<Fp32>(raw, ld, rows, n, v0, targets, k, high, total, picked,
+                                  threads);
+}
+
+extern "C" int head_tile_backward_fp32(const float* raw, int64_t ld, int64_t rows, int64_t n,
+                                       int64_t v0, const int64_t* targets, int64_t k,
+                                       const float* lse, const float* g_sum, const float* g,
+                                       float* d, int threads) {
+  return head_tile::backward<Fp32>(raw, ld, rows, n, v0, targets, k, lse, g_sum, g, d,
+                                   threads);
+}
