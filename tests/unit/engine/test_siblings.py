@@ -160,3 +160,60 @@ def test_a_training_pass_runs_q_k_v_and_gate_up_as_groups(
         assert abs(got - want).max() <= 1e-5
     for got, want in zip(grouped[1], single[1], strict=True):
         assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
+
+
+def _linears(sizes: tuple[int, ...], dtype: torch.dtype = torch.float32) -> list[Any]:
+    gen = torch.Generator().manual_seed(5)
+    layers = [torch.nn.Linear(WIDTH, n, dtype=dtype) for n in sizes]
+    for layer in layers:
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen))
+        layer.requires_grad_(False)
+    return layers
+
+
+def test_a_groups_weights_are_stacked_as_views_of_one_tensor_with_their_values() -> None:
+    layers = _linears(SIZES)
+    before = [layer.weight.detach().clone() for layer in layers]
+    x = torch.randn(3, WIDTH)
+    outputs = [layer(x) for layer in layers]
+    assert siblings.stacked_view([layer.weight for layer in layers]) is None
+    assert siblings.stack_weights(layers)
+    weights = [layer.weight for layer in layers]
+    for layer, w, old, out in zip(layers, weights, before, outputs, strict=True):
+        assert isinstance(w, torch.nn.Parameter)
+        assert not w.requires_grad
+        assert torch.equal(w, old)
+        assert torch.equal(layer(x), out)
+    whole = siblings.stacked(weights)
+    assert whole.data_ptr() == weights[0].data_ptr()  # no copy
+    assert torch.equal(whole, torch.cat(before))
+    assert siblings.stack_weights(layers)  # (again: already stacked, left as it is)
+    assert siblings.stacked(weights).data_ptr() == whole.data_ptr()
+
+
+def test_weights_apart_concatenate_and_mixed_groups_stay_apart() -> None:
+    layers = _linears(SIZES)
+    weights = [layer.weight for layer in layers]
+    whole = siblings.stacked(weights)
+    assert torch.equal(whole, torch.cat([w.detach() for w in weights]))
+    assert whole.data_ptr() not in {w.data_ptr() for w in weights}
+    # out of order, or another dtype: no view
+    assert siblings.stack_weights(layers)
+    assert siblings.stacked_view(weights[::-1]) is None
+    mixed = _linears((8,)) + _linears((8,), torch.float64)
+    assert not siblings.stack_weights(mixed)
+    assert mixed[0].weight.data_ptr() != mixed[1].weight.data_ptr()
+
+
+def test_the_bank_stacks_each_groups_weights(backend: Any) -> None:
+    """The tiny Qwen3's q/k/v and gate/up weights, once adapters can be made, are each group's
+    rows of one tensor."""
+    model = backend._runtimes[next(iter(backend._runtimes))].model
+    for layer in model.model.layers:
+        attention = [
+            getattr(layer.self_attn, n).base.weight for n in ("q_proj", "k_proj", "v_proj")
+        ]
+        mlp = [getattr(layer.mlp, n).base.weight for n in ("gate_proj", "up_proj")]
+        for group in (attention, mlp):
+            assert siblings.stacked_view(group) is not None

@@ -23,6 +23,7 @@ from tuneloop.server.engine.lora.fused import FusedLinear, fusable, sibling_grou
 from tuneloop.server.engine.lora.linear import LoRALinear
 from tuneloop.server.engine.lora.routing import LoneWeights, Routing
 from tuneloop.server.engine.lora.segments import KeyDelta, KeyDeltas
+from tuneloop.server.engine.lora.siblings import stack_weights
 from tuneloop.server.engine.lora.slots import Slotted
 from tuneloop.server.engine.lora.targets import Injected, groups_of
 from tuneloop.server.engine.memory import free_bytes
@@ -126,6 +127,8 @@ class AdapterBank:
                 group = tuple(linears[n] for n in names)
                 for index, module in enumerate(group):
                     module.siblings = (group, index)
+                if all(fusable(m.base) for m in group):
+                    stack_weights([m.base for m in group])
 
     # ---- slots --------------------------------------------------------------------------
 
