@@ -134,19 +134,20 @@ def _loss_and_grads(model: Any, ids: Any) -> tuple[Any, list[Any]]:
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
-def test_a_switched_family_trains_through_the_loops_with_eagers_gradients() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_switched_family_trains_through_the_loops_with_eagers_gradients(dtype: Any) -> None:
     """Where autograd records q and k the rotation is one node of the loops (`_Rotary`): the
     loss and every weight's gradient are the unswitched model's bit for bit."""
-    model = _tiny_llama()
+    model = _tiny_llama(dtype=dtype)
     ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(3))
     want, want_grads = _loss_and_grads(model, ids)
     assert rotary.install(model) == 1
-    calls: list[int] = []
-    kernel = rotary.backward_kernel()
+    calls: list[Any] = []
+    kernel = rotary.backward_kernel(dtype)
 
-    def counted() -> Any:
+    def counted(kind: Any = torch.bfloat16) -> Any:
         def call(*args: Any) -> Any:
-            calls.append(1)
+            calls.append(kind)
             return kernel(*args)
 
         return call
@@ -157,27 +158,28 @@ def test_a_switched_family_trains_through_the_loops_with_eagers_gradients() -> N
         got, got_grads = _loss_and_grads(model, ids)
     finally:
         rotary.backward_kernel = backward_kernel  # type: ignore[assignment]
-    assert len(calls) == 2  # one backward call a layer
+    assert calls == [dtype] * 2  # one backward call a layer
     assert torch.equal(got, want)
     for a, b in zip(got_grads, want_grads, strict=True):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("heads", "kv_heads", "tokens", "dim"), [(9, 3, 300, 64), (2, 1, 7, 6)])
 def test_the_backward_loop_gives_eager_autograds_bits(
-    heads: int, kv_heads: int, tokens: int, dim: int
+    heads: int, kv_heads: int, tokens: int, dim: int, dtype: Any
 ) -> None:
     """The gradients of q and k, as the projections' transposed views of one tensor, against
     eager autograd's through the family's function: the same bits, signed zeros included."""
     gen = torch.Generator().manual_seed(tokens)
     width = (heads + 2 * kv_heads) * dim
-    both = (torch.randn(1, tokens, width, generator=gen) * 4).bfloat16()
+    both = (torch.randn(1, tokens, width, generator=gen) * 4).to(dtype)
     both[0, :2] = 0.0
     both[0, 2:4] = -0.0
     angles = torch.randn((1, tokens, dim), generator=gen).mul(5)
-    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     upstream = [
-        torch.randn((1, n, tokens, dim), generator=gen).bfloat16() for n in (heads, kv_heads)
+        torch.randn((1, n, tokens, dim), generator=gen).to(dtype) for n in (heads, kv_heads)
     ]
     upstream[0][..., :3, :] = -0.0
 
@@ -189,15 +191,17 @@ def test_the_backward_loop_gives_eager_autograds_bits(
         out = rotate(q, k, cos, sin)
         return [*out, *torch.autograd.grad(out, (x,), upstream)]
 
-    got, want = grads(rotary._trained), grads(modeling_llama.apply_rotary_pos_emb)
+    got, want = grads(rotary._Rotary.apply), grads(modeling_llama.apply_rotary_pos_emb)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     for g, w in zip(got, want, strict=True):
-        assert torch.equal(g.view(torch.int16), w.view(torch.int16))
+        assert torch.equal(g.view(bits), w.view(bits))
 
 
 def test_each_dtypes_loop_is_probed_for_its_models() -> None:
-    """An fp32 model's family takes the fp32 loop (sampling steps) and the recorded node where
-    autograd records the rotation (test_rotary_node.py); an fp16 model's the node only; a bf16
-    model's the loops, forward and backward, unless the caller keeps them off."""
+    """An fp32 model's family takes the fp32 loops (sampling steps, and as the recorded node
+    where autograd records the rotation, once that agrees too) and torch's node beside them
+    (test_rotary_node.py); an fp16 model's the node only; a bf16 model's the loops, forward
+    and backward, unless the caller keeps them off."""
     name = "transformers.models.llama.modeling_llama"
     assert rotary.install(_tiny_llama().half()) == 1
     assert rotary.installed(torch.float16) == []
@@ -206,16 +210,17 @@ def test_each_dtypes_loop_is_probed_for_its_models() -> None:
     assert rotary.installed() == []
     assert rotary.switched() == [name]
     assert (torch.float32, "cpu") in rotary._NODES[name]
+    assert rotary._LOOPED_NODES[name] == {torch.float32}
     assert rotary.install(_tiny_llama(), loops=False) == 1
     assert rotary.installed() == []
     assert rotary.install(_tiny_llama()) == 1
     assert rotary.installed() == ["transformers.models.llama.modeling_llama"]
 
 
-def test_an_fp32_model_samples_through_the_loop_and_trains_through_the_node() -> None:
+def test_an_fp32_model_samples_through_the_loop_and_trains_through_the_loops_node() -> None:
     """At fp32 the loop runs in sampling steps (inputs autograd does not record), with the
-    unswitched model's logits bit for bit; training records the node, with eager's loss and
-    gradients."""
+    unswitched model's logits bit for bit; training records the loops' node, with eager's loss
+    and gradients."""
     model = _tiny_llama(dtype=torch.float32)
     ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

@@ -73,13 +73,14 @@ def test_the_node_gives_eager_autograds_bits(
 
 
 def test_an_fp32_model_trains_through_the_node_with_eagers_bits() -> None:
+    """Without the loops (kept off here; where they cannot be built or do not agree)."""
     model = _tiny_llama(dtype=torch.float32)
     ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(3))
     want, want_grads = _loss_and_grads(model, ids)
     with torch.no_grad():
         logits = model(ids).logits
     own = modeling_llama.apply_rotary_pos_emb
-    assert rotary.install(model) == 1
+    assert rotary.install(model, loops=False) == 1
     assert rotary.switched() == [LLAMA]
     assert rotary.installed() == []
     assert modeling_llama.apply_rotary_pos_emb is not own
@@ -106,7 +107,7 @@ def test_an_fp32_model_trains_through_the_node_with_eagers_bits() -> None:
 
 
 def test_the_node_is_taken_only_in_the_dtype_it_was_probed_in() -> None:
-    assert rotary.install(_tiny_llama(dtype=torch.float32)) == 1  # probed at fp32 on a CPU
+    assert rotary.install(_tiny_llama(dtype=torch.float32), loops=False) == 1  # probed at fp32
     model = _tiny_llama(dtype=torch.float16)
     ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(4))
     taken: list[int] = []

@@ -73,6 +73,25 @@ void rotate_fp32(const float* x, const float* c, const float* s, int64_t dim, fl
     out[i] = a + b;
   }
 }
+
+// unrotate at fp32 (an fp32 model's training pass): eager autograd's arithmetic as `unrotate`
+// describes it, each product and the sum rounded to fp32, plus the zero of the slices'
+// backward.
+void unrotate_fp32(const float* g, const float* c, const float* s, int64_t dim, float* out) {
+  const int64_t half = dim / 2;
+  #pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = g[i] * c[i];
+    const float b = g[i + half] * s[i + half];
+    out[i] = (a + b) + 0.0f;
+  }
+  #pragma omp simd
+  for (int64_t i = half; i < dim; ++i) {
+    const float a = g[i] * c[i];
+    const float b = g[i - half] * s[i - half];
+    out[i] = (a - b) + 0.0f;
+  }
+}
 #pragma GCC pop_options
 
 template <typename T>
@@ -129,4 +148,14 @@ extern "C" void rotary_fp32(const float* q, int64_t q_token, int64_t q_head, int
                             int64_t dim, float* q_out, float* k_out, int threads) {
   each_head<float, rotate_fp32>(q, q_token, q_head, q_heads, k, k_token, k_head, k_heads, cos,
                                 sin, cs_token, tokens, dim, q_out, k_out, threads);
+}
+
+// rotary_backward_bf16's form at fp32.
+extern "C" void rotary_backward_fp32(const float* gq, int64_t q_token, int64_t q_head,
+                                     int64_t q_heads, const float* gk, int64_t k_token,
+                                     int64_t k_head, int64_t k_heads, const float* cos,
+                                     const float* sin, int64_t cs_token, int64_t tokens,
+                                     int64_t dim, float* q_out, float* k_out, int threads) {
+  each_head<float, unrotate_fp32>(gq, q_token, q_head, q_heads, gk, k_token, k_head, k_heads,
+                                  cos, sin, cs_token, tokens, dim, q_out, k_out, threads);
 }

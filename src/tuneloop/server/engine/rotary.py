@@ -15,20 +15,21 @@ layouts it does not take) it calls the family's own function. A family is switch
 after the two agree bit for bit on a probe, so a family whose rotary differs (interleaved
 pairs, partial rotary) keeps its own.
 
-At fp32 on a CPU (an fp32 model's sampling steps) the forward loop runs too, its products and
-sum rounded to fp32 as eager's operations round them (probed at fp32 the same way): the eight
-operations' dispatch is most of a one-row step's rotary. Training at fp32 records the node
-below (no fp32 backward loop).
+At fp32 on a CPU the loops run too, their products and sums rounded to fp32 as eager's
+operations round them: forward (an fp32 model's sampling steps, probed at fp32 the same way;
+the eight operations' dispatch is most of a one-row step's rotary) and, where a probe of the
+node forward and backward gives the family's bits, as the recorded node of an fp32 training
+pass (each of eager's five to six passes over q and k a single loop's).
 
-Every other model (other dtypes, a GPU) gets the recorded case only, in torch's own operations
-(`_TorchRotary`): eager's forward operations run without recording them, and the backward
-takes each gradient back through the rotation in five operations a tensor, where eager
-autograd's nodes run about ten (the rotated halves' slices each write into a zero-filled
-tensor of the whole size, then the pieces are summed), with eager's bits. On a GPU each is a
-kernel launch and a pass over memory. On a CPU at fp32 the node's forward and backward ran
-1.04-1.07x at 1,400 tokens of 9 to 32 heads, and 1.00x at a narrow model's sizes, where its
-Python backward costs the host what eager's C++ nodes cost (docs/benchmarks.md). Its probe
-runs forward and backward in the model's dtype on its device.
+Every other model (other dtypes, a GPU, an fp32 CPU model whose loops were not built or did not
+agree) gets the recorded case only, in torch's own operations (`_TorchRotary`): eager's forward
+operations run without recording them, and the backward takes each gradient back through the
+rotation in five operations a tensor, where eager autograd's nodes run about ten (the rotated
+halves' slices each write into a zero-filled tensor of the whole size, then the pieces are
+summed), with eager's bits. On a GPU each is a kernel launch and a pass over memory. On a CPU at
+fp32 the node's forward and backward ran 1.04-1.07x at 1,400 tokens of 9 to 32 heads, and 1.00x
+at a narrow model's sizes, where its Python backward costs the host what eager's C++ nodes cost
+(docs/benchmarks.md). Its probe runs forward and backward in the model's dtype on its device.
 """
 
 from __future__ import annotations
@@ -67,9 +68,14 @@ _ORIGINALS: dict[str, Callable[..., Any]] = {}
 # bf16, fp32), and those whose recorded rotation `_TorchRotary` reproduces (probed in a model's
 # dtype and device: the (dtype, device type) pairs probed).
 _LOOPS: dict[str, set[torch.dtype]] = {}
-# The loops' entry points by dtype (the backward at bf16 only: fp32 training takes the node)
+# The loops' entry points by dtype, forward and backward
 _KERNELS = {torch.bfloat16: "rotary_bf16", torch.float32: "rotary_fp32"}
+_BACKWARDS = {torch.bfloat16: "rotary_backward_bf16", torch.float32: "rotary_backward_fp32"}
 _NODES: dict[str, set[tuple[torch.dtype, str]]] = {}
+# Of the looped families, those whose fp32 loops as a recorded node (`_Rotary`) gave the
+# family's bits forward and backward on a probe (at bf16 the node is taken unprobed: its
+# backward loop's arithmetic is eager's, tested bit for bit).
+_LOOPED_NODES: dict[str, set[torch.dtype]] = {}
 
 
 def _signature() -> tuple[Any, ...]:
@@ -95,9 +101,12 @@ def native_kernel(dtype: torch.dtype = torch.bfloat16) -> Any:
     return native.function(SOURCE, _KERNELS[dtype], _signature())
 
 
-def backward_kernel() -> Any:
-    """rotary.cpp's backward (the gradients of the outputs in place of q and k), or None."""
-    return native.function(SOURCE, "rotary_backward_bf16", _signature())
+def backward_kernel(dtype: torch.dtype = torch.bfloat16) -> Any:
+    """rotary.cpp's backward for `dtype` (the gradients of the outputs in place of q and k),
+    or None."""
+    if dtype not in _BACKWARDS:
+        return None
+    return native.function(SOURCE, _BACKWARDS[dtype], _signature())
 
 
 def _fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -161,7 +170,7 @@ class _Rotary(torch.autograd.Function):
         sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.save_for_backward(cos, sin)
-        return _run(native_kernel(), q, k, cos, sin)
+        return _run(native_kernel(q.dtype), q, k, cos, sin)
 
     @staticmethod
     def backward(
@@ -169,18 +178,21 @@ class _Rotary(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         cos, sin = ctx.saved_tensors  # type: ignore[attr-defined]
         grads = [g if g.stride(-1) == 1 else g.contiguous() for g in (grad_q, grad_k)]
-        d_q, d_k = _run(backward_kernel(), grads[0], grads[1], cos, sin)
+        d_q, d_k = _run(backward_kernel(grads[0].dtype), grads[0], grads[1], cos, sin)
         return d_q, d_k, None, None
 
 
 def _trained(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    name: str, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The rotation as one autograd node of the loops where autograd records q or k (and not
-    cos or sin); None where the loops do not take them."""
-    if q.dtype != torch.bfloat16 or cos.requires_grad or sin.requires_grad:
+    cos or sin): at bf16, or at a dtype whose node family `name` agreed with
+    (`_LOOPED_NODES`); None where the loops do not take them."""
+    if q.dtype != torch.bfloat16 and q.dtype not in _LOOPED_NODES.get(name, ()):
         return None
-    if not _fits(q, k, cos, sin) or native_kernel() is None or backward_kernel() is None:
+    if cos.requires_grad or sin.requires_grad or not _fits(q, k, cos, sin):
+        return None
+    if native_kernel(q.dtype) is None or backward_kernel(q.dtype) is None:
         return None
     out: tuple[torch.Tensor, torch.Tensor] = _Rotary.apply(q, k, cos, sin)
     return out
@@ -254,7 +266,7 @@ def _replacement(name: str, own: Callable[..., Any]) -> Callable[..., Any]:
             recorded = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
             done = None
             if q.dtype in _LOOPS.get(name, ()):
-                done = _trained(q, k, cos, sin) if recorded else rotate(q, k, cos, sin)
+                done = _trained(name, q, k, cos, sin) if recorded else rotate(q, k, cos, sin)
             if done is None and recorded and (q.dtype, q.device.type) in _NODES.get(name, ()):
                 done = _TorchRotary.apply(q, k, cos, sin) if _node_takes(q, k, cos, sin) else None
             if done is not None:
@@ -289,9 +301,11 @@ def _node_agrees(
     shape: tuple[int, int, int],
     dtype: torch.dtype,
     device: torch.device,
+    node: Callable[..., Any] | None = None,
 ) -> bool:
-    """Whether `_TorchRotary` gives the family's bits, forward and the gradients of q and k as
-    the projections' transposed views of one tensor, on a probe in `dtype` on `device`."""
+    """Whether `node` (`_TorchRotary`'s by default) gives the family's bits, forward and the
+    gradients of q and k as the projections' transposed views of one tensor, on a probe in
+    `dtype` on `device`."""
     heads, kv_heads, dim = shape
     if dim % 2:
         return False
@@ -313,7 +327,7 @@ def _node_agrees(
                 return []
             return [o.detach() for o in out] + list(torch.autograd.grad(out, (x,), upstream))
 
-    want, got = run(own), run(_TorchRotary.apply)
+    want, got = run(own), run(node or _TorchRotary.apply)
     return len(want) == len(got) == 3 and all(
         torch.equal(g, w) for g, w in zip(got, want, strict=True)
     )
@@ -351,9 +365,9 @@ def _probed(name: str, what: str, probe: Callable[[], bool]) -> bool:
 def install(model: nn.Module, *, loops: bool = True) -> int:
     """Point the rotary function of `model`'s families at the native loops where the model
     is bf16 or fp32 on a CPU, `loops` allows them and they agree with the family's function
-    (at fp32 forward only: inputs autograd does not record), and, where the loops do not
-    record the rotation (any dtype but bf16), at the recorded node in torch's operations where
-    it agrees in the model's dtype and device; returns how many of the model's families are
+    (at fp32 as a recorded node only where that agrees too, forward and backward), and, where
+    the loops do not record the rotation, at the recorded node in torch's operations where it
+    agrees in the model's dtype and device; returns how many of the model's families are
     switched for this model (0 where none)."""
     weight = next(model.parameters(), None)
     if weight is None:
@@ -370,6 +384,11 @@ def install(model: nn.Module, *, loops: bool = True) -> int:
         if unprobed and _probed(name, f"the {dtype} loop", agrees):
             _LOOPS.setdefault(name, set()).add(dtype)
         looped = loops and dtype in _LOOPS.get(name, ())
+        recordable = looped and dtype != torch.bfloat16 and backward_kernel(dtype) is not None
+        if recordable and dtype not in _LOOPED_NODES.get(name, ()):
+            probe = functools.partial(_node_agrees, own, shape, dtype, weight.device, _Rotary.apply)
+            if _probed(name, f"the {dtype} loops' node", probe):
+                _LOOPED_NODES.setdefault(name, set()).add(dtype)
         if not (looped and dtype == torch.bfloat16) and kind not in _NODES.get(name, ()):
             probe = functools.partial(_node_agrees, own, shape, dtype, weight.device)
             if _probed(name, f"{dtype} on {weight.device.type}", probe):
@@ -400,4 +419,5 @@ def uninstall() -> int:
     _ORIGINALS.clear()
     _LOOPS.clear()
     _NODES.clear()
+    _LOOPED_NODES.clear()
     return count
