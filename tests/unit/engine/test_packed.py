@@ -79,6 +79,24 @@ def test_without_native_kernels_nothing_is_packed(monkeypatch: pytest.MonkeyPatc
     assert packed.pack(w) is w
 
 
+@x86
+def test_bf16_is_packed_only_on_cpus_with_bf16_units(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN calls bf16 supported on AVX-512 CPUs without bf16 units, where it emulates it
+    (and its packed sums round apart from functional.linear's): those keep plain bf16
+    weights; fp32 packs there as before."""
+    if not packed._kernels():
+        pytest.skip("no oneDNN linear here")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    monkeypatch.setattr(packed.native, "cpu_flags", lambda: frozenset({"avx512f", "avx512bw"}))
+    w = torch.randn(8, 4, dtype=BF16)
+    assert not packed.packable(w)
+    assert packed.pack(w) is w
+    assert packed.packable(w.float())
+    for units in ("avx512_bf16", "amx_bf16"):
+        monkeypatch.setattr(packed.native, "cpu_flags", lambda units=units: frozenset({units}))
+        assert packed.packable(w)
+
+
 @native
 @pytest.mark.parametrize("rows", [1, 7, 128, 300])
 @pytest.mark.parametrize("shape", [(1536, 576), (192, 576), (576, 1536)])

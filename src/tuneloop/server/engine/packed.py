@@ -22,11 +22,18 @@ import platform
 import torch
 from torch.nn import functional
 
+from tuneloop.server.engine import native
+
 __all__ = ["fp32_kernels", "linear", "onednn_linear", "pack", "packable"]
 
 _HALF = (torch.bfloat16, torch.float16)
 # Where oneDNN's packed fp32 kernel was measured against MKL's sgemm (module docstring).
 _FP32_MACHINES = ("x86_64", "amd64")
+# An x86-64 CPU's bf16 units. oneDNN calls bf16 supported on AVX-512 CPUs without them too
+# (Skylake to Ice Lake Xeons), where it emulates it: there a packed weight's sums rounded apart
+# from functional.linear's (a bf16 step in one of 3,072 outputs at 2 rows, an Ice Lake Xeon),
+# and emulated bf16 gains nothing from packing.
+_BF16_UNITS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
 def _kernels() -> bool:
@@ -63,6 +70,9 @@ def packable(weight: torch.Tensor) -> bool:
         return False
     mkldnn = torch.ops.mkldnn
     if weight.dtype == torch.bfloat16:
+        x86 = platform.machine().lower() in _FP32_MACHINES
+        if x86 and not _BF16_UNITS & native.cpu_flags():
+            return False
         return bool(mkldnn._is_mkldnn_bf16_supported())
     return bool(mkldnn._is_mkldnn_fp16_supported())
 
