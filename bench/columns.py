@@ -18,7 +18,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_tree_options", "alternate", "answered_as_worker", "run_column", "this_tree_src"]
+__all__ = [
+    "add_tree_options",
+    "alternate",
+    "answered_as_worker",
+    "run_column",
+    "stolen_seconds",
+    "this_tree_src",
+]
 
 BENCH = Path(__file__).resolve().parent
 
@@ -26,6 +33,18 @@ BENCH = Path(__file__).resolve().parent
 def this_tree_src() -> str:
     """This checkout's `src/`."""
     return str(BENCH.parent / "src")
+
+
+def stolen_seconds() -> float | None:
+    """The CPU time the hypervisor gave other guests so far, summed over this guest's CPUs
+    (/proc/stat's steal column), or None where it cannot be read. On a shared virtual
+    machine it comes in bursts (0-30 % of a step's CPU time in one round of the same
+    benchmark), so the two-tree scripts report each process's share beside its wall time."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def run_column(script: Path | str, src: str, args: Sequence[str]) -> dict[str, Any]:
