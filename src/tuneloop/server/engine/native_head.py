@@ -6,8 +6,9 @@ torch makes those in five to seven fp32 passes over each tile; head_tile.h makes
 pass over the tile, a row at a time, at the tile's width (head_tile.cpp: bf16,
 head_tile_fp32.cpp: fp32). On SmolLM2-135M (a 49,152-word head) on an AMX Xeon, the bf16 head
 of a 1,252-token training step took 131.7 -> 88.9 ms forward and 159.5 -> 121.6 ms backward
-with them, the step 1.045x faster; at fp32 on an AVX-512 Xeon without bf16 units (Ice Lake),
-see docs/benchmarks.md (bench/train_variants.py --variant head-tiles).
+with them, the step 1.045x faster; at fp32 on an Ice Lake Xeon (AVX-512, no bf16 units), the
+head of 704 rows on one thread 615 -> 510 ms forward and 643 -> 558 ms backward
+(docs/benchmarks.md).
 
 The loops' exp is SLEEF's expf_u10 as torch's vectorized kernels call it; their sums run in
 another order than torch's, so a row's logsumexp differs from eager's by a few fp32 ulps, and
