@@ -21,17 +21,4 @@ struct Bf16 {
 
 }  // namespace
 
-extern "C" int head_tile_forward_bf16(const uint16_t* raw, int64_t ld, int64_t rows, int64_t n,
-                                      int64_t v0, const int64_t* targets, int64_t k,
-                                      float* high, float* total, float* picked, int threads) {
-  return head_tile::forward<Bf16>(raw, ld, rows, n, v0, targets, k, high, total, picked,
-                                  threads);
-}
-
-extern "C" int head_tile_backward_bf16(const uint16_t* raw, int64_t ld, int64_t rows, int64_t n,
-                                       int64_t v0, const int64_t* targets, int64_t k,
-                                       const float* lse, const float* g_sum, const float* g,
-                                       uint16_t* d, int threads) {
-  return head_tile::backward<Bf16>(raw, ld, rows, n, v0, targets, k, lse, g_sum, g, d,
-                                   threads);
-}
+HEAD_TILE_ENTRY_POINTS(bf16, Bf16)

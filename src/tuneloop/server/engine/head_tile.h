@@ -124,3 +124,21 @@ int backward(const typename Logits::T* raw, int64_t ld, int64_t rows, int64_t n,
 }
 
 }  // namespace head_tile
+
+// One width's two entry points (native_head.py's signatures), head_tile_forward_<suffix> and
+// head_tile_backward_<suffix>, over the logits `Logits` describes.
+#define HEAD_TILE_ENTRY_POINTS(suffix, Logits)                                                   \
+  extern "C" int head_tile_forward_##suffix(                                                     \
+      const Logits::T* raw, int64_t ld, int64_t rows, int64_t n, int64_t v0,                     \
+      const int64_t* targets, int64_t k, float* high, float* total, float* picked,               \
+      int threads) {                                                                             \
+    return head_tile::forward<Logits>(raw, ld, rows, n, v0, targets, k, high, total, picked,     \
+                                      threads);                                                  \
+  }                                                                                              \
+  extern "C" int head_tile_backward_##suffix(                                                    \
+      const Logits::T* raw, int64_t ld, int64_t rows, int64_t n, int64_t v0,                     \
+      const int64_t* targets, int64_t k, const float* lse, const float* g_sum, const float* g,   \
+      Logits::T* d, int threads) {                                                               \
+    return head_tile::backward<Logits>(raw, ld, rows, n, v0, targets, k, lse, g_sum, g, d,       \
+                                       threads);                                                 \
+  }

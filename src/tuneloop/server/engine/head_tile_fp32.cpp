@@ -18,17 +18,4 @@ struct Fp32 {
 
 }  // namespace
 
-extern "C" int head_tile_forward_fp32(const float* raw, int64_t ld, int64_t rows, int64_t n,
-                                      int64_t v0, const int64_t* targets, int64_t k,
-                                      float* high, float* total, float* picked, int threads) {
-  return head_tile::forward<Fp32>(raw, ld, rows, n, v0, targets, k, high, total, picked,
-                                  threads);
-}
-
-extern "C" int head_tile_backward_fp32(const float* raw, int64_t ld, int64_t rows, int64_t n,
-                                       int64_t v0, const int64_t* targets, int64_t k,
-                                       const float* lse, const float* g_sum, const float* g,
-                                       float* d, int threads) {
-  return head_tile::backward<Fp32>(raw, ld, rows, n, v0, targets, k, lse, g_sum, g, d,
-                                   threads);
-}
+HEAD_TILE_ENTRY_POINTS(fp32, Fp32)

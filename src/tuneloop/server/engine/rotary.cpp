@@ -117,45 +117,21 @@ void each_head(const T* q, int64_t q_token, int64_t q_head, int64_t q_heads, con
 
 }  // namespace
 
-// q [tokens, q_heads, dim] and k [tokens, k_heads, dim] read with the given token and head
-// strides (elements; the head size contiguous), cos and sin [tokens, dim] with a token stride;
-// q_out and k_out [tokens, heads, dim] contiguous.
-extern "C" void rotary_bf16(const uint16_t* q, int64_t q_token, int64_t q_head, int64_t q_heads,
-                            const uint16_t* k, int64_t k_token, int64_t k_head, int64_t k_heads,
-                            const uint16_t* cos, const uint16_t* sin, int64_t cs_token,
-                            int64_t tokens, int64_t dim, uint16_t* q_out, uint16_t* k_out,
-                            int threads) {
-  each_head<uint16_t, rotate>(q, q_token, q_head, q_heads, k, k_token, k_head, k_heads, cos,
-                              sin, cs_token, tokens, dim, q_out, k_out, threads);
-}
+// An entry point: `head` on every head of q and k (rotary.py's signature). q [tokens, q_heads,
+// dim] and k [tokens, k_heads, dim] read with the given token and head strides (elements; the
+// head size contiguous), cos and sin [tokens, dim] with a token stride; q_out and k_out
+// [tokens, heads, dim] contiguous. A backward's q and k are the gradients of the forward's
+// outputs, its outputs the gradients of q and k, as eager autograd makes them bit for bit.
+#define ROTARY_ENTRY_POINT(name, T, head)                                                        \
+  extern "C" void name(const T* q, int64_t q_token, int64_t q_head, int64_t q_heads, const T* k, \
+                       int64_t k_token, int64_t k_head, int64_t k_heads, const T* cos,           \
+                       const T* sin, int64_t cs_token, int64_t tokens, int64_t dim, T* q_out,     \
+                       T* k_out, int threads) {                                                  \
+    each_head<T, head>(q, q_token, q_head, q_heads, k, k_token, k_head, k_heads, cos, sin,       \
+                       cs_token, tokens, dim, q_out, k_out, threads);                            \
+  }
 
-// The backward of rotary_bf16: the gradients of q and k from those of q_out and k_out (read
-// with the given token and head strides, the head size contiguous), written [tokens, heads,
-// dim] contiguous, as eager autograd makes them bit for bit.
-extern "C" void rotary_backward_bf16(const uint16_t* gq, int64_t q_token, int64_t q_head,
-                                     int64_t q_heads, const uint16_t* gk, int64_t k_token,
-                                     int64_t k_head, int64_t k_heads, const uint16_t* cos,
-                                     const uint16_t* sin, int64_t cs_token, int64_t tokens,
-                                     int64_t dim, uint16_t* q_out, uint16_t* k_out, int threads) {
-  each_head<uint16_t, unrotate>(gq, q_token, q_head, q_heads, gk, k_token, k_head, k_heads,
-                                cos, sin, cs_token, tokens, dim, q_out, k_out, threads);
-}
-
-// rotary_bf16's form at fp32.
-extern "C" void rotary_fp32(const float* q, int64_t q_token, int64_t q_head, int64_t q_heads,
-                            const float* k, int64_t k_token, int64_t k_head, int64_t k_heads,
-                            const float* cos, const float* sin, int64_t cs_token, int64_t tokens,
-                            int64_t dim, float* q_out, float* k_out, int threads) {
-  each_head<float, rotate_fp32>(q, q_token, q_head, q_heads, k, k_token, k_head, k_heads, cos,
-                                sin, cs_token, tokens, dim, q_out, k_out, threads);
-}
-
-// rotary_backward_bf16's form at fp32.
-extern "C" void rotary_backward_fp32(const float* gq, int64_t q_token, int64_t q_head,
-                                     int64_t q_heads, const float* gk, int64_t k_token,
-                                     int64_t k_head, int64_t k_heads, const float* cos,
-                                     const float* sin, int64_t cs_token, int64_t tokens,
-                                     int64_t dim, float* q_out, float* k_out, int threads) {
-  each_head<float, unrotate_fp32>(gq, q_token, q_head, q_heads, gk, k_token, k_head, k_heads,
-                                  cos, sin, cs_token, tokens, dim, q_out, k_out, threads);
-}
+ROTARY_ENTRY_POINT(rotary_bf16, uint16_t, rotate)
+ROTARY_ENTRY_POINT(rotary_backward_bf16, uint16_t, unrotate)
+ROTARY_ENTRY_POINT(rotary_fp32, float, rotate_fp32)
+ROTARY_ENTRY_POINT(rotary_backward_fp32, float, unrotate_fp32)
