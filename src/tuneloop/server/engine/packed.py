@@ -27,8 +27,9 @@ from tuneloop.server.engine import native
 __all__ = ["fp32_kernels", "linear", "onednn_linear", "pack", "packable"]
 
 _HALF = (torch.bfloat16, torch.float16)
-# Where oneDNN's packed fp32 kernel was measured against MKL's sgemm (module docstring).
-_FP32_MACHINES = ("x86_64", "amd64")
+# x86-64's machine names: where oneDNN's packed fp32 kernel was measured against MKL's sgemm
+# (module docstring), and whose CPU flags name the bf16 units below.
+_X86_64 = ("x86_64", "amd64")
 # An x86-64 CPU's bf16 units. oneDNN calls bf16 supported on AVX-512 CPUs without them too
 # (Skylake to Ice Lake Xeons), where it emulates it: there a packed weight's sums rounded apart
 # from functional.linear's (a bf16 step in one of 3,072 outputs at 2 rows, an Ice Lake Xeon),
@@ -48,7 +49,7 @@ def _kernels() -> bool:
 def fp32_kernels() -> bool:
     """Whether oneDNN's fp32 linear runs here and was measured against MKL's sgemm: x86-64
     (cpu_fp32_matmul.py calls it on plain weights too)."""
-    return _kernels() and platform.machine().lower() in _FP32_MACHINES
+    return _kernels() and platform.machine().lower() in _X86_64
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -70,7 +71,7 @@ def packable(weight: torch.Tensor) -> bool:
         return False
     mkldnn = torch.ops.mkldnn
     if weight.dtype == torch.bfloat16:
-        x86 = platform.machine().lower() in _FP32_MACHINES
+        x86 = platform.machine().lower() in _X86_64
         if x86 and not _BF16_UNITS & native.cpu_flags():
             return False
         return bool(mkldnn._is_mkldnn_bf16_supported())

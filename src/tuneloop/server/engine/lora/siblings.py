@@ -34,7 +34,7 @@ from tuneloop.server.engine import cpu_fp32_matmul
 from tuneloop.server.engine.lora import ops
 from tuneloop.server.engine.lora.ops import HALF, Factors
 
-__all__ = ["SiblingLinears", "sibling_linears", "stack_weights", "stacked"]
+__all__ = ["SiblingLinears", "sibling_linears", "stack_weights", "stacked", "stacked_view"]
 
 _GROUPED = True  # (bench/train_variants.py switches it off to compare: --variant siblings)
 # Each sibling's output is a view of its columns of the group's output: copying them out cost
@@ -176,13 +176,12 @@ def stacked_view(weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
     first = weights[0]
     if first.dim() != 2 or not first.is_contiguous():
         return None
+    storage = first.untyped_storage().data_ptr()
     end, rows = first.data_ptr(), 0
     for w in weights:
         if w.dim() != 2 or not w.is_contiguous() or w.shape[1] != first.shape[1]:
             return None
-        if w.dtype != first.dtype or w.untyped_storage().data_ptr() != (
-            first.untyped_storage().data_ptr()
-        ):
+        if w.dtype != first.dtype or w.untyped_storage().data_ptr() != storage:
             return None
         if w.data_ptr() != end:
             return None
