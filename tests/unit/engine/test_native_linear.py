@@ -4,6 +4,7 @@ tile unit; chosen for decode copies on CPUs with AVX512-BF16, unless TUNELOOP_NA
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -120,3 +121,74 @@ def test_the_layout_holds_the_weights_once(monkeypatch: pytest.MonkeyPatch) -> N
     held: Any = native_linear.pack(w, torch.zeros(100).bfloat16())
     # 2 blocks of 64 outputs x 15 input pairs x 2 bf16, and a padded fp32 bias
     assert held.nbytes == 2 * 64 * 30 * 2 + 128 * 4
+
+
+def test_a_blocks_zero_pairs_are_left_out_and_its_sums_keep_their_bits(
+    two_threads: None, form: str
+) -> None:
+    """A lone key's q/k/v group holds each member's up-projection in its own rank's extra
+    columns, zeros in the others': each block multiplies only the pairs that hold weights
+    (`zero_spans`), and the outputs are bit for bit those of every pair multiplied."""
+    gen = torch.Generator().manual_seed(11)
+    sizes, k, rank = (128, 64, 64), 96, 16
+    bases = [torch.nn.Linear(k, n, bias=False).to(torch.bfloat16) for n in sizes]
+    for base in bases:
+        base.requires_grad_(False)
+    factors = [
+        (
+            torch.randn(rank, k, generator=gen).bfloat16(),
+            torch.randn(n, rank, generator=gen).bfloat16(),
+            0.5,
+        )
+        for n in sizes
+    ]
+    group = FusedLinear.build(bases, factors)
+    weight = group.weight
+    assert isinstance(weight, NativeWeight) and weight.spans is not None
+    # pairs: 48 of the input, then 8 per member's rank; q's blocks (0, 1) keep the first 56,
+    # k's (2) leave out q's 8 between, v's (3) q's and k's 16
+    assert weight.spans.tolist() == [[0, 56, 56, 56]] * 2 + [[0, 48, 56, 64], [0, 48, 64, 72]]
+    every = dataclasses.replace(weight, spans=None)
+    x = torch.randn(37, k, generator=gen).bfloat16()
+    low = torch.cat([x @ a.t() for a, _, _ in factors], dim=1)
+    extended = torch.cat([x, low], dim=1)
+    for rows in (1, 5, 37):
+        got = native_linear.linear(extended[:rows], weight)
+        assert torch.equal(got, native_linear.linear(extended[:rows], every)), rows
+    got = native_linear.linear(extended, weight)
+    exact = torch.cat(
+        [x.double() @ base.weight.double().t() for base in bases], dim=1
+    ) + torch.cat(
+        [0.5 * low.double()[:, rank * i : rank * (i + 1)] @ b.double().t()
+         for i, (_, b, _) in enumerate(factors)],
+        dim=1,
+    )  # fmt: skip
+    step = exact.abs().clamp(min=1e-6) * 2.0**-7
+    assert ((got.double() - exact).abs() <= step).all()
+
+
+def test_zero_spans_leave_out_runs_before_after_and_the_longest_between() -> None:
+    w = torch.randn(256, 20).bfloat16()
+    w[:64, :6] = 0  # block 0: its first 3 pairs
+    w[64:128, 14:] = 0  # block 1: its last 3
+    w[128:192, 4:8] = 0  # block 2: two runs between, the longer one left out
+    w[128:192, 10:16] = 0
+    w[192:] = 0  # block 3: nothing to multiply
+    spans = native_linear.zero_spans(native_linear.pack(w).blocks)
+    assert spans is not None
+    assert spans.tolist() == [[3, 10, 10, 10], [0, 7, 7, 7], [0, 5, 8, 10], [0, 0, 0, 0]]
+    x = torch.randn(9, 20).bfloat16()
+    packed_w = native_linear.pack(w)
+    got = native_linear.linear(x, packed_w)
+    assert torch.equal(got, native_linear.linear(x, dataclasses.replace(packed_w, spans=None)))
+    assert torch.equal(got[:, 192:], torch.zeros(9, 64).bfloat16())
+    assert native_linear.zero_spans(native_linear.pack(torch.randn(64, 8).bfloat16()).blocks) is None
+
+
+def test_spans_out_of_order_are_refused() -> None:
+    weight = native_linear.pack(torch.randn(64, 8).bfloat16())
+    x = torch.randn(2, 8).bfloat16()
+    for bad in ([0, 5, 5, 5], [2, 1, 4, 4], [0, 1, 0, 4], [-1, 1, 1, 1]):
+        spans = torch.tensor([bad], dtype=torch.int32)
+        with pytest.raises(ValueError, match="refused"):
+            native_linear.linear(x, dataclasses.replace(weight, spans=spans))

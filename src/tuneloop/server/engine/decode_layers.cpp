@@ -28,7 +28,7 @@ using Norm = void (*)(const uint16_t*, const uint16_t*, int64_t, int64_t, float,
 using Columns = int (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, int64_t,
                         int64_t, uint16_t*, int);
 using Linear = int (*)(const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, const float*,
-                       int64_t, uint16_t*, int64_t, int);
+                       int64_t, uint16_t*, int64_t, int, const int32_t*);
 using Rotate = void (*)(const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, int64_t,
                         int64_t, int64_t, const uint16_t*, const uint16_t*, int64_t, int64_t,
                         int64_t, uint16_t*, uint16_t*, int);
@@ -57,11 +57,13 @@ struct Kernels {
 };
 
 // A fused group (lora/fused.py): the native linear's blocks for `out` outputs of the
-// group's input plus its `rank` LoRA columns, the fp32 bias or null, the down-projections in
-// the columns kernel's pairs layout (`rp` wide) or null (no LoRA columns: rank 0).
+// group's input plus its `rank` LoRA columns, the fp32 bias or null, the blocks' input pair
+// spans or null (every pair), the down-projections in the columns kernel's pairs layout (`rp`
+// wide) or null (no LoRA columns: rank 0).
 struct Group {
   const uint16_t* blocks;
   const float* bias;
+  const int32_t* spans;
   const uint16_t* pairs;
   int64_t out;
   int64_t rank;
@@ -165,7 +167,8 @@ int project(const Kernels& k, const Shape& s, const uint16_t* x, int64_t ldx, in
       return kColumns;
     input = extended, ld = width = in + g.rank;
   }
-  if (k.linear(input, ld, s.rows, width, g.blocks, g.bias, g.out, y, g.out, s.threads))
+  if (k.linear(input, ld, s.rows, width, g.blocks, g.bias, g.out, y, g.out, s.threads,
+               g.spans))
     return kLinear;
   return kNone;
 }

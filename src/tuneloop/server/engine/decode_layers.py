@@ -379,6 +379,7 @@ def run(
             code = k.linear(
                 _ptr(x), x.stride(0), rows, x.shape[1], _ptr(weight.blocks), bias,
                 weight.out_features, _ptr(y), weight.out_features, threads,
+                _ptr(weight.spans) if weight.spans is not None else None,
             )  # fmt: skip
             if code:
                 raise ValueError("the native linear kernel refused its shapes")

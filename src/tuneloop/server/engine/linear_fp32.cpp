@@ -169,8 +169,12 @@ void block_rows(const float* x, int64_t ldx, int64_t rows, int64_t k, const floa
 
 // y [rows, n] (row stride ldy) = x [rows, k] (row stride ldx) @ W.T (+ bias [ceil(n / 16) x 16],
 // or null), W in blocks [ceil(n / 16), k, 16]. Returns 0, or 1 where the shapes are refused.
+// `spans` is linear_bf16's (the same signature, so callers hold either); fp32 weights hold no
+// zero blocks to skip (an fp32 lone copy merges its adapter), so it must be null.
 extern "C" int linear_fp32(const float* x, int64_t ldx, int64_t rows, int64_t k, const float* w,
-                           const float* bias, int64_t n, float* y, int64_t ldy, int threads) {
+                           const float* bias, int64_t n, float* y, int64_t ldy, int threads,
+                           const int32_t* spans) {
+  if (spans != nullptr) return 1;
   if (rows < 0 || k < 1 || n < 1 || (rows > 1 && ldx < k) || (rows > 1 && ldy < n)) return 1;
   if (rows == 0) return 0;
   const int64_t blocks = (n + kBlock - 1) / kBlock;

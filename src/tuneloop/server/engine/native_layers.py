@@ -50,7 +50,10 @@ class _Kernels(ctypes.Structure):
 
 
 class _Group(ctypes.Structure):
-    _fields_ = [("blocks", _P), ("bias", _P), ("pairs", _P), ("out", _I), ("rank", _I), ("rp", _I)]
+    _fields_ = [
+        *((name, _P) for name in ("blocks", "bias", "spans", "pairs")),
+        *((name, _I) for name in ("out", "rank", "rp")),
+    ]
 
 
 class _Layer(ctypes.Structure):
@@ -127,7 +130,8 @@ def _group(group: FusedLinear, width: int) -> _Group | None:
     if weight.in_features != width + rank:
         return None
     bias = weight.bias.data_ptr() if weight.bias is not None else None
-    return _Group(weight.blocks.data_ptr(), bias, pairs, weight.out_features, rank, rp)
+    spans = weight.spans.data_ptr() if weight.spans is not None else None
+    return _Group(weight.blocks.data_ptr(), bias, spans, pairs, weight.out_features, rank, rp)
 
 
 class Loop:

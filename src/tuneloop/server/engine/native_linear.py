@@ -51,6 +51,7 @@ __all__ = [
     "native_kernel",
     "pack",
     "tiles",
+    "zero_spans",
 ]
 
 SOURCE = Path(__file__).with_name("linear_avx512.cpp")
@@ -58,9 +59,10 @@ _NEEDS = ("avx512f", "avx512_bf16")
 FP32_SOURCE = Path(__file__).with_name("linear_fp32.cpp")
 _FP32_NEEDS = ("avx2", "fma")
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
-# x, ldx, rows, k, w, bias, n, y, ldy, threads
+# x, ldx, rows, k, w, bias, n, y, ldy, threads, spans
 _SIGNATURE = (
     _POINTER, _SIZE, _SIZE, _SIZE, _POINTER, _POINTER, _SIZE, _POINTER, _SIZE, ctypes.c_int,
+    _POINTER,
 )  # fmt: skip
 _BLOCK = 64  # outputs a block (bf16)
 _FP32_BLOCK = 16
@@ -114,12 +116,14 @@ def available(weight: torch.Tensor) -> bool:
 class NativeWeight:
     """A weight [N, K] (and its bias) in the kernel's layout: `blocks` [ceil(N / 64), ceil(K /
     2), 64, 2] bf16 or [ceil(N / 16), K, 16] fp32, zeros past N and K; `bias` [blocks x
-    outputs a block] fp32 or None."""
+    outputs a block] fp32 or None; `spans` (bf16) None or int32 [ceil(N / 64), 4]: the input
+    pairs each block multiplies, [s0, s1) then [s2, s3), the others all zeros (`zero_spans`)."""
 
     blocks: torch.Tensor
     bias: torch.Tensor | None
     out_features: int
     in_features: int
+    spans: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -128,8 +132,35 @@ class NativeWeight:
 
     @property
     def nbytes(self) -> int:
-        tensors = [t for t in (self.blocks, self.bias) if t is not None]
+        tensors = [t for t in (self.blocks, self.bias, self.spans) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def zero_spans(blocks: torch.Tensor) -> torch.Tensor | None:
+    """For bf16 `blocks` [nb, pairs, 64, 2]: each block's input pairs to multiply, int32 [nb,
+    4] ([s0, s1) then [s2, s3)), leaving out the block's zero pairs before its first nonzero
+    pair, after its last, and its longest run of zero pairs between; None where no block has
+    a zero pair to leave out. A lone key's sibling group (lora/fused.py) holds each member's
+    up-projection in its own rank's extra columns and zeros in the other members' (q/k/v:
+    two thirds of 96 columns, gate/up: half of 64); a block's zero pairs add exactly nothing
+    to its sums, so leaving them out keeps every output's bits (for finite inputs)."""
+    live = blocks.ne(0).flatten(2).any(2)  # [nb, pairs]
+    count, pairs = live.shape
+    spans = torch.tensor([[0, pairs, pairs, pairs]], dtype=torch.int32).repeat(count, 1)
+    if bool(live.all()):
+        return None
+    for index in torch.nonzero(~live.all(1)).flatten().tolist():
+        found = torch.nonzero(live[index]).flatten().tolist()
+        if not found:  # every weight zero: nothing to multiply
+            spans[index] = torch.tensor([0, 0, 0, 0], dtype=torch.int32)
+            continue
+        first, last = found[0], found[-1] + 1
+        gap, start = 0, last  # the longest run of zero pairs between two live ones
+        for before, after in zip(found, found[1:], strict=False):
+            if after - before - 1 > gap:
+                gap, start = after - before - 1, before + 1
+        spans[index] = torch.tensor([first, start, start + gap, last], dtype=torch.int32)
+    return spans
 
 
 def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> NativeWeight:
@@ -153,7 +184,8 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> NativeWeight
     if bias is not None:
         wide = torch.zeros(nb * block, dtype=torch.float32)
         wide[:n] = bias.detach().float()
-    return NativeWeight(blocks, wide, n, k)
+    spans = zero_spans(blocks) if pair == 2 else None
+    return NativeWeight(blocks, wide, n, k, spans)
 
 
 def linear(x: torch.Tensor, weight: NativeWeight) -> torch.Tensor:
@@ -177,6 +209,7 @@ def linear(x: torch.Tensor, weight: NativeWeight) -> torch.Tensor:
         y.data_ptr(),
         n,
         torch.get_num_threads(),
+        weight.spans.data_ptr() if weight.spans is not None else None,
     )
     if code:
         raise ValueError("the native linear kernel refused its shapes")
