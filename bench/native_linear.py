@@ -11,14 +11,16 @@ alike, and printing the CPU model, the load and its measured peaks' context:
   copy's weights in the kernel's layout and with `TUNELOOP_NATIVE_LINEAR=0` (oneDNN's), at
   1, 4, 32 and 128 rows. In the kernel's layout a step of decode rows alone runs its layers
   as one C++ call (native_layers.py); on oneDNN's weights, the Python lean loop
-  (decode_layers.py): the side's whole difference.
+  (decode_layers.py): the side's whole difference;
+- "spans" (bf16 only, not part of "both"): a lone key's decode groups as lora/fused.py builds
+  them, each block multiplying only the input pairs that hold weights against every pair.
 
 On a CPU with AMX the kernel runs on the tile unit (native_linear.tiles). `--dtype float32`
 measures the fp32 kernel (linear_fp32.cpp: AVX-512 tiles where the CPU has them, AVX2 tiles
 under TUNELOOP_CPU_ISA=avx2 or on an AVX2 CPU) on the merged weights an fp32 lone copy holds
 (no LoRA columns).
 
-    python bench/native_linear.py [--rounds 3] [--new 34] [--part linears|steps|both]
+    python bench/native_linear.py [--rounds 3] [--new 34] [--part linears|steps|spans|both]
                                   [--dtype bfloat16|float32]
 """
 
@@ -33,7 +35,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine import DTYPES, MODEL, SEED, adapted_backend, cpu_model, random_prompts
+from engine import DTYPES, MODEL, RANK, SEED, adapted_backend, cpu_model, random_prompts
 
 # SmolLM2-135M's decode groups: (outputs, inputs with the LoRA columns), 30 layers, the head
 SHAPES = [(960, 576 + 96), (576, 576 + 32), (3072, 576 + 64), (576, 1536 + 32)]
@@ -99,6 +101,71 @@ def linears(rounds: int, dtype: torch.dtype) -> None:
         )
 
 
+def spans(rounds: int) -> None:
+    """A decode step's bf16 groups as a lone key's copy holds them (lora/fused.py: q/k/v and
+    gate/up stacked, each member's scale * B in its own rank's extra columns, zeros in the
+    others'; 30 layers and the head), each block multiplying only its pairs that hold weights
+    (`NativeWeight.spans`) against every pair (the same weights, spans None): ms a step, the
+    TFLOP/s of the products that hold weights, and the ratio."""
+    import dataclasses
+
+    from torch import nn
+
+    from tuneloop.server.engine import native_linear
+    from tuneloop.server.engine.lora.fused import FusedLinear
+    from tuneloop.server.engine.native_linear import NativeWeight
+
+    gen = torch.Generator().manual_seed(SEED)
+    members = [((576, 192, 192), 576), ((576,), 576), ((1536, 1536), 576), ((576,), 1536)]
+
+    def group(sizes: tuple[int, ...], k: int) -> NativeWeight:
+        bases = [
+            nn.Linear(k, n, bias=False).to(torch.bfloat16).requires_grad_(False) for n in sizes
+        ]
+        factors = [
+            (
+                torch.randn(RANK, k, generator=gen).bfloat16(),
+                torch.randn(n, RANK, generator=gen).bfloat16(),
+                2.0,
+            )
+            for n in sizes
+        ]
+        weight = FusedLinear.build(bases, factors).weight
+        assert isinstance(weight, NativeWeight)
+        return weight
+
+    groups = [group(sizes, k) for _ in range(LAYERS) for sizes, k in members]
+    groups.append(group((HEAD[0],), HEAD[1] - RANK))
+    every = [dataclasses.replace(g, spans=None) for g in groups]
+    # multiply-adds a row that hold weights: the base's and each member's own rank's
+    macs = LAYERS * sum(sum(sizes) * (k + RANK) for sizes, k in members) + HEAD[0] * HEAD[1]
+    print(f"a lone key's decode groups: {sum(g.spans is not None for g in groups)} of "
+          f"{len(groups)} with zero pairs to leave out")  # fmt: skip
+    print("rows | spans ms | TFLOP/s | every pair ms | TFLOP/s | every / spans")
+    for rows in (1, 4, 32, 128):
+        xs = {
+            g.in_features: torch.randn(rows, g.in_features, generator=gen).bfloat16()
+            for g in groups
+        }
+
+        def step(weights: list[NativeWeight], xs: dict[int, torch.Tensor] = xs) -> None:
+            for w in weights:
+                native_linear.linear(xs[w.in_features], w)
+
+        repeat = 8 if rows <= 32 else 3
+        a, b = [], []
+        for _ in range(rounds):
+            a.append(_time(lambda: step(groups), repeat))
+            b.append(_time(lambda: step(every), repeat))
+        na, nb = statistics.median(a), statistics.median(b)
+        flops = 2 * macs * rows
+        print(
+            f"{rows:4d} | {na * 1e3:8.2f} | {flops / na / 1e12:.3f} | {nb * 1e3:8.2f} | "
+            f"{flops / nb / 1e12:.3f} | {nb / na:.3f}x",
+            flush=True,
+        )
+
+
 def steps(rounds: int, new: int, dtype: torch.dtype) -> None:
     from tuneloop.server.engine import types as t
 
@@ -138,7 +205,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new", type=int, default=34, help="new tokens per timed call")
-    parser.add_argument("--part", choices=["linears", "steps", "both"], default="both")
+    parser.add_argument("--part", choices=["linears", "steps", "spans", "both"], default="both")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = parser.parse_args()
@@ -160,6 +227,11 @@ def main() -> int:
         if native_linear.native_kernel() is None:
             print("the native linear kernel is not built on this CPU (it needs AVX512-BF16)")
             return 1
+    if args.part == "spans":
+        if dtype != torch.bfloat16:
+            print("--part spans measures the bf16 kernel (fp32 copies merge their adapter)")
+            return 1
+        spans(args.rounds)
     if args.part in ("linears", "both"):
         linears(args.rounds, dtype)
     if args.part in ("steps", "both"):

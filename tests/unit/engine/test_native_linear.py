@@ -144,7 +144,8 @@ def test_a_blocks_zero_pairs_are_left_out_and_its_sums_keep_their_bits(
     ]
     group = FusedLinear.build(bases, factors)
     weight = group.weight
-    assert isinstance(weight, NativeWeight) and weight.spans is not None
+    assert isinstance(weight, NativeWeight)
+    assert weight.spans is not None
     # pairs: 48 of the input, then 8 per member's rank; q's blocks (0, 1) keep the first 56,
     # k's (2) leave out q's 8 between, v's (3) q's and k's 16
     assert weight.spans.tolist() == [[0, 56, 56, 56]] * 2 + [[0, 48, 56, 64], [0, 48, 64, 72]]
@@ -182,7 +183,9 @@ def test_zero_spans_leave_out_runs_before_after_and_the_longest_between() -> Non
     got = native_linear.linear(x, packed_w)
     assert torch.equal(got, native_linear.linear(x, dataclasses.replace(packed_w, spans=None)))
     assert torch.equal(got[:, 192:], torch.zeros(9, 64).bfloat16())
-    assert native_linear.zero_spans(native_linear.pack(torch.randn(64, 8).bfloat16()).blocks) is None
+    assert (
+        native_linear.zero_spans(native_linear.pack(torch.randn(64, 8).bfloat16()).blocks) is None
+    )
 
 
 def test_spans_out_of_order_are_refused() -> None:

@@ -33,6 +33,7 @@ where the AVX2 tiles ran 0.76-0.90x at 4-32 rows (bench/native_linear.py --dtype
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,7 +157,7 @@ def zero_spans(blocks: torch.Tensor) -> torch.Tensor | None:
             continue
         first, last = found[0], found[-1] + 1
         gap, start = 0, last  # the longest run of zero pairs between two live ones
-        for before, after in zip(found, found[1:], strict=False):
+        for before, after in itertools.pairwise(found):
             if after - before - 1 > gap:
                 gap, start = after - before - 1, before + 1
         spans[index] = torch.tensor([first, start, start + gap, last], dtype=torch.int32)
