@@ -142,7 +142,7 @@ def spans(rounds: int) -> None:
     print(f"a lone key's decode groups: {sum(g.spans is not None for g in groups)} of "
           f"{len(groups)} with zero pairs to leave out")  # fmt: skip
     print("rows | spans ms | TFLOP/s | every pair ms | TFLOP/s | every / spans")
-    for rows in (1, 4, 32, 128):
+    for rows in (1, 4, 8, 16, 32, 128):
         xs = {
             g.in_features: torch.randn(rows, g.in_features, generator=gen).bfloat16()
             for g in groups

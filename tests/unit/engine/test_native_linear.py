@@ -153,7 +153,7 @@ def test_a_blocks_zero_pairs_are_left_out_and_its_sums_keep_their_bits(
     x = torch.randn(37, k, generator=gen).bfloat16()
     low = torch.cat([x @ a.t() for a, _, _ in factors], dim=1)
     extended = torch.cat([x, low], dim=1)
-    for rows in (1, 5, 37):
+    for rows in (1, 5, 17, 37):  # (more than 16 rows: the zero pairs left out)
         got = native_linear.linear(extended[:rows], weight)
         assert torch.equal(got, native_linear.linear(extended[:rows], every)), rows
     got = native_linear.linear(extended, weight)
@@ -178,11 +178,14 @@ def test_zero_spans_leave_out_runs_before_after_and_the_longest_between() -> Non
     spans = native_linear.zero_spans(native_linear.pack(w).blocks)
     assert spans is not None
     assert spans.tolist() == [[3, 10, 10, 10], [0, 7, 7, 7], [0, 5, 8, 10], [0, 0, 0, 0]]
-    x = torch.randn(9, 20).bfloat16()
+    # (calls of more than 16 rows skip; fewer multiply every pair, the same bits)
+    x = torch.randn(23, 20).bfloat16()
     packed_w = native_linear.pack(w)
-    got = native_linear.linear(x, packed_w)
-    assert torch.equal(got, native_linear.linear(x, dataclasses.replace(packed_w, spans=None)))
-    assert torch.equal(got[:, 192:], torch.zeros(9, 64).bfloat16())
+    every = dataclasses.replace(packed_w, spans=None)
+    for rows in (9, 23):
+        got = native_linear.linear(x[:rows], packed_w)
+        assert torch.equal(got, native_linear.linear(x[:rows], every)), rows
+        assert torch.equal(got[:, 192:], torch.zeros(rows, 64).bfloat16())
     assert (
         native_linear.zero_spans(native_linear.pack(torch.randn(64, 8).bfloat16()).blocks) is None
     )

@@ -319,7 +319,10 @@ extern "C" int linear_bf16_tiles(int allowed) {
 // holds each member's up-projection in its own rank's columns, zeros in the others' (q/k/v:
 // two thirds of their extra columns; gate/up: half); those products add nothing and took
 // ~3 % of a 128-row SmolLM2 step. Skipping exact zeros leaves every sum's bits as they were
-// (for finite x). The tile unit's form multiplies every pair.
+// (for finite x). Only calls of more than kAheadRows rows skip: at a few rows a call is the
+// weights' read, which the CPU's prefetcher follows as one stream a block, and the jumps
+// over the zero pairs made 1-16 rows 1-4 % slower on a Zen 4 EPYC (32 and 128 rows 1.03-1.07x
+// faster; bench/native_linear.py --part spans). The tile unit's form multiplies every pair.
 extern "C" int linear_bf16(const uint16_t* x, int64_t ldx, int64_t rows, int64_t k,
                            const uint16_t* w, const float* bias, int64_t n, uint16_t* y,
                            int64_t ldy, int threads, const int32_t* spans) {
@@ -335,6 +338,7 @@ extern "C" int linear_bf16(const uint16_t* x, int64_t ldx, int64_t rows, int64_t
   if (on_tiles(k)) return tile_linear(x, ldx, rows, k, w, bias, n, y, ldy, threads);
 #endif
   const int32_t every[4] = {0, int32_t(pairs), int32_t(pairs), int32_t(pairs)};
+  const bool skip = spans != nullptr && rows > kAheadRows;
   const int64_t work = blocks * rows, block_bytes = pairs * 256;
   // The work is (block, row) pairs in block-major order, split evenly between the threads:
   // a thread takes each of its blocks' rows in one go (the block read from memory once, its
@@ -367,7 +371,7 @@ extern "C" int linear_bf16(const uint16_t* x, int64_t ldx, int64_t rows, int64_t
       for (int64_t t = 0, i0 = lo; t < tiles; ++t) {
         const int64_t m = count / tiles + (t < count % tiles ? 1 : 0);
         kTiles[m - 1](x + i0 * ldx, ldx, k, wb, bb, y + i0 * ldy + block * 64, ldy, valid,
-                      ahead, spans != nullptr ? spans + 4 * block : every);
+                      ahead, skip ? spans + 4 * block : every);
         i0 += m;
       }
     }
