@@ -13,7 +13,9 @@ alike, and printing the CPU model, the load and its measured peaks' context:
   as one C++ call (native_layers.py); on oneDNN's weights, the Python lean loop
   (decode_layers.py): the side's whole difference;
 - "spans" (bf16 only, not part of "both"): a lone key's decode groups as lora/fused.py builds
-  them, each block multiplying only the input pairs that hold weights against every pair.
+  them, each block multiplying only the input pairs that hold weights against every pair
+  (calls of more than 16 rows skip; fewer multiply every pair either way), then decode steps
+  of 128 rows on a lone copy packed with and without the spans, the sides alternated.
 
 On a CPU with AMX the kernel runs on the tile unit (native_linear.tiles). `--dtype float32`
 measures the fp32 kernel (linear_fp32.cpp: AVX-512 tiles where the CPU has them, AVX2 tiles
@@ -166,6 +168,41 @@ def spans(rounds: int) -> None:
         )
 
 
+def span_steps(rounds: int, new: int) -> None:
+    """Decode steps of 128 rows (bench/engine.py's adapter, a snapshot sampler) on a lone copy
+    packed with its zero pairs' spans and without them (`native_linear._ZERO_SPANS`, the copy
+    made again for each side), a call of `new` tokens minus a call of 2, per step."""
+    from tuneloop.server.engine import native_linear
+    from tuneloop.server.engine import types as t
+
+    backend = adapted_backend(torch.bfloat16)
+    backend.create_sampler("s", MODEL, adapter_id="a")
+    [runtime] = backend._runtimes.values()
+    prompts = random_prompts()
+
+    def call(tokens: int) -> float:
+        works = [t.SampleWork("s", p, 4, tokens, 1.0, -1, 1.0, SEED, (), ()) for p in prompts]
+        start = time.perf_counter()
+        backend.sample(works)
+        return time.perf_counter() - start
+
+    def side(skip: bool) -> float:
+        native_linear._ZERO_SPANS = skip
+        runtime.bank.release_lone()  # the lone copy made again with this side's spans
+        call(2)
+        return (call(new) - call(2)) / (new - 2)
+
+    a, b = [], []
+    for index in range(rounds):
+        for skip in (True, False) if index % 2 == 0 else (False, True):
+            (a if skip else b).append(side(skip))
+    native_linear._ZERO_SPANS = True
+    na, nb = statistics.median(a), statistics.median(b)
+    print(f"decode step, {len(prompts) * 4} rows: spans {na * 1e3:.1f} ms, every pair "
+          f"{nb * 1e3:.1f} ms, every / spans {nb / na:.3f}x "
+          f"(per round: {[round(y / x, 3) for x, y in zip(a, b, strict=True)]})")  # fmt: skip
+
+
 def steps(rounds: int, new: int, dtype: torch.dtype) -> None:
     from tuneloop.server.engine import types as t
 
@@ -232,6 +269,7 @@ def main() -> int:
             print("--part spans measures the bf16 kernel (fp32 copies merge their adapter)")
             return 1
         spans(args.rounds)
+        span_steps(args.rounds, args.new)
     if args.part in ("linears", "both"):
         linears(args.rounds, dtype)
     if args.part in ("steps", "both"):

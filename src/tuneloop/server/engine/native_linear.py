@@ -66,6 +66,7 @@ _SIGNATURE = (
     _POINTER,
 )  # fmt: skip
 _BLOCK = 64  # outputs a block (bf16)
+_ZERO_SPANS = True  # (bench/native_linear.py --part spans switches it off to compare)
 _FP32_BLOCK = 16
 
 
@@ -185,7 +186,7 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> NativeWeight
     if bias is not None:
         wide = torch.zeros(nb * block, dtype=torch.float32)
         wide[:n] = bias.detach().float()
-    spans = zero_spans(blocks) if pair == 2 else None
+    spans = zero_spans(blocks) if pair == 2 and _ZERO_SPANS else None
     return NativeWeight(blocks, wide, n, k, spans)
 
 
