@@ -145,7 +145,9 @@ def zero_spans(blocks: torch.Tensor) -> torch.Tensor | None:
     a zero pair to leave out. A lone key's sibling group (lora/fused.py) holds each member's
     up-projection in its own rank's extra columns and zeros in the other members' (q/k/v:
     two thirds of 96 columns, gate/up: half of 64); a block's zero pairs add exactly nothing
-    to its sums, so leaving them out keeps every output's bits (for finite inputs)."""
+    to its sums, so leaving them out keeps every output's bits (for finite inputs). The kernel
+    leaves them out in calls of more than 16 rows (linear_avx512.cpp says why; not on the AMX
+    tile unit): a 128-row step's linears 1.01-1.03x faster on a Zen 4 EPYC."""
     live = blocks.ne(0).flatten(2).any(2)  # [nb, pairs]
     count, pairs = live.shape
     spans = torch.tensor([[0, pairs, pairs, pairs]], dtype=torch.int32).repeat(count, 1)
