@@ -130,7 +130,8 @@ def test_a_blocks_zero_pairs_are_left_out_and_its_sums_keep_their_bits(
     columns, zeros in the others': each block multiplies only the pairs that hold weights
     (`zero_spans`), and the outputs are bit for bit those of every pair multiplied."""
     gen = torch.Generator().manual_seed(11)
-    sizes, k, rank = (128, 64, 64), 96, 16
+    # (160 inputs with the columns: whole tiles, so an AMX CPU runs this on its tile unit too)
+    sizes, k, rank = (128, 64, 64), 64, 32
     bases = [torch.nn.Linear(k, n, bias=False).to(torch.bfloat16) for n in sizes]
     for base in bases:
         base.requires_grad_(False)
@@ -146,9 +147,9 @@ def test_a_blocks_zero_pairs_are_left_out_and_its_sums_keep_their_bits(
     weight = group.weight
     assert isinstance(weight, NativeWeight)
     assert weight.spans is not None
-    # pairs: 48 of the input, then 8 per member's rank; q's blocks (0, 1) keep the first 56,
-    # k's (2) leave out q's 8 between, v's (3) q's and k's 16
-    assert weight.spans.tolist() == [[0, 56, 56, 56]] * 2 + [[0, 48, 56, 64], [0, 48, 64, 72]]
+    # pairs: 32 of the input, then 16 per member's rank; q's blocks (0, 1) keep the first 48,
+    # k's (2) leave out q's 16 between, v's (3) q's and k's 32
+    assert weight.spans.tolist() == [[0, 48, 48, 48]] * 2 + [[0, 32, 48, 64], [0, 32, 64, 80]]
     every = dataclasses.replace(weight, spans=None)
     x = torch.randn(37, k, generator=gen).bfloat16()
     low = torch.cat([x @ a.t() for a, _, _ in factors], dim=1)
