@@ -55,7 +55,8 @@ struct Ahead {
 };
 
 // Rows [0, MB) of x times a block's 64 outputs, `valid` of them written (the last block's),
-// over the block's input pairs [span[0], span[1]) and [span[2], span[3]) in order (`Spans`).
+// over the block's input pairs [span[0], span[1]) and [span[2], span[3]) in order (the
+// entry point's `spans`).
 template <int MB>
 void tile(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w, const float* bias,
           uint16_t* y, int64_t ldy, int64_t valid, Ahead& ahead, const int32_t* span) {
@@ -317,12 +318,13 @@ extern "C" int linear_bf16_tiles(int allowed) {
 // [s0, s1) then [s2, s3), 0 <= s0 <= s1 <= s2 <= s3 <= ceil(k / 2); the pairs left out must
 // hold only zero weights. A group of siblings with a lone key's LoRA columns (lora/fused.py)
 // holds each member's up-projection in its own rank's columns, zeros in the others' (q/k/v:
-// two thirds of their extra columns; gate/up: half); those products add nothing and took
-// ~3 % of a 128-row SmolLM2 step. Skipping exact zeros leaves every sum's bits as they were
-// (for finite x). Only calls of more than kAheadRows rows skip: at a few rows a call is the
-// weights' read, which the CPU's prefetcher follows as one stream a block, and the jumps
-// over the zero pairs made 1-16 rows 1-4 % slower on a Zen 4 EPYC (32 and 128 rows 1.03-1.07x
-// faster; bench/native_linear.py --part spans). The tile unit's form multiplies every pair.
+// two thirds of their extra columns; gate/up: half); those products add nothing and were
+// 3.3 % of a SmolLM2 decode row's multiply-adds. Skipping exact zeros leaves every sum's bits
+// as they were (for finite x). Only calls of more than kAheadRows rows skip: at a few rows a
+// call is the weights' read, which the CPU's prefetcher follows as one stream a block, and
+// the jumps over the zero pairs made 1-16 rows 3-7 % slower on a Zen 4 EPYC (a 128-row
+// step's linears 1.01-1.03x faster; bench/native_linear.py --part spans). The tile unit's
+// form multiplies every pair.
 extern "C" int linear_bf16(const uint16_t* x, int64_t ldx, int64_t rows, int64_t k,
                            const uint16_t* w, const float* bias, int64_t n, uint16_t* y,
                            int64_t ldy, int threads, const int32_t* spans) {

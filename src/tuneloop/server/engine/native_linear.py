@@ -33,7 +33,6 @@ where the AVX2 tiles ran 0.76-0.90x at 4-32 rows (bench/native_linear.py --dtype
 from __future__ import annotations
 
 import ctypes
-import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,37 +137,47 @@ class NativeWeight:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def zero_spans(blocks: torch.Tensor) -> torch.Tensor | None:
+def zero_spans(blocks: torch.Tensor, scanned_from: int = 0) -> torch.Tensor | None:
     """For bf16 `blocks` [nb, pairs, 64, 2]: each block's input pairs to multiply, int32 [nb,
     4] ([s0, s1) then [s2, s3)), leaving out the block's zero pairs before its first nonzero
     pair, after its last, and its longest run of zero pairs between; None where no block has
-    a zero pair to leave out. A lone key's sibling group (lora/fused.py) holds each member's
-    up-projection in its own rank's extra columns and zeros in the other members' (q/k/v:
-    two thirds of 96 columns, gate/up: half of 64); a block's zero pairs add exactly nothing
-    to its sums, so leaving them out keeps every output's bits (for finite inputs). The kernel
-    leaves them out in calls of more than 16 rows (linear_avx512.cpp says why; not on the AMX
-    tile unit): a 128-row step's linears 1.01-1.03x faster on a Zen 4 EPYC."""
-    live = blocks.ne(0).flatten(2).any(2)  # [nb, pairs]
-    count, pairs = live.shape
-    spans = torch.tensor([[0, pairs, pairs, pairs]], dtype=torch.int32).repeat(count, 1)
-    if bool(live.all()):
+    a zero pair to leave out. Only pairs from `scanned_from` on are read: those before it
+    are taken to hold weights (reading a whole head's weights took as long as packing them).
+
+    A lone key's sibling group (lora/fused.py) holds each member's up-projection in its own
+    rank's extra columns and zeros in the other members' (q/k/v: two thirds of 96 columns,
+    gate/up: half of 64; a fresh adapter's B is all zeros); a block's zero pairs add exactly
+    nothing to its sums, so leaving them out keeps every output's bits (for finite inputs).
+    The kernel leaves them out in calls of more than 16 rows (linear_avx512.cpp says why; not
+    on the AMX tile unit): a 128-row step's linears 1.01-1.03x faster on a Zen 4 EPYC."""
+    count, pairs = blocks.shape[0], blocks.shape[1]
+    scanned = blocks[:, scanned_from:].ne(0).flatten(2).any(2)
+    if bool(scanned.all()):
         return None
-    for index in torch.nonzero(~live.all(1)).flatten().tolist():
-        found = torch.nonzero(live[index]).flatten().tolist()
-        if not found:  # every weight zero: nothing to multiply
-            spans[index] = torch.tensor([0, 0, 0, 0], dtype=torch.int32)
-            continue
-        first, last = found[0], found[-1] + 1
-        gap, start = 0, last  # the longest run of zero pairs between two live ones
-        for before, after in itertools.pairwise(found):
-            if after - before - 1 > gap:
-                gap, start = after - before - 1, before + 1
-        spans[index] = torch.tensor([first, start, start + gap, last], dtype=torch.int32)
-    return spans
+    live = torch.cat([scanned.new_ones((count, min(scanned_from, pairs))), scanned], dim=1)
+    # (in tensor operations: a fresh adapter's copy has zero pairs in every block, hundreds
+    # of blocks of hundreds of pairs, and the copy is made again for every sampler snapshot)
+    index = torch.arange(pairs).expand(count, pairs)
+    any_live = live.any(1)
+    first = live.int().argmax(1)
+    last = pairs - live.flip(1).int().argmax(1)
+    # the last live pair strictly before each pair (-1: none), so a live pair's gap before it
+    seen = torch.where(live, index, -1).cummax(1).values
+    before = torch.cat([torch.full((count, 1), -1), seen[:, :-1]], dim=1)
+    gaps = torch.where(live & (before >= 0), index - before - 1, 0)
+    after = gaps.argmax(1)  # the live pair after the longest run (the first such run)
+    gap = gaps.gather(1, after[:, None])[:, 0]
+    start = torch.where(gap > 0, after - gap, last)
+    spans = torch.stack([first, start, start + gap, last], dim=1)
+    return spans.where(any_live[:, None], 0).to(torch.int32)
 
 
-def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> NativeWeight:
-    """`weight` [N, K] bf16 or fp32 (and `bias` [N]) in its kernel's layout."""
+def pack(
+    weight: torch.Tensor, bias: torch.Tensor | None = None, extra_from: int = 0
+) -> NativeWeight:
+    """`weight` [N, K] bf16 or fp32 (and `bias` [N]) in its kernel's layout; bf16 with the
+    spans of its zero pairs (`zero_spans`) in the input columns from `extra_from` on (a lone
+    key's LoRA columns: fused.py), or in all of them (0)."""
     if not _takes(weight):
         raise ValueError(
             "the native linear kernel takes a 2-D CPU weight, bf16 (AVX512-BF16) or fp32 "
@@ -188,7 +197,7 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> NativeWeight
     if bias is not None:
         wide = torch.zeros(nb * block, dtype=torch.float32)
         wide[:n] = bias.detach().float()
-    spans = zero_spans(blocks) if pair == 2 and _ZERO_SPANS else None
+    spans = zero_spans(blocks, extra_from // 2) if pair == 2 and _ZERO_SPANS else None
     return NativeWeight(blocks, wide, n, k, spans)
 
 

@@ -198,7 +198,9 @@ class FusedLinear:
             a_all = packed.pack(torch.cat(downs))
         versions = [(base.weight, base.weight._version) for base in bases]
         if native_linear.available(weight):  # (the bias goes into the kernel's sums)
-            return cls(native_linear.pack(weight, bias), None, a_all, sizes, versions)
+            # (the spans of zero pairs looked for in the LoRA columns alone)
+            native = native_linear.pack(weight, bias, extra_from=bases[0].weight.shape[1])
+            return cls(native, None, a_all, sizes, versions)
         return cls(packed.pack(weight), bias, a_all, sizes, versions)
 
     @property
