@@ -142,7 +142,8 @@ def zero_spans(blocks: torch.Tensor, scanned_from: int = 0) -> torch.Tensor | No
     4] ([s0, s1) then [s2, s3)), leaving out the block's zero pairs before its first nonzero
     pair, after its last, and its longest run of zero pairs between; None where no block has
     a zero pair to leave out. Only pairs from `scanned_from` on are read: those before it
-    are taken to hold weights (reading a whole head's weights took as long as packing them).
+    are taken to hold weights (a head-sized weight scanned whole took 56 ms, about half its
+    packing; its 32 LoRA columns 4.4 ms).
 
     A lone key's sibling group (lora/fused.py) holds each member's up-projection in its own
     rank's extra columns and zeros in the other members' (q/k/v: two thirds of 96 columns,
