@@ -34,6 +34,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -173,24 +174,14 @@ def span_steps(rounds: int, new: int) -> None:
     packed with its zero pairs' spans and without them (`native_linear._ZERO_SPANS`, the copy
     made again for each side), a call of `new` tokens minus a call of 2, per step."""
     from tuneloop.server.engine import native_linear
-    from tuneloop.server.engine import types as t
 
-    backend = adapted_backend(torch.bfloat16)
-    backend.create_sampler("s", MODEL, adapter_id="a")
-    [runtime] = backend._runtimes.values()
-    prompts = random_prompts()
-
-    def call(tokens: int) -> float:
-        works = [t.SampleWork("s", p, 4, tokens, 1.0, -1, 1.0, SEED, (), ()) for p in prompts]
-        start = time.perf_counter()
-        backend.sample(works)
-        return time.perf_counter() - start
+    runtime, call, prompts = _sampler(torch.bfloat16)
 
     def side(skip: bool) -> float:
         native_linear._ZERO_SPANS = skip
         runtime.bank.release_lone()  # the lone copy made again with this side's spans
-        call(2)
-        return (call(new) - call(2)) / (new - 2)
+        call(2, len(prompts), 4)
+        return (call(new, len(prompts), 4) - call(2, len(prompts), 4)) / (new - 2)
 
     a, b = [], []
     for index in range(rounds):
@@ -203,7 +194,9 @@ def span_steps(rounds: int, new: int) -> None:
           f"(per round: {[round(y / x, 3) for x, y in zip(a, b, strict=True)]})")  # fmt: skip
 
 
-def steps(rounds: int, new: int, dtype: torch.dtype) -> None:
+def _sampler(dtype: torch.dtype) -> tuple[Any, Callable[[int, int, int], float], list[Any]]:
+    """An in-process backend's runtime with a snapshot sampler of bench/engine.py's adapter, a
+    timed sampling call (new tokens, prompts, samples each) and the prompts."""
     from tuneloop.server.engine import types as t
 
     backend = adapted_backend(dtype)
@@ -219,6 +212,12 @@ def steps(rounds: int, new: int, dtype: torch.dtype) -> None:
         start = time.perf_counter()
         backend.sample(works)
         return time.perf_counter() - start
+
+    return runtime, call, prompts
+
+
+def steps(rounds: int, new: int, dtype: torch.dtype) -> None:
+    runtime, call, _ = _sampler(dtype)
 
     def side(native: bool, count: int, samples: int) -> float:
         os.environ["TUNELOOP_NATIVE_LINEAR"] = "1" if native else "0"
