@@ -216,7 +216,7 @@ def _mlp_product(previous: bool) -> Iterator[None]:
 
 def _head_tiles(previous: bool) -> Any:
     """previous: the head tiles' statistics and gradients by torch's fp32 passes; current: by
-    the C++ loops on the bf16 tiles (native_head.py)."""
+    the C++ loops at the tiles' width (native_head.py)."""
     from tuneloop.server.engine import native_head
 
     def never(raw: torch.Tensor, softcap: float | None) -> bool:

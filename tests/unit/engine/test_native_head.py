@@ -1,7 +1,7 @@
 """The LM head tiles' element-wise work by C++ loops (engine/native_head.py, head_tile.h):
 the fused head's logprobs and gradients as its torch code makes them, to a few fp32 ulps and,
 at bf16, a bf16 step; every tile shape, repeated targets, the thread count blind. Each width
-is skipped where the CPU lacks its features (bf16: AVX512-BF16, fp32: AVX512F; the torch
+is skipped where the CPU lacks its features (bf16: AVX512-BF16, fp32: AVX512F or AVX2; the torch
 code runs there, tested in test_fused_head.py)."""
 
 from __future__ import annotations
@@ -160,3 +160,35 @@ def test_the_statistics_merge_over_tiles_as_one_logsumexp(dtype: torch.dtype) ->
     got = high.double() + total.double().log()
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0.0)
     assert picked.item() == row[0, 4000].float().item()
+
+
+@pytest.mark.skipif(not _built(torch.float32), reason="no fp32 loops built here")
+def test_the_loops_exp_is_within_an_ulp_down_to_the_subnormals_and_zero() -> None:
+    """The fp32 gradient of a logit with no target in its tile, at g_sum = -1, is its exp(z -
+    lse) itself: within one ulp of the correctly rounded exp over z - lse <= 0, through the
+    subnormals (below -87.3, where an AVX2 build applies 2^q in two steps) to zero (below
+    -103.97, and -inf), at every tail length of a row."""
+    gen = torch.Generator().manual_seed(3)
+    d = torch.cat(
+        [
+            -torch.rand(20_000, generator=gen) * 110,
+            -torch.rand(20_000, generator=gen) * 2,
+            -87.0 - torch.rand(20_000, generator=gen) * 17,
+            torch.tensor([0.0, -0.0, -float("inf"), -103.3, -103.97, -104.0, -150.0, -3.0e38]),
+        ]
+    )
+    for width in (d.numel(), 1001, 9, 7):  # whole vectors and every tail
+        raw = d[:width].view(1, -1).contiguous()
+        targets = torch.full((1, 1), -1, dtype=torch.int64)  # in no tile
+        got = native_head.backward_tile(
+            raw,
+            (0, 1, 0, width),
+            targets,
+            torch.zeros(1),
+            torch.full((1,), -1.0),
+            torch.zeros(1, 1),
+        )[0]
+        want = torch.exp(raw[0].double()).float()
+        apart = (got.view(torch.int32).long() - want.view(torch.int32).long()).abs()
+        assert int(apart.max()) <= 1
+        assert bool((got[raw[0] < -104.0] == 0).all())

@@ -6,11 +6,13 @@
 #endif
 #include "bf16.h"
 #include "head_tile.h"
+#include "vec512.h"
 
 namespace {
 
 struct Bf16 {
   using T = uint16_t;
+  using Vec = vec512::Lanes;
   static __m512 load(const T* p, __mmask16 keep) { return vec512::widen(p, keep); }
   static float at(const T* p) { return bf16::to_float(*p); }
   static void store(T* p, __mmask16 keep, __m512 v) {

@@ -1,7 +1,7 @@
 // A training pass's LM head tile by tile (fused_head.py): the element-wise work on one tile of
-// logits [rows, columns of vocabulary], for x86-64 CPUs with AVX512F, as loops over the tile's
-// stored width (`Logits`: head_tile.cpp's bf16, head_tile_fp32.cpp's fp32; native_head.py
-// builds and loads them).
+// logits [rows, columns of vocabulary], for x86-64 CPUs with AVX512F or AVX2, as loops over the
+// tile's stored width (`Logits`: head_tile.cpp's bf16, head_tile_fp32.cpp's fp32; native_head.py
+// builds and loads them) in vectors of `Logits::Vec` (vec512.h's 16 lanes, vec256.h's 8).
 //
 // Eager, a tile's forward statistics are five or six passes over it in fp32 (the upcast at
 // bf16, the row maxima, the subtraction, the scaling, exp2, the row sums) and its gradient six
@@ -12,7 +12,7 @@
 //
 // exp in fp32 by the reduction and polynomial of SLEEF's expf_u10 (which torch's vectorized
 // kernels call), to within an ulp of eager's; the sums run in another order than torch's
-// (16 lanes, then across them), so a row's sums differ from eager's by a few fp32 ulps.
+// (16 or 8 lanes, then across them), so a row's sums differ from eager's by a few fp32 ulps.
 // Rows run in parallel under OpenMP; a row's values depend on that row alone.
 #pragma once
 #include <immintrin.h>
@@ -21,35 +21,33 @@
 #include <cmath>
 #include <cstdint>
 
-#include "vec512.h"
-
 namespace head_tile {
 
-using vec512::exp_le0;
-using vec512::lanes;
-
-// Logits: `T` the stored element; load(p, keep) 16 of them as fp32 (zero outside keep); at(p)
-// one; store(p, keep, v) and put(p, v) write gradients back at that width.
+// Logits: `T` the stored element, `Vec` the vector policy (vec512::Lanes or vec256::Lanes);
+// load(p, keep) a vector of them as fp32 (zero outside keep); at(p) one; store(p, keep, v) and
+// put(p, v) write gradients back at that width.
 template <class Logits>
 float row_max(const typename Logits::T* z, int64_t n) {
-  __m512 high = _mm512_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 keep = lanes(n - j);
-    high = _mm512_mask_max_ps(high, keep, high, Logits::load(z + j, keep));
+  using Vec = typename Logits::Vec;
+  typename Vec::V high = Vec::set1(-INFINITY);
+  for (int64_t j = 0; j < n; j += Vec::kWidth) {
+    const typename Vec::Mask keep = Vec::first(n - j);
+    high = Vec::max_where(high, keep, Logits::load(z + j, keep));
   }
-  return _mm512_reduce_max_ps(high);
+  return Vec::reduce_max(high);
 }
 
 template <class Logits>
 float row_exp_sum(const typename Logits::T* z, int64_t n, float shift) {
-  const __m512 minus = _mm512_set1_ps(shift);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 keep = lanes(n - j);
-    const __m512 e = exp_le0(_mm512_sub_ps(Logits::load(z + j, keep), minus));
-    sum = _mm512_mask_add_ps(sum, keep, sum, e);
+  using Vec = typename Logits::Vec;
+  const typename Vec::V minus = Vec::set1(shift);
+  typename Vec::V sum = Vec::set1(0.0f);
+  for (int64_t j = 0; j < n; j += Vec::kWidth) {
+    const typename Vec::Mask keep = Vec::first(n - j);
+    const typename Vec::V e = Vec::exp(Vec::sub(Logits::load(z + j, keep), minus));
+    sum = Vec::add_where(sum, keep, e);
   }
-  return _mm512_reduce_add_ps(sum);
+  return Vec::reduce_add(sum);
 }
 
 // One tile's logits into its rows' running statistics, in place: raw [rows, n] (row stride ld)
@@ -86,23 +84,24 @@ template <class Logits>
 int backward(const typename Logits::T* raw, int64_t ld, int64_t rows, int64_t n, int64_t v0,
              const int64_t* targets, int64_t k, const float* lse, const float* g_sum,
              const float* g, typename Logits::T* d, int threads) {
+  using Vec = typename Logits::Vec;
   if (rows < 0 || n <= 0 || ld < n || k < 0) return 1;
   #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= 65536)
   for (int64_t i = 0; i < rows; ++i) {
     const typename Logits::T* z = raw + i * ld;
     typename Logits::T* out = d + i * n;
-    const __m512 shift = _mm512_set1_ps(lse[i]);
-    const __m512 scale = _mm512_set1_ps(-g_sum[i]);
+    const typename Vec::V shift = Vec::set1(lse[i]);
+    const typename Vec::V scale = Vec::set1(-g_sum[i]);
     // targets in this tile: at most a few per row; their columns' values are fixed below
     bool any = false;
     for (int64_t t = 0; t < k; ++t) {
       const int64_t column = targets[i * k + t] - v0;
       any |= column >= 0 && column < n;
     }
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 keep = lanes(n - j);
-      const __m512 e = exp_le0(_mm512_sub_ps(Logits::load(z + j, keep), shift));
-      Logits::store(out + j, keep, _mm512_mul_ps(e, scale));
+    for (int64_t j = 0; j < n; j += Vec::kWidth) {
+      const typename Vec::Mask keep = Vec::first(n - j);
+      const typename Vec::V e = Vec::exp(Vec::sub(Logits::load(z + j, keep), shift));
+      Logits::store(out + j, keep, Vec::mul(e, scale));
     }
     if (!any) continue;
     // a target's column: its value recomputed in fp32 with each of its gradients added in
@@ -113,8 +112,8 @@ int backward(const typename Logits::T* raw, int64_t ld, int64_t rows, int64_t n,
       bool first = true;
       for (int64_t s = 0; s < t; ++s) first &= targets[i * k + s] != targets[i * k + t];
       if (!first) continue;  // (done with the first of equal targets)
-      const __m512 one = _mm512_set1_ps(Logits::at(z + column) - lse[i]);
-      float value = _mm512_cvtss_f32(_mm512_mul_ps(exp_le0(one), scale));
+      const typename Vec::V one = Vec::set1(Logits::at(z + column) - lse[i]);
+      float value = Vec::lowest(Vec::mul(Vec::exp(one), scale));
       for (int64_t s = t; s < k; ++s)
         if (targets[i * k + s] == targets[i * k + t]) value += g[i * k + s];
       Logits::put(out + column, value);

@@ -7,15 +7,15 @@ pass over the tile, a row at a time, at the tile's width (head_tile.cpp: bf16,
 head_tile_fp32.cpp: fp32). On SmolLM2-135M (a 49,152-word head) on an AMX Xeon, the bf16 head
 of a 1,252-token training step took 131.7 -> 88.9 ms forward and 159.5 -> 121.6 ms backward
 with them, the step 1.045x faster; at fp32 on an Ice Lake Xeon (AVX-512, no bf16 units), the
-head of 704 rows on one thread 615 -> 510 ms forward and 643 -> 558 ms backward
-(docs/benchmarks.md).
+head of 704 rows on one thread 615 -> 510 ms forward and 643 -> 558 ms backward, and on a Zen 3
+EPYC (AVX2, 8 lanes) 597 -> 541 and 608 -> 582 (docs/benchmarks.md).
 
 The loops' exp is SLEEF's expf_u10 as torch's vectorized kernels call it; their sums run in
 another order than torch's, so a row's logsumexp differs from eager's by a few fp32 ulps, and
 a gradient by an ulp of its exp at fp32, or by a bf16 step where that moves its rounding
 (tests/unit/engine/test_native_head.py). They take CPU tiles of a head without a logit softcap,
-bf16 where the CPU has AVX512-BF16, fp32 where it has AVX512F, and where the library could be
-built; elsewhere fused_head.py's torch code runs.
+bf16 where the CPU has AVX512-BF16, fp32 where it has AVX512F or AVX2 and FMA, and where the
+library could be built; elsewhere fused_head.py's torch code runs.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ __all__ = ["backward_kernel", "backward_tile", "forward_kernel", "forward_tile",
 # each width's source, its functions' suffix and the CPU features it needs
 _SOURCES = {
     torch.bfloat16: (Path(__file__).with_name("head_tile.cpp"), "bf16", ("avx512f", "avx512_bf16")),
-    torch.float32: (Path(__file__).with_name("head_tile_fp32.cpp"), "fp32", ("avx512f",)),
+    torch.float32: (Path(__file__).with_name("head_tile_fp32.cpp"), "fp32", ("avx2", "fma")),
 }
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 # raw, ld, rows, n, v0, targets, k; high, total, picked; threads

@@ -1,6 +1,7 @@
 // 16-lane AVX-512 helpers of the engine's C++ loops over bf16 (head_tile.cpp,
-// attention_tiles.cpp): a masked widening load and exp for arguments <= 0. native.py builds
-// each source with the engine folder's headers, and a header's change rebuilds them.
+// attention_tiles.cpp): a masked widening load, exp for arguments <= 0, and the vector policy
+// head_tile.h's loops take (`Lanes`; vec256.h's for 8 AVX2 lanes). native.py builds each
+// source with the engine folder's headers, and a header's change rebuilds them.
 #pragma once
 #include <immintrin.h>
 
@@ -38,5 +39,22 @@ inline __m512 exp_le0(__m512 d) {
   u = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
   return _mm512_scalef_ps(u, q);
 }
+
+// head_tile.h's vector policy: 16 fp32 lanes, AVX-512 masks.
+struct Lanes {
+  using V = __m512;
+  using Mask = __mmask16;
+  static constexpr int64_t kWidth = 16;
+  static Mask first(int64_t left) { return lanes(left); }
+  static V set1(float v) { return _mm512_set1_ps(v); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V exp(V d) { return exp_le0(d); }
+  static V max_where(V acc, Mask keep, V x) { return _mm512_mask_max_ps(acc, keep, acc, x); }
+  static V add_where(V acc, Mask keep, V x) { return _mm512_mask_add_ps(acc, keep, acc, x); }
+  static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
+  static float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
+  static float lowest(V v) { return _mm512_cvtss_f32(v); }
+};
 
 }  // namespace vec512
