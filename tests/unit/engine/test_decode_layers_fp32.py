@@ -1,7 +1,8 @@
 """An fp32 model's sampling steps through the lean loop (decode_layers.py): the kernels' fp32 forms
 (norm, rotary embedding, KV writes, decode attention, the fp32 linear kernel or oneDNN's packed
 weights) and eager's SiLU product, the same bits as the modules' forward, on every x86-64 CPU
-with AVX2 and FMA."""
+with AVX2 and FMA; on the fp32 kernel's layout the layers as one C++ call (native_layers.py,
+decode_layers_fp32.cpp), the same bits again."""
 
 from __future__ import annotations
 
@@ -108,8 +109,47 @@ def test_fp32_decode_steps_give_the_modules_bits(
         assert all(w.qkv.a is None for w in groups)  # merged: no LoRA columns
         native = isinstance(groups[0].qkv.weight, NativeWeight)
         assert native == (linear_kernel == "fp32 kernel")
-        assert native_layers.loop(plan, groups) is None  # (the C++ loop is bf16's)
+        # the layers as one C++ call on the fp32 kernel's layout, the Python loop on oneDNN's
+        taken = native_layers.loop(plan, groups) is not None
+        assert taken == (native and native_layers.enabled(torch.float32))
         _same_as_modules(be, works, lean_runs, 8)  # (12 tokens: 11 decode steps, or fewer)
+    finally:
+        be.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_the_fp32_native_loop_gives_the_python_loops_bits(
+    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lean_runs: list[int]
+) -> None:
+    """fp32 decode steps on a merged lone copy in the fp32 kernel's layout run the layers as
+    one C++ call; with TUNELOOP_NATIVE_LAYERS=0 the Python loop makes the same kernel calls
+    and eager's SiLU product: the same tokens and logprobs, bit for bit (Qwen2's biases,
+    Qwen3's per-head norms)."""
+    if native_linear.fp32_kernel() is None or not native_layers.enabled(torch.float32):
+        pytest.skip("the fp32 layer loop is not built here")
+    calls = [0]
+    original = native_layers.Loop.run
+
+    def counting(self: Any, *args: Any) -> Any:
+        calls[0] += 1
+        return original(self, *args)
+
+    monkeypatch.setattr(native_layers.Loop, "run", counting)
+    name = bf16_tests._model(family, tmp_path / family)
+    be = _backend(name, tmp_path / "cache")
+    try:
+        bf16_tests._trained_sampler(be, name)
+        works = bf16_tests._works(6, 4, 12)
+        _warm(be, works)
+        before = calls[0]
+        native = bf16_tests._outputs(be, works)
+        assert calls[0] - before >= 8  # (11 decode steps, fewer if rows stop early)
+        monkeypatch.setenv("TUNELOOP_NATIVE_LAYERS", "0")
+        before, lean_before = calls[0], lean_runs[0]
+        python = bf16_tests._outputs(be, works)
+        assert calls[0] == before
+        assert lean_runs[0] >= lean_before + 8
+        assert native == python
     finally:
         be.close()
 

@@ -307,3 +307,48 @@ def test_a_bf16_backend_samples_as_before_with_lora_adapted_projections(
             np.testing.assert_array_equal(a.logprobs, b.logprobs)
     finally:
         be.close()
+
+
+def _fp32_call(kernel: Any, gate: Any, up: Any, stride: int, threads: int = 1) -> tuple[int, Any]:
+    out = torch.empty(gate.shape[0], gate.shape[1])
+    code = kernel(
+        gate.data_ptr(), stride, up.data_ptr(), stride, gate.shape[0], gate.shape[1],
+        out.data_ptr(), threads,
+    )  # fmt: skip
+    return code, out
+
+
+@pytest.mark.skipif(gated_mlp.fp32_kernel() is None, reason="no fp32 SiLU loop here")
+@pytest.mark.parametrize(("rows", "width"), [(1, 16), (5, 1536), (130, 272)])
+def test_the_fp32_loop_is_eagers_silu_product(rows: int, width: int) -> None:
+    """silu_mul_fp32.cpp with torch's own exp: eager's `silu(gate) * up` bit for bit, the rows
+    read as one matmul's halves, over the range where exp rounds, underflows to subnormals and
+    zero and overflows (rows split between threads alike); a width off 16 is refused (eager
+    computes a row's last width % 16 by its scalar exp)."""
+    kernel = gated_mlp.fp32_kernel()
+    gen = torch.Generator().manual_seed(rows)
+    both = torch.randn(rows, 2 * width, generator=gen) * torch.tensor([1.0, 30.0]).repeat(width)
+    both[0, :8] = torch.tensor([0.0, -0.0, 87.5, -87.5, -103.0, -110.0, 89.0, -1e-40])
+    gate, up = both[:, :width], both[:, width:]
+    for threads in (1, 2):
+        code, out = _fp32_call(kernel, gate, up, both.stride(0), threads)
+        assert code == 0
+        assert torch.equal(out.view(torch.int32), _eager(gate, up).view(torch.int32))
+    assert _fp32_call(kernel, gate[:, :-8], up[:, :-8], both.stride(0))[0] == 1
+
+
+def test_an_fp32_loop_whose_exp_rounds_otherwise_is_not_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The loop takes the exp it is given; one that rounds apart from torch's (SLEEF's
+    expf8_u10 without FMA) fails the probe against eager, and eager's product is kept."""
+    if gated_mlp.fp32_kernel() is None:
+        pytest.skip("no fp32 SiLU loop here")
+    monkeypatch.setattr(gated_mlp, "_TORCH_EXP", "Sleef_expf8_u10avx")
+    gated_mlp.fp32_kernel.cache_clear()
+    try:
+        assert gated_mlp.fp32_kernel() is None
+    finally:
+        monkeypatch.undo()
+        gated_mlp.fp32_kernel.cache_clear()
+    assert gated_mlp.fp32_kernel() is not None  # (its exp set back to torch's)

@@ -26,6 +26,12 @@ module computes as before, and a module whose weights are in another dtype is no
 module is switched only after its own forward and `down_proj(silu(gate_proj(x)) *
 up_proj(x))` agree bit for bit on a probe input, so an MLP that computes something else keeps
 its forward.
+
+At fp32 no table can hold every input: `fp32_kernel` (silu_mul_fp32.cpp, AVX2) computes eager's
+formula, x / (1 + exp(-x)) times up, in one pass, with torch's own vectorized exp (SLEEF's
+expf8_u10, found in libtorch_cpu by name) passed in by its address, and is taken only after it
+gave eager's bits on a probe. An fp32 model's sampling steps take it where their layers run
+as one C++ call (native_layers.py); the modules keep eager's product, whose bits it gives.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from tuneloop.server.engine import native
 __all__ = [
     "backward_kernel",
     "eager_silu",
+    "fp32_kernel",
     "gathers",
     "install",
     "native_kernel",
@@ -56,6 +63,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 NATIVE_SOURCE = Path(__file__).with_name("silu_mul.cpp")
+FP32_SOURCE = Path(__file__).with_name("silu_mul_fp32.cpp")
+# torch's own vectorized exp for AVX2 (SLEEF's expf8_u10), which its fp32 silu calls
+_TORCH_EXP = "Sleef_expf8_u10avx2"
 # Products smaller than this stay eager: the loop's call costs ~7 us of Python and ctypes
 # around it, eager's two operations ~4 us on one row of 1536, and they break even near six
 # rows (measured on a 2-core AVX-512 EPYC: 128 rows 78 -> 42 us, 16 rows 20.5 -> 14.4).
@@ -68,6 +78,58 @@ def native_kernel() -> Any:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     signature = (pointer, size, pointer, size, size, size, pointer, ctypes.c_int)
     return native.function(NATIVE_SOURCE, "silu_mul_bf16", signature)
+
+
+def _torch_exp() -> int | None:
+    """The address of torch's `_TORCH_EXP` in libtorch_cpu, or None where it has none."""
+    library = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    try:
+        return ctypes.cast(getattr(ctypes.CDLL(str(library)), _TORCH_EXP), ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+
+
+def _eager_bits(kernel: Any) -> bool:
+    """Whether `kernel` gives `silu(gate) * up`'s eager bits on a probe: random values over
+    the range where silu changes, the edges where exp underflows or overflows, signed zeros,
+    infinities and NaN, rows read through the strides of one matmul's halves. The width, 16
+    times an odd number, leaves a tail to a torch whose vectorized loop steps by more than
+    16 (AVX-512's 32), where eager's scalar exp would round apart: such a torch fails here."""
+    generator = torch.Generator().manual_seed(0)
+    rows, width = 64, 272
+    both = torch.randn(rows, 2 * width, generator=generator) * 12
+    edges = torch.tensor([0.0, -0.0, 88.7, 88.8, -88.7, -103.9, -104.1, -200.0, 1e-30, -1e-45])
+    edges = torch.cat([edges, torch.tensor([float("inf"), float("-inf"), float("nan")])])
+    both[0, : edges.numel()] = edges
+    gate, up = both[:, :width], both[:, width:]
+    out = torch.empty(rows, width)
+    code = kernel(
+        gate.data_ptr(), both.stride(0), up.data_ptr(), both.stride(0), rows, width,
+        out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    want = torch.nn.functional.silu(gate) * up
+    same = torch.equal(out.view(torch.int32), want.view(torch.int32))
+    return code == 0 and same
+
+
+@functools.cache
+def fp32_kernel() -> Any:
+    """silu_mul_fp32.cpp's entry point (gate, gate's row stride, up, up's row stride, rows,
+    width, out, threads; returns 0, or 1 where refused: widths must be multiples of 16), its
+    exp set to torch's own; None where it cannot be built, torch carries no such exp, or it
+    did not give eager's bits on a probe (a torch whose silu computes otherwise)."""
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    signature = (pointer, size, pointer, size, size, size, pointer, ctypes.c_int)
+    kernel = native.function(FP32_SOURCE, "silu_mul_fp32", signature, ctypes.c_int, ("avx2", "fma"))
+    address = _torch_exp() if kernel is not None else None
+    if kernel is None or address is None:
+        return None
+    use = native.function(FP32_SOURCE, "silu_mul_fp32_exp", (pointer,), ctypes.c_int)
+    use(address)
+    if not _eager_bits(kernel):
+        log.info("the fp32 SiLU loop does not give eager's bits here: eager's product is kept")
+        return None
+    return kernel
 
 
 def gathers(allowed: bool | None) -> bool:

@@ -8,9 +8,12 @@ spins idle (about a sixth of a 128-row step of SmolLM2-135M on an AMX Xeon). Whe
 decode rows alone on one key's fused weights, every group in the native linear kernel's
 layout (native_linear.py), `decode_layers.cpp` makes the same calls in the same order on the
 same inputs, the kernels passed to it by their addresses: the same bits (tests/unit/engine/
-test_decode_layers.py). Other steps (prompt chunks, several keys, oneDNN's packed weights,
-an fp32 model's: its loop is bf16 arithmetic) keep the Python loop; `TUNELOOP_NATIVE_LAYERS=0`
-keeps it for every step.
+test_decode_layers.py). The loop is written once over the element type (`decode_layers.h`):
+bf16 on CPUs with AVX512-BF16 (`decode_layers.cpp`), fp32 on CPUs with AVX2 and FMA
+(`decode_layers_fp32.cpp`: an fp32 model's steps, on a lone copy that merged its adapter, its
+SiLU product by gated_mlp.fp32_kernel, which gives eager's bits). Other steps (prompt chunks,
+several keys, oneDNN's packed weights) keep the Python loop; `TUNELOOP_NATIVE_LAYERS=0` keeps
+it for every step.
 
 `loop(plan, weights)` builds the call's tables of pointers once for a set of weights (the
 fused groups live as long as the adapter's snapshot) and keeps them on the plan; `Loop.run`
@@ -28,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tuneloop.server.engine import native
+from tuneloop.server.engine import gated_mlp, native
 from tuneloop.server.engine.lora.native_columns import DownPairs
 from tuneloop.server.engine.native_linear import NativeWeight
 
@@ -39,8 +42,19 @@ if TYPE_CHECKING:
 
 __all__ = ["Loop", "enabled", "loop"]
 
-SOURCE = Path(__file__).with_name("decode_layers.cpp")
-_NEEDS = ("avx512f", "avx512_bf16")
+# each width's source, its entry points' names and the CPU features it needs
+_SOURCES = {
+    torch.bfloat16: (
+        Path(__file__).with_name("decode_layers.cpp"),
+        ("decode_layers_bf16", "decode_layers_scratch"),
+        ("avx512f", "avx512_bf16"),
+    ),
+    torch.float32: (
+        Path(__file__).with_name("decode_layers_fp32.cpp"),
+        ("decode_layers_fp32", "decode_layers_fp32_scratch"),
+        ("avx2", "fma"),
+    ),
+}
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _KERNELS = ("norm", "columns", "linear", "rotate", "write", "attend", "silu")
 
@@ -89,6 +103,7 @@ _REFUSED = {
     3: "a KV write refused its slots",
     4: "the decode attention refused its shapes",
     5: "the native layer loop refused its shapes",
+    6: "the SiLU product's kernel refused its shapes",
 }
 
 
@@ -101,14 +116,19 @@ _RUN = (
 _SCRATCH = (ctypes.POINTER(_Layer), _I, ctypes.POINTER(_Shape))  # layers, count, shape
 
 
-def _run_kernel() -> Any:
-    """decode_layers.cpp's `decode_layers` (`_RUN`), or None where it cannot be built."""
-    return native.function(SOURCE, "decode_layers", _RUN, ctypes.c_int, _NEEDS)
+def _run_kernel(dtype: torch.dtype = torch.bfloat16) -> Any:
+    """The loop over `dtype` (`_RUN`), or None where it cannot be built (or no loop takes
+    that dtype)."""
+    if dtype not in _SOURCES:
+        return None
+    source, (name, _), needs = _SOURCES[dtype]
+    return native.function(source, name, _RUN, ctypes.c_int, needs)
 
 
-def _scratch_kernel() -> Any:
-    """Its `decode_layers_scratch` (`_SCRATCH`): a step's scratch size in elements."""
-    return native.function(SOURCE, "decode_layers_scratch", _SCRATCH, _I, _NEEDS)
+def _scratch_kernel(dtype: torch.dtype = torch.bfloat16) -> Any:
+    """Its scratch size function (`_SCRATCH`): a step's scratch size in elements."""
+    source, (_, name), needs = _SOURCES[dtype]
+    return native.function(source, name, _SCRATCH, _I, needs)
 
 
 def _address(function: Any) -> int:
@@ -150,7 +170,7 @@ class Loop:
     ) -> None:
         self.plan, self.layers, self.kernels, self.hidden = plan, layers, kernels, hidden
         self._groups = [tuple(weakref.ref(g) for g in four) for four in groups]
-        self._like = torch.empty((0, plan.kv_heads, plan.dim), dtype=torch.bfloat16)
+        self._like = torch.empty((0, plan.kv_heads, plan.dim), dtype=plan.dtype)
 
     def matches(self, weights: Sequence[LayerWeights]) -> bool:
         """Whether `weights` are the groups this loop's tables point into."""
@@ -167,7 +187,7 @@ class Loop:
 
     def run(
         self,
-        hidden: torch.Tensor,  # [rows, hidden] bf16, contiguous: updated in place
+        hidden: torch.Tensor,  # [rows, hidden] at the plan's dtype, contiguous: updated in place
         cos: torch.Tensor,
         sin: torch.Tensor,
         step: PagedStep,
@@ -175,9 +195,9 @@ class Loop:
         mask: torch.Tensor,  # [rows, width]
     ) -> None:
         """One step of decode rows alone through every layer."""
-        call, size = _run_kernel(), _scratch_kernel()
-        assert call is not None, "a Loop exists only where the library was built"
         plan, rows = self.plan, hidden.shape[0]
+        call, size = _run_kernel(plan.dtype), _scratch_kernel(plan.dtype)
+        assert call is not None, "a Loop exists only where the library was built"
         pools = [step.pool.layer(layer.index, self._like, self._like) for layer in plan.layers]
         pool_rows = pools[0][0].shape[0]
         if any(k.shape[0] != pool_rows or v.shape[0] != pool_rows for k, v in pools):
@@ -190,7 +210,7 @@ class Loop:
         k_pools = (_P * n)(*(k.data_ptr() for k, _ in pools))
         v_pools = (_P * n)(*(v.data_ptr() for _, v in pools))
         elements = size(self.layers, n, ctypes.byref(shape))
-        scratch = torch.empty(elements, dtype=torch.bfloat16)
+        scratch = torch.empty(elements, dtype=plan.dtype)
         code = call(
             ctypes.byref(self.kernels), self.layers, n, ctypes.byref(shape), hidden.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), cos.stride(1), step.slot_mapping.data_ptr(),
@@ -200,20 +220,26 @@ class Loop:
             raise ValueError(_REFUSED.get(code, f"the native layer loop failed ({code})"))
 
 
-def enabled() -> bool:
-    """Whether steps may take the loop: TUNELOOP_NATIVE_LAYERS is not 0 and it is built."""
+def enabled(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether steps at `dtype` may take the loop: TUNELOOP_NATIVE_LAYERS is not 0 and it is
+    built (at fp32 with the SiLU product's kernel that gives eager's bits)."""
     if os.environ.get("TUNELOOP_NATIVE_LAYERS", "1") == "0":
         return False
-    return _run_kernel() is not None
+    if dtype == torch.float32 and gated_mlp.fp32_kernel() is None:
+        return False
+    return _run_kernel(dtype) is not None
 
 
 def loop(plan: Plan, weights: Sequence[LayerWeights]) -> Loop | None:
     """The loop over `weights` (the plan's last one where they are the same groups), or None
-    where a step on them keeps the Python loop: an fp32 plan, a group not in the native
-    linear's layout, several keys' segments, the library or the linear kernel not built, or
-    turned off."""
-    if not enabled() or plan.kernels.linear is None or plan.dtype != torch.bfloat16:
-        return None  # (an fp32 plan's steps: the Python loop)
+    where a step on them keeps the Python loop: a group not in the native linear's layout
+    (or, at fp32, with LoRA columns), several keys' segments, an fp32 model's intermediate
+    width not a multiple of 16 (eager's SiLU computes a row's last few by another exp), the
+    library or the linear kernel not built, or turned off."""
+    if not enabled(plan.dtype) or plan.kernels.linear is None:
+        return None
+    if plan.dtype == torch.float32 and plan.intermediate % 16:
+        return None
     held = plan.native_loop
     if isinstance(held, Loop) and held.matches(weights):
         return held
@@ -240,6 +266,8 @@ def loop(plan: Plan, weights: Sequence[LayerWeights]) -> Loop | None:
             slot.q_eps, slot.k_eps = q_eps, k_eps
     k = plan.kernels
     kernels = _Kernels(*(_address(getattr(k, name)) for name in _KERNELS))
+    if plan.dtype == torch.float32:  # (eager's SiLU product in the Python loop: these bits)
+        kernels.silu = _address(gated_mlp.fp32_kernel())
     groups: list[tuple[FusedLinear, ...]] = [(w.qkv, w.o, w.gate_up, w.down) for w in weights]
     found = Loop(plan, groups, table, kernels, hidden)
     plan.native_loop = found
