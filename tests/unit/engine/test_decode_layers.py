@@ -107,6 +107,20 @@ def lean_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+@pytest.fixture
+def native_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the steps whose layers ran as one C++ call (native_layers.Loop.run)."""
+    calls = [0]
+    original = native_layers.Loop.run
+
+    def counting(self: Any, *args: Any) -> Any:
+        calls[0] += 1
+        return original(self, *args)
+
+    monkeypatch.setattr(native_layers.Loop, "run", counting)
+    return calls
+
+
 def _model(family: str, folder: Path) -> str:
     if family in ("qwen2", "mistral"):
         folder.mkdir()
@@ -146,19 +160,16 @@ def test_decode_steps_give_the_modules_bits(
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_the_native_loop_gives_the_python_loops_bits(
-    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lean_runs: list[int]
+    family: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    lean_runs: list[int],
+    native_calls: list[int],
 ) -> None:
     """Decode steps on one key's weights in the native linear's layout run the layers as one
     C++ call; with TUNELOOP_NATIVE_LAYERS=0 the Python loop makes the same kernel calls: the
     same tokens and logprobs, bit for bit (Qwen2's biases, Qwen3's per-head norms)."""
-    calls = [0]
-    original = native_layers.Loop.run
-
-    def counting(self: Any, *args: Any) -> Any:
-        calls[0] += 1
-        return original(self, *args)
-
-    monkeypatch.setattr(native_layers.Loop, "run", counting)
+    calls = native_calls
     name = _model(family, tmp_path / family)
     be = _backend(name, tmp_path / "cache")
     try:

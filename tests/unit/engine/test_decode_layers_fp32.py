@@ -36,6 +36,7 @@ BUILT = (
 pytestmark = pytest.mark.skipif(not BUILT, reason="needs the fp32 kernels (AVX2 and FMA)")
 LLAMA = bf16_tests.LLAMA
 lean_runs = bf16_tests.lean_runs  # (the fixture: steps the lean loop ran to their end)
+native_calls = bf16_tests.native_calls  # (the fixture: steps the layers' C++ call ran)
 
 
 @pytest.fixture(params=["fp32 kernel", "oneDNN"])
@@ -119,7 +120,11 @@ def test_fp32_decode_steps_give_the_modules_bits(
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_the_fp32_native_loop_gives_the_python_loops_bits(
-    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lean_runs: list[int]
+    family: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    lean_runs: list[int],
+    native_calls: list[int],
 ) -> None:
     """fp32 decode steps on a merged lone copy in the fp32 kernel's layout run the layers as
     one C++ call; with TUNELOOP_NATIVE_LAYERS=0 the Python loop makes the same kernel calls
@@ -127,14 +132,7 @@ def test_the_fp32_native_loop_gives_the_python_loops_bits(
     Qwen3's per-head norms)."""
     if native_linear.fp32_kernel() is None or not native_layers.enabled(torch.float32):
         pytest.skip("the fp32 layer loop is not built here")
-    calls = [0]
-    original = native_layers.Loop.run
-
-    def counting(self: Any, *args: Any) -> Any:
-        calls[0] += 1
-        return original(self, *args)
-
-    monkeypatch.setattr(native_layers.Loop, "run", counting)
+    calls = native_calls
     name = bf16_tests._model(family, tmp_path / family)
     be = _backend(name, tmp_path / "cache")
     try:

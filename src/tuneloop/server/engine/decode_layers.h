@@ -8,10 +8,12 @@
 // of SmolLM2-135M on an AMX Xeon. Here the calls follow each other directly.
 //
 // The kernels are the other libraries' entry points, passed in as addresses (`Kernels`), so
-// one kernel's code serves both loops. The residual sums are each width's `Add` (as torch's
+// one kernel's code serves both loops. The residual sums are each width's `add` (as torch's
 // add on tensors of that dtype rounds them). Every buffer of a step lies in one scratch block
 // the caller allocates (`scratch` says its size).
 #pragma once
+#include <omp.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -86,6 +88,16 @@ struct Shape {
   float scale;
   int threads;
 };
+
+// hidden[j] = sum(hidden[j], y[j]) for j < n, `sum(hidden, y, begin, end)` over spans of
+// 16 x 1024 elements split across the threads: each width's residual add.
+template <class T, class Sum>
+void add_spans(T* hidden, const T* y, int64_t n, int threads, Sum sum) {
+  constexpr int64_t kSpan = 16 * 1024;
+  const int64_t spans = (n + kSpan - 1) / kSpan;
+  #pragma omp parallel for num_threads(threads) schedule(static) if (spans > 1)
+  for (int64_t s = 0; s < spans; ++s) sum(hidden, y, s * kSpan, std::min(n, (s + 1) * kSpan));
+}
 
 constexpr int64_t kAlign = 32;  // elements: each buffer starts on a cache line (or two)
 
@@ -245,3 +257,22 @@ int run(const Kernels<T>* kernels, const Layer<T>* layers, int64_t n_layers, con
 }
 
 }  // namespace decode_layers
+
+// One width's two entry points (native_layers.py's signatures), decode_layers_<suffix> (`run`)
+// and decode_layers_<suffix>_scratch (`scratch`), over elements `T` with residual sums `add`.
+#define DECODE_LAYERS_ENTRY_POINTS(suffix, T, add)                                              \
+  extern "C" int64_t decode_layers_##suffix##_scratch(const decode_layers::Layer<T>* layers,   \
+                                                      int64_t n_layers,                        \
+                                                      const decode_layers::Shape* shape) {     \
+    return decode_layers::scratch<T>(layers, n_layers, shape);                                 \
+  }                                                                                            \
+  extern "C" int decode_layers_##suffix(                                                       \
+      const decode_layers::Kernels<T>* kernels, const decode_layers::Layer<T>* layers,         \
+      int64_t n_layers, const decode_layers::Shape* shape, T* hidden, const T* cos,            \
+      const T* sin, int64_t cs_stride, const int64_t* slot_mapping, const int64_t* slots,      \
+      const bool* mask, char* const* k_pools, char* const* v_pools, T* scratch,                \
+      int64_t scratch_elements) {                                                              \
+    return decode_layers::run<T, add>(kernels, layers, n_layers, shape, hidden, cos, sin,      \
+                                      cs_stride, slot_mapping, slots, mask, k_pools, v_pools,  \
+                                      scratch, scratch_elements);                              \
+  }

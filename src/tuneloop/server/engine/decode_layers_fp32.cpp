@@ -6,48 +6,20 @@
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "this loop needs AVX2 and FMA"
 #endif
-#include <omp.h>
-
-#include <algorithm>
 #include <cstdint>
 
 #include "decode_layers.h"
 
 namespace {
 
-// hidden += y, both [n] fp32, in spans of 16 x 1024 elements across the threads.
+// hidden += y, both [n] fp32.
 void add(float* hidden, const float* y, int64_t n, int threads) {
-  constexpr int64_t kSpan = 16 * 1024;
-  const int64_t spans = (n + kSpan - 1) / kSpan;
-  #pragma omp parallel for num_threads(threads) schedule(static) if (spans > 1)
-  for (int64_t s = 0; s < spans; ++s) {
-    const int64_t end = std::min(n, (s + 1) * kSpan);
-    for (int64_t j = s * kSpan; j < end; ++j) hidden[j] += y[j];
-  }
+  decode_layers::add_spans(hidden, y, n, threads,
+                           [](float* h, const float* v, int64_t begin, int64_t end) {
+                             for (int64_t j = begin; j < end; ++j) h[j] += v[j];
+                           });
 }
-
-using T = float;
 
 }  // namespace
 
-extern "C" {
-
-// The scratch block's size in fp32 elements for a step of `shape` over `layers`.
-int64_t decode_layers_fp32_scratch(const decode_layers::Layer<T>* layers, int64_t n_layers,
-                                   const decode_layers::Shape* shape) {
-  return decode_layers::scratch<T>(layers, n_layers, shape);
-}
-
-// decode_layers::run over fp32 (its arguments there).
-int decode_layers_fp32(const decode_layers::Kernels<T>* kernels,
-                       const decode_layers::Layer<T>* layers, int64_t n_layers,
-                       const decode_layers::Shape* shape, T* hidden, const T* cos, const T* sin,
-                       int64_t cs_stride, const int64_t* slot_mapping, const int64_t* slots,
-                       const bool* mask, char* const* k_pools, char* const* v_pools, T* scratch,
-                       int64_t scratch_elements) {
-  return decode_layers::run<T, add>(kernels, layers, n_layers, shape, hidden, cos, sin,
-                                    cs_stride, slot_mapping, slots, mask, k_pools, v_pools,
-                                    scratch, scratch_elements);
-}
-
-}  // extern "C"
+DECODE_LAYERS_ENTRY_POINTS(fp32, float, add)

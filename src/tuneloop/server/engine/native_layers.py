@@ -46,7 +46,7 @@ __all__ = ["Loop", "enabled", "loop"]
 _SOURCES = {
     torch.bfloat16: (
         Path(__file__).with_name("decode_layers.cpp"),
-        ("decode_layers_bf16", "decode_layers_scratch"),
+        ("decode_layers_bf16", "decode_layers_bf16_scratch"),
         ("avx512f", "avx512_bf16"),
     ),
     torch.float32: (
