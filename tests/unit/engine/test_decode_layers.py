@@ -121,6 +121,29 @@ def native_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+def native_against_python(
+    be: Any,
+    works: list[SampleWork],
+    dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
+    lean_runs: list[int],
+    native_calls: list[int],
+) -> None:
+    """`works` with the layers as one C++ call in at least 8 steps, then with
+    TUNELOOP_NATIVE_LAYERS=0 through the Python loop alone: the same tokens and logprobs."""
+    before = native_calls[0]
+    native = _outputs(be, works)
+    assert native_calls[0] - before >= 8  # (11 decode steps, fewer if rows stop early)
+    assert native_layers.enabled(dtype)
+    monkeypatch.setenv("TUNELOOP_NATIVE_LAYERS", "0")
+    assert not native_layers.enabled(dtype)
+    before, lean_before = native_calls[0], lean_runs[0]
+    python = _outputs(be, works)
+    assert native_calls[0] == before
+    assert lean_runs[0] >= lean_before + 8
+    assert native == python
+
+
 def _model(family: str, folder: Path) -> str:
     if family in ("qwen2", "mistral"):
         folder.mkdir()
@@ -174,17 +197,7 @@ def test_the_native_loop_gives_the_python_loops_bits(
     be = _backend(name, tmp_path / "cache")
     try:
         _trained_sampler(be, name)
-        works = _works(6, 4, 12)
-        native = _outputs(be, works)
-        assert calls[0] >= 8  # (11 decode steps, fewer if rows stop early)
-        assert native_layers.enabled()
-        monkeypatch.setenv("TUNELOOP_NATIVE_LAYERS", "0")
-        assert not native_layers.enabled()
-        before, lean_before = calls[0], lean_runs[0]
-        python = _outputs(be, works)
-        assert calls[0] == before
-        assert lean_runs[0] >= lean_before + 8
-        assert native == python
+        native_against_python(be, _works(6, 4, 12), torch.bfloat16, monkeypatch, lean_runs, calls)
     finally:
         be.close()
 

@@ -132,22 +132,15 @@ def test_the_fp32_native_loop_gives_the_python_loops_bits(
     Qwen3's per-head norms)."""
     if native_linear.fp32_kernel() is None or not native_layers.enabled(torch.float32):
         pytest.skip("the fp32 layer loop is not built here")
-    calls = native_calls
     name = bf16_tests._model(family, tmp_path / family)
     be = _backend(name, tmp_path / "cache")
     try:
         bf16_tests._trained_sampler(be, name)
         works = bf16_tests._works(6, 4, 12)
         _warm(be, works)
-        before = calls[0]
-        native = bf16_tests._outputs(be, works)
-        assert calls[0] - before >= 8  # (11 decode steps, fewer if rows stop early)
-        monkeypatch.setenv("TUNELOOP_NATIVE_LAYERS", "0")
-        before, lean_before = calls[0], lean_runs[0]
-        python = bf16_tests._outputs(be, works)
-        assert calls[0] == before
-        assert lean_runs[0] >= lean_before + 8
-        assert native == python
+        bf16_tests.native_against_python(
+            be, works, torch.float32, monkeypatch, lean_runs, native_calls
+        )
     finally:
         be.close()
 
