@@ -17,7 +17,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 
 namespace decode_layers {
 
@@ -34,12 +33,7 @@ struct Types {
                         int);
   using Attend = int (*)(const T*, const T*, const T*, const int64_t*, const bool*, int64_t,
                          int64_t, int64_t, int64_t, int64_t, int64_t, float, T*, int);
-  // bf16's returns nothing; fp32's 0, or 1 where it refuses the shapes
-  using Silu = std::conditional_t<std::is_same_v<T, float>,
-                                  int (*)(const T*, int64_t, const T*, int64_t, int64_t, int64_t,
-                                          T*, int),
-                                  void (*)(const T*, int64_t, const T*, int64_t, int64_t, int64_t,
-                                           T*, int)>;
+  using Silu = int (*)(const T*, int64_t, const T*, int64_t, int64_t, int64_t, T*, int);
 };
 
 // The kernels' entry points (rms_norm.cpp, lora_columns_avx512.cpp or none, linear_avx512.cpp
@@ -173,21 +167,6 @@ int project(const Kernels<T>& k, const Shape& s, const T* x, int64_t ldx, int64_
   return kNone;
 }
 
-// The SiLU product of a step's gate/up rows: `Refused` where the kernel refuses.
-template <class T>
-int silu(const Kernels<T>& k, const Shape& s, const T* gate_up, T* product) {
-  const int64_t inter = s.inter;
-  if constexpr (std::is_void_v<decltype(k.silu(gate_up, 0, gate_up, 0, 0, 0, product, 0))>) {
-    k.silu(gate_up, 2 * inter, gate_up + inter, 2 * inter, s.rows, inter, product, s.threads);
-    return kNone;
-  } else {
-    return k.silu(gate_up, 2 * inter, gate_up + inter, 2 * inter, s.rows, inter, product,
-                  s.threads)
-               ? kSilu
-               : kNone;
-  }
-}
-
 // The scratch block's size in elements for a step of `shape` over `layers`.
 template <class T>
 int64_t scratch(const Layer<T>* layers, int64_t n_layers, const Shape* shape) {
@@ -249,7 +228,9 @@ int run(const Kernels<T>* kernels, const Layer<T>* layers, int64_t n_layers, con
     add(hidden, b.y, rows * h, s.threads);
     k.norm(hidden, l.norm_post, rows, h, l.eps_post, b.normed, s.threads);
     if ((code = project(k, s, b.normed, h, h, l.gate_up, b.extended, b.gate_up))) return code;
-    if ((code = silu(k, s, b.gate_up, b.product))) return code;
+    if (k.silu(b.gate_up, 2 * inter, b.gate_up + inter, 2 * inter, rows, inter, b.product,
+               s.threads))
+      return kSilu;
     if ((code = project(k, s, b.product, inter, inter, l.down, b.extended, b.y))) return code;
     add(hidden, b.y, rows * h, s.threads);
   }

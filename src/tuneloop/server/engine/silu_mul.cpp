@@ -271,10 +271,11 @@ bool form(std::atomic<int>& chosen, bool (*measure)()) {
 }  // namespace
 
 // gate and up [rows, width] bf16, row r at gate + r * gate_stride (in elements), each row
-// contiguous; out [rows, width] bf16 and contiguous.
-extern "C" void silu_mul_bf16(const uint16_t* gate, int64_t gate_stride, const uint16_t* up,
-                              int64_t up_stride, int64_t rows, int64_t width, uint16_t* out,
-                              int threads) {
+// contiguous; out [rows, width] bf16 and contiguous. Returns 0 (it refuses no shape; the
+// return is silu_mul_fp32's, so that decode_layers.h calls either alike).
+extern "C" int silu_mul_bf16(const uint16_t* gate, int64_t gate_stride, const uint16_t* up,
+                             int64_t up_stride, int64_t rows, int64_t width, uint16_t* out,
+                             int threads) {
   const uint32_t* silu = silu_table().data();
   [[maybe_unused]] const bool gathers = form(g_forward, measure_forward);
   #pragma omp parallel for num_threads(threads) schedule(static) if (rows * width >= 32768)
@@ -290,6 +291,7 @@ extern "C" void silu_mul_bf16(const uint16_t* gate, int64_t gate_stride, const u
 #endif
     scalar_row(g, u, width, o, silu);
   }
+  return 0;
 }
 
 // The backward of silu_mul_bf16 as eager autograd makes it from the saved silu(gate) (a
