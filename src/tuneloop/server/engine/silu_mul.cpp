@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "sleef_expf.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 
@@ -53,16 +54,13 @@ inline float exp_f32(float d) {
   const int32_t high = ordered(std::bit_cast<int32_t>(100.0f));
   const float c = std::bit_cast<float>(ordered(key < low ? low : key > high ? high : key));
   const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds |v| < 2^22 to an integer
-  const float q = (c * 1.442695040888963407359924681001892137426645954152985934135449406931f +
-                   shifter) - shifter;
-  float s = fma(q, -0.693145751953125f, c);
-  s = fma(q, -1.428606765330187045e-06f, s);
-  float u = 0.000198527617612853646278381f;
-  u = fma(u, s, 0.00139304355252534151077271f);
-  u = fma(u, s, 0.00833336077630519866943359f);
-  u = fma(u, s, 0.0416664853692054748535156f);
-  u = fma(u, s, 0.166666671633720397949219f);
-  u = fma(u, s, 0.5f);
+  using namespace sleef_expf;
+  const float q = (c * kLog2e + shifter) - shifter;
+  float s = fma(q, -kLn2High, c);
+  s = fma(q, -kLn2Low, s);
+  float u = kPoly[0];
+#pragma GCC unroll 8
+  for (int i = 1; i < kDegree; ++i) u = fma(u, s, kPoly[i]);
   u = 1.0f + fma(s * s, u, s);
   const int32_t e = int32_t(q);
   return u * pow2(e >> 1) * pow2(e - (e >> 1));  // 2^e in two steps: e may pass 127

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "sleef_expf.h"
+
 namespace vec256 {
 
 // The first min(left, 8) lanes, as a mask of whole lanes.
@@ -15,22 +17,20 @@ inline __m256i lanes(int64_t left) {
                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-// exp(d) for d <= 0, 8 lanes: vec512::exp_le0's reduction and polynomial (SLEEF's expf_u10).
+// exp(d) for d <= 0, 8 lanes: vec512::exp_le0's reduction and polynomial (sleef_expf.h).
 // AVX2 has no scalef: 2^q (q in [-150, 0] after the clamp to -104) is applied as two powers
 // of two of at most 75 in size, each a normal number, so the first product is exact and the
 // second rounds once, into the subnormals where it must, as scalef's single rounding does.
 inline __m256 exp_le0(__m256 d) {
   d = _mm256_max_ps(d, _mm256_set1_ps(-104.0f));
-  const __m256 q = _mm256_round_ps(_mm256_mul_ps(d, _mm256_set1_ps(1.442695040888963407f)),
+  using namespace sleef_expf;
+  const __m256 q = _mm256_round_ps(_mm256_mul_ps(d, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 s = _mm256_fmadd_ps(q, _mm256_set1_ps(-0.693145751953125f), d);
-  s = _mm256_fmadd_ps(q, _mm256_set1_ps(-1.428606765330187045e-06f), s);
-  __m256 u = _mm256_set1_ps(0.000198527617612853646278381f);
-  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00139304355252534151077271f));
-  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00833336077630519866943359f));
-  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.0416664853692054748535156f));
-  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.166666671633720397949219f));
-  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.5f));
+  __m256 s = _mm256_fmadd_ps(q, _mm256_set1_ps(-kLn2High), d);
+  s = _mm256_fmadd_ps(q, _mm256_set1_ps(-kLn2Low), s);
+  __m256 u = _mm256_set1_ps(kPoly[0]);
+#pragma GCC unroll 8
+  for (int i = 1; i < kDegree; ++i) u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(kPoly[i]));
   u = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s));
   const __m256i whole = _mm256_cvtps_epi32(q);
   const __m256i half = _mm256_srai_epi32(whole, 1);

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "sleef_expf.h"
+
 namespace vec512 {
 
 // 16 bf16 values at p (the lanes in `keep`; zero elsewhere) as fp32.
@@ -26,16 +28,14 @@ inline __mmask16 lanes(int64_t left) {
 // below about -103.3), so -inf gives zero too.
 inline __m512 exp_le0(__m512 d) {
   d = _mm512_max_ps(d, _mm512_set1_ps(-104.0f));
-  const __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(d, _mm512_set1_ps(1.442695040888963407f)),
+  using namespace sleef_expf;
+  const __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(d, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 s = _mm512_fmadd_ps(q, _mm512_set1_ps(-0.693145751953125f), d);
-  s = _mm512_fmadd_ps(q, _mm512_set1_ps(-1.428606765330187045e-06f), s);
-  __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
+  __m512 s = _mm512_fmadd_ps(q, _mm512_set1_ps(-kLn2High), d);
+  s = _mm512_fmadd_ps(q, _mm512_set1_ps(-kLn2Low), s);
+  __m512 u = _mm512_set1_ps(kPoly[0]);
+#pragma GCC unroll 8
+  for (int i = 1; i < kDegree; ++i) u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(kPoly[i]));
   u = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
   return _mm512_scalef_ps(u, q);
 }
