@@ -4,6 +4,8 @@ request failing in one part trained in neither."""
 
 from __future__ import annotations
 
+import itertools
+import random
 from typing import Any
 
 import numpy as np
@@ -61,6 +63,27 @@ def test_split_balances_tokens_and_keeps_row_order(small_parts: None) -> None:
     assert training.split(runtime, _rows(40, 8)) == [[0], [1]]
     assert training.split(runtime, _rows(40, 7)) == [[0, 1]]  # a part below the minimum
     assert training.split(runtime, _rows(40)) == [[0]]
+
+
+def test_split_finds_the_most_even_token_counts(small_parts: None) -> None:
+    """Where longest-first-to-the-lighter-part leaves the parts apart (8 -> a, 7 -> b, 6 -> b,
+    5 -> a, 4: 17 against 13), the split is the most even one (15 and 15); on random batches
+    the parts are as close as the best of every split of the rows."""
+    runtime: Any = _Runtime()
+    assert training.split(runtime, _rows(8, 7, 6, 5, 4)) == [[0, 1], [2, 3, 4]]
+    rng = random.Random(0)
+    for _ in range(50):
+        lengths = [rng.randint(8, 256) for _ in range(rng.randint(2, 10))]
+        parts = training.split(runtime, _rows(*lengths))
+        if len(parts) == 1:
+            continue
+        assert sorted(parts[0] + parts[1]) == list(range(len(lengths)))
+        gap = abs(sum(lengths[i] for i in parts[0]) - sum(lengths[i] for i in parts[1]))
+        best = min(
+            abs(sum(n for n, pick in zip(lengths, picks, strict=True) if pick) * 2 - sum(lengths))
+            for picks in itertools.product((0, 1), repeat=len(lengths))
+        )
+        assert gap == best
 
 
 def test_split_needs_two_threads_and_a_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
