@@ -344,8 +344,12 @@ def _halves(lengths: list[int]) -> list[list[int]]:
     """The rows in two sets whose token counts are as close as any split makes them (the
     first holding the largest sum up to half), each in row order. Longest row first to the
     part with fewer tokens (the earlier rule) left the parts of bench/engine.py's batches (8
-    rows of 64-256 tokens) up to 64 tokens apart, and the part with more ran the longer:
-    ~3 % of a step's two CPUs idle on a Zen 3 EPYC. Found by the sums each prefix of the
+    rows of 64-256 tokens) up to 64 tokens apart, and the part with more ran the longer; each
+    part is also padded to its own bucket (packing.bucketed), so parts a few tokens apart
+    could run a bucket apart: 2-13 % of a step's wall with one thread waiting on a Zen 4
+    EPYC (bf16), and the most even split also gives the smallest larger bucket (bucketed is
+    monotone). Measured there: 1.06x training steps (bench/training_ab.py, median of four
+    rounds; docs/benchmarks.md). Found by the sums each prefix of the
     rows can reach (bits of one integer, shifted by each length), then the rows of one
     reaching the target, walked back: deterministic, a few microseconds."""
     reach = [1]  # reach[i]: bit t set where some subset of rows [0, i) sums to t
