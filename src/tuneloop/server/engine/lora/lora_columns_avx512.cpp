@@ -40,8 +40,10 @@ constexpr int kVectors = 4;  // at most, 16 outputs each: 6 rows a block; 2 vect
 template <int MB, int J>
 void block(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* pairs, int64_t rp,
            int64_t n0, uint16_t* low, int64_t ldo, int64_t valid) {
-  __m512 acc[MB][J];
+  __m512 acc[MB][J];  // (loops over MB and J unrolled: the sums stay in registers)
+#pragma GCC unroll 24
   for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
     for (int j = 0; j < J; ++j) acc[i][j] = _mm512_setzero_ps();
   const int64_t full = k / 2;
   for (int64_t p = 0; p < full; ++p) {
@@ -66,9 +68,11 @@ void block(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* pairs, int
       for (int j = 0; j < J; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xb, b[j]);
     }
   }
+#pragma GCC unroll 4
   for (int j = 0; j < J; ++j) {
     const int64_t left = valid - 16 * j;
     const __mmask16 keep = vec512::lanes(left);
+#pragma GCC unroll 24
     for (int i = 0; i < MB; ++i) {
       const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(acc[i][j]);
       _mm256_mask_storeu_epi16(low + i * ldo + n0 + 16 * j, keep, rounded);
