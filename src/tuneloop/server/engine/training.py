@@ -346,12 +346,14 @@ def _halves(lengths: list[int]) -> list[list[int]]:
     part with fewer tokens (the earlier rule) left the parts of bench/engine.py's batches (8
     rows of 64-256 tokens) up to 64 tokens apart, and the part with more ran the longer; each
     part is also padded to its own bucket (packing.bucketed), so parts a few tokens apart
-    could run a bucket apart: 2-13 % of a step's wall with one thread waiting on a Zen 4
-    EPYC (bf16), and the most even split also gives the smallest larger bucket (bucketed is
-    monotone). Measured there: 1.06x training steps (bench/training_ab.py, median of four
-    rounds; docs/benchmarks.md). Found by the sums each prefix of the
-    rows can reach (bits of one integer, shifted by each length), then the rows of one
-    reaching the target, walked back: deterministic, a few microseconds."""
+    could run a bucket apart: 0-13 % of a step's wall with one thread waiting on a Zen 4
+    EPYC (bf16). The most even split also gives the smallest larger bucket (bucketed is
+    monotone). Measured there over 38 steps: the waiting 2.7 -> 0.9 % of the two threads'
+    time, twice the larger part's padded tokens 1.049 -> 1.030 of the real ones; steps 1.06x
+    and 0.99x in two A/Bs of four rounds (bench/training_ab.py; docs/benchmarks.md), within
+    that guest's noise. Found by the sums each prefix of the rows can reach (bits of one
+    integer, shifted by each length), then the rows of one reaching the target, walked back:
+    deterministic, a few microseconds."""
     reach = [1]  # reach[i]: bit t set where some subset of rows [0, i) sums to t
     for n in lengths:
         reach.append(reach[-1] | (reach[-1] << n))
