@@ -63,7 +63,8 @@ void tile(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w, const fl
   // Every loop over the sums is unrolled: with the first and last loops left rolled, GCC kept
   // `acc` in a stack array between the loops, cleared by a call to memset (no bias) and
   // loaded into registers each tile: 2.7 % of a 128-row decode step on a Zen 4 EPYC. In
-  // registers throughout, a step's linears ran 1.03x (128 and 32 rows; docs/benchmarks.md).
+  // registers throughout, a step's linears ran 1.03-1.05x at 128 rows and 1.02-1.03x at 32
+  // (bench/linear_ab.py, docs/benchmarks.md).
   __m512 acc[MB][4];
 #pragma GCC unroll 4
   for (int j = 0; j < 4; ++j) {  // (the sums start from the bias)
