@@ -58,7 +58,7 @@ def whole(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 def test_split_balances_tokens_and_keeps_row_order(small_parts: None) -> None:
     runtime: Any = _Runtime()
-    # longest first to the lighter part: 30 -> a, 20 -> b, 12 -> b, 10 -> a, 9 -> b
+    # 81 tokens: 10 + 30 = 40 against 9 + 20 + 12 = 41, the part with the longest row first
     assert training.split(runtime, _rows(10, 30, 9, 20, 12)) == [[0, 1], [2, 3, 4]]
     assert training.split(runtime, _rows(40, 8)) == [[0], [1]]
     assert training.split(runtime, _rows(40, 7)) == [[0, 1]]  # a part below the minimum
