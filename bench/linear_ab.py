@@ -19,7 +19,6 @@ import argparse
 import ctypes
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,23 +26,24 @@ from typing import Any
 import torch
 
 from engine import cpu_model
+from tuneloop.server.engine import native, native_linear
 
 SOURCE = "tuneloop/server/engine/linear_avx512.cpp"
 LAYER = [(576 + 96, 960), (576 + 32, 576), (576 + 64, 3072), (1536 + 32, 576)]
 SHAPES = LAYER * 30 + [(576 + 32, 49152)]  # (inputs, outputs) of each call
-ARGS = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 2, ctypes.c_int64]
-ARGS += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
 
 
 def kernel(src: Path) -> Any:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from tuneloop.server.engine import native
-
-    lib = native.library((src / SOURCE).resolve(), ("avx512f", "avx512_bf16"))
-    if lib is None:
+    """`src`'s linear_bf16, built for this CPU, with the engine's signature for it."""
+    fn = native.function(
+        (src / SOURCE).resolve(),
+        "linear_bf16",
+        native_linear._SIGNATURE,
+        ctypes.c_int,
+        native_linear._NEEDS,
+    )
+    if fn is None:
         raise SystemExit(f"{src / SOURCE} could not be built here (AVX512-BF16 needed)")
-    fn = lib.linear_bf16
-    fn.argtypes, fn.restype = ARGS, ctypes.c_int
     return fn
 
 
