@@ -28,6 +28,7 @@ model and the load. `--profile` prints the top ops of one step of the current va
     python bench/train_variants.py --variant parts  # a micro-batch as two parts on two threads
     python bench/train_variants.py --variant fp32-onednn --dtype float32  # frozen weights'
                                                     # products by oneDNN, not MKL's sgemm
+    python bench/train_variants.py --variant lora-grads  # the LoRA factors' gradients in C++
     python bench/train_variants.py --profile
     python bench/train_variants.py --micro          # each piece alone, 422 AdamW tensors, the head,
                                                     # one layer's packed attention fwd+bwd and
@@ -177,6 +178,15 @@ def _siblings(previous: bool) -> Any:
     from tuneloop.server.engine.lora import siblings
 
     return _swapped(siblings, "_GROUPED", False if previous else None)
+
+
+def _lora_grads(previous: bool) -> Any:
+    """previous: the LoRA factors' gradients dA = dlow^T @ x, dB = dy^T @ low by torch
+    (oneDNN); current: by the C++ kernel on CPUs with AVX512-BF16 and no AMX
+    (lora/native_grads.py)."""
+    from tuneloop.server.engine.lora import native_grads
+
+    return _swapped(native_grads, "_NATIVE", False if previous else None)
 
 
 @contextmanager
@@ -571,6 +581,7 @@ def main() -> int:
             "attention-tiles",
             "parts",
             "fp32-onednn",
+            "lora-grads",
         ],
         default="attention",
     )
@@ -659,6 +670,7 @@ def main() -> int:
         "attention-tiles": _attention_tiles,
         "parts": _parts,
         "fp32-onednn": _fp32_onednn,
+        "lora-grads": _lora_grads,
     }
     switch = switches[args.variant]
     times: dict[str, list[float]] = {"previous": [], "current": []}

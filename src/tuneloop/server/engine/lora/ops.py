@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from tuneloop.server.engine import cpu_fp32_matmul
+from tuneloop.server.engine.lora import native_grads
 
 __all__ = [
     "HALF",
@@ -247,9 +248,9 @@ class _OneAdapterLinear(torch.autograd.Function):
         if needs[0]:
             d_x = cpu_fp32_matmul.matmul(dy, weight).addmm_(d_low, a, alpha=scale).view(shape)
         if needs[3]:
-            d_a = scaled_(d_low.t() @ flat, scale)
+            d_a = scaled_(native_grads.transposed_product(d_low, flat), scale)
         if needs[4]:
-            d_b = scaled_(dy.t() @ low, scale)
+            d_b = scaled_(native_grads.transposed_product(low, dy, transposed=True), scale)
         return d_x, None, None, d_a, d_b, None
 
 

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine import cpu_fp32_matmul
-from tuneloop.server.engine.lora import ops
+from tuneloop.server.engine.lora import native_grads, ops
 from tuneloop.server.engine.lora.ops import HALF, Factors
 
 __all__ = ["SiblingLinears", "sibling_linears", "stack_weights", "stacked", "stacked_view"]
@@ -107,12 +107,13 @@ class SiblingLinears(torch.autograd.Function):
             for dy, w in zip(dys[1:], weights[1:], strict=True):
                 cpu_fp32_matmul.addmm_(d_x, dy, w)
             d_x = d_x.addmm_(d_low, a_all).view(ctx.shape)  # type: ignore[attr-defined]
-        d_a_all = d_low.t() @ flat  # [G r, in]
+        d_a_all = native_grads.transposed_product(d_low, flat)  # [G r, in]
         d_factors: list[torch.Tensor] = []
         column = 0
         for dy, b, scale in zip(dys, ups, scales, strict=True):
             rank = b.shape[1]
-            d_b = ops.scaled_(dy.t() @ low[:, column : column + rank], scale)
+            part = low[:, column : column + rank]
+            d_b = ops.scaled_(native_grads.transposed_product(part, dy, transposed=True), scale)
             d_factors += [d_a_all[column : column + rank], d_b]
             column += rank
         return (d_x, None, None, None, *d_factors)
