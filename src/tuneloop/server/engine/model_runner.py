@@ -115,6 +115,10 @@ class ModelRunner:
         tokens: list[int] = []
         positions: list[int] = []
         slot_mapping: list[np.ndarray] = []
+        # one-token items' slots, a Python int each (a decode step's 128 rows through _slots'
+        # arrays took ~0.4 ms a step of ~50 on a Zen 5 EPYC), joined before each longer item's
+        singles: list[int] = []
+        size = self.pool.block_size
         prefills: list[Prefill] = []
         decoding = 0
         for item in work:
@@ -122,7 +126,13 @@ class ModelRunner:
             end = start + item.length
             tokens += seq.tokens[start:end]
             positions += range(start, end)
-            slot_mapping.append(self._slots(seq, start, end))
+            if item.length == 1:
+                singles.append(int(seq.table[start // size]) * size + start % size)
+            else:
+                if singles:
+                    slot_mapping.append(np.array(singles, dtype=np.int64))
+                    singles = []
+                slot_mapping.append(self._slots(seq, start, end))
             if item.length == 1 and not prefills:
                 decoding += 1
             else:
@@ -135,9 +145,10 @@ class ModelRunner:
             [i.seq for i in work[:decoding]], contexts, width
         )
         flash = self._flash_metadata(work) if self.kernel else None
+        mapping = np.concatenate([*slot_mapping, np.array(singles, dtype=np.int64)])
         step = PagedStep(
             self.pool,
-            torch.from_numpy(np.concatenate(slot_mapping)).to(self.device),
+            torch.from_numpy(mapping).to(self.device),
             decoding,
             torch.from_numpy(np.ascontiguousarray(decode_slots)).to(self.device),
             torch.from_numpy(decode_mask[:, None, None, :]).to(self.device),
