@@ -28,7 +28,7 @@ model and the load. `--profile` prints the top ops of one step of the current va
     python bench/train_variants.py --variant parts  # a micro-batch as two parts on two threads
     python bench/train_variants.py --variant fp32-onednn --dtype float32  # frozen weights'
                                                     # products by oneDNN, not MKL's sgemm
-    python bench/train_variants.py --variant rank-products  # the LoRA rank's products in C++
+    python bench/train_variants.py --variant lora-grads  # the LoRA factors' gradients in C++
     python bench/train_variants.py --profile
     python bench/train_variants.py --micro          # each piece alone, 422 AdamW tensors, the head,
                                                     # one layer's packed attention fwd+bwd and
@@ -180,13 +180,13 @@ def _siblings(previous: bool) -> Any:
     return _swapped(siblings, "_GROUPED", False if previous else None)
 
 
-def _rank_products(previous: bool) -> Any:
-    """previous: a training pass's LoRA products with the rank's narrow side (low = x @ A.T,
-    dlow = dy @ B, dA = dlow^T @ x, dB = dy^T @ low) by torch (oneDNN); current: by the C++
-    kernels on CPUs with AVX512-BF16 and no AMX (lora/native_rank.py)."""
-    from tuneloop.server.engine.lora import native_rank
+def _lora_grads(previous: bool) -> Any:
+    """previous: the LoRA factors' gradients dA = dlow^T @ x, dB = dy^T @ low by torch
+    (oneDNN); current: by the C++ kernel on CPUs with AVX512-BF16 and no AMX
+    (lora/native_grads.py)."""
+    from tuneloop.server.engine.lora import native_grads
 
-    return _swapped(native_rank, "_NATIVE", False if previous else None)
+    return _swapped(native_grads, "_NATIVE", False if previous else None)
 
 
 @contextmanager
@@ -581,7 +581,7 @@ def main() -> int:
             "attention-tiles",
             "parts",
             "fp32-onednn",
-            "rank-products",
+            "lora-grads",
         ],
         default="attention",
     )
@@ -670,7 +670,7 @@ def main() -> int:
         "attention-tiles": _attention_tiles,
         "parts": _parts,
         "fp32-onednn": _fp32_onednn,
-        "rank-products": _rank_products,
+        "lora-grads": _lora_grads,
     }
     switch = switches[args.variant]
     times: dict[str, list[float]] = {"previous": [], "current": []}

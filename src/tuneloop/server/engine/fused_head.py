@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine import cpu_fp32_matmul, native_head
-from tuneloop.server.engine.lora import native_rank
+from tuneloop.server.engine.lora import native_grads
 from tuneloop.server.engine.lora.linear import LoRALinear
 from tuneloop.server.engine.lora.ops import HALF, shrink, summed_linear
 from tuneloop.server.engine.memory import SAVED_LOGITS_BYTES
@@ -337,19 +337,14 @@ class _FusedHead(torch.autograd.Function):
                     if s0 >= s1:
                         continue
                     d_seg, own = d[s0 - r0 : s1 - r0], slice(s0 - seg.start, s1 - seg.start)
-                    if exact:
-                        d_low[own].addmm_(d_seg, b[v0:v1])
-                    else:  # (dz @ B and dz.T @ low: the layers' kernels where they are used)
-                        d_low[own].add_(
-                            native_rank.narrow_product(d_seg, b[v0:v1], outputs_first=False)
-                        )
+                    _accumulate(d_low[own], d_seg, b[v0:v1], exact)
                     if d_b is None:
                         continue
                     if exact:
                         d_b[v0:v1].addmm_(d_seg.t(), low[own])
-                    else:
+                    else:  # (dz.T @ low: the kernel of the layers' dB where it is used)
                         d_b[v0:v1].add_(
-                            native_rank.transposed_product(low[own], d_seg, transposed=True)
+                            native_grads.transposed_product(low[own], d_seg, transposed=True)
                         )
         out: list[torch.Tensor | None] = [None] * (_LEADING - 1) + [d_hidden.to(hidden.dtype)]
         for d_low, d_b, low, b in zip(d_lows, d_bs, lows, bs, strict=True):

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from tuneloop.server.engine import cpu_fp32_matmul
-from tuneloop.server.engine.lora import native_rank
+from tuneloop.server.engine.lora import native_grads
 
 __all__ = [
     "HALF",
@@ -224,7 +224,7 @@ class _OneAdapterLinear(torch.autograd.Function):
         scale: float,
     ) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        low = native_rank.narrow_product(flat, a, outputs_first=True)  # [rows, r], unscaled
+        low = flat @ a.t()  # [rows, r], before its scale
         if _EXACT_DELTA and weight.dtype in HALF:
             out = summed_linear(flat, low, weight, b * scale, bias)
         else:
@@ -243,14 +243,14 @@ class _OneAdapterLinear(torch.autograd.Function):
         needs = ctx.needs_input_grad  # type: ignore[attr-defined]
         shape = (*grad.shape[:-1], flat.shape[-1])
         dy = grad.reshape(-1, grad.shape[-1])
-        d_low = native_rank.narrow_product(dy, b, outputs_first=False)  # of low, unscaled
+        d_low = dy @ b  # [rows, r], the gradient of low before its scale
         d_x = d_a = d_b = None
         if needs[0]:
             d_x = cpu_fp32_matmul.matmul(dy, weight).addmm_(d_low, a, alpha=scale).view(shape)
         if needs[3]:
-            d_a = scaled_(native_rank.transposed_product(d_low, flat), scale)
+            d_a = scaled_(native_grads.transposed_product(d_low, flat), scale)
         if needs[4]:
-            d_b = scaled_(native_rank.transposed_product(low, dy, transposed=True), scale)
+            d_b = scaled_(native_grads.transposed_product(low, dy, transposed=True), scale)
         return d_x, None, None, d_a, d_b, None
 
 

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine import cpu_fp32_matmul
-from tuneloop.server.engine.lora import native_rank, ops
+from tuneloop.server.engine.lora import native_grads, ops
 from tuneloop.server.engine.lora.ops import HALF, Factors
 
 __all__ = ["SiblingLinears", "sibling_linears", "stack_weights", "stacked", "stacked_view"]
@@ -62,7 +62,7 @@ class SiblingLinears(torch.autograd.Function):
         flat = x.reshape(-1, x.shape[-1])
         downs, ups = factors[0::2], factors[1::2]
         a_all = torch.cat(downs)  # [G r, in]
-        low = native_rank.narrow_product(flat, a_all, outputs_first=True)  # [rows, G r], unscaled
+        low = flat @ a_all.t()  # [rows, G r], before the scales
         sizes = [w.shape[0] for w in weights]
         if x.dtype in HALF and ops._EXACT_DELTA:
             out = _summed(flat, low, weights, bias, ups, scales)
@@ -99,11 +99,7 @@ class SiblingLinears(torch.autograd.Function):
         ]
         # the gradient of low, scaled: scale_i * dy_i @ B_i per sibling
         d_low = torch.cat(
-            [
-                ops.scaled_(native_rank.narrow_product(dy, b, outputs_first=False), s)
-                for dy, b, s in zip(dys, ups, scales, strict=True)
-            ],
-            dim=1,
+            [ops.scaled_(dy @ b, s) for dy, b, s in zip(dys, ups, scales, strict=True)], dim=1
         )
         d_x = None
         if ctx.needs_input_grad[0]:  # type: ignore[attr-defined]
@@ -111,13 +107,13 @@ class SiblingLinears(torch.autograd.Function):
             for dy, w in zip(dys[1:], weights[1:], strict=True):
                 cpu_fp32_matmul.addmm_(d_x, dy, w)
             d_x = d_x.addmm_(d_low, a_all).view(ctx.shape)  # type: ignore[attr-defined]
-        d_a_all = native_rank.transposed_product(d_low, flat)  # [G r, in]
+        d_a_all = native_grads.transposed_product(d_low, flat)  # [G r, in]
         d_factors: list[torch.Tensor] = []
         column = 0
         for dy, b, scale in zip(dys, ups, scales, strict=True):
             rank = b.shape[1]
             part = low[:, column : column + rank]
-            d_b = ops.scaled_(native_rank.transposed_product(part, dy, transposed=True), scale)
+            d_b = ops.scaled_(native_grads.transposed_product(part, dy, transposed=True), scale)
             d_factors += [d_a_all[column : column + rank], d_b]
             column += rank
         return (d_x, None, None, None, *d_factors)

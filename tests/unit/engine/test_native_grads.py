@@ -1,4 +1,4 @@
-"""The LoRA factors' gradients S^T @ G by the native kernel (lora/native_rank.py): as exact as
+"""The LoRA factors' gradients S^T @ G by the native kernel (lora/native_grads.py): as exact as
 torch's bf16 matmul against fp64, any shape (odd row counts, column tails, narrow sides of
 1-97 columns), strided operands, either orientation, the same bits at any thread count, and
 the adapted layers' backward passes through it. The kernel's tests run wherever it builds
@@ -10,9 +10,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tuneloop.server.engine.lora import native_rank, ops, siblings  # noqa: E402
+from tuneloop.server.engine.lora import native_grads, ops, siblings  # noqa: E402
 
-BUILT = native_rank.transposed_kernel() is not None
+BUILT = native_grads.native_kernel() is not None
 built = pytest.mark.skipif(not BUILT, reason="no AVX512-BF16 or no C++ compiler here")
 
 
@@ -47,11 +47,9 @@ SHAPES = [
 @built
 @pytest.mark.parametrize(("k", "m", "n"), SHAPES)
 @pytest.mark.parametrize("transposed", [False, True])
-def test_transposed_products_are_as_exact_as_torch(
-    k: int, m: int, n: int, transposed: bool
-) -> None:
+def test_products_are_as_exact_as_torch(k: int, m: int, n: int, transposed: bool) -> None:
     s, g = _operands(k, m, n, seed=k + m + n)
-    got = native_rank.kernel_transposed_product(s, g, transposed=transposed)
+    got = native_grads.kernel_product(s, g, transposed=transposed)
     exact = s.double().t() @ g.double()
     if transposed:
         exact = exact.t()
@@ -76,10 +74,8 @@ def test_strided_operands_read_where_they_lie() -> None:
     assert not s.is_contiguous()
     assert not g.is_contiguous()
     for transposed in (False, True):
-        got = native_rank.kernel_transposed_product(s, g, transposed=transposed)
-        again = native_rank.kernel_transposed_product(
-            s.contiguous(), g.contiguous(), transposed=transposed
-        )
+        got = native_grads.kernel_product(s, g, transposed=transposed)
+        again = native_grads.kernel_product(s.contiguous(), g.contiguous(), transposed=transposed)
         assert torch.equal(got, again)
 
 
@@ -91,7 +87,7 @@ def test_threads_change_no_bit() -> None:
         outs = []
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            outs.append(native_rank.kernel_transposed_product(s, g))
+            outs.append(native_grads.kernel_product(s, g))
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
@@ -102,7 +98,7 @@ def test_non_finite_inputs_reach_their_entries_only() -> None:
     """An inf in one row of G makes its column's entries non-finite and no other."""
     s, g = _operands(64, 8, 96, seed=7)
     g[10, 40] = float("inf")
-    got = native_rank.kernel_transposed_product(s, g).float()
+    got = native_grads.kernel_product(s, g).float()
     finite = torch.isfinite(got)
     assert not finite[:, 40].any()
     assert finite[:, [c for c in range(96) if c != 40]].all()
@@ -112,80 +108,19 @@ def test_products_fall_back_to_torch_off_bf16() -> None:
     """fp32 operands (and any CPU without the kernel) take torch's product, bit for bit."""
     gen = torch.Generator().manual_seed(11)
     s, g = torch.randn(50, 8, generator=gen), torch.randn(50, 70, generator=gen)
-    assert torch.equal(native_rank.transposed_product(s, g), s.t() @ g)
-    assert torch.equal(native_rank.transposed_product(s, g, transposed=True), g.t() @ s)
+    assert torch.equal(native_grads.transposed_product(s, g), s.t() @ g)
+    assert torch.equal(native_grads.transposed_product(s, g, transposed=True), g.t() @ s)
 
 
 def test_mismatched_operands_are_refused() -> None:
     s, g = torch.zeros(5, 3, dtype=torch.bfloat16), torch.zeros(6, 4, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="K, M"):
-        native_rank.transposed_product(s, g)
-
-
-# (rows, inputs K, outputs M, W as A [M, K] or B [K, M]): SmolLM2's low = x @ A.T of its groups
-# and dlow = dy @ B at a 736-row part; odd K (a last pair of one input), M off 16 (masked
-# stores), M past 128 (passes of 8 vectors), rows off every block's height, one row
-NARROW = [
-    (736, 576, 96, True),
-    (736, 576, 32, True),
-    (736, 1536, 32, False),
-    (736, 192, 32, False),
-    (301, 37, 5, True),
-    (50, 33, 160, False),
-    (1, 64, 40, True),
-    (13, 1, 3, False),
-]
-
-
-@built
-@pytest.mark.parametrize(("rows", "k", "m", "outputs_first"), NARROW)
-def test_narrow_products_are_as_exact_as_torch(
-    rows: int, k: int, m: int, outputs_first: bool
-) -> None:
-    gen = torch.Generator().manual_seed(rows + k + m)
-    x = torch.randn(rows, k, generator=gen).bfloat16()
-    w = torch.randn(*((m, k) if outputs_first else (k, m)), generator=gen).mul(0.1).bfloat16()
-    got = native_rank.kernel_narrow_product(x, w, outputs_first=outputs_first)
-    exact = x.double() @ (w.double().t() if outputs_first else w.double())
-    reference = x @ w.t() if outputs_first else x @ w
-    assert got.shape == exact.shape
-    assert got.dtype == torch.bfloat16
-    assert _worst_ulps(got, exact) <= max(1.0, _worst_ulps(reference, exact))
-
-
-@built
-def test_narrow_product_rows_are_their_own() -> None:
-    """A row's outputs are the same bits alone, among others, through strides, at any thread
-    count: a sampled or trained row does not depend on the batch around it."""
-    gen = torch.Generator().manual_seed(17)
-    x_wide = torch.randn(40, 700, generator=gen).bfloat16()
-    x = x_wide[:, :576]
-    a = torch.randn(96, 576, generator=gen).mul(0.1).bfloat16()
-    whole = native_rank.kernel_narrow_product(x, a, outputs_first=True)
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 3):
-            torch.set_num_threads(threads)
-            assert torch.equal(native_rank.kernel_narrow_product(x, a, outputs_first=True), whole)
-    finally:
-        torch.set_num_threads(before)
-    for r in (0, 17, 39):
-        alone = native_rank.kernel_narrow_product(x[r : r + 1], a, outputs_first=True)
-        assert torch.equal(alone[0], whole[r])
-
-
-def test_narrow_products_fall_back_to_torch_off_bf16() -> None:
-    gen = torch.Generator().manual_seed(19)
-    x, a = torch.randn(9, 12, generator=gen), torch.randn(4, 12, generator=gen)
-    assert torch.equal(native_rank.narrow_product(x, a, outputs_first=True), x @ a.t())
-    assert torch.equal(native_rank.narrow_product(x, a.t(), outputs_first=False), x @ a.t())
-    with pytest.raises(ValueError, match="K inputs"):
-        native_rank.narrow_product(x, a, outputs_first=False)
+        native_grads.transposed_product(s, g)
 
 
 def _layer_grads(native: bool, grouped: bool) -> list[torch.Tensor]:
-    """An adapted layer's outputs (one adapter, or q/k/v as a sibling group) at bf16, then
-    the input's and the factors' gradients, the kernels on or off."""
+    """The factors' and the input's gradients of an adapted layer (one adapter, or q/k/v as a
+    sibling group) at bf16, the kernel on or off."""
     gen = torch.Generator().manual_seed(13)
     rows, width = 300, 96
     x = torch.randn(rows, width, generator=gen).bfloat16().requires_grad_()
@@ -199,8 +134,8 @@ def _layer_grads(native: bool, grouped: bool) -> list[torch.Tensor]:
         )
         for o in outs
     ]
-    previous = native_rank._NATIVE
-    native_rank._NATIVE = native
+    previous = native_grads._NATIVE
+    native_grads._NATIVE = native
     try:
         if grouped:
             ys = siblings.sibling_linears(x, weights, factors)
@@ -209,25 +144,24 @@ def _layer_grads(native: bool, grouped: bool) -> list[torch.Tensor]:
         loss = sum((y.float() * torch.linspace(-1, 1, y.shape[1])).sum() for y in ys)
         loss.backward()
     finally:
-        native_rank._NATIVE = previous
-    grads = [*(y.detach() for y in ys), x.grad]
+        native_grads._NATIVE = previous
+    grads = [x.grad]
     for a, b, _ in factors:
         grads += [a.grad, b.grad]
     return [g.clone() for g in grads if g is not None]
 
 
 @pytest.mark.skipif(
-    not native_rank.available(torch.zeros(1, dtype=torch.bfloat16)),
+    not native_grads.available(torch.zeros(1, dtype=torch.bfloat16)),
     reason="the adapted layers take torch's products here (no kernel, or AMX)",
 )
 @pytest.mark.parametrize("grouped", [False, True])
-def test_adapted_layers_through_the_kernels(grouped: bool) -> None:
-    """The layers' outputs and gradients with the kernels match torch's products' to a bf16
-    rounding step of each tensor's largest entry (low, dlow and the factors' gradients are
-    each summed in another order, and the rest follows from them)."""
+def test_adapted_layers_backward_through_the_kernel(grouped: bool) -> None:
+    """The layers' gradients with the kernel match torch's products': the input's bit for bit
+    (the kernel makes none of it), the factors' to a bf16 rounding step."""
     native, torch_made = _layer_grads(True, grouped), _layer_grads(False, grouped)
-    members = 3 if grouped else 1
-    assert len(native) == len(torch_made) == members + 1 + 2 * members
-    for got, want in zip(native, torch_made, strict=True):
+    assert len(native) == len(torch_made) == 1 + 2 * (3 if grouped else 1)
+    assert torch.equal(native[0], torch_made[0])
+    for got, want in zip(native[1:], torch_made[1:], strict=True):
         step = want.float().abs().max() * 2.0**-7
         assert (got.float() - want.float()).abs().max() <= step
