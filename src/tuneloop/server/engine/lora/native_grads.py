@@ -1,14 +1,14 @@
 """The LoRA factors' gradients, S^T @ G, by one C++ call on CPUs with AVX512-BF16 and no AMX.
 
-A training pass's adapted layer (ops.py's one-adapter node, siblings.py's group) ends its
-backward with dA = dlow^T @ x and dB = dy^T @ low: sums over every row of the pass with one
-narrow side (the rank's 32 columns, or a sibling group's). oneDNN runs them at a fifth to two
-thirds of the bf16 peak on the vector unit. `lora_grads_avx512.cpp` makes them from the
-operands where they lie (the narrow one rearranged into row pairs), each entry summed in fp32
-and rounded once, as oneDNN's kernel does (in another order of the sums): on a Zen 5 EPYC's
-training steps, 138 -> 81 ms a step across both threads' parts, the steps 1.01-1.02x
-(docs/benchmarks.md). Where the CPU has
-AMX oneDNN takes the tile unit, which this kernel does not use, so it is left to torch there;
+A training pass's adapted layer (ops.py's one-adapter node, siblings.py's group; the head's
+tiles in fused_head.py for dB) ends its backward with dA = dlow^T @ x and dB = dy^T @ low:
+sums over every row of the pass with one narrow side (the rank's 32 columns, or a sibling
+group's). oneDNN runs them at a fifth to two thirds of the bf16 peak on the vector unit.
+`lora_grads_avx512.cpp` makes them from the operands where they lie (the narrow one
+rearranged into row pairs), each entry summed in fp32 and rounded once, as oneDNN's kernel
+does (in another order of the sums): on a Zen 5 EPYC's training steps, 138 -> 81 ms a step
+across both threads' parts, the steps 1.01-1.02x (docs/benchmarks.md). Where the CPU has AMX
+oneDNN takes the tile unit, which this kernel does not use, so it is left to torch there;
 where the kernel cannot be built the products stay torch's.
 """
 
