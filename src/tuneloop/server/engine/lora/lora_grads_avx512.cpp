@@ -34,12 +34,19 @@
 #include <cstdint>
 #include <vector>
 
+#include "../vec512.h"
+
 namespace {
 
 constexpr int kStrip = 32;        // columns of G (and C) per strip
 constexpr int kBlock = 12;        // rows of C per register block: 24 accumulators
 constexpr int64_t kAhead = 16;    // row pairs a block's first pass asks for ahead
 constexpr int64_t kChunk = 128;   // row pairs of G per pass of the blocks over a strip
+
+// The first min(width, 32) columns of a strip.
+inline __mmask32 strip_lanes(int64_t width) {
+  return width >= kStrip ? ~__mmask32(0) : (__mmask32(1) << width) - 1;
+}
 
 // words [pairs, m]: S[2p][j] in the low half, S[2p + 1][j] (zero past the last row) in the high.
 void pair_rows(const uint16_t* s, int64_t lds, int64_t k, int64_t m, uint32_t* words) {
@@ -110,7 +117,7 @@ void store(const float* acc, int64_t m, int64_t n0, int64_t width, uint16_t* c, 
         _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i second =
         _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    const __mmask32 mask = width >= kStrip ? ~__mmask32(0) : (__mmask32(1) << width) - 1;
+    const __mmask32 mask = strip_lanes(width);
     for (int64_t j = 0; j < m; ++j) {
       const __m512 lo = _mm512_loadu_ps(acc + j * kStrip);
       const __m512 hi = _mm512_loadu_ps(acc + j * kStrip + 16);
@@ -128,8 +135,7 @@ void store(const float* acc, int64_t m, int64_t n0, int64_t width, uint16_t* c, 
     const int lane = int(r < 4 ? 4 * q + r : 16 + 4 * q + (r - 4));
     uint16_t* row = c + (n0 + n) * ldc;
     for (int64_t j0 = 0; j0 < m; j0 += 16) {
-      const int64_t count = std::min<int64_t>(16, m - j0);
-      const __mmask16 live = count >= 16 ? __mmask16(0xffff) : __mmask16((1u << count) - 1);
+      const __mmask16 live = vec512::lanes(m - j0);
       const __m512i rows_at = _mm512_add_epi32(iota, _mm512_set1_epi32(int(j0)));
       const __m512i at = _mm512_add_epi32(_mm512_mullo_epi32(rows_at, _mm512_set1_epi32(kStrip)),
                                           _mm512_set1_epi32(lane));
@@ -145,7 +151,7 @@ void strips(const uint32_t* words, int64_t m, const uint16_t* g, int64_t ldg, in
   const int64_t pairs = (k + 1) / 2;
   for (int64_t s = first; s < last; ++s) {
     const int64_t n0 = s * kStrip, width = std::min<int64_t>(kStrip, n - n0);
-    const __mmask32 mask = width >= kStrip ? ~__mmask32(0) : (__mmask32(1) << width) - 1;
+    const __mmask32 mask = strip_lanes(width);
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t p0 = 0; p0 < pairs; p0 += kChunk) {
       const int64_t p1 = std::min(pairs, p0 + kChunk);
