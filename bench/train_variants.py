@@ -29,6 +29,7 @@ model and the load. `--profile` prints the top ops of one step of the current va
     python bench/train_variants.py --variant fp32-onednn --dtype float32  # frozen weights'
                                                     # products by oneDNN, not MKL's sgemm
     python bench/train_variants.py --variant lora-grads  # the LoRA factors' gradients in C++
+    python bench/train_variants.py --variant native-summed  # [x | low] @ [W | B] natively
     python bench/train_variants.py --profile
     python bench/train_variants.py --micro          # each piece alone, 422 AdamW tensors, the head,
                                                     # one layer's packed attention fwd+bwd and
@@ -187,6 +188,15 @@ def _lora_grads(previous: bool) -> Any:
     from tuneloop.server.engine.lora import native_grads
 
     return _swapped(native_grads, "_NATIVE", False if previous else None)
+
+
+def _native_summed(previous: bool) -> Any:
+    """previous: the adapted layers' exact-delta forward as torch's matmul of the joined [x |
+    low] and [W | B] (oneDNN); current: by the native kernel's two-operand entry on CPUs with
+    AVX512-BF16 and no AMX, W packed once (lora/native_summed.py)."""
+    from tuneloop.server.engine.lora import native_summed
+
+    return _swapped(native_summed, "_NATIVE", False if previous else None)
 
 
 @contextmanager
@@ -582,6 +592,7 @@ def main() -> int:
             "parts",
             "fp32-onednn",
             "lora-grads",
+            "native-summed",
         ],
         default="attention",
     )
@@ -671,6 +682,7 @@ def main() -> int:
         "parts": _parts,
         "fp32-onednn": _fp32_onednn,
         "lora-grads": _lora_grads,
+        "native-summed": _native_summed,
     }
     switch = switches[args.variant]
     times: dict[str, list[float]] = {"previous": [], "current": []}

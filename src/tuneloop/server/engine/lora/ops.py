@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from tuneloop.server.engine import cpu_fp32_matmul
-from tuneloop.server.engine.lora import native_grads
+from tuneloop.server.engine.lora import native_grads, native_summed
 
 __all__ = [
     "HALF",
@@ -225,7 +225,13 @@ class _OneAdapterLinear(torch.autograd.Function):
     ) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         low = flat @ a.t()  # [rows, r], before its scale
-        if _EXACT_DELTA and weight.dtype in HALF:
+        packed = None
+        if _EXACT_DELTA and native_summed.available(flat, (weight,)):
+            packed = native_summed.frozen((weight,))
+        if packed is not None:  # (the same sums without joining them: native_summed.py)
+            blocks = native_summed.b_blocks((b,), (scale,))
+            out = native_summed.summed(flat, low, packed, blocks, bias)
+        elif _EXACT_DELTA and weight.dtype in HALF:
             out = summed_linear(flat, low, weight, b * scale, bias)
         else:
             out = cpu_fp32_matmul.linear(flat, weight, bias)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine import cpu_fp32_matmul
-from tuneloop.server.engine.lora import native_grads, ops
+from tuneloop.server.engine.lora import native_grads, native_summed, ops
 from tuneloop.server.engine.lora.ops import HALF, Factors
 
 __all__ = ["SiblingLinears", "sibling_linears", "stack_weights", "stacked", "stacked_view"]
@@ -129,7 +129,16 @@ def _summed(
 ) -> torch.Tensor:
     """[flat | low] @ [W_all | B blocks].T: every sibling's delta summed with its base in the
     matmul's fp32 accumulator and rounded once (each sibling's B in its own block of columns,
-    zero elsewhere)."""
+    zero elsewhere); by the native kernel without joining them where it takes the pass
+    (native_summed.py)."""
+    if native_summed.available(flat, weights):
+        packed = native_summed.frozen(weights)
+        if packed is not None:
+            sizes = [w.shape[0] for w in weights]
+            ranks = [b.shape[1] for b in ups]
+            spans = native_summed.spans_of(sizes, ranks, flat.shape[1] // 2)
+            blocks = native_summed.b_blocks(ups, scales)
+            return native_summed.summed(flat, low, packed, blocks, bias, spans)
     width = flat.shape[1]
     wide = flat.new_empty((sum(w.shape[0] for w in weights), width + low.shape[1]))
     torch.cat(list(weights), out=wide[:, :width])
