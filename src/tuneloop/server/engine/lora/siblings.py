@@ -10,7 +10,8 @@ the group at once (`SiblingLinears`):
   precision, one matmul of [x | low] by the siblings' weights stacked with their B blocks in
   the extra columns, the delta summed with the base in fp32 and rounded once, as the
   one-adapter node does (in fp32, the stacked base matmul and each delta added into its
-  columns); each sibling's output is a view of its columns' part (its rows strided);
+  columns; on CPUs with AVX512-BF16 and no AMX the native kernel without joining either side,
+  native_summed.py); each sibling's output is a view of its columns' part (its rows strided);
 - backward: the input gradient by one chain of accumulating matmuls, the down-projections'
   gradients by one matmul [G r, rows] @ [rows, in].
 
