@@ -54,15 +54,17 @@ struct Ahead {
   }
 };
 
-// A call's second operand (linear_bf16_pair): the inputs from pair `split` on are x2's
-// (row stride ld2), their weights in this block at w2 (a block's pairs from `split` on are
-// w2's pairs from 0). Absent (x2 null): every input is x's.
-struct Second {
-  const uint16_t* x2 = nullptr;
-  int64_t ld2 = 0;
-  const uint16_t* w2 = nullptr;
-  int64_t split = 0;
+// One operand of a call: x [rows, k] (row stride ld) and its weights, a block's at w + 128
+// `stride` b (block b), [ceil(k / 2), 64, 2] of them; its inputs are the call's input pairs
+// from `begin` on (linear_bf16_operands: the operands' inputs joined in order).
+struct Operand {
+  const uint16_t* x = nullptr;
+  int64_t ld = 0;
+  const uint16_t* w = nullptr;
+  int64_t stride = 0;
+  int64_t begin = 0;
 };
+constexpr int kOperands = 8;  // operands a call at most
 
 // acc += rows [0, MB) of x times a block's weights w over input pairs [from, to), x and w
 // indexed from pair `base` (x's pair p at x + 2 (p - base), its weights at w + 128 (p - base)).
@@ -85,13 +87,13 @@ __attribute__((always_inline)) inline void products(__m512 (&acc)[MB][4], const 
   }
 }
 
-// Rows [0, MB) of x times a block's 64 outputs, `valid` of them written (the last block's),
-// over the block's input pairs [span[0], span[1]) and [span[2], span[3]) in order (the
-// entry point's `spans`); k counts the inputs of both operands where there are two.
+// Rows [0, MB) of the operands (their rows and blocks at this tile's) times a block's 64
+// outputs, `valid` of them written (the last block's), over the block's input pairs [span[0],
+// span[1]) and [span[2], span[3]) in order (the entry point's `spans`); k counts the inputs
+// of every operand, each but the last a whole number of pairs.
 template <int MB>
-void tile(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w, const float* bias,
-          uint16_t* y, int64_t ldy, int64_t valid, Ahead& ahead, const int32_t* span,
-          const Second& second) {
+void tile(const Operand* ops, int count, int64_t k, const float* bias, uint16_t* y,
+          int64_t ldy, int64_t valid, Ahead& ahead, const int32_t* span) {
   // Every loop over the sums is unrolled: with the first and last loops left rolled, GCC kept
   // `acc` in a stack array between the loops, cleared by a call to memset (no bias) and
   // loaded into registers each tile: 2.7 % of a 128-row decode step on a Zen 4 EPYC. In
@@ -105,25 +107,24 @@ void tile(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w, const fl
     for (int i = 0; i < MB; ++i) acc[i][j] = start;
   }
   const int64_t full = k / 2;
-  const int64_t split = second.x2 != nullptr ? second.split : full;
 #pragma GCC unroll 2
   for (int s = 0; s < 4; s += 2) {
     const int64_t from = span[s], to = std::min<int64_t>(span[s + 1], full);
-    products<MB>(acc, x, ldx, w, 0, from, std::min(to, split), ahead);
-    if (second.x2 != nullptr)
-      products<MB>(acc, second.x2, second.ld2, second.w2, split, std::max(from, split), to,
-                   ahead);
+    for (int o = 0; o < count; ++o) {
+      const int64_t begin = std::max(from, ops[o].begin);
+      const int64_t end = std::min(to, o + 1 < count ? ops[o + 1].begin : full);
+      products<MB>(acc, ops[o].x, ops[o].ld, ops[o].w, ops[o].begin, begin, end, ahead);
+    }
   }
   if (k % 2 && span[3] > full) {  // the last input alone, paired with a zero (the pad's too)
-    const bool two = second.x2 != nullptr;
-    const uint16_t* wl = two ? second.w2 + (full - split) * 128 : w + full * 128;
-    const uint16_t* xl = two ? second.x2 + (k - 1 - 2 * split) : x + k - 1;
-    const int64_t ld = two ? second.ld2 : ldx;
+    const Operand& last = ops[count - 1];
+    const uint16_t* wl = last.w + (full - last.begin) * 128;
+    const uint16_t* xl = last.x + (k - 1 - 2 * last.begin);
     __m512bh b[4];
     for (int j = 0; j < 4; ++j) b[j] = (__m512bh)_mm512_loadu_si512(wl + 32 * j);
 #pragma GCC unroll 6
     for (int i = 0; i < MB; ++i) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(int32_t(xl[i * ld]));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(int32_t(xl[i * last.ld]));
       for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xb, b[j]);
     }
   }
@@ -138,8 +139,8 @@ void tile(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* w, const fl
   }
 }
 
-using Tile = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, const float*,
-                      uint16_t*, int64_t, int64_t, Ahead&, const int32_t*, const Second&);
+using Tile = void (*)(const Operand*, int, int64_t, const float*, uint16_t*, int64_t, int64_t,
+                      Ahead&, const int32_t*);
 
 template <int... M>
 constexpr std::array<Tile, sizeof...(M)> tiles_of(std::integer_sequence<int, M...>) {
@@ -352,16 +353,14 @@ bool spans_valid(const int32_t* spans, int64_t blocks, int64_t pairs) {
   return true;
 }
 
-// The AVX-512 loops of a call: the first operand's weights in blocks `stride` pairs apart; a
-// second operand where x2 is not null (linear_bf16_pair), from pair `split` on.
-void avx512_linear(const uint16_t* x, int64_t ldx, int64_t rows, int64_t k, const uint16_t* w,
-                   int64_t stride, const uint16_t* x2, int64_t ld2, const uint16_t* w2,
-                   int64_t stride2, int64_t split, const float* bias, int64_t n, uint16_t* y,
-                   int64_t ldy, int threads, const int32_t* spans) {
+// The AVX-512 loops of a call over its operands (k: their inputs in all).
+void avx512_linear(const Operand* ops, int count, int64_t rows, int64_t k, const float* bias,
+                   int64_t n, uint16_t* y, int64_t ldy, int threads, const int32_t* spans) {
   const int64_t blocks = (n + 63) / 64, pairs = (k + 1) / 2;
   const int32_t every[4] = {0, int32_t(pairs), int32_t(pairs), int32_t(pairs)};
   const bool skip = spans != nullptr && rows > kAheadRows;
-  const int64_t work = blocks * rows, block_bytes = (x2 != nullptr ? split : pairs) * 256;
+  const int64_t first_pairs = count > 1 ? ops[1].begin : pairs;
+  const int64_t work = blocks * rows, block_bytes = first_pairs * 256;
   // The work is (block, row) pairs in block-major order, split evenly between the threads:
   // a thread takes each of its blocks' rows in one go (the block read from memory once, its
   // later tiles reading it from L2), and the threads' shares differ by a row at most (a split
@@ -378,24 +377,26 @@ void avx512_linear(const uint16_t* x, int64_t ldx, int64_t rows, int64_t k, cons
     for (int64_t block = begin / rows; block * rows < end; ++block) {
       const int64_t lo = std::max(begin, block * rows) - block * rows;
       const int64_t hi = std::min(end, (block + 1) * rows) - block * rows;
-      const uint16_t* wb = w + block * stride * 128;
+      const uint16_t* wb = ops[0].w + block * ops[0].stride * 128;
       const float* bb = bias != nullptr ? bias + block * 64 : nullptr;
       const int64_t valid = std::min<int64_t>(64, n - block * 64);
       Ahead ahead;  // (not at a few rows: there the call is the weights' read, which the
                     // CPU's own prefetcher follows, and asking too made it slower)
       if (rows > kAheadRows && (block + 1) * rows < end) {
-        ahead.at = reinterpret_cast<const char*>(wb + stride * 128);
+        ahead.at = reinterpret_cast<const char*>(wb + ops[0].stride * 128);
         ahead.stop = ahead.at + block_bytes;
       }
       // the rows in tiles of as even a size as 6 rows at most allow (128 rows: 18 x 6 +
       // 4 x 5, where the chunks of 48 rows made 21 x 6 and a tile of 2)
-      const int64_t count = hi - lo, tiles = (count + kRows - 1) / kRows;
+      const int64_t mine = hi - lo, tiles = (mine + kRows - 1) / kRows;
       for (int64_t t = 0, i0 = lo; t < tiles; ++t) {
-        const int64_t m = count / tiles + (t < count % tiles ? 1 : 0);
-        Second second;
-        if (x2 != nullptr) second = {x2 + i0 * ld2, ld2, w2 + block * stride2 * 128, split};
-        kTiles[m - 1](x + i0 * ldx, ldx, k, wb, bb, y + i0 * ldy + block * 64, ldy, valid,
-                      ahead, skip ? spans + 4 * block : every, second);
+        const int64_t m = mine / tiles + (t < mine % tiles ? 1 : 0);
+        Operand at[kOperands];  // the operands' rows and block of this tile
+        for (int o = 0; o < count; ++o)
+          at[o] = {ops[o].x + i0 * ops[o].ld, ops[o].ld, ops[o].w + block * ops[o].stride * 128,
+                   ops[o].stride, ops[o].begin};
+        kTiles[m - 1](at, count, k, bb, y + i0 * ldy + block * 64, ldy, valid, ahead,
+                      skip ? spans + 4 * block : every);
         i0 += m;
       }
     }
@@ -439,33 +440,36 @@ extern "C" int linear_bf16(const uint16_t* x, int64_t ldx, int64_t rows, int64_t
 #ifdef LINEAR_AMX
   if (on_tiles(k)) return tile_linear(x, ldx, rows, k, w, bias, n, y, ldy, threads);
 #endif
-  avx512_linear(x, ldx, rows, k, w, pairs, nullptr, 0, nullptr, 0, 0, bias, n, y, ldy, threads,
-                spans);
+  const Operand one{x, ldx, w, pairs, 0};
+  avx512_linear(&one, 1, rows, k, bias, n, y, ldy, threads, spans);
   return 0;
 }
 
-// y [rows, n] = [x1 | x2] @ W.T + bias, rounded to bf16 once: the same sums as linear_bf16
-// on the joined inputs [x1 | x2] [rows, k1 + k2] and the joined weights, without joining
-// them. x1 [rows, k1] (row stride ld1, k1 even), x2 [rows, k2] (row stride ld2); the weights
-// of x1's inputs in blocks at w1 (block b at w1 + 128 b stride1: [k1 / 2, 64, 2] of it),
-// x2's at w2 (block b at w2 + 128 b stride2: [ceil(k2 / 2), 64, 2]). One packed copy of
-// [W | B] is w1 = its blocks, w2 = w1 + 64 k1, both strides its pairs a block (a decode
-// step's LoRA columns read from their own buffer instead of a copy of x beside them); a
-// frozen W packed once and a B packed per call are two copies, each its own stride (a
-// training pass: no joined weights made a pass). `spans` as linear_bf16's, over the joined
-// pairs. The AVX-512 loops only (no tile unit's form).
-extern "C" int linear_bf16_pair(const uint16_t* x1, int64_t ld1, int64_t k1, const uint16_t* x2,
-                                int64_t ld2, int64_t k2, int64_t rows, const uint16_t* w1,
-                                int64_t stride1, const uint16_t* w2, int64_t stride2,
-                                const float* bias, int64_t n, uint16_t* y, int64_t ldy,
-                                int threads, const int32_t* spans) {
-  if (rows < 0 || k1 <= 0 || k1 % 2 || k2 <= 0 || n <= 0 || ld1 < k1 || ld2 < k2 || ldy < n)
-    return 1;
-  if (stride1 < k1 / 2 || stride2 < (k2 + 1) / 2) return 1;
-  const int64_t k = k1 + k2, pairs = (k + 1) / 2;
-  if (!spans_valid(spans, (n + 63) / 64, pairs)) return 1;
+// y [rows, n] = [x_1 | ... | x_count] @ W.T + bias, rounded to bf16 once: the same sums as
+// linear_bf16 on the joined inputs and the joined weights, without joining them. Operand o:
+// xs[o] [rows, ks[o]] (row stride lds[o]; every width but the last even), its weights in
+// blocks at ws[o] (block b at ws[o] + 128 b strides[o]: [ceil(ks[o] / 2), 64, 2] of it). A
+// training pass's adapted layer (lora/native_summed.py): forward [x | low] by a frozen W
+// packed once and a B packed per call, each its own stride (no joined copies a pass); input
+// gradient [dy_1 | ... | dy_G | dlow] by the members' W_i^T packed once and A^T packed per
+// call, summed in fp32 and rounded once. `spans` as linear_bf16's, over the joined pairs.
+// The AVX-512 loops only (no tile unit's form).
+extern "C" int linear_bf16_operands(int count, const uint16_t* const* xs, const int64_t* lds,
+                                    const int64_t* ks, const uint16_t* const* ws,
+                                    const int64_t* strides, int64_t rows, const float* bias,
+                                    int64_t n, uint16_t* y, int64_t ldy, int threads,
+                                    const int32_t* spans) {
+  if (count < 1 || count > kOperands || rows < 0 || n <= 0 || ldy < n) return 1;
+  Operand ops[kOperands];
+  int64_t k = 0;
+  for (int o = 0; o < count; ++o) {
+    if (ks[o] <= 0 || lds[o] < ks[o] || strides[o] < (ks[o] + 1) / 2) return 1;
+    if (o + 1 < count && ks[o] % 2) return 1;  // (the next operand starts at a whole pair)
+    ops[o] = {xs[o], lds[o], ws[o], strides[o], k / 2};
+    k += ks[o];
+  }
+  if (!spans_valid(spans, (n + 63) / 64, (k + 1) / 2)) return 1;
   if (rows == 0) return 0;
-  avx512_linear(x1, ld1, rows, k, w1, stride1, x2, ld2, w2, stride2, k1 / 2, bias, n, y, ldy,
-                threads, spans);
+  avx512_linear(ops, count, rows, k, bias, n, y, ldy, threads, spans);
   return 0;
 }

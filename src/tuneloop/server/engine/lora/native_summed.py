@@ -1,20 +1,24 @@
-"""A training pass's exact-delta products, [x | low] @ [W | B].T, on the native linear kernel.
+"""A training pass's adapted-layer products by frozen weights on the native linear kernel.
 
 At half precision an adapted layer's forward (ops.py's one-adapter node, siblings.py's group)
 sums the LoRA delta with the base in fp32 and rounds once: one matmul of [x | x @ A.T] by
 [W | scale * B]. By torch that joins the inputs and the weights anew every pass (a copy of W
-and of x a layer), then runs oneDNN. Where the CPU has AVX512-BF16 and no AMX, the native
-linear kernel's two-operand entry (`linear_bf16_pair` in linear_avx512.cpp) makes the same
-sums without the joins: W in the kernel's blocks once (frozen: kept while its tensors are the
-same, `frozen`), B packed per call (a few thousand rows of the rank's columns), x and low read
-where they lie. A sibling group's B holds zeros outside each member's own rank columns; the
-kernel leaves those pairs out (`spans`), as a decode step's fused groups do. Where the CPU has
-AMX oneDNN runs on the tile unit, which this entry does not use, so it is left to torch there.
+and of x a layer), then runs oneDNN; the backward's input gradient, dy_1 @ W_1 + ... +
+d_low @ A, is a chain of matmuls each rounded to bf16 and read back by the next. Where the CPU
+has AVX512-BF16 and no AMX, the native linear kernel's entry of several operands
+(`linear_bf16_operands` in linear_avx512.cpp) makes both without joining anything, each
+output summed in fp32 and rounded once: the frozen W (forward) and each member's W^T (input
+gradient) in the kernel's blocks once, kept while their tensors are unchanged (`frozen`,
+`transposed`); B and A^T packed per call (the rank's columns: small); the activations and
+gradients read where they lie. A sibling group's B holds zeros outside each member's own rank
+columns; the kernel leaves those pairs out (`spans`), as a decode step's fused groups do.
+Where the CPU has AMX oneDNN runs on the tile unit, which this entry does not use, so it is
+left to torch there.
 
-Another kernel than oneDNN's, so the outputs round differently (a bf16 step in a few of them);
-the sampler's decode steps run this kernel on the same joined sums. The packed W is a second
-copy of the adapted layers' weights (the model's linear weights once more); it is made only
-where it takes at most MERGED_SHARE of the free memory, else the pass keeps torch's products.
+Another kernel than oneDNN's, so the outputs round differently (a bf16 step in a few of them;
+the input gradient rounds once where the chain rounded at each matmul). The packed copies are
+the adapted layers' weights twice more; each is made only where it takes at most
+MERGED_SHARE of the free memory, else the pass keeps torch's products.
 """
 
 from __future__ import annotations
@@ -32,28 +36,41 @@ from tuneloop.server.engine import native, native_linear
 from tuneloop.server.engine.memory import free_bytes
 from tuneloop.server.engine.native_linear import NativeWeight
 
-__all__ = ["available", "b_blocks", "frozen", "pair_kernel", "spans_of", "summed"]
+__all__ = [
+    "available",
+    "b_blocks",
+    "frozen",
+    "input_grad",
+    "operands_kernel",
+    "product",
+    "spans_of",
+    "summed",
+    "transposed",
+]
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-# x1, ld1, k1, x2, ld2, k2, rows, w1, stride1, w2, stride2, bias, n, y, ldy, threads, spans
-_SIGNATURE = (_P, _I, _I, _P, _I, _I, _I, _P, _I, _P, _I, _P, _I, _P, _I, ctypes.c_int, _P)
+# count, xs, lds, ks, ws, strides, rows, bias, n, y, ldy, threads, spans
+_SIGNATURE = (ctypes.c_int, _P, _P, _P, _P, _P, _I, _P, _I, _P, _I, ctypes.c_int, _P)
 _NATIVE = True  # (bench/train_variants.py switches it off to compare: --variant native-summed)
 MERGED_SHARE = 0.25  # of the free memory a packed copy of the frozen weights may take
+OPERANDS = 8  # operands a call at most (linear_avx512.cpp's kOperands)
 _BLOCK = 64
 
 # Per frozen weight (a sibling group's first member), the weights' pointers and versions when
-# packed and the packed copy (None: refused for memory); dropped with the weight.
+# packed and the packed copies (None: refused for memory); dropped with the weight. `_FROZEN`:
+# the stacked rows (forward), `_TRANSPOSED`: each member's W^T (input gradient).
 _FROZEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_TRANSPOSED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _LOCK = threading.Lock()
 _SPANS: dict[tuple[tuple[int, ...], tuple[int, ...], int], torch.Tensor | None] = {}
 
 
-def pair_kernel() -> Any:
-    """linear_avx512.cpp's two-operand entry point (`_SIGNATURE`), or None where it cannot be
-    built."""
+def operands_kernel() -> Any:
+    """linear_avx512.cpp's entry point of several operands (`_SIGNATURE`), or None where it
+    cannot be built."""
     return native.function(
         native_linear.SOURCE,
-        "linear_bf16_pair",
+        "linear_bf16_operands",
         _SIGNATURE,
         ctypes.c_int,
         ("avx512f", "avx512_bf16"),
@@ -70,34 +87,64 @@ def available(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
         return False
     if any(w.dtype != torch.bfloat16 or w.device.type != "cpu" or w.dim() != 2 for w in weights):
         return False
-    return "amx_bf16" not in native.cpu_flags() and pair_kernel() is not None
+    return "amx_bf16" not in native.cpu_flags() and operands_kernel() is not None
 
 
 def _state(weights: Sequence[torch.Tensor]) -> tuple[Any, ...]:
     return tuple((w.data_ptr(), w._version, tuple(w.shape)) for w in weights)
 
 
-def frozen(weights: Sequence[torch.Tensor]) -> NativeWeight | None:
-    """The weights' rows stacked in the kernel's blocks, kept with the first weight while every
+def _blocks(matrix: torch.Tensor) -> torch.Tensor:
+    """matrix [N, K] in the kernel's blocks, [ceil(N / 64), ceil(K / 2), 64, 2], zeros past N
+    and K."""
+    n, k = matrix.shape
+    nb, kp = -(-n // _BLOCK), -(-k // 2)
+    padded = matrix.new_zeros((nb * _BLOCK, 2 * kp))
+    padded[:n, :k] = matrix.detach()
+    return padded.view(nb, _BLOCK, kp, 2).transpose(1, 2).contiguous()
+
+
+def _kept(held: WeakIdKeyDictionary, weights: Sequence[torch.Tensor], make: Any) -> Any:
+    """`make()`'s packed copy of the weights, kept in `held` with the first weight while every
     one of them is the same tensor, unchanged in place; None where the copy would take more
     than MERGED_SHARE of the free memory."""
     state = _state(weights)
-    held = _FROZEN.get(weights[0])
-    if held is not None and held[0] == state:
-        return held[1]
+    found = held.get(weights[0])
+    if found is not None and found[0] == state:
+        return found[1]
     with _LOCK:  # (both threads' parts may ask first at once: one copy)
-        held = _FROZEN.get(weights[0])
-        if held is not None and held[0] == state:
-            return held[1]
+        found = held.get(weights[0])
+        if found is not None and found[0] == state:
+            return found[1]
         need = sum(w.numel() for w in weights) * 2
         free = free_bytes(weights[0].device)
-        packed = None
+        copy = None
         if free is None or need <= MERGED_SHARE * free:
             with torch.no_grad():
-                whole = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0]
-                packed = native_linear.pack(whole.detach(), None, extra_from=whole.shape[1])
-        _FROZEN[weights[0]] = (state, packed)
-        return packed
+                copy = make()
+        held[weights[0]] = (state, copy)
+        return copy
+
+
+def frozen(weights: Sequence[torch.Tensor]) -> NativeWeight | None:
+    """The weights' rows stacked in the kernel's blocks (a forward's W), kept while they are
+    unchanged; None where refused for memory (`_kept`)."""
+
+    def make() -> NativeWeight:
+        whole = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0]
+        return NativeWeight(_blocks(whole), None, whole.shape[0], whole.shape[1])
+
+    packed: NativeWeight | None = _kept(_FROZEN, weights, make)
+    return packed
+
+
+def transposed(weights: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Each weight's transpose W_i^T [in, out_i] in the kernel's blocks (an input gradient's
+    operands' weights), kept while they are unchanged; None where refused for memory."""
+    copies: list[torch.Tensor] | None = _kept(
+        _TRANSPOSED, weights, lambda: [_blocks(w.detach().t()) for w in weights]
+    )
+    return copies
 
 
 def b_blocks(ups: Sequence[torch.Tensor], scales: Sequence[float]) -> torch.Tensor:
@@ -105,14 +152,13 @@ def b_blocks(ups: Sequence[torch.Tensor], scales: Sequence[float]) -> torch.Tens
     LoRA columns, [ceil(N / 64), ceil(R / 2), 64, 2]: member i's rows, its own rank's columns,
     zeros elsewhere (N = the members' outputs, R = their ranks)."""
     n, r = sum(b.shape[0] for b in ups), sum(b.shape[1] for b in ups)
-    nb, kp = -(-n // _BLOCK), -(-r // 2)
-    padded = ups[0].new_zeros((nb * _BLOCK, 2 * kp))
+    joined = ups[0].new_zeros((n, r))
     row = column = 0
     for b, scale in zip(ups, scales, strict=True):
         size, rank = b.shape
-        torch.mul(b, scale, out=padded[row : row + size, column : column + rank])
+        torch.mul(b, scale, out=joined[row : row + size, column : column + rank])
         row, column = row + size, column + rank
-    return padded.view(nb, _BLOCK, kp, 2).transpose(1, 2).contiguous()
+    return _blocks(joined)
 
 
 def spans_of(sizes: Sequence[int], ranks: Sequence[int], split: int) -> torch.Tensor | None:
@@ -140,47 +186,52 @@ def spans_of(sizes: Sequence[int], ranks: Sequence[int], split: int) -> torch.Te
     return spans
 
 
-def summed(
-    x: torch.Tensor,
-    low: torch.Tensor,
-    weight: NativeWeight,
-    blocks: torch.Tensor,
+def product(
+    xs: Sequence[torch.Tensor],
+    blocks: Sequence[torch.Tensor],
+    n: int,
     bias: torch.Tensor | None = None,
     spans: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[x | low] @ [W | B].T + bias, [rows, N] bf16, each output summed in fp32 (from the bias)
-    and rounded once: x [rows, K] and low [rows, R] (features contiguous, rows strided) read
-    where they lie; W in `weight` (`frozen`), B in `blocks` (`b_blocks`)."""
-    kernel = pair_kernel()
+    """[x_1 | ... | x_m] @ W.T + bias, [rows, n] bf16, each output summed in fp32 (from the
+    bias) and rounded once: operand x_o [rows, K_o] (features contiguous, rows strided; every
+    K_o but the last even) read where it lies, its weights in blocks[o] ([ceil(n / 64),
+    ceil(K_o / 2), 64, 2], `_blocks`)."""
+    kernel = operands_kernel()
     if kernel is None:
         raise RuntimeError("the native linear kernel is not built on this CPU")
-    k1, k2, n = weight.in_features, low.shape[1], weight.out_features
-    x = native.bf16_rows(x, k1, "native linear kernel", f"[{n}, {k1}] weight")
-    low = native.bf16_rows(low, k2, "native linear kernel", f"[{n}, {k2}] LoRA columns")
-    rows = x.shape[0]
-    if (
-        low.shape[0] != rows
-        or blocks.shape[0] != weight.blocks.shape[0]
-        or blocks.shape[1] * 2 < k2
-    ):
-        raise ValueError("the LoRA columns do not match the weight's rows and blocks")
+    count = len(xs)
+    if not 0 < count <= OPERANDS or len(blocks) != count:
+        raise ValueError(f"the native linear kernel takes 1-{OPERANDS} operands, each with weights")
+    rows = xs[0].shape[0] if xs[0].dim() == 2 else -1
+    nb = -(-n // _BLOCK)
+    held = []
+    for o, (x, w) in enumerate(zip(xs, blocks, strict=True)):
+        width = x.shape[-1]
+        x = native.bf16_rows(x, width, "native linear kernel", f"[{n}, {width}] weight")
+        if x.shape[0] != rows or w.shape[0] != nb or w.shape[1] * 2 < width:
+            raise ValueError(f"operand {o} does not match the others' rows or its weights")
+        if width % 2 and o + 1 < count:
+            raise ValueError(f"operand {o} has an odd width: only the last may")
+        held.append((x, w))
     if bias is not None:
-        padded = bias.new_zeros(weight.blocks.shape[0] * _BLOCK, dtype=torch.float32)
+        padded = bias.new_zeros(nb * _BLOCK, dtype=torch.float32)
         padded[:n] = bias.detach()
         bias = padded
     y = torch.empty((rows, n), dtype=torch.bfloat16)
+    pointers = (ctypes.c_void_p * count)(*[x.data_ptr() for x, _ in held])
+    lds = (ctypes.c_int64 * count)(*[x.stride(0) if rows > 1 else x.shape[1] for x, _ in held])
+    widths = (ctypes.c_int64 * count)(*[x.shape[1] for x, _ in held])
+    weights = (ctypes.c_void_p * count)(*[w.data_ptr() for _, w in held])
+    strides = (ctypes.c_int64 * count)(*[w.shape[1] for _, w in held])
     code = kernel(
-        x.data_ptr(),
-        x.stride(0) if rows > 1 else k1,
-        k1,
-        low.data_ptr(),
-        low.stride(0) if rows > 1 else k2,
-        k2,
+        count,
+        pointers,
+        lds,
+        widths,
+        weights,
+        strides,
         rows,
-        weight.blocks.data_ptr(),
-        weight.blocks.shape[1],
-        blocks.data_ptr(),
-        blocks.shape[1],
         bias.data_ptr() if bias is not None else None,
         n,
         y.data_ptr(),
@@ -191,3 +242,36 @@ def summed(
     if code:
         raise ValueError("the native linear kernel refused its shapes")
     return y
+
+
+def summed(
+    x: torch.Tensor,
+    low: torch.Tensor,
+    weight: NativeWeight,
+    blocks: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    spans: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A forward's [x | low] @ [W | B].T + bias ([rows, N] bf16, `product`): W in `weight`
+    (`frozen`), B in `blocks` (`b_blocks`)."""
+    if x.shape[-1] != weight.in_features:
+        raise ValueError(f"inputs of {x.shape[-1]} features for a {list(weight.shape)} weight")
+    return product([x, low], [weight.blocks, blocks], weight.out_features, bias, spans)
+
+
+def input_grad(
+    dys: Sequence[torch.Tensor],
+    d_low: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    a: torch.Tensor,
+) -> torch.Tensor | None:
+    """An adapted layer's (or sibling group's) input gradient, dy_1 @ W_1 + ... + dy_G @ W_G +
+    d_low @ A ([rows, in] bf16, summed in fp32 and rounded once, `product`): W_i^T packed once
+    (`transposed`), A^T [in, R] packed per call; None where the copy is refused or the group
+    has more operands than a call takes (torch's products then)."""
+    if len(dys) + 1 > OPERANDS:
+        return None
+    packed = transposed(weights)
+    if packed is None:
+        return None
+    return product([*dys, d_low], [*packed, _blocks(a.t())], a.shape[1])

@@ -252,7 +252,12 @@ class _OneAdapterLinear(torch.autograd.Function):
         dy = grad.reshape(-1, grad.shape[-1])
         d_low = dy @ b  # [rows, r], the gradient of low before its scale
         d_x = d_a = d_b = None
-        if needs[0]:
+        if needs[0] and native_summed.available(flat, (weight,)):
+            scaled = d_low if scale == 1.0 else d_low * scale
+            d_x = native_summed.input_grad((dy,), scaled, (weight,), a)
+            if d_x is not None:
+                d_x = d_x.view(shape)
+        if needs[0] and d_x is None:
             d_x = cpu_fp32_matmul.matmul(dy, weight).addmm_(d_low, a, alpha=scale).view(shape)
         if needs[3]:
             d_a = scaled_(native_grads.transposed_product(d_low, flat), scale)

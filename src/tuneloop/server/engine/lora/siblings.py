@@ -103,7 +103,13 @@ class SiblingLinears(torch.autograd.Function):
             [ops.scaled_(dy @ b, s) for dy, b, s in zip(dys, ups, scales, strict=True)], dim=1
         )
         d_x = None
-        if ctx.needs_input_grad[0]:  # type: ignore[attr-defined]
+        wants_x: bool = ctx.needs_input_grad[0]  # type: ignore[attr-defined]
+        if wants_x and native_summed.available(flat, weights):
+            # one call, rounded once (native_summed.py)
+            d_x = native_summed.input_grad(dys, d_low, weights, a_all)
+            if d_x is not None:
+                d_x = d_x.view(ctx.shape)  # type: ignore[attr-defined]
+        if wants_x and d_x is None:
             d_x = cpu_fp32_matmul.matmul(dys[0], weights[0])
             for dy, w in zip(dys[1:], weights[1:], strict=True):
                 cpu_fp32_matmul.addmm_(d_x, dy, w)
