@@ -244,3 +244,42 @@ def test_the_input_gradient_is_the_joined_kernels_bits(
     assert native_summed.transposed(ws) is native_summed.transposed(ws)  # kept
     many = [dys[0]] * native_summed.OPERANDS  # one more operand (d_low) than a call takes
     assert native_summed.input_grad(many, d_low, [ws[0]] * len(many), a) is None
+
+
+def _head_pass(monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    from tuneloop.server.engine import fused_head
+    from tuneloop.server.engine.fused_head import HeadParts, Segment
+
+    monkeypatch.setattr(fused_head, "ROWS", 64)
+    monkeypatch.setattr(fused_head, "COLUMNS", 256)  # whole blocks; the last chunk 232 wide
+    gen = torch.Generator().manual_seed(11)
+    weight = (torch.randn(1000, 64, generator=gen) * 0.5).bfloat16()
+    x = torch.randn(150, 64, generator=gen).bfloat16().requires_grad_()
+    low = torch.randn(150, 4, generator=gen).bfloat16().requires_grad_()
+    b = (torch.randn(1000, 4, generator=gen) * 0.1).bfloat16().requires_grad_()
+    targets = torch.randint(0, 1000, (150, 1), generator=gen)
+    parts = HeadParts(weight, None, [Segment(0, 150, low, b)])
+    logprobs = fused_head.fused_target_logprobs(parts, x, targets, None)
+    logprobs.sum().backward()
+    grads = [x.grad, low.grad, b.grad]
+    assert all(g is not None for g in grads)
+    return logprobs.detach(), grads  # type: ignore[return-value]
+
+
+def test_the_heads_tiles_take_the_kernel_with_torchs_sums_to_rounding(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fused head's forward tiles ([x | low] by the packed W and a chunk's B) and its
+    backward's d z @ W (a slice of W^T's blocks) on the kernel, against torch's products."""
+    monkeypatch.setattr(native_summed, "available", lambda x, weights: True)
+    calls: list[int] = []
+    product = native_summed.product
+    monkeypatch.setattr(native_summed, "product", lambda *a: calls.append(1) or product(*a))
+    got, got_grads = _head_pass(monkeypatch)
+    assert len(calls) == 2 * 3 * 4  # forward and backward, 3 row pieces x 4 chunks
+    monkeypatch.setattr(native_summed, "available", lambda x, weights: False)
+    want, want_grads = _head_pass(monkeypatch)
+    assert len(calls) == 24
+    assert torch.allclose(got, want, rtol=0, atol=0.05)  # logits' bf16 steps at ~|10|
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert torch.allclose(g.float(), w.float(), rtol=2e-2, atol=2e-2)

@@ -41,6 +41,7 @@ __all__ = [
     "b_blocks",
     "frozen",
     "input_grad",
+    "kernel_blocks",
     "operands_kernel",
     "product",
     "spans_of",
@@ -94,7 +95,7 @@ def _state(weights: Sequence[torch.Tensor]) -> tuple[Any, ...]:
     return tuple((w.data_ptr(), w._version, tuple(w.shape)) for w in weights)
 
 
-def _blocks(matrix: torch.Tensor) -> torch.Tensor:
+def kernel_blocks(matrix: torch.Tensor) -> torch.Tensor:
     """matrix [N, K] in the kernel's blocks, [ceil(N / 64), ceil(K / 2), 64, 2], zeros past N
     and K."""
     n, k = matrix.shape
@@ -132,7 +133,7 @@ def frozen(weights: Sequence[torch.Tensor]) -> NativeWeight | None:
 
     def make() -> NativeWeight:
         whole = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0]
-        return NativeWeight(_blocks(whole), None, whole.shape[0], whole.shape[1])
+        return NativeWeight(kernel_blocks(whole), None, whole.shape[0], whole.shape[1])
 
     packed: NativeWeight | None = _kept(_FROZEN, weights, make)
     return packed
@@ -142,7 +143,7 @@ def transposed(weights: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
     """Each weight's transpose W_i^T [in, out_i] in the kernel's blocks (an input gradient's
     operands' weights), kept while they are unchanged; None where refused for memory."""
     copies: list[torch.Tensor] | None = _kept(
-        _TRANSPOSED, weights, lambda: [_blocks(w.detach().t()) for w in weights]
+        _TRANSPOSED, weights, lambda: [kernel_blocks(w.detach().t()) for w in weights]
     )
     return copies
 
@@ -158,7 +159,7 @@ def b_blocks(ups: Sequence[torch.Tensor], scales: Sequence[float]) -> torch.Tens
         size, rank = b.shape
         torch.mul(b, scale, out=joined[row : row + size, column : column + rank])
         row, column = row + size, column + rank
-    return _blocks(joined)
+    return kernel_blocks(joined)
 
 
 def spans_of(sizes: Sequence[int], ranks: Sequence[int], split: int) -> torch.Tensor | None:
@@ -196,7 +197,7 @@ def product(
     """[x_1 | ... | x_m] @ W.T + bias, [rows, n] bf16, each output summed in fp32 (from the
     bias) and rounded once: operand x_o [rows, K_o] (features contiguous, rows strided; every
     K_o but the last even) read where it lies, its weights in blocks[o] ([ceil(n / 64),
-    ceil(K_o / 2), 64, 2], `_blocks`)."""
+    ceil(K_o / 2), 64, 2], `kernel_blocks`, or a slice of a longer block's pairs)."""
     kernel = operands_kernel()
     if kernel is None:
         raise RuntimeError("the native linear kernel is not built on this CPU")
@@ -211,6 +212,8 @@ def product(
         x = native.bf16_rows(x, width, "native linear kernel", f"[{n}, {width}] weight")
         if x.shape[0] != rows or w.shape[0] != nb or w.shape[1] * 2 < width:
             raise ValueError(f"operand {o} does not match the others' rows or its weights")
+        if w.dtype != torch.bfloat16 or w.shape[2:] != (_BLOCK, 2) or w.stride()[1:] != (128, 2, 1):
+            raise ValueError(f"operand {o}'s weights are not the kernel's blocks")
         if width % 2 and o + 1 < count:
             raise ValueError(f"operand {o} has an odd width: only the last may")
         held.append((x, w))
@@ -223,7 +226,8 @@ def product(
     lds = (ctypes.c_int64 * count)(*[x.stride(0) if rows > 1 else x.shape[1] for x, _ in held])
     widths = (ctypes.c_int64 * count)(*[x.shape[1] for x, _ in held])
     weights = (ctypes.c_void_p * count)(*[w.data_ptr() for _, w in held])
-    strides = (ctypes.c_int64 * count)(*[w.shape[1] for _, w in held])
+    # (a block's pairs may be a slice of a longer block's: its stride counts the whole)
+    strides = (ctypes.c_int64 * count)(*[w.stride(0) // 128 for _, w in held])
     code = kernel(
         count,
         pointers,
@@ -274,4 +278,4 @@ def input_grad(
     packed = transposed(weights)
     if packed is None:
         return None
-    return product([*dys, d_low], [*packed, _blocks(a.t())], a.shape[1])
+    return product([*dys, d_low], [*packed, kernel_blocks(a.t())], a.shape[1])
