@@ -29,7 +29,7 @@ model and the load. `--profile` prints the top ops of one step of the current va
     python bench/train_variants.py --variant fp32-onednn --dtype float32  # frozen weights'
                                                     # products by oneDNN, not MKL's sgemm
     python bench/train_variants.py --variant lora-grads  # the LoRA factors' gradients in C++
-    python bench/train_variants.py --variant native-summed  # [x | low] @ [W | B] natively
+    python bench/train_variants.py --variant native-summed  # frozen-weight products natively
     python bench/train_variants.py --profile
     python bench/train_variants.py --micro          # each piece alone, 422 AdamW tensors, the head,
                                                     # one layer's packed attention fwd+bwd and
@@ -191,9 +191,10 @@ def _lora_grads(previous: bool) -> Any:
 
 
 def _native_summed(previous: bool) -> Any:
-    """previous: the adapted layers' exact-delta forward as torch's matmul of the joined [x |
-    low] and [W | B] (oneDNN); current: by the native kernel's two-operand entry on CPUs with
-    AVX512-BF16 and no AMX, W packed once (lora/native_summed.py)."""
+    """previous: the adapted layers' and the head tiles' products by frozen weights by torch
+    (oneDNN): the exact-delta forward's joined [x | low] @ [W | B], the input gradient's chain
+    of matmuls; current: by the native kernel's entry of several operands on CPUs with
+    AVX512-BF16 and no AMX, W and W^T packed once (lora/native_summed.py)."""
     from tuneloop.server.engine.lora import native_summed
 
     return _swapped(native_summed, "_NATIVE", False if previous else None)
