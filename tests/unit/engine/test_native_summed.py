@@ -52,6 +52,7 @@ def _joined(ws: list[torch.Tensor], ups: list[torch.Tensor], scales: list[float]
         ((70,), (6,), 30, 1, True),  # one member (no spans), one row
         ((40, 50), (4, 5), 20, 19, False),  # an odd rank: a pair across two members, no spans
         ((64,), (3,), 16, 7, False),  # an odd LoRA width: the last input alone
+        ((64,), (2,), 16, 5, False),  # one block, one pair of LoRA columns (any strides)
     ],
 )
 @pytest.mark.parametrize("threads", [1, 2])
@@ -244,6 +245,8 @@ def test_the_input_gradient_is_the_joined_kernels_bits(
     assert native_summed.transposed(ws) is native_summed.transposed(ws)  # kept
     many = [dys[0]] * native_summed.OPERANDS  # one more operand (d_low) than a call takes
     assert native_summed.input_grad(many, d_low, [ws[0]] * len(many), a) is None
+    odd = torch.randn(5, k, generator=gen).bfloat16()  # a member of odd width: not first
+    assert native_summed.input_grad([dys[0][:, :5], d_low], d_low, [odd, a], a) is None
 
 
 def _head_pass(monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, list[torch.Tensor]]:

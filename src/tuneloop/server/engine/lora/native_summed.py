@@ -212,7 +212,7 @@ def product(
         x = native.bf16_rows(x, width, "native linear kernel", f"[{n}, {width}] weight")
         if x.shape[0] != rows or w.shape[0] != nb or w.shape[1] * 2 < width:
             raise ValueError(f"operand {o} does not match the others' rows or its weights")
-        if w.dtype != torch.bfloat16 or w.shape[2:] != (_BLOCK, 2) or w.stride()[1:] != (128, 2, 1):
+        if w.dtype != torch.bfloat16 or w.shape[2:] != (_BLOCK, 2) or _pair_stride(w) != 128:
             raise ValueError(f"operand {o}'s weights are not the kernel's blocks")
         if width % 2 and o + 1 < count:
             raise ValueError(f"operand {o} has an odd width: only the last may")
@@ -227,7 +227,7 @@ def product(
     widths = (ctypes.c_int64 * count)(*[x.shape[1] for x, _ in held])
     weights = (ctypes.c_void_p * count)(*[w.data_ptr() for _, w in held])
     # (a block's pairs may be a slice of a longer block's: its stride counts the whole)
-    strides = (ctypes.c_int64 * count)(*[w.stride(0) // 128 for _, w in held])
+    strides = (ctypes.c_int64 * count)(*[_block_stride(w) // 128 for _, w in held])
     code = kernel(
         count,
         pointers,
@@ -246,6 +246,19 @@ def product(
     if code:
         raise ValueError("the native linear kernel refused its shapes")
     return y
+
+
+def _pair_stride(w: torch.Tensor) -> int:
+    """Elements from one input pair of a block to the next: 128 in the kernel's blocks (a dim
+    of one pair or one block may carry any stride, as torch keeps it contiguous)."""
+    if w.stride(2) != 2 or w.stride(3) != 1:
+        return -1
+    pair = w.stride(1) if w.shape[1] > 1 else 128
+    return pair if _block_stride(w) % 128 == 0 else -1
+
+
+def _block_stride(w: torch.Tensor) -> int:
+    return w.stride(0) if w.shape[0] > 1 else w.shape[1] * 128
 
 
 def summed(
@@ -271,10 +284,10 @@ def input_grad(
 ) -> torch.Tensor | None:
     """An adapted layer's (or sibling group's) input gradient, dy_1 @ W_1 + ... + dy_G @ W_G +
     d_low @ A ([rows, in] bf16, summed in fp32 and rounded once, `product`): W_i^T packed once
-    (`transposed`), A^T [in, R] packed per call; None where the copy is refused or the group
-    has more operands than a call takes (torch's products then)."""
-    if len(dys) + 1 > OPERANDS:
-        return None
+    (`transposed`), A^T [in, R] packed per call; None where the copy is refused, a member's
+    width is odd or the group has more operands than a call takes (torch's products then)."""
+    if len(dys) + 1 > OPERANDS or any(dy.shape[-1] % 2 for dy in dys):
+        return None  # (an operand before the last starts at a whole pair)
     packed = transposed(weights)
     if packed is None:
         return None
