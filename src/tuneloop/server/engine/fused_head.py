@@ -169,8 +169,10 @@ class _Joined:
         # (packed once, kept while it is unchanged) and of each chunk's B, x and low read where
         # they lie (lora/native_summed.py): no joined copies; None elsewhere.
         self.packed: NativeWeight | None = None
-        if parts.weight is not None and native_summed.available(x, (parts.weight,)):
-            self.packed = native_summed.frozen((parts.weight,))
+        weight = parts.weight
+        tiles = bool(parts.segments) and parts.exact_delta  # (`_tile`'s one-adapter tiles)
+        if tiles and weight is not None and native_summed.available(x, (weight,)):
+            self.packed = native_summed.frozen((weight,))
         self._b_blocks: dict[int, tuple[int, torch.Tensor]] = {}
 
     def native_tile(
