@@ -29,11 +29,10 @@ import torch
 from torch import nn
 
 from tuneloop.server.engine import cpu_fp32_matmul, native_head
-from tuneloop.server.engine.lora import native_grads, native_summed
+from tuneloop.server.engine.lora import native_grads
 from tuneloop.server.engine.lora.linear import LoRALinear
 from tuneloop.server.engine.lora.ops import HALF, shrink, summed_linear
 from tuneloop.server.engine.memory import SAVED_LOGITS_BYTES
-from tuneloop.server.engine.native_linear import NativeWeight
 
 __all__ = ["HeadParts", "chunked_logits", "fused_target_logprobs", "head_parts"]
 
@@ -165,29 +164,6 @@ class _Joined:
         self._x, self._parts, self._lows = x, parts, lows
         self._inputs: dict[int, torch.Tensor] = {}
         self._weights: dict[int, tuple[int, torch.Tensor]] = {}
-        # On CPUs with AVX512-BF16 and no AMX: the native kernel's blocks of the head's weight
-        # (packed once, kept while it is unchanged) and of each chunk's B, x and low read where
-        # they lie (lora/native_summed.py): no joined copies; None elsewhere.
-        self.packed: NativeWeight | None = None
-        weight = parts.weight
-        tiles = bool(parts.segments) and parts.exact_delta  # (`_tile`'s one-adapter tiles)
-        if tiles and weight is not None and native_summed.available(x, (weight,)):
-            self.packed = native_summed.frozen((weight,))
-        self._b_blocks: dict[int, tuple[int, torch.Tensor]] = {}
-
-    def native_tile(
-        self, i: int, rows: slice, v0: int, v1: int, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Segment i's `rows` (its own row numbers) by vocabulary columns v0:v1, [x | low] @
-        [W | B].T by the native kernel (`packed` is set)."""
-        assert self.packed is not None
-        seg = self._parts.segments[i]
-        held = self._b_blocks.get(i)
-        if held is None or held[0] != v0:
-            held = self._b_blocks[i] = (v0, native_summed.kernel_blocks(seg.b[v0:v1]))
-        w = self.packed.blocks[v0 // 64 : -(-v1 // 64)]
-        x = self._x[seg.start : seg.end][rows]
-        return native_summed.product([x, self._lows[i][rows]], [w, held[1]], v1 - v0, bias)
 
     def input(self, i: int) -> torch.Tensor:
         if i not in self._inputs:
@@ -227,10 +203,8 @@ def _tile(
         if joined is None:
             rows = lows[i][r0 - seg.start : r1 - seg.start]
             return summed_linear(x[r0:r1], rows, w, seg.b[v0:v1], cut)
-        own = slice(r0 - seg.start, r1 - seg.start)
-        if joined.packed is not None and v0 % 64 == 0:  # (a chunk of whole blocks)
-            return joined.native_tile(i, own, v0, v1, cut)
-        return torch.nn.functional.linear(joined.input(i)[own], joined.weight(i, w, v0), cut)
+        inputs = joined.input(i)[r0 - seg.start : r1 - seg.start]
+        return torch.nn.functional.linear(inputs, joined.weight(i, w, v0), cut)
     if into is not None:
         out = cpu_fp32_matmul.linear_into(x[r0:r1], w, into)
         if bias is not None:
@@ -339,13 +313,6 @@ class _FusedHead(torch.autograd.Function):
         kept: list[torch.Tensor] = ctx.kept  # type: ignore[attr-defined]
         with parts.gathered() as head:
             joined = _Joined(hidden, parts, lows)
-            # d z @ W by the native kernel on W^T's blocks (packed once), a chunk's columns a
-            # slice of its blocks' pairs (lora/native_summed.py); None: by torch
-            transposed = None
-            weight = parts.weight
-            if not exact and weight is not None and native_summed.available(hidden, (weight,)):
-                found = native_summed.transposed((weight,))
-                transposed = None if found is None else found[0]
             for i, tile in enumerate(_tiles(rows, vocab, hidden.device)):
                 r0, r1, v0, v1 = tile
                 raw = kept[i] if kept else _tile(hidden, head, parts, lows, tile, joined=joined)
@@ -361,9 +328,6 @@ class _FusedHead(torch.autograd.Function):
                     d = d.to(hidden.dtype)
                 if exact:
                     cpu_fp32_matmul.addmm_(d_hidden[r0:r1], d, head[0][v0:v1])
-                elif transposed is not None and v0 % 2 == 0 and v1 - v0 == d.shape[1]:
-                    w_t = transposed[:, v0 // 2 : -(-v1 // 2)]
-                    d_hidden[r0:r1].add_(native_summed.product([d], [w_t], d_hidden.shape[1]))
                 else:
                     _accumulate(d_hidden[r0:r1], d, head[0][v0:v1], exact)
                 for seg, low, b, d_low, d_b in zip(

@@ -197,7 +197,7 @@ def product(
     """[x_1 | ... | x_m] @ W.T + bias, [rows, n] bf16, each output summed in fp32 (from the
     bias) and rounded once: operand x_o [rows, K_o] (features contiguous, rows strided; every
     K_o but the last even) read where it lies, its weights in blocks[o] ([ceil(n / 64),
-    ceil(K_o / 2), 64, 2], `kernel_blocks`, or a slice of a longer block's pairs)."""
+    ceil(K_o / 2), 64, 2], `kernel_blocks`)."""
     kernel = operands_kernel()
     if kernel is None:
         raise RuntimeError("the native linear kernel is not built on this CPU")
@@ -226,7 +226,6 @@ def product(
     lds = (ctypes.c_int64 * count)(*[x.stride(0) if rows > 1 else x.shape[1] for x, _ in held])
     widths = (ctypes.c_int64 * count)(*[x.shape[1] for x, _ in held])
     weights = (ctypes.c_void_p * count)(*[w.data_ptr() for _, w in held])
-    # (a block's pairs may be a slice of a longer block's: its stride counts the whole)
     strides = (ctypes.c_int64 * count)(*[_block_stride(w) // 128 for _, w in held])
     code = kernel(
         count,
