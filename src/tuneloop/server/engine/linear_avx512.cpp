@@ -14,7 +14,9 @@
 // that row alone.
 //
 // On CPUs with AMX the same layout feeds the tile unit (below): 16 input pairs of a block's
-// weights are four 16-output tiles at a 256-byte stride.
+// weights are four 16-output tiles at a 256-byte stride. A training pass's adapted layers on
+// CPUs without AMX take the AVX-512 loops through `linear_bf16_operands` (several operands,
+// each with its own blocks: lora/native_summed.py).
 #if !defined(__AVX512F__) || !defined(__AVX512BF16__)
 #error "this kernel needs AVX512F and AVX512-BF16"
 #endif
