@@ -202,18 +202,22 @@ def test_the_nodes_take_the_kernel_with_torchs_sums_to_rounding(
     grouped: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The one-adapter node and the sibling group on the kernel (on a CPU without AMX) against
-    the same nodes by torch's joined matmul: the outputs a bf16 step apart at most, the
-    gradients (whose products are the same) as close as their inputs allow."""
-    calls = []
-    summed = native_summed.summed
+    the same nodes by torch's products: the outputs a bf16 step apart at most, the gradients
+    (the input's by the kernel too, rounded once) as close as their inputs allow."""
+    calls: list[int] = []
+    grad_calls: list[int] = []
+    summed, input_grad = native_summed.summed, native_summed.input_grad
     monkeypatch.setattr(native_summed, "available", lambda x, weights: True)
     monkeypatch.setattr(native_summed, "summed", lambda *a: calls.append(1) or summed(*a))
+    monkeypatch.setattr(
+        native_summed, "input_grad", lambda *a: grad_calls.append(1) or input_grad(*a)
+    )
     outs, grads = _node_pass(grouped)
-    assert len(calls) == (1 if grouped else 3)
+    assert len(calls) == len(grad_calls) == (1 if grouped else 3)
     monkeypatch.setattr(native_summed, "_NATIVE", False)
     monkeypatch.setattr(native_summed, "available", lambda x, weights: False)
     torch_outs, torch_grads = _node_pass(grouped)
-    assert len(calls) == (1 if grouped else 3)
+    assert len(calls) == len(grad_calls) == (1 if grouped else 3)
     for got, want in zip(outs, torch_outs, strict=True):
         step = want.float().abs().clamp(min=1e-3) * 2.0**-7
         assert ((got.float() - want.float()).abs() <= step).all()
