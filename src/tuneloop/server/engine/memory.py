@@ -35,6 +35,10 @@ _INTERMEDIATE_VECTORS = 4
 # head in fp32 fit, 8k tokens of a 150k one do not.
 SAVED_LOGITS_BYTES = 1 << 29
 _HEAD_BYTES = SAVED_LOGITS_BYTES
+# The most of a device's free memory (where it can be read) one copy of the adapted layers'
+# weights made for speed may take: a decode step's merged or fused copy (lora/bank.py), a
+# training pass's packed copies (lora/native_summed.py); past it they keep the plain products.
+COPY_SHARE = 0.25
 
 
 def free_bytes(device: torch.device) -> int | None:

@@ -26,7 +26,7 @@ from tuneloop.server.engine.lora.segments import KeyDelta, KeyDeltas
 from tuneloop.server.engine.lora.siblings import stack_weights
 from tuneloop.server.engine.lora.slots import Slotted
 from tuneloop.server.engine.lora.targets import Injected, groups_of
-from tuneloop.server.engine.memory import free_bytes
+from tuneloop.server.engine.memory import COPY_SHARE, free_bytes
 from tuneloop.server.engine.types import AdapterSpec, EngineError
 
 __all__ = ["DELTA_KEYS", "AdapterBank", "peft_keys", "peft_targets"]
@@ -78,11 +78,6 @@ def peft_targets(keys: Collection[str]) -> tuple[list[str], list[str]]:
             modules.discard(dense)
             parameters.add(f"{dense}.weight")
     return sorted(modules), sorted(parameters)
-
-
-# The most of a device's free memory (where it can be read: a GPU) a merged copy of the
-# targeted weights may take; past it, decode steps keep the LoRA products.
-MERGED_SHARE = 0.25
 
 
 # The base weights copied into a table's groups, with their versions then (`FusedLinear.versions`).
@@ -277,7 +272,7 @@ class AdapterBank:
         steps whose rows all use `key` (None: the base model), siblings stacked into one
         matmul each and `key`'s LoRA delta in extra columns, or merged into the rows with
         `merge` (fused.py). None for a trainable adapter (its factors change under it) and
-        where the copy would take more than MERGED_SHARE of the free memory. Expert layers
+        where the copy would take more than COPY_SHARE of the free memory. Expert layers
         keep their LoRA products. The weights of the last key asked for are kept (one copy
         of the targeted weights): a sampler's decode batches reuse them until it is deleted
         or `release_lone` (a GPU's sampling calls end with it)."""
@@ -355,7 +350,7 @@ class AdapterBank:
         self, key: str | None, merge: bool, *, packed_only: bool = False
     ) -> LoneWeights | None:
         """The groups of `lone_weights` for `key`; None where no layer is fusable, where the
-        copy would take more than MERGED_SHARE of the free memory or, with `packed_only`, where
+        copy would take more than COPY_SHARE of the free memory or, with `packed_only`, where
         the weights do not pack."""
         linears = {
             n: m for n, m in self.modules.items() if isinstance(m, LoRALinear) and fusable(m.base)
@@ -367,7 +362,7 @@ class AdapterBank:
             return None
         need = sum(m.base.weight.numel() * m.base.weight.element_size() for m in linears.values())
         free = free_bytes(first.device)
-        if free is not None and need > MERGED_SHARE * free:
+        if free is not None and need > COPY_SHARE * free:
             return None  # a large model on a full device: keep the LoRA products
         table: LoneWeights = {}
         bases = {n: m.base for n, m in linears.items()}

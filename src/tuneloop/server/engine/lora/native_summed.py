@@ -18,7 +18,7 @@ left to torch there.
 Another kernel than oneDNN's, so the outputs round differently (a bf16 step in a few of them;
 the input gradient rounds once where the chain rounded at each matmul). The packed copies are
 the adapted layers' weights twice more; each is made only where it takes at most
-MERGED_SHARE of the free memory, else the pass keeps torch's products.
+COPY_SHARE of the free memory, else the pass keeps torch's products.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tuneloop.server.engine import native, native_linear
-from tuneloop.server.engine.memory import free_bytes
+from tuneloop.server.engine.memory import COPY_SHARE, free_bytes
 from tuneloop.server.engine.native_linear import NativeWeight
 
 __all__ = [
@@ -53,7 +53,6 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 # count, xs, lds, ks, ws, strides, rows, bias, n, y, ldy, threads, spans
 _SIGNATURE = (ctypes.c_int, _P, _P, _P, _P, _P, _I, _P, _I, _P, _I, ctypes.c_int, _P)
 _NATIVE = True  # (bench/train_variants.py switches it off to compare: --variant native-summed)
-MERGED_SHARE = 0.25  # of the free memory a packed copy of the frozen weights may take
 OPERANDS = 8  # operands a call at most (linear_avx512.cpp's kOperands)
 _BLOCK = 64
 
@@ -108,7 +107,7 @@ def kernel_blocks(matrix: torch.Tensor) -> torch.Tensor:
 def _kept(held: WeakIdKeyDictionary, weights: Sequence[torch.Tensor], make: Any) -> Any:
     """`make()`'s packed copy of the weights, kept in `held` with the first weight while every
     one of them is the same tensor, unchanged in place; None where the copy would take more
-    than MERGED_SHARE of the free memory."""
+    than COPY_SHARE of the free memory."""
     state = _state(weights)
     found = held.get(weights[0])
     if found is not None and found[0] == state:
@@ -120,7 +119,7 @@ def _kept(held: WeakIdKeyDictionary, weights: Sequence[torch.Tensor], make: Any)
         need = sum(w.numel() for w in weights) * 2
         free = free_bytes(weights[0].device)
         copy = None
-        if free is None or need <= MERGED_SHARE * free:
+        if free is None or need <= COPY_SHARE * free:
             with torch.no_grad():
                 copy = make()
         held[weights[0]] = (state, copy)
