@@ -6,7 +6,8 @@ import asyncio
 import gc
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,24 @@ async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
+@asynccontextmanager
+async def beating(api: Api, session_id: str, every_s: float = 0.1) -> AsyncIterator[None]:
+    """Heartbeats in the background while the body sets the session up, as the SDKs send
+    them: the setup's own time (slow on a loaded machine) must not count as silence."""
+
+    async def beat() -> None:
+        while True:
+            await api.post("session_heartbeat", {"session_id": session_id})
+            await asyncio.sleep(every_s)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 def expired(api: Api, session_id: str) -> bool:
     row = state_of(api).registry.session(session_id, "alice")
     return bool(row.finished_at is not None and row.finish_reason == "expired")
@@ -50,21 +69,23 @@ async def test_a_silent_session_expires_and_is_freed(tmp_path: Path, db_url: str
         state = state_of(api)
         backend = state.engine.backend
         session_id = await api.session()
-        model_id = await api.model(session_id)
-        await api.result(await api.forward_backward(model_id, 1, [datum(TOKENS)]))
-        saved = await api.result(
-            await api.post("save_weights", {"model_id": model_id, "path": "w", "seq_id": 2})
-        )
-        checkpoint = saved.json()["path"]
-        snapshot = await api.result(
-            await api.post(
-                "save_weights_for_sampler",
-                {"model_id": model_id, "seq_id": 3, "sampling_session_seq_id": 7},
+        async with beating(api, session_id):
+            model_id = await api.model(session_id)
+            await api.result(await api.forward_backward(model_id, 1, [datum(TOKENS)]))
+            saved = await api.result(
+                await api.post("save_weights", {"model_id": model_id, "path": "w", "seq_id": 2})
             )
-        )
-        sampler_id = snapshot.json()["sampling_session_id"]
-        # seq 5 waits for a seq 4 that never comes: work left pending when the client vanished.
-        pending = await api.forward_backward(model_id, 5, [datum(TOKENS)])
+            checkpoint = saved.json()["path"]
+            snapshot = await api.result(
+                await api.post(
+                    "save_weights_for_sampler",
+                    {"model_id": model_id, "seq_id": 3, "sampling_session_seq_id": 7},
+                )
+            )
+            sampler_id = snapshot.json()["sampling_session_id"]
+            # seq 5 waits for a seq 4 that never comes: work left pending when the client
+            # vanished.
+            pending = await api.forward_backward(model_id, 5, [datum(TOKENS)])
         assert model_id in backend._adapters
         assert sampler_id in backend._samplers
         assert state.futures.pending("alice") == 1
@@ -173,19 +194,22 @@ async def test_expiry_frees_torch_adapter_and_sampler_memory(tmp_path: Path) -> 
         ) as api:
             backend = state_of(api).engine.backend
             session_id = await api.session()
-            create = {"session_id": session_id, "model_seq_id": 0, "base_model": tiny}
-            create["lora_config"] = {"rank": 4, "seed": 0}
-            model_id = (await api.result(await api.post("create_model", create))).json()["model_id"]
-            await api.result(await api.forward_backward(model_id, 1, [datum(TOKENS)]))
-            step = {"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 0.01}}
-            await api.result(await api.post("optim_step", step))
-            snapshot = await api.result(
-                await api.post(
-                    "save_weights_for_sampler",
-                    {"model_id": model_id, "seq_id": 3, "sampling_session_seq_id": 1},
+            async with beating(api, session_id):
+                create = {"session_id": session_id, "model_seq_id": 0, "base_model": tiny}
+                create["lora_config"] = {"rank": 4, "seed": 0}
+                model_id = (await api.result(await api.post("create_model", create))).json()[
+                    "model_id"
+                ]
+                await api.result(await api.forward_backward(model_id, 1, [datum(TOKENS)]))
+                step = {"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 0.01}}
+                await api.result(await api.post("optim_step", step))
+                snapshot = await api.result(
+                    await api.post(
+                        "save_weights_for_sampler",
+                        {"model_id": model_id, "seq_id": 3, "sampling_session_seq_id": 1},
+                    )
                 )
-            )
-            sampler_id = snapshot.json()["sampling_session_id"]
+                sampler_id = snapshot.json()["sampling_session_id"]
 
             [runtime] = backend._runtimes.values()
             bank = runtime.bank
