@@ -243,3 +243,16 @@ async def stepping(loop: Any) -> Any:
         await asyncio.sleep(0.005)
     assert loop.running is not None
     return step
+
+
+@pytest.fixture(params=["tiles", "loops"])
+def linear_form(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The native linear kernel (linear_avx512.cpp) on the AMX tile unit, where the CPU has
+    one, and on the AVX-512 loops: both forms run on one CPU."""
+    from tuneloop.server.engine import native_linear
+
+    if request.param == "tiles" and not native_linear.tiles(True):
+        pytest.skip("no AMX tile unit granted on this CPU")
+    native_linear.tiles(request.param == "tiles")
+    yield request.param
+    native_linear.tiles(True)

@@ -5,7 +5,6 @@ tile unit; chosen for decode copies on CPUs with AVX512-BF16, unless TUNELOOP_NA
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,17 +17,6 @@ from tuneloop.server.engine.native_linear import NativeWeight  # noqa: E402
 
 BUILT = native_linear.native_kernel() is not None
 pytestmark = pytest.mark.skipif(not BUILT, reason="needs the AVX512-BF16 kernels")
-
-
-@pytest.fixture(params=["tiles", "loops"])
-def form(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The kernel on the AMX tile unit (where the CPU has one) and on the AVX-512 loops: both
-    run on one CPU."""
-    if request.param == "tiles" and not native_linear.tiles(True):
-        pytest.skip("no AMX tile unit granted on this CPU")
-    native_linear.tiles(request.param == "tiles")
-    yield request.param
-    native_linear.tiles(True)
 
 
 @pytest.mark.parametrize(
@@ -45,7 +33,7 @@ def form(request: pytest.FixtureRequest) -> Iterator[str]:
     ],
 )
 def test_the_product_is_each_output_summed_in_fp32_and_rounded_once(
-    n: int, k: int, rows: int, bias: bool, two_threads: None, form: str
+    n: int, k: int, rows: int, bias: bool, two_threads: None, linear_form: str
 ) -> None:
     gen = torch.Generator().manual_seed(n + k + rows)
     w = torch.randn(n, k, generator=gen).bfloat16()
@@ -64,7 +52,7 @@ def test_the_product_is_each_output_summed_in_fp32_and_rounded_once(
 
 
 def test_a_rows_values_do_not_depend_on_how_many_rows_came_with_it(
-    two_threads: None, form: str
+    two_threads: None, linear_form: str
 ) -> None:
     """Calls of 16 rows or fewer take the tile unit's narrow passes, longer ones its 32-row
     passes (a short last one padded): every row gets the bits it gets in any other call, so a
@@ -80,7 +68,7 @@ def test_a_rows_values_do_not_depend_on_how_many_rows_came_with_it(
         assert torch.equal(native_linear.linear(x[-rows:], w), every[-rows:]), rows
 
 
-def test_strided_rows_and_bad_shapes(form: str) -> None:
+def test_strided_rows_and_bad_shapes(linear_form: str) -> None:
     w = torch.randn(64, 64).bfloat16()
     packed_w = native_linear.pack(w)
     wide = torch.randn(37, 80).bfloat16()
@@ -124,7 +112,7 @@ def test_the_layout_holds_the_weights_once(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_a_blocks_zero_pairs_are_left_out_and_its_sums_keep_their_bits(
-    two_threads: None, form: str
+    two_threads: None, linear_form: str
 ) -> None:
     """A lone key's q/k/v group holds each member's up-projection in its own rank's extra
     columns, zeros in the others': each block multiplies only the pairs that hold weights

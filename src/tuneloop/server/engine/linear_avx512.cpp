@@ -14,9 +14,9 @@
 // that row alone.
 //
 // On CPUs with AMX the same layout feeds the tile unit (below): 16 input pairs of a block's
-// weights are four 16-output tiles at a 256-byte stride. A training pass's adapted layers on
-// CPUs without AMX take the AVX-512 loops through `linear_bf16_operands` (several operands,
-// each with its own blocks: lora/native_summed.py).
+// weights are four 16-output tiles at a 256-byte stride. A training pass's adapted layers take
+// `linear_bf16_operands` (several operands, each with its own blocks: lora/native_summed.py),
+// on the tile unit where the CPU has one and every operand is whole tile steps wide.
 #if !defined(__AVX512F__) || !defined(__AVX512BF16__)
 #error "this kernel needs AVX512F and AVX512-BF16"
 #endif
@@ -176,25 +176,90 @@ constexpr auto kManyTiles = tiles_of<true>(std::make_integer_sequence<int, kRows
 // alone. Rows come in even chunks of kChunkRows at most (x's chunk stays in L2 while its blocks
 // stream past it); a chunk's last rows, short of a whole 32, are copied into zero rows first
 // (a tile always loads 16 rows). A call of 16 rows or fewer takes `narrow_pass` instead.
+//
+// A call's inputs may be several operands, each with its own weights (linear_bf16_operands),
+// every one a whole number of tile steps wide: a block's steps are its "stretches", each a
+// run of one operand's steps; with `spans`, only the steps the block's spans hold (their
+// bounds whole steps), the pairs left out holding zero weights: a product by zero adds
+// nothing to an fp32 sum, so the bits are those of every step.
 namespace {
 
 constexpr int64_t kTileK = 32;  // inputs a tile step
+constexpr int64_t kStepPairs = kTileK / 2;
 constexpr int64_t kTileRows = 16;  // rows an A tile
 constexpr int64_t kPassRows = 32;  // rows a pass: two A tiles
 constexpr int64_t kChunkRows = 256;  // rows a unit of work at most
 constexpr int64_t kLine = 64;  // bytes a cache line
+constexpr int kStretches = 2 * kOperands;  // a block's stretches at most: two spans' worth
 
 std::atomic<bool> g_tiles_allowed{true};
 
-bool on_tiles(int64_t k) {
-  return g_tiles_allowed && k % kTileK == 0 && amx::permitted();
-}
+bool tiles_permitted() { return g_tiles_allowed && amx::permitted(); }
 
 void configure() {
   amx::TileConfig config;  // C tiles 0-3, A tiles 4-5, B tiles 6-7: 16 rows of 64 bytes
   for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
   _tile_loadconfig(&config);
 }
+
+// A run of one operand's tile steps in a block: x at its first input of the call's row 0
+// (row stride ld), its weights at their first pair, `steps` steps; `col`: its first input
+// among the call's joined inputs (where a short pass's zero-padded rows hold it).
+struct Stretch {
+  const uint16_t* x;
+  int64_t ld;
+  const uint16_t* w;
+  int64_t steps;
+  int64_t col;
+};
+
+// A block's stretches: each of its spans' steps within each operand's, in order.
+int stretches_of(const Operand* ops, int count, int64_t pairs, int64_t block,
+                 const int32_t* span, Stretch* out) {
+  int n = 0;
+  for (int s = 0; s < 4; s += 2)
+    for (int o = 0; o < count; ++o) {
+      const int64_t lo = ops[o].begin, hi = o + 1 < count ? ops[o + 1].begin : pairs;
+      const int64_t from = std::max<int64_t>(span[s], lo), to = std::min<int64_t>(span[s + 1], hi);
+      if (from >= to) continue;
+      out[n++] = {ops[o].x + 2 * (from - lo), ops[o].ld,
+                  ops[o].w + (block * ops[o].stride + from - lo) * 128, (to - from) / kStepPairs,
+                  2 * from};
+    }
+  return n;
+}
+
+// The next unit's weights, asked for into L2 a cache line at a time: its stretches' bytes in
+// turn. The current range is held apart from the rest, so that a step's requests are a compare
+// and a prefetch each, as they were with one range.
+struct Stream {
+  const char* at = nullptr;
+  const char* stop = nullptr;
+  const char* from[kStretches];
+  const char* to[kStretches];
+  int i = 0, n = 0;
+  int64_t bytes = 0;
+  void add(const Stretch& s) {
+    from[n] = reinterpret_cast<const char*>(s.w);
+    to[n] = from[n] + s.steps * kStepPairs * 256;
+    bytes += to[n] - from[n];
+    ++n;
+  }
+  // `lines` more lines asked for (fewer where the ranges end)
+  __attribute__((always_inline)) inline void next(int64_t lines) {
+    const char* a = at;
+    const char* e = stop;
+    for (int64_t l = 0; l < lines; ++l) {
+      if (a >= e) {
+        if (i >= n) break;
+        a = from[i], e = to[i], ++i;
+      }
+      _mm_prefetch(a, _MM_HINT_T1);
+      a += kLine;
+    }
+    at = a, stop = e;
+  }
+};
 
 // C tiles 0-3 started from the bias (each from the 16 values at its offset, repeated down
 // the rows by a tile load of stride 0), or from zero where bias is null.
@@ -212,25 +277,37 @@ void start_sums(const float* bias, int64_t o0, int64_t o1, int64_t o2, int64_t o
   _tile_loadd(3, bias + o3, 0);
 }
 
-// One pass: rows [0, 32) of x (row stride ldx) times outputs [32 h, 32 h + 32) of the block
-// at wb, into sums [32][32] fp32; `ahead` is advanced by `lines` cache lines a step, up to
-// `end` (the next block's weights, asked for into L2).
-void pass(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* wb, const float* bias,
-          int h, float* sums, const char*& ahead, const char* end, int64_t lines) {
+// Where a stretch's rows of a pass lie: from row i0 of x, or in the padded rows (row stride k).
+struct Rows {
+  const uint16_t* x;
+  int64_t ldx;
+};
+inline Rows rows_of(const Stretch& s, int64_t i0, const uint16_t* padded, int64_t k) {
+  return padded != nullptr ? Rows{padded + s.col, k} : Rows{s.x + i0 * s.ld, s.ld};
+}
+
+// One pass: rows [i0, i0 + 32) of the stretches' inputs (or the padded rows) times outputs
+// [32 h, 32 h + 32) of their block, into sums [32][32] fp32; `ahead` is advanced by `lines`
+// cache lines a step.
+void pass(const Stretch* st, int count, int64_t i0, const uint16_t* padded, int64_t k,
+          const float* bias, int h, float* sums, Stream& ahead, int64_t lines) {
   start_sums(bias != nullptr ? bias + 32 * h : nullptr, 0, 16, 0, 16);
-  const int64_t ld = ldx * int64_t(sizeof(uint16_t));
-  for (int64_t k0 = 0; k0 < k; k0 += kTileK) {
-    const uint16_t* b = wb + (k0 / 2) * 128 + 64 * h;  // 16 pairs of 32 outputs
-    _tile_loadd(4, x + k0, ld);
-    _tile_loadd(5, x + 16 * ldx + k0, ld);
-    _tile_loadd(6, b, 256);
-    _tile_loadd(7, b + 32, 256);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-    for (int64_t l = 0; l < lines && ahead < end; ++l, ahead += kLine)
-      _mm_prefetch(ahead, _MM_HINT_T1);
+  for (int s = 0; s < count; ++s) {
+    const Rows r = rows_of(st[s], i0, padded, k);
+    const int64_t ld = r.ldx * int64_t(sizeof(uint16_t));
+    for (int64_t t = 0; t < st[s].steps; ++t) {
+      const uint16_t* b = st[s].w + t * kStepPairs * 128 + 64 * h;  // 16 pairs of 32 outputs
+      const uint16_t* a = r.x + t * kTileK;
+      _tile_loadd(4, a, ld);
+      _tile_loadd(5, a + 16 * r.ldx, ld);
+      _tile_loadd(6, b, 256);
+      _tile_loadd(7, b + 32, 256);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+      ahead.next(lines);
+    }
   }
   _tile_stored(0, sums, 128);
   _tile_stored(1, sums + 16, 128);
@@ -249,29 +326,32 @@ void round_out(const float* sums, int64_t m, int64_t valid, uint16_t* y, int64_t
   }
 }
 
-// A pass of a call of 16 rows or fewer: rows [0, 16) of x times all 64 outputs of the block at
-// wb (four C tiles, one A tile, the B tiles in turn), into sums [16][64]. At a few rows a call
-// is the weights' read, and here each tile step reads its pair rows' 256 bytes whole, in order
-// through the block, which the CPU's own prefetcher follows: asked for ahead as the 32-row
-// passes ask (they read every other 128 bytes, which it does not follow), the reads were
-// slower (1-16 rows of SmolLM2's decode linears on an AMX Xeon: 1.07-1.09x the 32-row passes
-// with the requests, 1.17-1.23x without). The same sums in the same order as `pass`, so a
-// row's values do not depend on which pass made them.
-void narrow_pass(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* wb,
+// A pass of a call of 16 rows or fewer: rows [0, 16) of the stretches' inputs times all 64
+// outputs of their block (four C tiles, one A tile, the B tiles in turn), into sums [16][64].
+// At a few rows a call is the weights' read, and here each tile step reads its pair rows' 256
+// bytes whole, in order through the block, which the CPU's own prefetcher follows: asked for
+// ahead as the 32-row passes ask (they read every other 128 bytes, which it does not follow),
+// the reads were slower (1-16 rows of SmolLM2's decode linears on an AMX Xeon: 1.07-1.09x the
+// 32-row passes with the requests, 1.17-1.23x without). The same sums in the same order as
+// `pass`, so a row's values do not depend on which pass made them.
+void narrow_pass(const Stretch* st, int count, const uint16_t* padded, int64_t k,
                  const float* bias, float* sums) {
   start_sums(bias, 0, 16, 32, 48);
-  const int64_t ld = ldx * int64_t(sizeof(uint16_t));
-  for (int64_t k0 = 0; k0 < k; k0 += kTileK) {
-    const uint16_t* b = wb + (k0 / 2) * 128;  // 16 pairs of 64 outputs
-    _tile_loadd(4, x + k0, ld);
-    _tile_loadd(5, b, 256);
-    _tile_loadd(6, b + 32, 256);
-    _tile_loadd(7, b + 64, 256);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_dpbf16ps(2, 4, 7);
-    _tile_loadd(5, b + 96, 256);
-    _tile_dpbf16ps(3, 4, 5);
+  for (int s = 0; s < count; ++s) {
+    const Rows r = rows_of(st[s], 0, padded, k);
+    const int64_t ld = r.ldx * int64_t(sizeof(uint16_t));
+    for (int64_t t = 0; t < st[s].steps; ++t) {
+      const uint16_t* b = st[s].w + t * kStepPairs * 128;  // 16 pairs of 64 outputs
+      _tile_loadd(4, r.x + t * kTileK, ld);
+      _tile_loadd(5, b, 256);
+      _tile_loadd(6, b + 32, 256);
+      _tile_loadd(7, b + 64, 256);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, b + 96, 256);
+      _tile_dpbf16ps(3, 4, 5);
+    }
   }
   _tile_stored(0, sums, 256);
   _tile_stored(1, sums + 16, 256);
@@ -289,8 +369,24 @@ void narrow_round_out(const float* sums, int64_t m, int64_t valid, uint16_t* y, 
     }
 }
 
-int tile_linear(const uint16_t* x, int64_t ldx, int64_t rows, int64_t k, const uint16_t* w,
-                const float* bias, int64_t n, uint16_t* y, int64_t ldy, int threads) {
+// Whether a call takes the tile unit: permitted, every operand whole tile steps wide.
+bool on_tiles(const Operand* ops, int count, int64_t k) {
+  if (!tiles_permitted() || k % kTileK) return false;
+  for (int o = 1; o < count; ++o)
+    if (ops[o].begin % kStepPairs) return false;
+  return true;
+}
+
+// Whether `spans` (null: none) bound every block's steps at whole tile steps.
+bool whole_steps(const int32_t* spans, int64_t blocks) {
+  if (spans == nullptr) return false;
+  for (int64_t i = 0; i < 4 * blocks; ++i)
+    if (spans[i] % kStepPairs) return false;
+  return true;
+}
+
+int tile_linear(const Operand* ops, int count, int64_t rows, int64_t k, const float* bias,
+                int64_t n, uint16_t* y, int64_t ldy, int threads, const int32_t* spans) {
   const int64_t blocks = (n + 63) / 64, pairs = k / 2;
   // chunks of even size (whole passes): 300 rows as 256 + 44 left a thread the short chunk's
   // units where the other had the long chunk's (300 rows 1.24x, 520 rows 1.22x as 160 + 140
@@ -304,43 +400,53 @@ int tile_linear(const uint16_t* x, int64_t ldx, int64_t rows, int64_t k, const u
   const int64_t pass_rows = narrow ? kTileRows : kPassRows;
   const int64_t whole = rows / pass_rows * pass_rows, tail = rows - whole;
   std::vector<uint16_t> padded(tail ? pass_rows * k : 0, 0);
-  for (int64_t i = 0; i < tail; ++i)
-    std::memcpy(padded.data() + i * k, x + (whole + i) * ldx, k * sizeof(uint16_t));
-  const int64_t block_bytes = pairs * 256;
+  for (int o = 0; o < count; ++o) {
+    const int64_t end = o + 1 < count ? ops[o + 1].begin : pairs, width = 2 * (end - ops[o].begin);
+    for (int64_t i = 0; i < tail; ++i)
+      std::memcpy(padded.data() + i * k + 2 * ops[o].begin, ops[o].x + (whole + i) * ops[o].ld,
+                  width * sizeof(uint16_t));
+  }
+  // the spans' steps only where they are whole steps, past a few rows (as the AVX-512 loops)
+  const bool skip = rows > kAheadRows && whole_steps(spans, blocks);
+  const int32_t every[4] = {0, int32_t(pairs), int32_t(pairs), int32_t(pairs)};
   #pragma omp parallel num_threads(threads) if (units > 1)
   {
     const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
     const int64_t begin = units * part / parts, end = units * (part + 1) / parts;
     alignas(64) float sums[kPassRows * 32];  // (narrow: 16 x 64)
+    Stretch st[kStretches], next[kStretches];
     if (begin < end) configure();
     for (int64_t unit = begin; unit < end; ++unit) {
       // chunk-major: a chunk's rows meet every block in turn (consecutive units share rows)
       const int64_t chunk = unit / blocks, block = unit % blocks;
       const int64_t first = chunk * chunk_rows, last = std::min(rows, first + chunk_rows);
-      const uint16_t* wb = w + block * pairs * 128;
+      const int m = stretches_of(ops, count, pairs, block, skip ? spans + 4 * block : every, st);
       const float* bb = bias != nullptr ? bias + block * 64 : nullptr;
       const int64_t valid = std::min<int64_t>(64, n - block * 64);
       if (narrow) {  // one pass: every row, every output of the block
-        narrow_pass(tail ? padded.data() : x, tail ? k : ldx, k, wb, bb, sums);
+        narrow_pass(st, m, tail ? padded.data() : nullptr, k, bb, sums);
         narrow_round_out(sums, rows, valid, y + block * 64, ldy);
         continue;
       }
       // the next unit's weights, asked for over this unit's tile steps
-      const char* ahead = nullptr;
-      const char* stop = nullptr;
+      Stream ahead;
       if (unit + 1 < end) {
-        ahead = reinterpret_cast<const char*>(w + ((unit + 1) % blocks) * pairs * 128);
-        stop = ahead + block_bytes;
+        const int64_t after = (unit + 1) % blocks;
+        const int got =
+            stretches_of(ops, count, pairs, after, skip ? spans + 4 * after : every, next);
+        for (int s = 0; s < got; ++s) ahead.add(next[s]);
       }
-      const int64_t steps = (last - first + kPassRows - 1) / kPassRows * 2 * (k / kTileK);
-      const int64_t lines = (block_bytes / kLine + steps - 1) / steps;
+      int64_t block_steps = 0;
+      for (int s = 0; s < m; ++s) block_steps += st[s].steps;
+      const int64_t passes = (last - first + kPassRows - 1) / kPassRows;
+      const int64_t steps = std::max<int64_t>(1, passes * 2 * block_steps);
+      const int64_t lines = (ahead.bytes / kLine + steps - 1) / steps;
       for (int64_t i0 = first; i0 < last; i0 += kPassRows) {
-        const bool short_pass = i0 >= whole;
-        const uint16_t* xs = short_pass ? padded.data() : x + i0 * ldx;
-        const int64_t ld = short_pass ? k : ldx, m = std::min(kPassRows, last - i0);
+        const uint16_t* pad = i0 >= whole ? padded.data() : nullptr;
+        const int64_t rows_here = std::min(kPassRows, last - i0);
         for (int h = 0; h < 2 && 32 * h < valid; ++h) {
-          pass(xs, ld, k, wb, bb, h, sums, ahead, stop, lines);
-          round_out(sums, m, valid - 32 * h, y + i0 * ldy + block * 64 + 32 * h, ldy);
+          pass(st, m, i0, pad, k, bb, h, sums, ahead, lines);
+          round_out(sums, rows_here, valid - 32 * h, y + i0 * ldy + block * 64 + 32 * h, ldy);
         }
       }
     }
@@ -440,7 +546,7 @@ extern "C" int linear_bf16_tiles(int allowed) {
 // call is the weights' read, which the CPU's prefetcher follows as one stream a block, and
 // the jumps over the zero pairs made 1-16 rows 3-7 % slower on a Zen 4 EPYC (a 128-row
 // step's linears 1.01-1.03x faster; bench/native_linear.py --part spans). The tile unit's
-// form multiplies every pair.
+// form leaves out the spans' tile steps where their bounds are whole steps (32 inputs).
 extern "C" int linear_bf16(const uint16_t* x, int64_t ldx, int64_t rows, int64_t k,
                            const uint16_t* w, const float* bias, int64_t n, uint16_t* y,
                            int64_t ldy, int threads, const int32_t* spans) {
@@ -448,10 +554,10 @@ extern "C" int linear_bf16(const uint16_t* x, int64_t ldx, int64_t rows, int64_t
   const int64_t pairs = (k + 1) / 2;
   if (!spans_valid(spans, (n + 63) / 64, pairs)) return 1;
   if (rows == 0) return 0;
-#ifdef LINEAR_AMX
-  if (on_tiles(k)) return tile_linear(x, ldx, rows, k, w, bias, n, y, ldy, threads);
-#endif
   const Operand one{x, ldx, w, pairs, 0};
+#ifdef LINEAR_AMX
+  if (on_tiles(&one, 1, k)) return tile_linear(&one, 1, rows, k, bias, n, y, ldy, threads, spans);
+#endif
   avx512_linear(&one, 1, rows, k, bias, n, y, ldy, threads, spans);
   return 0;
 }
@@ -464,7 +570,8 @@ extern "C" int linear_bf16(const uint16_t* x, int64_t ldx, int64_t rows, int64_t
 // packed once and a B packed per call, each its own stride (no joined copies a pass); input
 // gradient [dy_1 | ... | dy_G | dlow] by the members' W_i^T packed once and A^T packed per
 // call, summed in fp32 and rounded once. `spans` as linear_bf16's, over the joined pairs.
-// The AVX-512 loops only (no tile unit's form).
+// On the tile unit where the CPU has one and every operand is whole tile steps (32 inputs)
+// wide, else the AVX-512 loops.
 extern "C" int linear_bf16_operands(int count, const uint16_t* const* xs, const int64_t* lds,
                                     const int64_t* ks, const uint16_t* const* ws,
                                     const int64_t* strides, int64_t rows, const float* bias,
@@ -481,6 +588,10 @@ extern "C" int linear_bf16_operands(int count, const uint16_t* const* xs, const 
   }
   if (!spans_valid(spans, (n + 63) / 64, (k + 1) / 2)) return 1;
   if (rows == 0) return 0;
+#ifdef LINEAR_AMX
+  if (on_tiles(ops, count, k))
+    return tile_linear(ops, count, rows, k, bias, n, y, ldy, threads, spans);
+#endif
   avx512_linear(ops, count, rows, k, bias, n, y, ldy, threads, spans);
   return 0;
 }

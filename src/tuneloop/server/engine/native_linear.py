@@ -80,13 +80,14 @@ def fp32_kernel() -> Any:
     return native.function(FP32_SOURCE, "linear_fp32", _SIGNATURE, ctypes.c_int, _FP32_NEEDS)
 
 
-def tiles(allowed: bool = True) -> bool:
+def tiles(allowed: bool | None = True) -> bool:
     """Let the kernel run on the AMX tile unit where the CPU has one (the default), or keep it
     on the AVX-512 loops (`allowed=False`: both forms on one CPU, for the tests and
-    bench/native_linear.py). Returns whether calls now take the tile unit (built with AMX,
-    granted by the OS, allowed; input sizes of whole tiles, multiples of 32)."""
+    bench/native_linear.py); None leaves the switch as it is. Returns whether calls now take
+    the tile unit (built with AMX, granted by the OS, allowed; input sizes of whole tiles,
+    multiples of 32)."""
     switch = native.function(SOURCE, "linear_bf16_tiles", (ctypes.c_int,), ctypes.c_int, _NEEDS)
-    return switch is not None and bool(switch(int(allowed)))
+    return switch is not None and bool(switch(-1 if allowed is None else int(allowed)))
 
 
 def kernel_for(dtype: torch.dtype) -> Any:
