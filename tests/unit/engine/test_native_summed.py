@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tuneloop.server.engine import native_linear  # noqa: E402
+from tuneloop.server.engine import native, native_linear  # noqa: E402
 from tuneloop.server.engine.lora import native_summed, ops, siblings  # noqa: E402
 
 BUILT = native_summed.operands_kernel() is not None
@@ -53,6 +53,10 @@ def _joined(ws: list[torch.Tensor], ups: list[torch.Tensor], scales: list[float]
         ((40, 50), (4, 5), 20, 19, False),  # an odd rank: a pair across two members, no spans
         ((64,), (3,), 16, 7, False),  # an odd LoRA width: the last input alone
         ((64,), (2,), 16, 5, False),  # one block, one pair of LoRA columns (any strides)
+        # whole tile steps (32 inputs) in every operand: an AMX CPU's tile unit takes these
+        ((128, 64, 64), (32, 32, 32), 64, 300, True),  # q/k/v-like, spans, chunks, a short pass
+        ((96, 96), (16, 16), 96, 5, False),  # narrow passes (16 rows or fewer)
+        ((64,), (32,), 64, 40, True),  # one member, a short last pass
     ],
 )
 @pytest.mark.parametrize("threads", [1, 2])
@@ -63,6 +67,7 @@ def test_the_pair_entry_makes_the_joined_kernels_bits(
     rows: int,
     bias: bool,
     threads: int,
+    linear_form: str,
 ) -> None:
     x, ws, downs, ups = _group(sizes, ranks, k, rows, sum(sizes) + k + rows)
     scales = [2.0, 0.5, 1.0][: len(sizes)]
@@ -201,13 +206,13 @@ def _node_pass(grouped: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 def test_the_nodes_take_the_kernel_with_torchs_sums_to_rounding(
     grouped: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The one-adapter node and the sibling group on the kernel (on a CPU without AMX) against
+    """The one-adapter node and the sibling group on the kernel against
     the same nodes by torch's products: the outputs a bf16 step apart at most, the gradients
     (the input's by the kernel too, rounded once) as close as their inputs allow."""
     calls: list[int] = []
     grad_calls: list[int] = []
     summed, input_grad = native_summed.summed, native_summed.input_grad
-    monkeypatch.setattr(native_summed, "available", lambda x, weights: True)
+    monkeypatch.setattr(native_summed, "available", lambda *a: True)
     monkeypatch.setattr(native_summed, "summed", lambda *a: calls.append(1) or summed(*a))
     monkeypatch.setattr(
         native_summed, "input_grad", lambda *a: grad_calls.append(1) or input_grad(*a)
@@ -215,7 +220,7 @@ def test_the_nodes_take_the_kernel_with_torchs_sums_to_rounding(
     outs, grads = _node_pass(grouped)
     assert len(calls) == len(grad_calls) == (1 if grouped else 3)
     monkeypatch.setattr(native_summed, "_NATIVE", False)
-    monkeypatch.setattr(native_summed, "available", lambda x, weights: False)
+    monkeypatch.setattr(native_summed, "available", lambda *a: False)
     torch_outs, torch_grads = _node_pass(grouped)
     assert len(calls) == len(grad_calls) == (1 if grouped else 3)
     for got, want in zip(outs, torch_outs, strict=True):
@@ -227,13 +232,19 @@ def test_the_nodes_take_the_kernel_with_torchs_sums_to_rounding(
 
 
 @pytest.mark.parametrize(
-    ("sizes", "rank", "rows"), [((96, 32, 32), 8, 37), ((128, 128), 16, 300), ((70,), 6, 5)]
+    ("sizes", "rank", "rows", "k"),
+    [
+        ((96, 32, 32), 8, 37, 48),
+        ((128, 128), 16, 300, 48),
+        ((70,), 6, 5, 48),
+        ((96, 32, 32), 32, 300, 64),  # whole tile steps: an AMX CPU's tile unit
+        ((64,), 32, 9, 96),  # whole tile steps, narrow passes
+    ],
 )
 def test_the_input_gradient_is_the_joined_kernels_bits(
-    sizes: tuple[int, ...], rank: int, rows: int, two_threads: None
+    sizes: tuple[int, ...], rank: int, rows: int, k: int, two_threads: None, linear_form: str
 ) -> None:
     gen = torch.Generator().manual_seed(rows)
-    k = 48
     ws = [(torch.randn(s, k, generator=gen) * 0.1).bfloat16() for s in sizes]
     dys = [torch.randn(rows, s, generator=gen).bfloat16() for s in sizes]
     a = (torch.randn(rank * len(sizes), k, generator=gen) * 0.1).bfloat16()
@@ -251,3 +262,21 @@ def test_the_input_gradient_is_the_joined_kernels_bits(
     assert native_summed.input_grad(many, d_low, [ws[0]] * len(many), a) is None
     odd = torch.randn(5, k, generator=gen).bfloat16()  # a member of odd width: not first
     assert native_summed.input_grad([dys[0][:, :5], d_low], d_low, [odd, a], a) is None
+
+
+def test_a_product_is_taken_where_the_cpus_form_of_the_kernel_takes_its_widths() -> None:
+    """Every width but the last even; on an AMX CPU only whole tile steps of 32 inputs, the
+    tile unit's (the AVX-512 loops run there far below oneDNN's rate on the tiles)."""
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    ws = [torch.zeros(64, 64, dtype=torch.bfloat16)]
+    amx = "amx_bf16" in native.cpu_flags() and native_linear.tiles(None)
+    assert native_summed.available(x, ws, (64, 32))
+    assert not native_summed.available(x, ws, (63, 32))  # an odd width before the last
+    assert native_summed.available(x, ws, (64, 8)) is not amx  # not whole tile steps
+    assert not native_summed.available(x.float(), ws, (64, 32))
+    if amx:
+        try:
+            native_linear.tiles(False)  # the loops only: left to torch on this CPU
+            assert not native_summed.available(x, ws, (64, 32))
+        finally:
+            native_linear.tiles(True)

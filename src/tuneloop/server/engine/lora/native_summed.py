@@ -5,15 +5,18 @@ sums the LoRA delta with the base in fp32 and rounds once: one matmul of [x | x 
 [W | scale * B]. By torch that joins the inputs and the weights anew every pass (a copy of W
 and of x a layer), then runs oneDNN; the backward's input gradient, dy_1 @ W_1 + ... +
 d_low @ A, is a chain of matmuls each rounded to bf16 and read back by the next. Where the CPU
-has AVX512-BF16 and no AMX, the native linear kernel's entry of several operands
+has AVX512-BF16, the native linear kernel's entry of several operands
 (`linear_bf16_operands` in linear_avx512.cpp) makes both without joining anything, each
 output summed in fp32 and rounded once: the frozen W (forward) and each member's W^T (input
 gradient) in the kernel's blocks once, kept while their tensors are unchanged (`frozen`,
 `transposed`); B and A^T packed per call (the rank's columns: small); the activations and
 gradients read where they lie. A sibling group's B holds zeros outside each member's own rank
 columns; the kernel leaves those pairs out (`spans`), as a decode step's fused groups do.
-Where the CPU has AMX oneDNN runs on the tile unit, which this entry does not use, so it is
-left to torch there.
+Where the CPU has AMX the entry runs on the tile unit, and takes a product only where every
+operand is whole tile steps wide (32 inputs: SmolLM2's widths and rank 32 are); the AVX-512
+loops ran there at a tenth of oneDNN's rate. On an AMX Xeon whole steps of bench/engine.py's
+batches read 0.985-0.999x (oneDNN's kernel on the tiles is as fast at their ~700 rows a
+part, ahead of the joins it saves), steps of 32-64-token sequences 1.046x (docs/benchmarks.md).
 
 Another kernel than oneDNN's, so the outputs round differently (a bf16 step in a few of them;
 the input gradient rounds once where the chain rounded at each matmul). The packed copies are
@@ -55,6 +58,7 @@ _SIGNATURE = (ctypes.c_int, _P, _P, _P, _P, _P, _I, _P, _I, _P, _I, ctypes.c_int
 _NATIVE = True  # (bench/train_variants.py switches it off to compare: --variant native-summed)
 OPERANDS = 8  # operands a call at most (linear_avx512.cpp's kOperands)
 _BLOCK = 64
+_TILE_K = 32  # inputs a tile step of the kernel's AMX form
 
 # Per frozen weight (a sibling group's first member), the weights' pointers and versions when
 # packed and the packed copies (None: refused for memory); dropped with the weight. `_FROZEN`:
@@ -77,17 +81,24 @@ def operands_kernel() -> Any:
     )
 
 
-def available(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
-    """Whether `summed` takes a pass of x through these frozen weights: bf16 CPU tensors, even
-    input widths, on a CPU without AMX whose kernel could be built (TUNELOOP_NATIVE_LINEAR
-    not 0)."""
+def available(x: torch.Tensor, weights: Sequence[torch.Tensor], widths: Sequence[int]) -> bool:
+    """Whether the kernel takes a product of a pass over x with these frozen weights whose
+    operands are `widths` wide (forward: x's and the LoRA rank's; input gradient: each
+    member's outputs and the ranks): bf16 CPU tensors, every width but the last even, a
+    kernel built here (TUNELOOP_NATIVE_LINEAR not 0). On a CPU with AMX only where the tile
+    unit takes the call (every width whole tile steps of 32 inputs): the AVX-512 loops ran
+    there at a tenth of oneDNN's rate on the tiles."""
     if not _NATIVE or os.environ.get("TUNELOOP_NATIVE_LINEAR", "1") == "0":
         return False
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] % 2:
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or any(w % 2 for w in widths[:-1]):
         return False
     if any(w.dtype != torch.bfloat16 or w.device.type != "cpu" or w.dim() != 2 for w in weights):
         return False
-    return "amx_bf16" not in native.cpu_flags() and operands_kernel() is not None
+    if operands_kernel() is None:
+        return False
+    if "amx_bf16" in native.cpu_flags():
+        return native_linear.tiles(None) and all(w % _TILE_K == 0 for w in widths)
+    return True
 
 
 def _state(weights: Sequence[torch.Tensor]) -> tuple[Any, ...]:

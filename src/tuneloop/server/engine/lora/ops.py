@@ -210,8 +210,7 @@ class _OneAdapterLinear(torch.autograd.Function):
     The copy of W this takes per call is one pass over the weight per forward pass: a bf16
     training step on an AVX-512-BF16 Xeon read 0.98x, within its step-to-step noise
     (bench/train_variants.py --variant exact-delta, docs/benchmarks.md). On CPUs with
-    AVX512-BF16 and no AMX the native kernel makes the same sums without the copies
-    (native_summed.py). Gradients as the two-node path's to rounding.
+    AVX512-BF16 the native kernel makes the same sums without the copies (native_summed.py). Gradients as the two-node path's to rounding.
     """
 
     @staticmethod
@@ -227,7 +226,7 @@ class _OneAdapterLinear(torch.autograd.Function):
         flat = x.reshape(-1, x.shape[-1])
         low = flat @ a.t()  # [rows, r], before its scale
         packed = None
-        if _EXACT_DELTA and native_summed.available(flat, (weight,)):
+        if _EXACT_DELTA and native_summed.available(flat, (weight,), (flat.shape[1], a.shape[0])):
             packed = native_summed.frozen((weight,))
         if packed is not None:  # (the same sums without joining them: native_summed.py)
             blocks = native_summed.b_blocks((b,), (scale,))
@@ -252,7 +251,7 @@ class _OneAdapterLinear(torch.autograd.Function):
         dy = grad.reshape(-1, grad.shape[-1])
         d_low = dy @ b  # [rows, r], the gradient of low before its scale
         d_x = d_a = d_b = None
-        if needs[0] and native_summed.available(flat, (weight,)):
+        if needs[0] and native_summed.available(flat, (weight,), (dy.shape[1], a.shape[0])):
             scaled = d_low if scale == 1.0 else d_low * scale
             d_x = native_summed.input_grad((dy,), scaled, (weight,), a)
             if d_x is not None:

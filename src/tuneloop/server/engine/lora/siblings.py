@@ -10,7 +10,7 @@ the group at once (`SiblingLinears`):
   precision, one matmul of [x | low] by the siblings' weights stacked with their B blocks in
   the extra columns, the delta summed with the base in fp32 and rounded once, as the
   one-adapter node does (in fp32, the stacked base matmul and each delta added into its
-  columns; on CPUs with AVX512-BF16 and no AMX the native kernel without joining either side,
+  columns; on CPUs with AVX512-BF16 the native kernel without joining either side,
   native_summed.py); each sibling's output is a view of its columns' part (its rows strided);
 - backward: the input gradient by one chain of accumulating matmuls, the down-projections'
   gradients by one matmul [G r, rows] @ [rows, in].
@@ -104,7 +104,8 @@ class SiblingLinears(torch.autograd.Function):
         )
         d_x = None
         wants_x: bool = ctx.needs_input_grad[0]  # type: ignore[attr-defined]
-        if wants_x and native_summed.available(flat, weights):
+        widths = [*(dy.shape[1] for dy in dys), d_low.shape[1]]
+        if wants_x and native_summed.available(flat, weights, widths):
             # one call, rounded once (native_summed.py)
             d_x = native_summed.input_grad(dys, d_low, weights, a_all)
             if d_x is not None:
@@ -138,7 +139,7 @@ def _summed(
     matmul's fp32 accumulator and rounded once (each sibling's B in its own block of columns,
     zero elsewhere); by the native kernel without joining them where it takes the pass
     (native_summed.py)."""
-    if native_summed.available(flat, weights):
+    if native_summed.available(flat, weights, (flat.shape[1], low.shape[1])):
         packed = native_summed.frozen(weights)
         if packed is not None:
             sizes = [w.shape[0] for w in weights]
