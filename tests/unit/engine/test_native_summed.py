@@ -206,9 +206,9 @@ def _node_pass(grouped: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 def test_the_nodes_take_the_kernel_with_torchs_sums_to_rounding(
     grouped: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The one-adapter node and the sibling group on the kernel against
-    the same nodes by torch's products: the outputs a bf16 step apart at most, the gradients
-    (the input's by the kernel too, rounded once) as close as their inputs allow."""
+    """The one-adapter node and the sibling group on the kernel against the same nodes by
+    torch's products: the outputs a bf16 step apart at most, the gradients (the input's by the
+    kernel too, rounded once) as close as their inputs allow."""
     calls: list[int] = []
     grad_calls: list[int] = []
     summed, input_grad = native_summed.summed, native_summed.input_grad

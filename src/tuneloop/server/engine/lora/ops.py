@@ -210,7 +210,8 @@ class _OneAdapterLinear(torch.autograd.Function):
     The copy of W this takes per call is one pass over the weight per forward pass: a bf16
     training step on an AVX-512-BF16 Xeon read 0.98x, within its step-to-step noise
     (bench/train_variants.py --variant exact-delta, docs/benchmarks.md). On CPUs with
-    AVX512-BF16 the native kernel makes the same sums without the copies (native_summed.py). Gradients as the two-node path's to rounding.
+    AVX512-BF16 the native kernel makes the same sums without the copies (native_summed.py).
+    Gradients as the two-node path's to rounding.
     """
 
     @staticmethod
