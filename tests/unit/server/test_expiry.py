@@ -253,7 +253,8 @@ async def test_a_request_on_a_silent_session_expires_it_before_the_sweep(tmp_pat
     async with serve(tmp_path, session_ttl_s=0.5, expiry_check_s=60) as api:
         backend = state_of(api).engine.backend
         session_id = await api.session()
-        model_id = await api.model(session_id)
+        async with beating(api, session_id):
+            model_id = await api.model(session_id)
         await asyncio.sleep(0.7)
         body = expect_error(
             await api.forward_backward(model_id, 1, [datum(TOKENS)]), 410, "session_id"
