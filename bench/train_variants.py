@@ -193,8 +193,9 @@ def _lora_grads(previous: bool) -> Any:
 def _native_summed(previous: bool) -> Any:
     """previous: the adapted layers' products by frozen weights by torch (oneDNN): the
     exact-delta forward's joined [x | low] @ [W | B], the input gradient's chain of matmuls;
-    current: by the native kernel's entry of several operands on CPUs with AVX512-BF16 and no
-    AMX, W and W^T packed once (lora/native_summed.py)."""
+    current: by the native kernel's entry of several operands on CPUs with AVX512-BF16 (on AMX
+    CPUs its tile form, where every operand is whole tile steps wide), W and W^T packed once
+    (lora/native_summed.py)."""
     from tuneloop.server.engine.lora import native_summed
 
     return _swapped(native_summed, "_NATIVE", False if previous else None)
