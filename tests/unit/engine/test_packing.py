@@ -123,23 +123,25 @@ def test_with_dropout_it_is_sdpa() -> None:
     assert packing._cpu_half(q, {"dropout": 0.0})
 
 
-def test_bucket_lengths_pad_by_at_most_a_sixteenth_and_recur() -> None:
-    assert packing.BUCKETS_PER_OCTAVE == 16
-    assert [packing.bucketed(n) for n in (0, 1, 16, 17, 300, 1400, 1408)] == [
+def test_bucket_lengths_pad_by_at_most_a_thirty_second_and_recur() -> None:
+    assert packing.BUCKETS_PER_OCTAVE == 32
+    assert [packing.bucketed(n) for n in (0, 1, 16, 17, 300, 530, 1400, 1408)] == [
         0,
         16,
         16,
         32,
         304,
+        544,
         1408,
         1408,
     ]
     for n in range(1, 5000):
         b = packing.bucketed(n)
-        assert n <= b <= max(n + packing.MIN_GRANULE - 1, n * 17 // 16)
+        assert n <= b <= max(n + packing.MIN_GRANULE - 1, n * 33 // 32)
         assert packing.bucketed(b) == b  # a bucket length is its own bucket
-    # the lengths of one octave, 1025 to 2048, fall in 16 buckets
-    assert len({packing.bucketed(n) for n in range(1025, 2049)}) == 16
+    # the lengths of one octave, 1025 to 2048, fall in 32 buckets; below 1024, granules of 16
+    assert len({packing.bucketed(n) for n in range(1025, 2049)}) == 32
+    assert {packing.bucketed(n) - n for n in range(512, 1024)} == set(range(16))
 
 
 def test_no_buckets_keeps_the_length(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -126,8 +126,14 @@ def packed_segments(lengths: Sequence[int]) -> Iterator[None]:
 # almost every step: ~20 matmul shapes depend on it (with the attention's, 40-100 ms a step of
 # 1.6 s on SmolLM2-135M, an AMX Xeon), and jemalloc, which keeps freed pages (cli/preload.py),
 # fragments on sizes that never recur. Bucketed, the shapes and sizes recur; the padding costs
-# at most 1/BUCKETS_PER_OCTAVE. Training pads to buckets on a CPU only (training.py).
-BUCKETS_PER_OCTAVE = 16
+# at most 1/BUCKETS_PER_OCTAVE. Training pads to buckets on a CPU only (training.py). Since the
+# layers' products run on the native kernel (lora/native_summed.py), which builds nothing per
+# shape, few oneDNN shapes depend on the count (the rank-32 products, the head's last row
+# piece) and the padding's own cost came to the fore: at 16 a part of bench/engine.py's
+# batches (500-900 tokens, granules of 32) padded ~2.5 % of its tokens; at 32 (granules of
+# 16 there) a training step per real token ran 0.96-0.97x the time, about as without buckets,
+# while the heap stays bounded (a Zen 4 EPYC, bench/train_long.py; docs/benchmarks.md).
+BUCKETS_PER_OCTAVE = 32
 MIN_GRANULE = 16
 
 
