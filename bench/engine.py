@@ -280,14 +280,23 @@ def corpus_text() -> tuple[str, str]:
     return "synthetic", " ".join(sentences)
 
 
-def cross_entropy_pass(backend: Any, rows: list[list[int]], forward_only: bool = False) -> None:
+def cross_entropy_pass(
+    backend: Any, rows: list[list[int]], forward_only: bool = False, prompt_share: float = 0.0
+) -> None:
     """One in-process forward_backward of adapter "a" on `rows` (each row's next tokens as its
-    targets, cross_entropy); raises the engine's error if it returns one."""
+    targets, cross_entropy); raises the engine's error if it returns one. `prompt_share`: the
+    first share of each row's targets weighted 0 (a prompt, as chat SFT and RL mask it)."""
     from tuneloop.server.engine import types as t
 
-    examples = tuple(
-        t.Example(np.asarray(r[:-1]), {"target_tokens": np.asarray(r[1:])}) for r in rows
-    )
+    def inputs(row: list[int]) -> dict[str, np.ndarray]:
+        targets = np.asarray(row[1:])
+        if not prompt_share:
+            return {"target_tokens": targets}
+        weights = np.ones(len(targets), dtype=np.float32)
+        weights[: int(len(targets) * prompt_share)] = 0.0
+        return {"target_tokens": targets, "weights": weights}
+
+    examples = tuple(t.Example(np.asarray(r[:-1]), inputs(r)) for r in rows)
     work = t.ForwardBackwardWork("a", examples, "cross_entropy", {}, forward_only)
     (result,) = backend.forward_backward([work])
     if isinstance(result, Exception):

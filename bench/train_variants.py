@@ -30,6 +30,8 @@ model and the load. `--profile` prints the top ops of one step of the current va
                                                     # products by oneDNN, not MKL's sgemm
     python bench/train_variants.py --variant lora-grads  # the LoRA factors' gradients in C++
     python bench/train_variants.py --variant native-summed  # frozen-weight products natively
+    python bench/train_variants.py --variant live-rows --prompt-share 0.5  # the head's backward
+                                                    # without the rows of no gradient
     python bench/train_variants.py --profile
     python bench/train_variants.py --micro          # each piece alone, 422 AdamW tensors, the head,
                                                     # one layer's packed attention fwd+bwd and
@@ -339,6 +341,17 @@ def _buckets(previous: bool) -> Iterator[None]:
 
 
 @contextmanager
+def _live_rows(previous: bool) -> Iterator[None]:
+    """previous: the head's backward pass over every row; current: only the rows whose
+    logprobs have a gradient (fused_head._live_runs: a masked prompt's and a bucket's padding
+    rows left out)."""
+    from tuneloop.server.engine import fused_head
+
+    with _swapped(fused_head, "_live_runs", (lambda g, device: None) if previous else None):
+        yield
+
+
+@contextmanager
 def _exact_delta(previous: bool) -> Iterator[None]:
     """previous: the one-adapter node and the head's tiles add the delta to their rounded bf16
     output (`addmm_`); current: the delta in extra columns of one matmul, rounded once with the
@@ -595,8 +608,15 @@ def main() -> int:
             "fp32-onednn",
             "lora-grads",
             "native-summed",
+            "live-rows",
         ],
         default="attention",
+    )
+    parser.add_argument(
+        "--prompt-share",
+        type=float,
+        default=0.0,
+        help="the first share of each row's targets weighted 0 (a masked prompt)",
     )
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--steps", type=int, default=6, help="timed steps per variant")
@@ -644,7 +664,7 @@ def main() -> int:
     batches = make_batches(stream, args.steps + 2, 8, low, high)
 
     def train_step(rows: list[list[int]]) -> None:
-        cross_entropy_pass(backend, rows)
+        cross_entropy_pass(backend, rows, prompt_share=args.prompt_share)
         backend.optim_step("a", step)
 
     train_step(batches[0])  # warm-up (AdamW state, first-call costs)
@@ -685,6 +705,7 @@ def main() -> int:
         "fp32-onednn": _fp32_onednn,
         "lora-grads": _lora_grads,
         "native-summed": _native_summed,
+        "live-rows": _live_rows,
     }
     switch = switches[args.variant]
     times: dict[str, list[float]] = {"previous": [], "current": []}

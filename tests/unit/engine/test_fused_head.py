@@ -169,3 +169,59 @@ def test_joined_inputs_give_the_bits_of_per_tile_copies(
     copied = run()
     for j, c in zip(joined, copied, strict=True):
         assert torch.equal(j, c)
+
+
+def test_live_runs_are_the_rows_with_a_gradient() -> None:
+    g = torch.zeros(10, 2)
+    g[2:4, 0] = 1.0
+    g[6, 1] = float("nan")  # (a NaN gradient is a gradient: it must reach the weights)
+    g[9] = -2.0
+    assert fused_head._live_runs(g, torch.device("cpu")) == [(2, 4), (6, 7), (9, 10)]
+    assert fused_head._live_runs(torch.ones(5, 1), torch.device("cpu")) is None
+    assert fused_head._live_runs(torch.zeros(5, 1), torch.device("cpu")) == []
+    assert list(fused_head._within([(2, 4), (6, 12)], 3, 8)) == [(3, 4), (6, 8)]
+    assert list(fused_head._within(None, 3, 8)) == [(3, 8)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kept", [True, False])
+def test_rows_without_a_gradient_are_left_out_of_the_backward_pass(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, kept: bool
+) -> None:
+    """Prompt-like runs of rows whose logprobs get no gradient (across tile bounds, within an
+    adapted segment and outside it), tiles of 64 rows by 300 columns: the logprobs, d hidden
+    and d low as with every row run, bit for bit, the left-out rows' d hidden zero; d B (a sum
+    over rows) bit for bit at fp32, within a bf16 rounding at bf16; a pass with no gradient at
+    all gives zeros."""
+    monkeypatch.setattr(fused_head, "ROWS", 64)
+    monkeypatch.setattr(fused_head, "COLUMNS", 300)
+    if not kept:
+        monkeypatch.setattr(fused_head, "SAVED_LOGITS_BYTES", 0)
+    gen = torch.Generator().manual_seed(3)
+    rows, vocab, width, rank = 170, 1000, 64, 8
+    weight = (torch.randn(vocab, width, generator=gen) * 0.3).to(dtype)
+    hidden = torch.randn(rows, width, generator=gen).to(dtype).requires_grad_()
+    low = torch.randn(130, rank, generator=gen).to(dtype).requires_grad_()
+    b = (torch.randn(vocab, rank, generator=gen) * 0.1).to(dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (rows, 1), generator=gen)
+    grad = torch.randn(rows, 1, generator=gen)
+    grad[:40] = 0  # a prompt before the adapted rows
+    grad[60:75] = 0  # one across the first tile's end, inside the segment
+    grad[160:] = 0  # padding at the end
+
+    def run(g: torch.Tensor) -> list[torch.Tensor]:
+        parts = HeadParts(weight, None, [Segment(20, 150, low, b)])
+        got = fused_head.fused_target_logprobs(parts, hidden, targets, None)
+        return [got, *torch.autograd.grad((got * g).sum(), (hidden, low, b))]
+
+    skipped = run(grad)
+    assert not skipped[1][:40].any()
+    assert not skipped[1][60:75].any()
+    assert not run(torch.zeros_like(grad))[1].any()
+    monkeypatch.setattr(fused_head, "_live_runs", lambda g, device: None)
+    every = run(grad)
+    for s, e in zip(skipped[:3], every[:3], strict=True):  # logprobs, d hidden, d low: by row
+        assert torch.equal(s, e)
+    # d B sums over rows: at bf16 each run's part of a tile is its own product, rounded
+    bound = 0.0 if dtype == torch.float32 else 2**-7 * every[3].float().abs().max().item()
+    assert (skipped[3].float() - every[3].float()).abs().max().item() <= bound

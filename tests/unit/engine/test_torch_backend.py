@@ -207,8 +207,12 @@ def test_fused_lm_head_matches_the_head_module(
     fused_lp, fused_g = run()
     assert calls  # the fused path ran
     assert max(calls) == 3  # with the head adapted: A, B, A
-    # the backward pass made its tiles again, or read the forward's
-    assert len(made) == (2 if tiles.endswith("recomputed") else 1) * len(summed)
+    # the backward pass made its tiles again, or read the forward's; a tile whose rows get no
+    # gradient (all a bucket's padding) is not made again
+    if tiles.endswith("recomputed"):
+        assert len(summed) < len(made) <= 2 * len(summed)
+    else:
+        assert len(made) == len(summed)
     with monkeypatch.context() as m:
         m.setattr(logprobs_module, "head_parts", lambda head, hidden: None)
         module_lp, module_g = run()

@@ -311,45 +311,105 @@ class _FusedHead(torch.autograd.Function):
             for b, want in zip(bs, wants_b, strict=True)
         ]
         kept: list[torch.Tensor] = ctx.kept  # type: ignore[attr-defined]
+        runs = _live_runs(g, hidden.device)
         with parts.gathered() as head:
             joined = _Joined(hidden, parts, lows)
-            for i, tile in enumerate(_tiles(rows, vocab, hidden.device)):
-                r0, r1, v0, v1 = tile
-                raw = kept[i] if kept else _tile(hidden, head, parts, lows, tile, joined=joined)
-                if native_head.takes(raw, softcap):  # (the same gradient in one pass)
-                    d = native_head.backward_tile(raw, tile, targets, lse, g_sum.view(-1), g)
-                else:
-                    z = _capped(raw, softcap)
-                    d = _exp_minus(z, lse[r0:r1]).mul_(-g_sum[r0:r1])
-                    inside, column = _targets_in(targets, tile)
-                    d.scatter_add_(-1, column, torch.where(inside, g[r0:r1], 0))
-                    if softcap:
-                        d.mul_(1 - (z / softcap).square())  # d/dx of tanh(x / c) * c
-                    d = d.to(hidden.dtype)
-                if exact:
-                    cpu_fp32_matmul.addmm_(d_hidden[r0:r1], d, head[0][v0:v1])
-                else:
-                    _accumulate(d_hidden[r0:r1], d, head[0][v0:v1], exact)
-                for seg, low, b, d_low, d_b in zip(
-                    parts.segments, lows, bs, d_lows, d_bs, strict=True
-                ):
-                    s0, s1 = max(seg.start, r0), min(seg.end, r1)
-                    if s0 >= s1:
-                        continue
-                    d_seg, own = d[s0 - r0 : s1 - r0], slice(s0 - seg.start, s1 - seg.start)
-                    _accumulate(d_low[own], d_seg, b[v0:v1], exact)
-                    if d_b is None:
-                        continue
-                    if exact:
-                        d_b[v0:v1].addmm_(d_seg.t(), low[own])
-                    else:  # (dz.T @ low: the kernel of the layers' dB where it is used)
-                        d_b[v0:v1].add_(
-                            native_grads.transposed_product(low[own], d_seg, transposed=True)
-                        )
+            for i, whole in enumerate(_tiles(rows, vocab, hidden.device)):
+                r0, r1, v0, v1 = whole
+                logits = kept[i] if kept else None
+                for a, b_end in _within(runs, r0, r1):
+                    if logits is None:  # (the forward's tile: the logits it summed)
+                        logits = _tile(hidden, head, parts, lows, whole, joined=joined)
+                    tile, raw = (a, b_end, v0, v1), logits[a - r0 : b_end - r0]
+                    _backward_tile(
+                        raw, tile, head, parts, lows, bs, targets, lse, g, g_sum, softcap,
+                        exact, d_hidden, d_lows, d_bs,
+                    )  # fmt: skip
         out: list[torch.Tensor | None] = [None] * (_LEADING - 1) + [d_hidden.to(hidden.dtype)]
         for d_low, d_b, low, b in zip(d_lows, d_bs, lows, bs, strict=True):
             out += [d_low.to(low.dtype), None if d_b is None else d_b.to(b.dtype)]
         return tuple(out)
+
+
+def _live_runs(g: torch.Tensor, device: torch.device) -> list[tuple[int, int]] | None:
+    """The runs [start, end) of rows whose logprobs have a gradient (any nonzero or NaN entry
+    of g), or None where every row has one or the head is not on a CPU. A row of zero gradient
+    (a prompt token of a masked SFT datum or an RL sample, a bucket's padding) has a zero
+    logits gradient, d hidden, d low and d B: its tiles' softmax and products are left out, and
+    without kept logits so is its recompute. The rows kept give the values they gave with the
+    others (row by row the same sums). On an accelerator one launch over a tile costs what it
+    costs, so every row runs there, without the host reading g. A tile of both kinds of rows
+    is recomputed whole where its logits were not kept: its live rows get the logits the
+    forward pass summed."""
+    if device.type != "cpu":
+        return None
+    live = (g != 0).any(-1)
+    if bool(live.all()):
+        return None
+    edges = torch.diff(live.to(torch.int8), prepend=live.new_zeros(1, dtype=torch.int8),
+                       append=live.new_zeros(1, dtype=torch.int8))  # fmt: skip
+    starts = torch.nonzero(edges == 1).flatten().tolist()
+    ends = torch.nonzero(edges == -1).flatten().tolist()
+    return list(zip(starts, ends, strict=True))
+
+
+def _within(runs: list[tuple[int, int]] | None, r0: int, r1: int) -> Iterator[tuple[int, int]]:
+    """The parts of rows [r0, r1) that `runs` cover (all of them where runs is None)."""
+    if runs is None:
+        yield r0, r1
+        return
+    for start, end in runs:
+        a, b = max(start, r0), min(end, r1)
+        if a < b:
+            yield a, b
+
+
+def _backward_tile(
+    raw: torch.Tensor,
+    tile: tuple[int, int, int, int],
+    head: tuple[torch.Tensor, torch.Tensor | None],
+    parts: HeadParts,
+    lows: Sequence[torch.Tensor],
+    bs: Sequence[torch.Tensor],
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    g: torch.Tensor,
+    g_sum: torch.Tensor,
+    softcap: float | None,
+    exact: bool,
+    d_hidden: torch.Tensor,
+    d_lows: Sequence[torch.Tensor],
+    d_bs: Sequence[torch.Tensor | None],
+) -> None:
+    """One tile's logits gradient from its logits `raw`, and its products into d_hidden, each
+    segment's d_low and d_B (fp32, in place)."""
+    r0, r1, v0, v1 = tile
+    if native_head.takes(raw, softcap):  # (the same gradient in one pass)
+        d = native_head.backward_tile(raw, tile, targets, lse, g_sum.view(-1), g)
+    else:
+        z = _capped(raw, softcap)
+        d = _exp_minus(z, lse[r0:r1]).mul_(-g_sum[r0:r1])
+        inside, column = _targets_in(targets, tile)
+        d.scatter_add_(-1, column, torch.where(inside, g[r0:r1], 0))
+        if softcap:
+            d.mul_(1 - (z / softcap).square())  # d/dx of tanh(x / c) * c
+        d = d.to(head[0].dtype)
+    if exact:
+        cpu_fp32_matmul.addmm_(d_hidden[r0:r1], d, head[0][v0:v1])
+    else:
+        _accumulate(d_hidden[r0:r1], d, head[0][v0:v1], exact)
+    for seg, low, b, d_low, d_b in zip(parts.segments, lows, bs, d_lows, d_bs, strict=True):
+        s0, s1 = max(seg.start, r0), min(seg.end, r1)
+        if s0 >= s1:
+            continue
+        d_seg, own = d[s0 - r0 : s1 - r0], slice(s0 - seg.start, s1 - seg.start)
+        _accumulate(d_low[own], d_seg, b[v0:v1], exact)
+        if d_b is None:
+            continue
+        if exact:
+            d_b[v0:v1].addmm_(d_seg.t(), low[own])
+        else:  # (dz.T @ low: the kernel of the layers' dB where it is used)
+            d_b[v0:v1].add_(native_grads.transposed_product(low[own], d_seg, transposed=True))
 
 
 def _forward_tile(
