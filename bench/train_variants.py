@@ -47,6 +47,7 @@ the engine keeps single-tensor, as the numbers in docs/benchmarks.md say why.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import statistics
 import time
@@ -338,6 +339,37 @@ def _buckets(previous: bool) -> Iterator[None]:
         _swapped(causal_cpu, "LENGTH_GRANULE", 1 if previous else None),
     ):
         yield
+
+
+class _HeadBackwardTime:
+    """The CPU time of the fused head's backward passes (every part's thread), charged to the
+    variant whose step runs: a piece's own time beside the whole steps' wall time, which this
+    guest's noise moves more than a piece of a few percent."""
+
+    def __init__(self) -> None:
+        from tuneloop.server.engine import fused_head
+
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self._name: str | None = None
+        real = fused_head._FusedHead.backward
+
+        def timed(ctx: Any, grad: Any) -> Any:
+            begin = time.thread_time()
+            try:
+                return real(ctx, grad)
+            finally:
+                if self._name is not None:
+                    self.seconds[self._name] += time.thread_time() - begin
+
+        fused_head._FusedHead.backward = staticmethod(timed)  # type: ignore[method-assign]
+
+    @contextmanager
+    def charged_to(self, name: str) -> Iterator[None]:
+        self._name = name
+        try:
+            yield
+        finally:
+            self._name = None
 
 
 @contextmanager
@@ -708,6 +740,7 @@ def main() -> int:
         "live-rows": _live_rows,
     }
     switch = switches[args.variant]
+    head_backward = _HeadBackwardTime()
     times: dict[str, list[float]] = {"previous": [], "current": []}
     train_step(batches[1])
     if args.warm:  # every timed batch once first: oneDNN builds its kernels for new shapes
@@ -716,7 +749,7 @@ def main() -> int:
     for i in range(args.steps):
         for name in ("previous", "current") if i % 2 == 0 else ("current", "previous"):
             rows = batches[2 + i]  # the same batch for both variants of a pair
-            with switch(name == "previous"):
+            with switch(name == "previous"), head_backward.charged_to(name):
                 begin = time.perf_counter()
                 train_step(rows)
                 times[name].append((time.perf_counter() - begin) / sum(len(r) for r in rows))
@@ -726,6 +759,11 @@ def main() -> int:
         f"  lengths {low}-{high}  matmul bound {causal_cpu.MATMUL_MAX_TOKENS} tokens"
     )
     print(f"ms/token: previous {prev:.3f}  current {cur:.3f}  speedup {prev / cur:.3f}x")
+    spent = head_backward.seconds
+    print(
+        f"the head's backward pass, CPU seconds over the timed steps (both parts): previous"
+        f" {spent['previous']:.2f}  current {spent['current']:.2f}"
+    )
     for name, values in times.items():
         print(f"  {name} per step: " + " ".join(f"{v * 1e3:.2f}" for v in values))
     print("load:", os.getloadavg())
