@@ -10,7 +10,7 @@ other variant's steps too), and under the allocator to compare, e.g. the one `tu
 preloads:
 
     LD_PRELOAD=libjemalloc.so.2 MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1 \\
-        PYTHONPATH=../src python train_long.py --steps 60 [--no-buckets]
+        PYTHONPATH=../src python train_long.py --steps 60 [--no-buckets | --buckets-per-octave 16]
 
 Prints the CPU model, then every 10 steps: the mean ms per token of those steps, the resident
 size (VmRSS), and with jemalloc its allocated and resident bytes and how many times the
@@ -45,6 +45,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-buckets", action="store_true")
+    parser.add_argument(
+        "--buckets-per-octave",
+        type=int,
+        default=None,
+        help="packing.BUCKETS_PER_OCTAVE for this run (the engine's own by default)",
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -54,6 +60,8 @@ def main() -> int:
 
     if args.no_buckets:
         packing.BUCKETS_PER_OCTAVE, causal_cpu.LENGTH_GRANULE = 0, 1
+    elif args.buckets_per_octave is not None:
+        packing.BUCKETS_PER_OCTAVE = args.buckets_per_octave
     purges = 0
     release = host_allocator.release_fragmentation
 
@@ -70,7 +78,8 @@ def main() -> int:
     batches = make_batches(stream, args.steps, 8, 64, 256)
     je = host_allocator._find_jemalloc()
     print(
-        f"cpu: {cpu_model()}  {args.dtype}  threads {args.threads}  buckets {not args.no_buckets}  "
+        f"cpu: {cpu_model()}  {args.dtype}  threads {args.threads}  "
+        f"buckets {packing.BUCKETS_PER_OCTAVE} an octave  "
         f"jemalloc {je is not None}  MALLOC_CONF {os.environ.get('MALLOC_CONF', '')}"
     )
     per_token: list[float] = []
