@@ -19,6 +19,30 @@ def _reference(x, weight, bias, segments):  # type: ignore[no-untyped-def]
     return out
 
 
+def _small_tiles(monkeypatch: pytest.MonkeyPatch, kept: bool) -> None:
+    """Tiles of 64 rows by 300 columns; the logits recomputed in the backward pass where not
+    kept."""
+    monkeypatch.setattr(fused_head, "ROWS", 64)
+    monkeypatch.setattr(fused_head, "COLUMNS", 300)
+    if not kept:
+        monkeypatch.setattr(fused_head, "SAVED_LOGITS_BYTES", 0)
+
+
+def _one_adapter_case(seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """A head [1000, 64] of `dtype`, hidden [170, 64] and one adapter's low [130, 8] (rows
+    20-150) and B [1000, 8], each a leaf that wants its gradient; one target a row and the
+    logprobs' gradient [170, 1]."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, vocab, width, rank = 170, 1000, 64, 8
+    weight = (torch.randn(vocab, width, generator=gen) * 0.3).to(dtype)
+    hidden = torch.randn(rows, width, generator=gen).to(dtype).requires_grad_()
+    low = torch.randn(130, rank, generator=gen).to(dtype).requires_grad_()
+    b = (torch.randn(vocab, rank, generator=gen) * 0.1).to(dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (rows, 1), generator=gen)
+    grad = torch.randn(rows, 1, generator=gen)
+    return weight, hidden, low, b, targets, grad
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("onednn", [False, True])
@@ -106,10 +130,7 @@ def test_target_logprobs_and_gradients_equal_autograd_through_log_softmax(
     there: logprobs and the gradients of hidden, low and B as autograd's through log_softmax.
     The tiles' products by the head's weight by either fp32 kernel (cpu_fp32_matmul.py)."""
     monkeypatch.setattr(cpu_fp32_matmul, "_forced", onednn)
-    monkeypatch.setattr(fused_head, "ROWS", 64)
-    monkeypatch.setattr(fused_head, "COLUMNS", 300)
-    if not kept:
-        monkeypatch.setattr(fused_head, "SAVED_LOGITS_BYTES", 0)
+    _small_tiles(monkeypatch, kept)
     gen = torch.Generator().manual_seed(1)
     rows, vocab, width, rank = 150, 1000, 16, 4
     weight = torch.randn(vocab, width, generator=gen) * 0.3
@@ -146,18 +167,8 @@ def test_joined_inputs_give_the_bits_of_per_tile_copies(
     """bf16, one adapter over rows 20-150 and base rows around it, tiles of 64 rows by 300
     columns: [x | low] joined once a pass and [W | B] once a vocabulary chunk give the logprobs
     and gradients that copying both for each tile gives, bit for bit."""
-    monkeypatch.setattr(fused_head, "ROWS", 64)
-    monkeypatch.setattr(fused_head, "COLUMNS", 300)
-    if not kept:
-        monkeypatch.setattr(fused_head, "SAVED_LOGITS_BYTES", 0)
-    gen = torch.Generator().manual_seed(2)
-    rows, vocab, width, rank = 170, 1000, 64, 8
-    weight = (torch.randn(vocab, width, generator=gen) * 0.3).bfloat16()
-    hidden = torch.randn(rows, width, generator=gen).bfloat16().requires_grad_()
-    low = torch.randn(130, rank, generator=gen).bfloat16().requires_grad_()
-    b = (torch.randn(vocab, rank, generator=gen) * 0.1).bfloat16().requires_grad_()
-    targets = torch.randint(0, vocab, (rows, 1), generator=gen)
-    grad = torch.randn(rows, 1, generator=gen)
+    _small_tiles(monkeypatch, kept)
+    weight, hidden, low, b, targets, grad = _one_adapter_case(2, torch.bfloat16)
 
     def run() -> list[torch.Tensor]:
         parts = HeadParts(weight, None, [Segment(20, 150, low, b)])
@@ -193,18 +204,8 @@ def test_rows_without_a_gradient_are_left_out_of_the_backward_pass(
     and d low as with every row run, bit for bit, the left-out rows' d hidden zero; d B (a sum
     over rows) bit for bit at fp32, within a bf16 rounding at bf16; a pass with no gradient at
     all gives zeros."""
-    monkeypatch.setattr(fused_head, "ROWS", 64)
-    monkeypatch.setattr(fused_head, "COLUMNS", 300)
-    if not kept:
-        monkeypatch.setattr(fused_head, "SAVED_LOGITS_BYTES", 0)
-    gen = torch.Generator().manual_seed(3)
-    rows, vocab, width, rank = 170, 1000, 64, 8
-    weight = (torch.randn(vocab, width, generator=gen) * 0.3).to(dtype)
-    hidden = torch.randn(rows, width, generator=gen).to(dtype).requires_grad_()
-    low = torch.randn(130, rank, generator=gen).to(dtype).requires_grad_()
-    b = (torch.randn(vocab, rank, generator=gen) * 0.1).to(dtype).requires_grad_()
-    targets = torch.randint(0, vocab, (rows, 1), generator=gen)
-    grad = torch.randn(rows, 1, generator=gen)
+    _small_tiles(monkeypatch, kept)
+    weight, hidden, low, b, targets, grad = _one_adapter_case(3, dtype)
     grad[:40] = 0  # a prompt before the adapted rows
     grad[60:75] = 0  # one across the first tile's end, inside the segment
     grad[160:] = 0  # padding at the end
