@@ -885,7 +885,7 @@ def main() -> int:
             print_summary(report)
             return 0
 
-        if remote is not None:
+        if remote is not None and args.latency_rounds > 0:
             report["server_rss_mib_after_training"] = rss_mib(remote.pid)
             one = batches[0][0]
             remote.forward_backward_one(one)  # warm
