@@ -343,8 +343,8 @@ def _buckets(previous: bool) -> Iterator[None]:
 
 class _HeadBackwardTime:
     """The CPU time of the fused head's backward passes (every part's thread), charged to the
-    variant whose step runs: a piece's own time beside the whole steps' wall time, which this
-    guest's noise moves more than a piece of a few percent."""
+    variant whose step runs: a piece's own time beside the whole steps' wall time, which a
+    noisy machine moves by more than a piece of a few percent."""
 
     def __init__(self) -> None:
         from tuneloop.server.engine import fused_head
