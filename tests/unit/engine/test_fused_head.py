@@ -200,8 +200,9 @@ def test_rows_without_a_gradient_are_left_out_of_the_backward_pass(
     monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, kept: bool
 ) -> None:
     """Prompt-like runs of rows whose logprobs get no gradient (across tile bounds, within an
-    adapted segment and outside it), tiles of 64 rows by 300 columns: the logprobs, d hidden
-    and d low as with every row run, bit for bit, the left-out rows' d hidden zero; d B (a sum
+    adapted segment and outside it), tiles of 64 rows by 300 columns: the backward pass runs
+    only the rows with a gradient (none where there is none); the logprobs, d hidden and d
+    low as with every row run, bit for bit, the left-out rows' d hidden zero; d B (a sum
     over rows) bit for bit at fp32, within a bf16 rounding at bf16; a pass with no gradient at
     all gives zeros."""
     _small_tiles(monkeypatch, kept)
@@ -215,12 +216,24 @@ def test_rows_without_a_gradient_are_left_out_of_the_backward_pass(
         got = fused_head.fused_target_logprobs(parts, hidden, targets, None)
         return [got, *torch.autograd.grad((got * g).sum(), (hidden, low, b))]
 
+    ran: list[int] = []  # the rows of each tile the backward pass ran
+    real = fused_head._backward_tile
+    monkeypatch.setattr(
+        fused_head,
+        "_backward_tile",
+        lambda raw, tile, *a: ran.append(tile[1] - tile[0]) or real(raw, tile, *a),
+    )
+    chunks = -(-1000 // 300)
     skipped = run(grad)
+    assert sum(ran) == (170 - 40 - 15 - 10) * chunks  # only the rows with a gradient
     assert not skipped[1][:40].any()
     assert not skipped[1][60:75].any()
+    ran.clear()
     assert not run(torch.zeros_like(grad))[1].any()
+    assert not ran
     monkeypatch.setattr(fused_head, "_live_runs", lambda g, device: None)
     every = run(grad)
+    assert sum(ran) == 170 * chunks
     for s, e in zip(skipped[:3], every[:3], strict=True):  # logprobs, d hidden, d low: by row
         assert torch.equal(s, e)
     # d B sums over rows: at bf16 each run's part of a tile is its own product, rounded
