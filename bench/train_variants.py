@@ -31,6 +31,7 @@ model and the load. `--profile` prints the top ops of one step of the current va
     python bench/train_variants.py --variant lora-grads  # the LoRA factors' gradients in C++
     python bench/train_variants.py --variant native-summed  # frozen-weight products natively
     python bench/train_variants.py --variant live-rows --prompt-share 0.5  # the head's backward
+    python bench/train_variants.py --variant norm  # RMSNorms by C++ loops, not compiled
                                                     # without the rows of no gradient
     python bench/train_variants.py --profile
     python bench/train_variants.py --micro          # each piece alone, 422 AdamW tensors, the head,
@@ -202,6 +203,15 @@ def _native_summed(previous: bool) -> Any:
     from tuneloop.server.engine.lora import native_summed
 
     return _swapped(native_summed, "_NATIVE", False if previous else None)
+
+
+def _norm(previous: bool) -> Any:
+    """previous: a training pass's RMSNorms by the compiled kernel (inductor's forward and
+    backward, dynamo's guards around each call); current: by rms_norm.cpp's loops as one
+    autograd node (compiled.py's `_NativeNorm`)."""
+    from tuneloop.server.engine import compiled
+
+    return _swapped(compiled, "_NATIVE_TRAINING", False if previous else None)
 
 
 @contextmanager
@@ -640,6 +650,7 @@ def main() -> int:
             "fp32-onednn",
             "lora-grads",
             "native-summed",
+            "norm",
             "live-rows",
         ],
         default="attention",
@@ -737,6 +748,7 @@ def main() -> int:
         "fp32-onednn": _fp32_onednn,
         "lora-grads": _lora_grads,
         "native-summed": _native_summed,
+        "norm": _norm,
         "live-rows": _live_rows,
     }
     switch = switches[args.variant]

@@ -141,6 +141,7 @@ def test_one_thread_at_a_time_calls_the_compiled_function(monkeypatch: pytest.Mo
     import threading
     import time
 
+    monkeypatch.setattr(compiled, "_NATIVE_TRAINING", False)  # (else the C++ loops run it)
     norm = _norm_classes()[0](32)
     assert compiled.install(norm) == 1
     inside: list[int] = []
@@ -180,7 +181,7 @@ def test_on_cuda_the_compiled_norm_runs_inside_graph_captures_only(
 ) -> None:
     """Op by op, a compiled call costs the host more than the kernels it saves on a GPU: there
     the norm keeps its own forward outside `graph_capture()` and runs the compiled kernel
-    inside it; on a CPU it always runs the compiled kernel."""
+    inside it; on a CPU it runs the C++ loops where they are built, else the compiled kernel."""
     norm = _norm_classes()[0](32)
     assert compiled.install(norm) == 1
     calls: list[str] = []
@@ -199,8 +200,12 @@ def test_on_cuda_the_compiled_norm_runs_inside_graph_captures_only(
         with compiled.graph_capture():
             assert torch.equal(norm(cuda), expected)
         assert calls == ["_AsIfCuda"]
-        assert torch.equal(norm(x), expected)  # a CPU tensor: compiled outside captures too
-        assert calls == ["_AsIfCuda", "Tensor"]
+        on_cpu = norm(x)  # a CPU tensor: the C++ loops outside captures too (or compiled)
+        torch.testing.assert_close(on_cpu, expected, atol=0.0, rtol=8 * 2.0**-24)
+        if compiled.training_kernels(torch.float32) is not None:
+            assert calls == ["_AsIfCuda"]
+        else:
+            assert calls == ["_AsIfCuda", "Tensor"]
 
 
 def test_the_default_compiles_wide_models_on_a_cpu_or_a_gpu() -> None:
@@ -297,9 +302,12 @@ def _assert_native_agrees(native: torch.Tensor, eager: torch.Tensor) -> None:
 @pytest.mark.skipif(not NATIVE, reason="no C++ compiler here")
 def test_the_native_norm_runs_in_sampling_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Installed norms take the C++ loop inside native.py's `sampling_step` for bf16 and fp32
-    CPU inputs without autograd; outside a step and for an input that requires grad (training,
-    which needs the compiled kernel's backward) they keep the compiled kernel."""
+    CPU inputs without autograd even where the loops of other passes are switched off
+    (`_NATIVE_TRAINING`); outside a step and for an input that requires grad they then keep
+    the compiled kernel."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    monkeypatch.setattr(compiled, "_NATIVE_TRAINING", False)
 
     calls: list[torch.dtype] = []
     real_norm = compiled.native_norm
@@ -356,3 +364,96 @@ def test_the_native_fp32_norm_is_the_functions_arithmetic(rows: int, width: int)
         eager = compiled.rms_norm(x, weight, 1e-5)
     assert native is not None
     torch.testing.assert_close(native, eager, atol=0.0, rtol=8 * 2.0**-24)
+
+
+NATIVE_TRAINING = {
+    dtype: compiled.training_kernels(dtype) is not None for dtype in compiled._TRAINING_NAMES
+}
+
+
+def _assert_training_grads_agree(native: torch.Tensor, eager: torch.Tensor) -> None:
+    """The C++ backward's stated agreement with eager autograd through `rms_norm`: the same
+    chain of roundings, only the row's fp32 sum of d hb * h in another order; bf16: the same
+    bits but for rare flipped roundings, each within a bf16 step of the largest gradient;
+    fp32: within a millionth of the largest."""
+    scale = float(eager.float().abs().max())
+    diff = (native.float() - eager.float()).abs()
+    if native.dtype == torch.bfloat16:
+        assert (native != eager).float().mean().item() < 1e-3
+        assert float(diff.max()) <= scale * 2.0**-7
+    else:
+        assert float(diff.max()) <= scale * 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 720, 576), (7, 64), (300, 1536), (1, 1, 576), (1, 9, 3, 64)])
+def test_the_training_norm_node_is_eager_autograd_to_rounding(
+    dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    """A training pass's norm by the C++ loops as one autograd node (`_NativeNorm`): values as
+    the sampling steps' loop gives them, the input's gradient as eager autograd's through
+    `rms_norm` (`_assert_training_grads_agree`); 2-D, 3-D and a per-head 4-D input (Qwen3's q/k
+    norms), a gradient arriving non-contiguous."""
+    if not NATIVE_TRAINING[dtype]:
+        pytest.skip("no C++ compiler here")
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    weight = torch.randn(shape[-1], generator=gen).to(dtype)
+    g = torch.randn((*shape[:-1], 2 * shape[-1]), generator=gen).to(dtype)[..., ::2]
+    x_eager, x_native = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    eager = compiled.rms_norm(x_eager, weight, 1e-5)
+    native = compiled._native_trained(x_native, weight, 1e-5)
+    assert native is not None
+    assert native.shape == eager.shape
+    assert native.dtype == eager.dtype
+    nodes = [type(native.grad_fn).__name__] + [
+        type(n).__name__ for n, _ in native.grad_fn.next_functions if n is not None
+    ]
+    assert "_NativeNormBackward" in nodes
+    if dtype == torch.bfloat16:
+        _assert_native_agrees(native.detach(), eager.detach())
+    else:
+        torch.testing.assert_close(native, eager, atol=0.0, rtol=8 * 2.0**-24)
+    eager.backward(g)
+    native.backward(g)
+    _assert_training_grads_agree(x_native.grad, x_eager.grad)
+
+
+@pytest.mark.skipif(not NATIVE_TRAINING[torch.bfloat16], reason="no C++ compiler here")
+def test_installed_norms_train_through_the_loops_unless_the_weight_trains(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An installed norm on a CPU: an input autograd records takes the C++ node, an input
+    without grad the forward loop alone (no node: nothing to record); a weight that takes a
+    gradient (the loops make none) or the loops switched off take the compiled kernel."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(576, eps=1e-5).to(torch.bfloat16).requires_grad_(False)
+    trainable = LlamaRMSNorm(576, eps=1e-5).to(torch.bfloat16)
+    # (each installed as it will run: dynamo guards on whether the weight takes a gradient)
+    assert compiled.install(norm) == 1
+    assert compiled.install(trainable) == 1
+    compiled_calls: list[bool] = []
+    real = compiled._compiled_norm()
+
+    def counted(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        compiled_calls.append(weight.requires_grad)
+        return real(x, weight, eps)
+
+    monkeypatch.setattr(compiled, "_compiled_norm", lambda: counted)
+    x = torch.randn(1, 6, 576, generator=torch.Generator().manual_seed(3)).bfloat16()
+    trained = norm(x.clone().requires_grad_(True))
+    assert trained.grad_fn is not None
+    assert "_NativeNormBackward" in [type(n).__name__ for n, _ in trained.grad_fn.next_functions]
+    first_layer = norm(x)  # grad mode on, nothing to record (a first layer's input)
+    assert first_layer.grad_fn is None
+    assert torch.equal(first_layer, trained.detach())
+    assert compiled_calls == []
+    with monkeypatch.context() as switch:
+        switch.setattr(compiled, "_NATIVE_TRAINING", False)
+        norm(x.clone().requires_grad_(True))
+    assert compiled_calls == [False]
+    weighted = trainable(x.clone().requires_grad_(True))
+    assert compiled_calls == [False, True]
+    weighted.sum().backward()
+    assert trainable.weight.grad is not None

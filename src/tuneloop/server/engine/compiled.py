@@ -25,7 +25,16 @@ A sampling step's norms (native.py's `sampling_step`, around the model runner's 
 bf16 or fp32 on a CPU run a C++ loop instead (rms_norm.cpp, built by native.py): the same
 arithmetic in the same order, bit for bit but for the order of one fp32 sum, where each
 compiled call cost ~0.1 ms of dynamo's guards and wrappers for a few microseconds of work (61
-calls a SmolLM2 step). Training passes keep the compiled kernel, which has a backward.
+calls a SmolLM2 step). The other CPU passes at bf16 or fp32 (training, forward-only passes)
+run the same loop too, and where autograd records the input, as one node whose backward is a
+C++ loop as well (`_NativeNorm`: eager autograd's chain of roundings, only one fp32 row sum in
+another order; at bf16 a few elements in 10^5 a rounding apart, where inductor's backward
+differed from eager in ~29 % of them). A training part's compiled call cost ~0.39 ms forward
+and ~0.48 backward a norm of 720 rows, most of it dynamo's wrappers and the lock below, where
+the loops take ~0.05 each: bf16 training steps of SmolLM2 1.030x faster on a Zen 4 EPYC, fp32
+1.004x (bench/train_variants.py --variant norm). The compiled kernel stays for what the loops
+do not take: a weight that trains (they make no weight gradient), other dtypes, a tensor
+subclass, a host where they cannot be built.
 
 Compiling costs seconds once per process (inductor's on-disk cache makes later processes
 faster), so `install` compiles at once, with dynamic shapes, on warm-up inputs: the first
@@ -62,6 +71,7 @@ __all__ = [
     "native_norm",
     "rms_norm",
     "switched",
+    "training_kernels",
     "uninstall",
     "wanted",
 ]
@@ -140,6 +150,87 @@ def _native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
     return out.view(x.shape)
 
 
+_TRAINING_NAMES = {
+    torch.bfloat16: ("rms_norm_forward_bf16", "rms_norm_backward_bf16"),
+    torch.float32: ("rms_norm_forward_fp32", "rms_norm_backward_fp32"),
+}
+_NATIVE_TRAINING = True  # (bench/train_variants.py switches it off to compare: --variant norm)
+
+
+def training_kernels(dtype: torch.dtype) -> tuple[Any, Any] | None:
+    """rms_norm.cpp's forward that keeps each row's factor (x, weight, rows, width, eps, out,
+    inv, threads) and its backward (g, x, weight, inv, rows, width, dx, threads) for `dtype`
+    (bf16 or fp32), or None where they cannot be built (or for another dtype)."""
+    names = _TRAINING_NAMES.get(dtype)
+    if names is None:
+        return None
+    p, size = ctypes.c_void_p, ctypes.c_int64
+    forward = native.function(
+        NATIVE_SOURCE, names[0], (p, p, size, size, ctypes.c_float, p, p, ctypes.c_int)
+    )
+    backward = native.function(NATIVE_SOURCE, names[1], (p, p, p, p, size, size, p, ctypes.c_int))
+    return None if forward is None or backward is None else (forward, backward)
+
+
+class _NativeNorm(torch.autograd.Function):
+    """`rms_norm` of x [rows, width] (contiguous) by the C++ loops, forward and backward; the
+    weight takes no gradient (a frozen base model's). Each row's factor 1/sqrt(mean + eps) is
+    kept from the forward pass for the backward."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        kernels = training_kernels(x.dtype)
+        assert kernels is not None, "taken only where the loops are built (_native_trained)"
+        rows, width = x.shape
+        out = torch.empty_like(x)
+        inv = torch.empty(rows, dtype=torch.float32)
+        threads = torch.get_num_threads()
+        kernels[0](
+            x.data_ptr(), weight.data_ptr(), rows, width, eps, out.data_ptr(), inv.data_ptr(),
+            threads,
+        )  # fmt: skip
+        ctx.save_for_backward(x, weight, inv)
+        return out
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None]:
+        x, weight, inv = ctx.saved_tensors  # type: ignore[attr-defined]
+        kernels = training_kernels(x.dtype)
+        assert kernels is not None
+        grad = grad.contiguous()
+        dx = torch.empty_like(x)
+        rows, width = x.shape
+        kernels[1](
+            grad.data_ptr(), x.data_ptr(), weight.data_ptr(), inv.data_ptr(), rows, width,
+            dx.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return dx, None, None
+
+
+def _native_trained(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """`rms_norm` of a bf16 or fp32 CPU tensor outside a sampling step by the C++ loops: as one
+    autograd node (`_NativeNorm`) where autograd records x, else without autograd; None where
+    they do not apply: the weight takes a gradient, a tensor subclass (a sharded DTensor),
+    another dtype or device, loops not built here."""
+    if not _NATIVE_TRAINING or type(x) is not torch.Tensor or x.device.type != "cpu":
+        return None
+    if weight.dtype != x.dtype or weight.device.type != "cpu" or x.shape[-1] != weight.shape[0]:
+        return None
+    if weight.requires_grad and torch.is_grad_enabled():
+        return None
+    if training_kernels(x.dtype) is None:
+        return None
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return _native_rms_norm(x, weight, eps)
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    out: torch.Tensor = _NativeNorm.apply(flat, weight.detach().contiguous(), eps)
+    return out.view(x.shape)
+
+
 def _norm_eps(module: nn.Module) -> float | None:
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
@@ -166,6 +257,10 @@ def graph_capture() -> Iterator[None]:
 def _norm_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     if native.in_sampling_step():
         out = _native_rms_norm(x, self.weight, self._tuneloop_eps)
+        if out is not None:
+            return out
+    if not x.is_cuda:
+        out = _native_trained(x, self.weight, self._tuneloop_eps)
         if out is not None:
             return out
     if x.is_cuda and not getattr(_state, "capturing", False):
