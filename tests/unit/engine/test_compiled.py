@@ -430,9 +430,14 @@ def test_installed_norms_train_through_the_loops_unless_the_weight_trains(
 
     norm = LlamaRMSNorm(576, eps=1e-5).to(torch.bfloat16).requires_grad_(False)
     trainable = LlamaRMSNorm(576, eps=1e-5).to(torch.bfloat16)
-    # (each installed as it will run: dynamo guards on whether the weight takes a gradient)
+    off = LlamaRMSNorm(576, eps=1e-5).to(torch.bfloat16).requires_grad_(False)
+    # (each installed as it will run, so that its compiled graphs, where it takes them, are
+    # made here: dynamo guards on whether the weight takes a gradient)
     assert compiled.install(norm) == 1
     assert compiled.install(trainable) == 1
+    with monkeypatch.context() as switch:
+        switch.setattr(compiled, "_NATIVE_TRAINING", False)
+        assert compiled.install(off) == 1
     compiled_calls: list[bool] = []
     real = compiled._compiled_norm()
 
@@ -451,9 +456,36 @@ def test_installed_norms_train_through_the_loops_unless_the_weight_trains(
     assert compiled_calls == []
     with monkeypatch.context() as switch:
         switch.setattr(compiled, "_NATIVE_TRAINING", False)
-        norm(x.clone().requires_grad_(True))
+        off(x.clone().requires_grad_(True))
     assert compiled_calls == [False]
     weighted = trainable(x.clone().requires_grad_(True))
     assert compiled_calls == [False, True]
     weighted.sum().backward()
     assert trainable.weight.grad is not None
+
+
+@pytest.mark.skipif(not NATIVE_TRAINING[torch.bfloat16], reason="no C++ compiler here")
+def test_install_compiles_nothing_for_norms_the_loops_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frozen norm on a CPU at bf16 runs the C++ loops in every pass, so `install` switches it
+    without compiling (seconds of a model's load); one whose weight trains, or any with the
+    loops switched off, gets its graphs at install."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    made: list[int] = []
+    real = compiled._compiled_norm
+
+    def counted() -> Any:
+        made.append(1)
+        return real()
+
+    monkeypatch.setattr(compiled, "_compiled_norm", counted)
+    frozen = LlamaRMSNorm(576, eps=1e-5).to(torch.bfloat16).requires_grad_(False)
+    assert compiled.install(frozen) == 1
+    assert made == []
+    assert compiled.switched(frozen)
+    assert compiled.install(LlamaRMSNorm(576, eps=1e-5).to(torch.bfloat16)) == 1
+    assert made
+    made.clear()
+    monkeypatch.setattr(compiled, "_NATIVE_TRAINING", False)
+    assert compiled.install(LlamaRMSNorm(576, eps=1e-5).to(torch.bfloat16).requires_grad_(False))
+    assert made
