@@ -216,10 +216,10 @@ class _NativeNorm(torch.autograd.Function):
 
 
 def _native_trained(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """`rms_norm` of a bf16 or fp32 CPU tensor outside a sampling step by the C++ loops: as one
-    autograd node (`_NativeNorm`) where autograd records x, else without autograd; None where
-    they do not apply: the weight takes a gradient, a tensor subclass (a sharded DTensor),
-    another dtype or device, loops not built here."""
+    """`rms_norm` of a bf16 or fp32 CPU tensor by the C++ loops: as one autograd node
+    (`_NativeNorm`) where autograd records x, else without autograd; None where they do not
+    apply: the weight takes a gradient, a tensor subclass (a sharded DTensor), another dtype or
+    device, loops not built here."""
     if not _NATIVE_TRAINING or type(x) is not torch.Tensor or x.device.type != "cpu":
         return None
     if weight.dtype != x.dtype or weight.device.type != "cpu" or x.shape[-1] != weight.shape[0]:

@@ -29,10 +29,6 @@ struct Element<float> {
   static float narrow(float v) { return v; }
 };
 
-}  // namespace
-
-namespace {
-
 // One bf16 row's norm into `o`; returns the row's factor 1/sqrt(mean + eps).
 inline float norm_row(const uint16_t* row, const uint16_t* weight, int64_t width, float eps,
                       uint16_t* o) {
