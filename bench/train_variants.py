@@ -31,8 +31,8 @@ model and the load. `--profile` prints the top ops of one step of the current va
     python bench/train_variants.py --variant lora-grads  # the LoRA factors' gradients in C++
     python bench/train_variants.py --variant native-summed  # frozen-weight products natively
     python bench/train_variants.py --variant live-rows --prompt-share 0.5  # the head's backward
-    python bench/train_variants.py --variant norm  # RMSNorms by C++ loops, not compiled
                                                     # without the rows of no gradient
+    python bench/train_variants.py --variant norm   # RMSNorms by C++ loops, not compiled
     python bench/train_variants.py --profile
     python bench/train_variants.py --micro          # each piece alone, 422 AdamW tensors, the head,
                                                     # one layer's packed attention fwd+bwd and
