@@ -489,3 +489,20 @@ def test_install_compiles_nothing_for_norms_the_loops_take(monkeypatch: pytest.M
     monkeypatch.setattr(compiled, "_NATIVE_TRAINING", False)
     assert compiled.install(LlamaRMSNorm(576, eps=1e-5).to(torch.bfloat16).requires_grad_(False))
     assert made
+
+
+class _Subclass(torch.Tensor):
+    """A tensor subclass (as a sharded DTensor is): the loops read no such tensor's pointer."""
+
+
+@pytest.mark.skipif(not NATIVE_TRAINING[torch.bfloat16], reason="no C++ compiler here")
+def test_the_loops_leave_tensor_subclasses_to_the_compiled_kernel() -> None:
+    x = torch.randn(3, 64).bfloat16().requires_grad_(True)
+    weight = torch.randn(64).bfloat16()
+    assert compiled._native_trained(x, weight, 1e-5) is not None
+    assert compiled._native_trained(x, weight.as_subclass(_Subclass), 1e-5) is None
+    assert compiled._native_trained(x.as_subclass(_Subclass), weight, 1e-5) is None
+    norm = _norm_classes()[0](64).to(torch.bfloat16).requires_grad_(False)
+    assert compiled._loops_take(norm)
+    norm.weight = torch.nn.Parameter(norm.weight.detach().as_subclass(_Subclass), False)
+    assert not compiled._loops_take(norm)
