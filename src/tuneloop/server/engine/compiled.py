@@ -223,7 +223,7 @@ def _native_trained(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     if not _NATIVE_TRAINING or type(x) is not torch.Tensor or x.device.type != "cpu":
         return None
     if (
-        not _plain(weight)
+        not native.plain(weight)
         or weight.dtype != x.dtype
         or weight.device.type != "cpu"
         or x.shape[-1] != weight.shape[0]
@@ -353,15 +353,9 @@ def _loops_take(module: Any) -> bool:
     """Whether the C++ loops take every pass of this norm (`_native_trained`, sampling steps
     too): a frozen weight on a CPU, in a dtype whose loops are built, the loops switched on."""
     weight = module.weight
-    if not _NATIVE_TRAINING or not _plain(weight) or weight.device.type != "cpu":
+    if not _NATIVE_TRAINING or not native.plain(weight) or weight.device.type != "cpu":
         return False
     return not weight.requires_grad and training_kernels(weight.dtype) is not None
-
-
-def _plain(t: torch.Tensor) -> bool:
-    """A tensor or parameter the loops can read by its pointer (not a subclass: a sharded
-    DTensor's shards are not the whole)."""
-    return type(t) is torch.Tensor or type(t) is nn.Parameter
 
 
 def _training_graphs(norm: Callable[..., torch.Tensor], x: Any, w: Any, eps: float) -> None:

@@ -50,6 +50,7 @@ __all__ = [
     "in_sampling_step",
     "isa_cap",
     "library",
+    "plain",
     "sampling_step",
     "without_autograd",
 ]
@@ -115,6 +116,12 @@ def without_autograd(dtype: torch.dtype, *tensors: torch.Tensor) -> bool:
     if any(t.dtype != dtype or t.device.type != "cpu" for t in tensors):
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+def plain(t: torch.Tensor) -> bool:
+    """Whether `t` is a tensor or parameter itself, not a subclass (a sharded DTensor, whose
+    local shard is not the whole): a loop may read it through its pointer."""
+    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
 
 
 def bf16_without_autograd(*tensors: torch.Tensor) -> bool:

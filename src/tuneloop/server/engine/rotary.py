@@ -245,7 +245,7 @@ def _node_takes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     dtype and device, q and k [batch, heads, tokens, dim] with cos and sin [batch, tokens,
     dim] (an even dim), cos and sin without gradient."""
     tensors = (q, k, cos, sin)
-    if any(type(t) is not torch.Tensor and type(t) is not nn.Parameter for t in tensors):
+    if not all(native.plain(t) for t in tensors):
         return False  # (a tensor subclass, e.g. a sharded DTensor: the family's own function)
     if any(t.dtype != q.dtype or t.device != q.device for t in tensors):
         return False
