@@ -161,10 +161,12 @@ _TRAINING_NAMES = {
 _NATIVE_TRAINING = True  # (bench/train_variants.py switches it off to compare: --variant norm)
 
 
+@functools.cache
 def training_kernels(dtype: torch.dtype) -> tuple[Any, Any] | None:
     """rms_norm.cpp's forward that keeps each row's factor (x, weight, rows, width, eps, out,
     inv, threads) and its backward (g, x, weight, inv, rows, width, dx, threads) for `dtype`
-    (bf16 or fp32), or None where they cannot be built (or for another dtype)."""
+    (bf16 or fp32), or None where they cannot be built (or for another dtype). Looked up once
+    per dtype: every norm of a pass asks for them, forward and backward."""
     names = _TRAINING_NAMES.get(dtype)
     if names is None:
         return None
